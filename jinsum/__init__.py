@@ -1,0 +1,1 @@
+"""jinsum: indirect Einsums for JAX."""
