@@ -1,0 +1,173 @@
+"""`Statement` + operand shapes and dtypes -> `Spec`: the checked, hashable description of one indirect Einsum.
+
+A `Spec` is the only parameter of the jinsum primitive. It fixes the operand order, every index variable's extent,
+and which operands are index arrays. Checking is cached on (statement, shapes, dtypes, flags), so a jitted step
+that calls `einsum` with the same expression and shapes pays for it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import jax.numpy as jnp
+
+from jinsum._lang._ast import (
+    Access,
+    Statement,
+    Var,
+    index_tensor_names,
+    statement_variables,
+    tensor_names,
+    variables,
+    walk,
+)
+from jinsum._lang._errors import ExpressionError
+
+VALUE_DTYPES = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """A named array as the checker sees it: only its shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A checked indirect Einsum: the statement, its operands in primitive order, and every index extent.
+
+    Attributes:
+      statement: the parsed statement.
+      operands: one per tensor name, in order of first appearance; `operands[0]` is the left-hand side.
+      extents: `(variable, extent)` for every index variable, in order of first appearance.
+      indices_are_sorted: the left-hand side's index arrays are sorted (a format guarantee), so the scatter may
+        use sorted segment reductions.
+      allow_tf32: float32 contractions may use TensorFloat-32 (faster on GPUs, ~1e-3 relative error).
+    """
+
+    statement: Statement
+    operands: tuple[Operand, ...]
+    extents: tuple[tuple[str, int], ...]
+    indices_are_sorted: bool = False
+    allow_tf32: bool = False
+
+    def __repr__(self) -> str:  # short: this is what a printed jaxpr shows for the primitive's parameter
+        return f"Spec({str(self.statement)!r})"
+
+    @functools.cached_property
+    def extent(self) -> dict[str, int]:
+        return dict(self.extents)
+
+    @functools.cached_property
+    def operand(self) -> dict[str, Operand]:
+        return {o.name: o for o in self.operands}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.operands)
+
+    @property
+    def lhs(self) -> Operand:
+        return self.operands[0]
+
+    @functools.cached_property
+    def index_tensors(self) -> frozenset[str]:
+        return index_tensor_names(self.statement)
+
+    @functools.cached_property
+    def loop_variables(self) -> tuple[str, ...]:
+        """Variables on the left-hand side (also inside its indirections): one output element per assignment."""
+        return variables(self.statement.lhs)
+
+    @functools.cached_property
+    def summed_variables(self) -> tuple[str, ...]:
+        """Variables only on the right: summed over."""
+        loop = set(self.loop_variables)
+        return tuple(v for v in statement_variables(self.statement) if v not in loop)
+
+
+def _fail(statement: Statement, message: str, node: Access | Var | None = None) -> ExpressionError:
+    return ExpressionError(f"jinsum: {message}", statement.source, node.span if node is not None else None)
+
+
+def _describe(operand: Operand) -> str:
+    return f"{operand.name} (shape {operand.shape}, {operand.dtype})"
+
+
+@functools.lru_cache(maxsize=4096)
+def check(statement: Statement, operands: tuple[Operand, ...], indices_are_sorted: bool = False,
+          allow_tf32: bool = False) -> Spec:
+    """Binds operands to a statement and validates everything that can be known before tracing.
+
+    Args:
+      statement: a parsed statement.
+      operands: the arrays bound to the statement's tensor names, in any order.
+
+    Raises:
+      ExpressionError: an unknown or unused operand, a wrong rank, a non-integer index array, a non-floating value
+        operand, an index variable with two extents, a repeated index in one access, or the left-hand side
+        tensor used on the right.
+    """
+    by_name = {o.name: o for o in operands}
+    names = tensor_names(statement)
+    for access in statement.accesses:
+        for node in walk(access):
+            if node.tensor not in by_name:
+                raise _fail(statement, f"unknown operand '{node.tensor}': pass it by name, e.g. "
+                            f"einsum(expr, {node.tensor}=...); got operands {sorted(by_name)}", node)
+    unused = sorted(set(by_name) - set(names))
+    if unused:
+        raise _fail(statement, f"operands {unused} do not appear in the expression")
+
+    lhs = statement.lhs
+    index_tensors = index_tensor_names(statement)
+    value_tensors = {f.tensor for f in statement.factors}
+    lhs_uses = [node for access in statement.accesses for node in walk(access) if node.tensor == lhs.tensor]
+    if len(lhs_uses) > 1:
+        raise _fail(statement, f"the left-hand side tensor '{lhs.tensor}' is used again in the expression; pass a "
+                    "copy under another name", lhs_uses[1])
+
+    for access in statement.accesses:
+        for node in walk(access):
+            operand = by_name[node.tensor]
+            if len(node.indices) != len(operand.shape):
+                raise _fail(statement, f"{_describe(operand)} has {len(operand.shape)} dimension(s) but "
+                            f"{node} gives {len(node.indices)} index(es)", node)
+            names_here = [i.name for i in node.indices if isinstance(i, Var)]
+            for i in node.indices:
+                if isinstance(i, Var) and names_here.count(i.name) > 1:
+                    raise _fail(statement, f"index '{i.name}' appears twice in {node}: diagonals are not "
+                                "supported (gather the diagonal first)", i)
+            is_index = node.tensor in index_tensors
+            if is_index and node.tensor in value_tensors | {lhs.tensor}:
+                raise _fail(statement, f"'{node.tensor}' is used both as an index array and as a value", node)
+            if is_index and not np.issubdtype(operand.dtype, np.integer):
+                raise _fail(statement, f"index array {_describe(operand)} must have an integer dtype "
+                            f"(cast it with .astype(jnp.int32))", node)
+            if not is_index and operand.dtype not in VALUE_DTYPES:
+                raise _fail(statement, f"value operand {_describe(operand)} must be float16, bfloat16, float32 or "
+                            "float64", node)
+
+    extents: dict[str, tuple[int, Access]] = {}
+    for access in statement.accesses:
+        for node in walk(access):
+            shape = by_name[node.tensor].shape
+            for dim, index in enumerate(node.indices):
+                if not isinstance(index, Var):
+                    continue
+                if index.name not in extents:
+                    extents[index.name] = (shape[dim], node)
+                elif extents[index.name][0] != shape[dim]:
+                    first, where = extents[index.name]
+                    raise _fail(statement, f"index '{index.name}' has extent {first} in {where} "
+                                f"({_describe(by_name[where.tensor])}) but {shape[dim]} in {node} "
+                                f"({_describe(by_name[node.tensor])})", index)
+
+    ordered = tuple(by_name[n] for n in names)
+    ordered_extents = tuple((v, extents[v][0]) for v in statement_variables(statement))
+    return Spec(statement, ordered, ordered_extents, bool(indices_are_sorted), bool(allow_tf32))

@@ -1,0 +1,115 @@
+"""The reference lowering, used on every platform: gather, contract, scatter, in plain XLA ops.
+
+1. Each factor is read at every assignment of its own variables: a gather through its index arrays, with plain
+   variables kept as slices (no copy) unless an indirection in the same access also uses them.
+2. The factors are contracted with one `einsum` into the loop variables that occur on the right (the summed
+   variables disappear here), accumulating in float32 for 16-bit inputs.
+3. The result is added (`+=`) or set (`=`) into the left-hand side through its index arrays: one scatter, marked
+   sorted when the format guarantees sorted rows (XLA then emits a sorted segment reduction).
+
+Out-of-range and negative indices never fault: a read through one gives 0 (an index array read there gives an
+out-of-range index, so the outer access is out of range too), and a write through one is dropped. The Triton
+lowering does the same.
+"""
+
+from __future__ import annotations
+
+import string
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jinsum._lang import Access, Spec, Var
+
+Labelled = tuple[jax.Array, tuple[str, ...]]  # an array and the index variable of each of its axes
+
+
+def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
+    """The value of the checked statement `spec` on `arrays` (in `spec.names` order)."""
+    env = dict(zip(spec.names, arrays))
+    terms = [_read(factor, env, spec) for factor in spec.statement.factors]
+    on_right = {v for _, axes in terms for v in axes}
+    out_axes = tuple(v for v in spec.loop_variables if v in on_right)
+    return _write(_contract(terms, out_axes, spec), out_axes, env, spec)
+
+
+def _read(access: Access, env: dict[str, jax.Array], spec: Spec) -> Labelled:
+    indexer, axes = _indexer(access, env, spec)
+    array = env[access.tensor]
+    if all(isinstance(i, slice) for i in indexer):
+        return array, axes
+    # An index array read out of range yields an out-of-range index, so the access it feeds reads 0 / drops too.
+    fill = jnp.iinfo(array.dtype).max if jnp.issubdtype(array.dtype, jnp.integer) else 0
+    return array.at[indexer].get(mode="fill", fill_value=fill), axes
+
+
+def _indexer(access: Access, env: dict[str, jax.Array], spec: Spec) -> tuple[tuple, tuple[str, ...]]:
+    """The NumPy-style index for `access` and the variables labelling the axes of the indexed result.
+
+    Indirect positions become integer arrays. A plain variable that an indirection in the same access also uses
+    must be advanced-indexed too (an `arange`), so that both positions follow one axis instead of forming an
+    outer product; other plain variables stay slices.
+    """
+    shape = spec.operand[access.tensor].shape
+    indirect = {d: _read(i, env, spec) for d, i in enumerate(access.indices) if isinstance(i, Access)}
+    shared = {v for _, axes in indirect.values() for v in axes}
+    advanced = [d for d, i in enumerate(access.indices) if isinstance(i, Access) or i.name in shared]
+    if not advanced:
+        return (slice(None),) * len(shape), tuple(i.name for i in access.indices)
+
+    advanced_axes = tuple(dict.fromkeys(
+        v for d in advanced for v in (indirect[d][1] if d in indirect else (access.indices[d].name,))))
+    indexer = []
+    for d, index in enumerate(access.indices):
+        if d not in advanced:
+            indexer.append(slice(None))
+        elif isinstance(index, Var):
+            indexer.append(_align(jnp.arange(spec.extent[index.name]), (index.name,), advanced_axes))
+        else:
+            positions, axes = indirect[d]
+            positions = jnp.where(positions < 0, shape[d], positions)  # negative is out of range, never wraps
+            indexer.append(_align(positions, axes, advanced_axes))
+
+    sliced = [(d, i.name) for d, i in enumerate(access.indices) if d not in advanced]
+    if advanced[-1] - advanced[0] + 1 == len(advanced):  # NumPy keeps adjacent advanced axes in place
+        axes = (*(v for d, v in sliced if d < advanced[0]), *advanced_axes,
+                *(v for d, v in sliced if d > advanced[-1]))
+    else:
+        axes = (*advanced_axes, *(v for _, v in sliced))
+    return tuple(indexer), axes
+
+
+def _align(array: jax.Array, axes: tuple[str, ...], target: tuple[str, ...]) -> jax.Array:
+    """`array` with its axes reordered to follow `target`, and a unit axis for each variable it lacks."""
+    present = [v for v in target if v in axes]
+    array = jnp.transpose(array, [axes.index(v) for v in present])
+    return lax.expand_dims(array, [k for k, v in enumerate(target) if v not in axes])
+
+
+def _contract(terms: list[Labelled], out_axes: tuple[str, ...], spec: Spec) -> jax.Array:
+    letters = dict(zip(dict.fromkeys(v for _, axes in terms for v in axes), string.ascii_letters))
+    subscripts = ",".join("".join(letters[v] for v in axes) for _, axes in terms)
+    subscripts += "->" + "".join(letters[v] for v in out_axes)
+    dtype = jnp.result_type(*(array.dtype for array, _ in terms))
+    return jnp.einsum(
+        subscripts,
+        *(array for array, _ in terms),
+        precision=lax.Precision.DEFAULT if spec.allow_tf32 else lax.Precision.HIGHEST,
+        preferred_element_type=jnp.promote_types(dtype, jnp.float32),
+    )
+
+
+def _write(values: jax.Array, axes: tuple[str, ...], env: dict[str, jax.Array], spec: Spec) -> jax.Array:
+    statement = spec.statement
+    target = env[statement.lhs.tensor]
+    indexer, target_axes = _indexer(statement.lhs, env, spec)
+    values = _align(values, axes, target_axes)  # unit axes broadcast over variables only on the left
+    if all(isinstance(i, slice) for i in indexer):
+        if statement.accumulate:
+            return (target + values).astype(target.dtype)
+        return jnp.broadcast_to(values, target.shape).astype(target.dtype)
+    values = values.astype(target.dtype)
+    if statement.accumulate:
+        return target.at[indexer].add(values, mode="drop", indices_are_sorted=spec.indices_are_sorted)
+    return target.at[indexer].set(values, mode="drop")

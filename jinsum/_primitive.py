@@ -1,0 +1,163 @@
+"""The jinsum primitive and all its rules, in one ordered section (as in jax.experimental.sparse.bcoo).
+
+One primitive, `jinsum_p`, parameterised by a checked `Spec`; its operands are the arrays of the statement in
+`spec.names` order (the left-hand side first). Every rule derives new statements (see `_derive`) and binds them to
+the same primitive, so derivatives and batched versions are indirect Einsums too and reach the same lowerings.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jinsum import _derive, _lower_xla
+from jinsum._lang import Operand, Spec, Statement, check, tensor_names, walk
+
+
+def bind(statement: Statement, arrays: Mapping[str, jax.Array], *, indices_are_sorted: bool = False,
+         allow_tf32: bool = False) -> jax.Array:
+    """Checks `statement` against `arrays` (name -> array; extra names ignored) and applies the primitive."""
+    names = tensor_names(statement)
+    operands = tuple(Operand(n, tuple(np.shape(arrays[n])), np.dtype(arrays[n].dtype)) for n in names)
+    spec = check(statement, operands, indices_are_sorted, allow_tf32)
+    return jinsum_p.bind(*(arrays[n] for n in spec.names), spec=spec)
+
+
+jinsum_p = Primitive("jinsum")
+
+
+# --- evaluation --------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1024)
+def _compiled(spec: Spec):
+    return jax.jit(functools.partial(jinsum_p.bind, spec=spec))
+
+
+def _impl(*arrays, spec: Spec):
+    # Eager calls compile the primitive alone, so they take the platform's lowering (Triton on CUDA) as under jit.
+    return _compiled(spec)(*arrays)
+
+
+def _abstract_eval(*avals, spec: Spec):
+    for aval, operand in zip(avals, spec.operands):
+        if aval.shape != operand.shape or aval.dtype != operand.dtype:
+            raise TypeError(f"jinsum: operand {operand.name} is {aval.str_short()}, but {spec!r} was checked for "
+                            f"{operand.dtype}{list(operand.shape)}")
+    return jax.core.ShapedArray(spec.lhs.shape, spec.lhs.dtype)
+
+
+jinsum_p.def_impl(_impl)
+jinsum_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(jinsum_p, mlir.lower_fun(_lower_xla.evaluate, multiple_results=False))
+
+
+# --- forward-mode differentiation -----------------------------------------------------------------------------
+# The statement is linear in its left-hand side and in each factor occurrence. Its tangent is a chain of
+# statements on the tangent of the left-hand side: for `+=`, one `+=` term per factor with a tangent; for `=`, the
+# first term sets (overwritten elements take the term's tangent) and the others add.
+
+def _jvp(primals, tangents, *, spec: Spec):
+    out = jinsum_p.bind(*primals, spec=spec)
+    statement = spec.statement
+    env = dict(zip(spec.names, primals))
+    tangent_of = dict(zip(spec.names, tangents))
+    for name in spec.index_tensors:
+        if type(tangent_of[name]) is not ad.Zero and tangent_of[name].dtype != jax.dtypes.float0:
+            raise TypeError(f"jinsum: {name} is an index array; it cannot be differentiated")
+
+    terms = [i for i, f in enumerate(statement.factors) if type(tangent_of[f.tensor]) is not ad.Zero]
+    lhs_tangent = tangent_of[statement.lhs.tensor]
+    if not terms:
+        if statement.accumulate or type(lhs_tangent) is ad.Zero:
+            return out, lhs_tangent
+        terms = [0]  # `=` still overwrites: the unwritten-element mask comes from a zero-tangent term
+
+    tangent = ad.instantiate_zeros(lhs_tangent)
+    taken = set(spec.names)
+    for k, i in enumerate(terms):
+        factor = statement.factors[i]
+        name = _derive.fresh_name("d" + factor.tensor, taken)
+        term = _derive.replace_factor(statement, i, name, accumulate=statement.accumulate or k > 0)
+        arrays = {**env, statement.lhs.tensor: tangent, name: ad.instantiate_zeros(tangent_of[factor.tensor])}
+        tangent = bind(term, arrays, indices_are_sorted=spec.indices_are_sorted, allow_tf32=spec.allow_tf32)
+    return out, tangent
+
+
+ad.primitive_jvps[jinsum_p] = _jvp
+
+
+# --- transposition ----------------------------------------------------------------------------------------------
+# Linear operands are the left-hand side and at most one factor tensor (occurring once); index arrays and the
+# other factors are constants. The cotangent of a factor is the transposed statement (the factor and the output
+# swap places); that of the left-hand side is the output cotangent, minus the elements `=` overwrote.
+
+def _transpose(cotangent, *args, spec: Spec):
+    statement = spec.statement
+    linear = [name for name, a in zip(spec.names, args) if ad.is_undefined_primal(a)]
+    if type(cotangent) is ad.Zero:
+        return [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None for a in args]
+    env = {name: a for name, a in zip(spec.names, args) if not ad.is_undefined_primal(a)}
+    env[statement.lhs.tensor] = cotangent
+    if len([name for name in linear if name != statement.lhs.tensor]) > 1:
+        raise NotImplementedError(f"jinsum: {spec!r} is not linear in {linear}; cannot transpose")
+    results = {}
+    for name in linear:
+        aval = spec.operand[name]
+        if name == statement.lhs.tensor:
+            results[name] = _unwritten(cotangent, env, spec)
+            continue
+        occurrences = [i for i, f in enumerate(statement.factors) if f.tensor == name]
+        if len(occurrences) != 1:
+            raise NotImplementedError(f"jinsum: {spec!r} is not linear in {name}; cannot transpose")
+        zeros = jnp.zeros(aval.shape, aval.dtype)
+        results[name] = bind(_derive.transpose(statement, occurrences[0]), {**env, name: zeros},
+                             allow_tf32=spec.allow_tf32)
+    return [results.get(name) for name in spec.names]
+
+
+def _unwritten(cotangent, env, spec: Spec):
+    statement = spec.statement
+    if statement.accumulate:
+        return cotangent
+    if _derive.overwrites_everything(statement):
+        return ad.Zero(jax.core.ShapedArray(spec.lhs.shape, spec.lhs.dtype))
+    zeros_name = _derive.fresh_name("zeros", set(spec.names))
+    mask = _derive.unwritten_mask(statement, zeros_name)
+    zeros = jnp.zeros([spec.extent[v] for v in spec.loop_variables], spec.lhs.dtype)
+    return bind(mask, {**env, zeros_name: zeros})
+
+
+ad.primitive_transposes[jinsum_p] = _transpose
+
+
+# --- batching ---------------------------------------------------------------------------------------------------
+# vmap adds one index variable: at the batched axis of every batched operand, and in the output. An unbatched
+# left-hand side is broadcast with the new axis last, where it leaves the format's sorted row indices sorted.
+
+def _batch(args, dims, *, spec: Spec):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    lhs_name = spec.lhs.name
+    batched = {name: d for name, d in zip(spec.names, dims) if d is not None and name != lhs_name}
+    env = dict(zip(spec.names, args))
+    lhs_axis = dict(zip(spec.names, dims))[lhs_name]
+    if lhs_axis is None:
+        lhs_axis = len(spec.lhs.shape)
+        env[lhs_name] = jnp.broadcast_to(env[lhs_name][..., None], (*spec.lhs.shape, size))
+    statement, _ = _derive.batch(spec.statement, batched, lhs_axis)
+    lhs_indices_batched = any(name in batched for name in _lhs_index_tensors(spec))
+    out = bind(statement, env, indices_are_sorted=spec.indices_are_sorted and not lhs_indices_batched,
+               allow_tf32=spec.allow_tf32)
+    return out, lhs_axis
+
+
+def _lhs_index_tensors(spec: Spec) -> set[str]:
+    return {node.tensor for node in walk(spec.statement.lhs)} - {spec.lhs.name}
+
+
+batching.primitive_batchers[jinsum_p] = _batch

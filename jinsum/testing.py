@@ -1,0 +1,103 @@
+"""Independent references and checkers, shared by the tests, the benchmarks and users checking their own calls.
+
+`reference` evaluates an indirect Einsum in float64 NumPy by enumerating every assignment of its index variables:
+no gathers-as-slices, no einsum, no scatter fusion, nothing shared with the lowerings but the parser. It is meant
+for small shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum._lang import Access, Operand, Var, check, parse, tensor_names
+
+__all__ = ["reference", "assert_allclose", "tolerance", "check_vmap"]
+
+
+def reference(expression: str, **operands) -> np.ndarray:
+    """The indirect Einsum `expression` on `operands`, in float64 NumPy, by brute-force enumeration.
+
+    Every name of the expression must be given (the left-hand side too). Indices must be in range.
+    """
+    statement = parse(expression)
+    arrays = {n: _host(operands[n]) for n in tensor_names(statement)}
+    spec = check(statement, tuple(Operand(n, a.shape, _checked_dtype(operands[n])) for n, a in arrays.items()))
+    loop = tuple(spec.extent[v] for v in spec.loop_variables)
+    summed = tuple(spec.extent[v] for v in spec.summed_variables)
+    # Loop variables vary slowest, so the products of one loop assignment are one row of a (loop, summed) table.
+    everything = _grid((*spec.loop_variables, *spec.summed_variables), (*loop, *summed))
+    products = np.ones(int(np.prod(loop + summed)))
+    for factor in statement.factors:
+        products = products * _read(factor, arrays, everything)
+    sums = products.reshape(int(np.prod(loop)), int(np.prod(summed))).sum(axis=1)
+    lhs = statement.lhs
+    target = tuple(_read(i, arrays, _grid(spec.loop_variables, loop)) if isinstance(i, Access)
+                   else _grid(spec.loop_variables, loop)[i.name] for i in lhs.indices)
+    out = arrays[lhs.tensor].copy()
+    if statement.accumulate:
+        np.add.at(out, target, sums)
+    else:
+        out[target] = sums
+    return out
+
+
+def _grid(names: tuple[str, ...], extents: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """Every assignment of `names`, the first varying slowest: name -> its value in each assignment."""
+    mesh = np.meshgrid(*map(np.arange, extents), indexing="ij")
+    return {n: m.reshape(-1) for n, m in zip(names, mesh)}
+
+
+def _read(access: Access, arrays: dict[str, np.ndarray], grid: dict[str, np.ndarray]) -> np.ndarray:
+    index = tuple(grid[i.name] if isinstance(i, Var) else _read(i, arrays, grid) for i in access.indices)
+    return arrays[access.tensor][index]
+
+
+def _host(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x if np.issubdtype(x.dtype, np.integer) else x.astype(np.float64)
+
+
+def _checked_dtype(x) -> np.dtype:
+    return np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+
+
+# Relative tolerances (max |out - ref| / max |ref|) per value dtype: float32 accumulations of a few hundred terms,
+# and 16-bit operands rounded once on input and once on output (their 8 / 11 significant bits).
+_RTOL = {
+    np.dtype(jnp.float64): 1e-12,
+    np.dtype(jnp.float32): 1e-5,
+    np.dtype(jnp.float16): 4e-3,
+    np.dtype(jnp.bfloat16): 2e-2,
+}
+
+
+def tolerance(dtype) -> float:
+    """The relative tolerance the tests allow for results of `dtype` (float32 accumulation inside)."""
+    return _RTOL[np.dtype(dtype)]
+
+
+def assert_allclose(actual, expected, dtype, *, err_msg: str = "") -> None:
+    """Asserts `max|actual - expected| <= tolerance(dtype) * max(1, max|expected|)`, and no NaN anywhere."""
+    actual = np.asarray(actual).astype(np.float64)
+    expected = np.asarray(expected, np.float64)
+    dtype = np.dtype(dtype)
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape {actual.shape} != expected {expected.shape}. {err_msg}")
+    if np.isnan(actual).any():
+        raise AssertionError(f"NaN in the result. {err_msg}")
+    scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
+    error = float(np.abs(actual - expected).max(initial=0.0))
+    if error > tolerance(dtype) * scale:
+        raise AssertionError(f"max abs error {error:.3g} > {tolerance(dtype):.1g} x {scale:.3g} ({dtype}). {err_msg}")
+
+
+def check_vmap(fn, args, in_axes, out_axes=0) -> None:
+    """`jax.vmap(fn, in_axes, out_axes)(*args)` equals stacking `fn` over a Python loop of the batch."""
+    batched = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)(*args)
+    size = next(np.shape(a)[ax] for a, ax in zip(args, in_axes) if ax is not None)
+    looped = [fn(*(a if ax is None else jnp.take(a, b, axis=ax) for a, ax in zip(args, in_axes)))
+              for b in range(size)]
+    expected = np.stack([np.asarray(x, np.float64) for x in looped], axis=out_axes)
+    assert_allclose(batched, expected, np.asarray(batched).dtype, err_msg="vmap vs loop")

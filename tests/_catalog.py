@@ -1,0 +1,122 @@
+"""The expression catalog every lowering is tested on, with random operands that exercise the awkward cases.
+
+Operands are drawn per call: odd sizes, empty output rows, duplicate targets (several groups or edges writing the
+same row), padding slots (column 0, value 0), and at least one all-empty instance per format. Index arrays are
+int32, values take the requested dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+Make = Callable[[np.random.Generator, np.dtype], dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    expression: str
+    make: Make
+    linear_in: tuple[str, ...]  # value operands the statement is linear in (differentiated by the tests)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _values(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _group_rows(rng, rows: int, groups: int) -> np.ndarray:
+    """Sorted rows of `groups` groups over `rows` rows: some rows get several groups, some none."""
+    return np.sort(rng.integers(0, rows, groups)).astype(np.int32)
+
+
+def _padded(rng, groups: int, size: int, columns: int, dtype, dense=()):
+    """Column indices and values of `groups` groups of `size` slots, some trailing slots padding (column 0, 0)."""
+    Ak = rng.integers(0, columns, (groups, size)).astype(np.int32)
+    Av = _values(rng, (groups, size, *dense), dtype)
+    padding = rng.random((groups, size)) < 0.25
+    Ak[padding] = 0
+    Av[padding] = 0
+    return Ak, Av
+
+
+def group_spmm(rng, dtype, M=13, K=11, N=6, G=17, P=4):
+    Ak, Av = _padded(rng, G, P, K, dtype)
+    return dict(C=_values(rng, (M, N), dtype), Ai=_group_rows(rng, M, G), Ak=Ak, Av=Av,
+                B=_values(rng, (K, N), dtype))
+
+
+def _empty_group_spmm(rng, dtype):
+    return group_spmm(rng, dtype, G=0)
+
+
+def _coo_spmm(rng, dtype, M=10, K=7, N=5, E=23):
+    return dict(C=_values(rng, (M, N), dtype), R=rng.integers(0, M, E).astype(np.int32),
+                Col=rng.integers(0, K, E).astype(np.int32), V=_values(rng, (E,), dtype),
+                B=_values(rng, (K, N), dtype))
+
+
+def _block_spmm(rng, dtype, Mb=5, Kb=4, bm=3, bk=2, N=5, G=7, P=2):
+    Ak = rng.integers(0, Kb, (G, P)).astype(np.int32)
+    return dict(C=_values(rng, (Mb, bm, N), dtype), Ai=_group_rows(rng, Mb, G), Ak=Ak,
+                Av=_values(rng, (G, bm, bk, P), dtype), B=_values(rng, (Kb, bk, N), dtype))
+
+
+def _sddmm(rng, dtype, M=9, K=8, D=5, G=12, P=3):
+    Ak, _ = _padded(rng, G, P, K, dtype)
+    return dict(S=_values(rng, (G, P), dtype), Ai=_group_rows(rng, M, G), Ak=Ak,
+                X=_values(rng, (M, D), dtype), Y=_values(rng, (K, D), dtype))
+
+
+def _rgcn(rng, dtype, N=9, E=20, R=3, Cin=4, F=5):
+    return dict(O=_values(rng, (N, F), dtype), R=rng.integers(0, N, E).astype(np.int32),
+                C=rng.integers(0, N, E).astype(np.int32), T=rng.integers(0, R, E).astype(np.int32),
+                X=_values(rng, (N, Cin), dtype), W=_values(rng, (R, Cin, F), dtype))
+
+
+def _nested(rng, dtype):
+    operands = group_spmm(rng, dtype)
+    operands["P"] = rng.permutation(operands["C"].shape[0]).astype(np.int32)
+    return operands
+
+
+def _ell(rng, dtype, M=9, K=10, N=4, P=3):
+    Ak, Av = _padded(rng, M, P, K, dtype)
+    return dict(C=_values(rng, (M, N), dtype), V=Av, K=Ak, B=_values(rng, (K, N), dtype))
+
+
+def _embedding_bag(rng, dtype, V=12, D=6, Bags=7, P=5):
+    return dict(O=_values(rng, (Bags, D), dtype), W=_values(rng, (V, D), dtype),
+                Idx=rng.integers(0, V, (Bags, P)).astype(np.int32), Wt=_values(rng, (Bags, P), dtype))
+
+
+def _multihead(rng, dtype, M=8, K=9, H=3, N=4, G=11, P=2):
+    Ak, Av = _padded(rng, G, P, K, dtype, dense=(H,))
+    return dict(C=_values(rng, (M, H, N), dtype), Ai=_group_rows(rng, M, G), Ak=Ak, Av=Av,
+                B=_values(rng, (K, H, N), dtype))
+
+
+def _scatter_set(rng, dtype, M=9, I=6, N=4):
+    return dict(C=_values(rng, (M, N), dtype), P=rng.permutation(M)[:I].astype(np.int32),
+                X=_values(rng, (I, N), dtype))
+
+
+CATALOG = [
+    Case("group_spmm", "C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", group_spmm, ("C", "Av", "B")),
+    Case("group_spmm_empty", "C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", _empty_group_spmm, ("C", "Av", "B")),
+    Case("coo_spmm", "C[R[e],n] += V[e] * B[Col[e],n]", _coo_spmm, ("C", "V", "B")),
+    Case("block_spmm", "C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]", _block_spmm, ("C", "Av", "B")),
+    Case("sddmm", "S[g,p] = X[Ai[g],d] * Y[Ak[g,p],d]", _sddmm, ("X", "Y")),
+    Case("rgcn", "O[R[e],f] += X[C[e],c] * W[T[e],c,f]", _rgcn, ("O", "X", "W")),
+    Case("nested", "C[P[Ai[g]],n] += Av[g,p] * B[Ak[g,p],n]", _nested, ("C", "Av", "B")),
+    Case("ell", "C[i,n] += V[i,p] * B[K[i,p],n]", _ell, ("C", "V", "B")),
+    Case("embedding_bag", "O[b,d] += W[Idx[b,p],d] * Wt[b,p]", _embedding_bag, ("O", "W", "Wt")),
+    Case("multihead_spmm", "C[Ai[g],h,n] += Av[g,p,h] * B[Ak[g,p],h,n]", _multihead, ("C", "Av", "B")),
+    Case("scatter_set", "C[P[i],n] = X[i,n]", _scatter_set, ("C", "X")),
+    Case("spmm_transpose", "B[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]", group_spmm, ("B", "Av", "C")),
+]
