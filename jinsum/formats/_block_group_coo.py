@@ -1,0 +1,263 @@
+"""BlockGroupCOO: GroupCOO over dense ``bm x bk`` blocks (the Insum paper's block-sparse format)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+
+from jinsum.formats._convert import (
+    as_jax_array,
+    block_grid,
+    blocks_from_csr,
+    blocks_from_scipy,
+    check_block_shape,
+    check_floating,
+    check_group_indices,
+    check_group_size,
+    check_nnz,
+    check_shape,
+    csr_from_bcoo,
+    csr_from_dense,
+    groups_from_csr,
+    host_array,
+    to_scipy_csr,
+    value_dtype,
+)
+from jinsum.formats._matmul import SparseMatmul
+
+_FMT = "BlockGroupCOO"
+
+
+def _element_coords(xp, Ai, Ak, block_shape):
+    """Row and column of every element of every slot, each broadcast to ``Av``'s ``(G, bm, bk, P)``.
+
+    ``xp`` is ``numpy`` (host export) or ``jax.numpy`` (traceable export).
+    """
+    (bm, bk), full = block_shape, (Ak.shape[0], *block_shape, Ak.shape[1])
+    rows = Ai[:, None, None, None] * bm + xp.arange(bm)[:, None, None]
+    cols = Ak[:, None, None, :] * bk + xp.arange(bk)[:, None]
+    return xp.broadcast_to(rows, full), xp.broadcast_to(cols, full)
+
+
+def _check_values(Av, groups: tuple[int, int], block_shape: tuple[int, int]) -> None:
+    """Floating ``Av`` of shape ``(G, bm, bk, P)``; shared by the constructor and
+    :meth:`BlockGroupCOO.with_values`."""
+    check_floating(_FMT, Av)
+    expected = (groups[0], *block_shape, groups[1])
+    if Av.shape != expected:
+        raise ValueError(
+            f"{_FMT}: Av must have shape (G, bm, bk, P) = {expected} to match Ak {groups} and block shape "
+            f"{block_shape}, got {Av.shape}"
+        )
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockGroupCOO(SparseMatmul):
+    """A sparse ``M x K`` matrix of dense ``bm x bk`` blocks, stored as groups of ``P`` blocks of one block row.
+
+    It is :class:`GroupCOO` one level up: the matrix is a ``ceil(M / bm) x ceil(K / bk)`` grid of blocks, group
+    ``g`` belongs to block row ``Ai[g]``, and its slot ``p`` holds the block at block column ``Ak[g, p]``, with
+    element ``(m, k)`` of that block in ``Av[g, m, k, p]`` (the paper's layout: the slot axis last). So::
+
+        A[Ai[g] * bm + m, Ak[g, p] * bk + k] += Av[g, m, k, p]
+
+    A block row with ``L`` stored blocks has ``ceil(L / P)`` consecutive groups, in increasing block column
+    order; the last is padded with block column 0 and an all-zero block. ``M`` and ``K`` need not be multiples
+    of ``bm`` and ``bk``: edge blocks overhang the logical shape and are zero beyond it (exports crop them).
+
+    Attributes:
+      Ai: int ``(G,)`` block row of each group, sorted non-decreasing.
+      Ak: int ``(G, P)`` block column of each slot (same dtype as ``Ai``).
+      Av: floating ``(G, bm, bk, P)`` the blocks.
+
+    A pytree with children ``(Ai, Ak, Av)`` and static ``(shape, block_shape, nnz)``, where ``nnz`` counts the
+    stored blocks excluding padding.
+    """
+
+    __slots__ = ("Ai", "Ak", "Av", "_shape", "_block_shape", "_nnz")
+
+    def __init__(self, Ai, Ak, Av, shape, *, nnz: int | None = None):
+        """Builds a BlockGroupCOO from its arrays, validating them.
+
+        Args:
+          Ai: int ``(G,)`` block rows, sorted.
+          Ak: int ``(G, P)`` block columns, same dtype as ``Ai``.
+          Av: floating ``(G, bm, bk, P)``; the block shape ``(bm, bk)`` is read from it.
+          shape: the logical ``(M, K)``.
+          nnz: stored blocks excluding padding; defaults to ``G * P``.
+
+        Shapes and dtypes are always checked; index values (``0 <= Ai < ceil(M / bm)`` and sorted,
+        ``0 <= Ak < ceil(K / bk)``) are checked when the arrays are concrete, and not under tracing.
+        """
+        shape = check_shape(_FMT, "shape", shape, ndim=2)
+        Av = as_jax_array(Av)
+        if Av.ndim != 4 or min(Av.shape[1:3]) < 1:
+            raise ValueError(
+                f"{_FMT}: Av must be 4-D with shape (G, bm, bk, P) and a positive block shape (bm, bk), "
+                f"got {Av.shape}"
+            )
+        block_shape = Av.shape[1:3]
+        Ai, Ak = check_group_indices(_FMT, Ai, Ak, block_grid(shape, block_shape), ("block rows", "block columns"))
+        _check_values(Av, Ak.shape, block_shape)
+        self._set(Ai, Ak, Av, shape, block_shape, check_nnz(_FMT, nnz, Ak.size, "blocks"))
+
+    def _set(self, Ai, Ak, Av, shape, block_shape, nnz) -> None:
+        self.Ai, self.Ak, self.Av = Ai, Ak, Av
+        self._shape, self._block_shape, self._nnz = shape, block_shape, nnz
+
+    # -- pytree ------------------------------------------------------------------------------------------
+
+    def tree_flatten(self):
+        return (self.Ai, self.Ak, self.Av), (self._shape, self._block_shape, self._nnz)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        # No validation: the leaves may be tracers, or placeholders such as object() inside JAX transforms.
+        obj = object.__new__(cls)
+        obj._set(*children, *aux)
+        return obj
+
+    # -- properties --------------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical ``(M, K)``."""
+        return self._shape
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        """``(bm, bk)``."""
+        return self._block_shape
+
+    @property
+    def dtype(self):
+        """The dtype of the values ``Av``."""
+        return self.Av.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nnz(self) -> int:
+        """Stored blocks, excluding group padding."""
+        return self._nnz
+
+    @property
+    def group_size(self) -> int:
+        """``P``, the block slots per group."""
+        return self.Ak.shape[1]
+
+    @property
+    def num_groups(self) -> int:
+        """``G``."""
+        return self.Ak.shape[0]
+
+    @property
+    def num_block_rows(self) -> int:
+        """``ceil(M / bm)``."""
+        return block_grid(self._shape, self._block_shape)[0]
+
+    @property
+    def index_dtype(self):
+        """The dtype of ``Ai`` and ``Ak``."""
+        return self.Ai.dtype
+
+    def __repr__(self) -> str:
+        # Only static information, so it also works on tracers.
+        (m, k), (bm, bk) = self._shape, self._block_shape
+        return (
+            f"{_FMT}({jnp.dtype(self.dtype).name}[{m}, {k}], blocks={bm} x {bk}, nnz={self._nnz} blocks, "
+            f"groups={self.num_groups} x {self.group_size})"
+        )
+
+    # -- construction from other formats (host side, NumPy) ----------------------------------------------
+
+    @classmethod
+    def _from_blocks(cls, shape, block_shape, indptr, indices, blocks, group_size, dtype) -> BlockGroupCOO:
+        group_size = check_group_size(_FMT, group_size, np.diff(indptr))
+        Ai, Ak, Av = groups_from_csr(indptr, indices, blocks, group_size, dtype, block_grid(shape, block_shape)[1])
+        # groups_from_csr lays slots out as (G, P, bm, bk); the format keeps the slot axis last.
+        return cls(Ai, Ak, np.moveaxis(Av, 1, -1), shape, nnz=len(indices))
+
+    @classmethod
+    def from_scipy(cls, mat, *, block_shape, group_size: int | None = None, dtype=None) -> BlockGroupCOO:
+        """Converts any ``scipy.sparse`` matrix or array.
+
+        A block is stored iff it contains a stored entry of ``mat`` (explicit zeros included; duplicates are
+        summed). A BSR matrix whose ``blocksize`` equals ``block_shape`` contributes its blocks as they are.
+        ``group_size`` defaults to :func:`default_group_size` of the blocks per block row; ``dtype`` to the
+        matrix's dtype when floating, else float32.
+        """
+        block_shape = check_block_shape(_FMT, block_shape)
+        indptr, indices, blocks = blocks_from_scipy(_FMT, mat, block_shape)
+        dtype = value_dtype(_FMT, blocks.dtype, dtype)
+        return cls._from_blocks(mat.shape, block_shape, indptr, indices, blocks, group_size, dtype)
+
+    @classmethod
+    def from_dense(cls, x, *, block_shape, group_size: int | None = None, dtype=None) -> BlockGroupCOO:
+        """Converts a dense 2-D NumPy or concrete JAX array; a block is stored iff it holds a nonzero."""
+        if np.ndim(x) != 2:
+            raise ValueError(f"{_FMT}.from_dense: expected a 2-D array (M, K), got shape {np.shape(x)}")
+        block_shape, shape = check_block_shape(_FMT, block_shape), np.shape(x)
+        blocks = blocks_from_csr(*csr_from_dense(_FMT, x), shape, block_shape)
+        return cls._from_blocks(shape, block_shape, *blocks, group_size, value_dtype(_FMT, blocks[2].dtype, dtype))
+
+    @classmethod
+    def from_bcoo(cls, mat, *, block_shape, group_size: int | None = None, dtype=None) -> BlockGroupCOO:
+        """Converts a concrete 2-D ``jax.experimental.sparse.BCOO`` (no batch or dense dimensions).
+
+        A block is stored iff it holds a stored entry; duplicates are summed, out-of-bounds padding dropped.
+        """
+        block_shape = check_block_shape(_FMT, block_shape)
+        shape, *csr = csr_from_bcoo(_FMT, mat)
+        if mat.n_dense:
+            raise ValueError(
+                f"{_FMT}.from_bcoo: blocks hold scalars, so the BCOO must have no dense dimensions, got shape "
+                f"{mat.shape} with n_dense={mat.n_dense}; use GroupCOO.from_bcoo for dense dimensions"
+            )
+        blocks = blocks_from_csr(*csr, shape, block_shape)
+        return cls._from_blocks(shape, block_shape, *blocks, group_size, value_dtype(_FMT, blocks[2].dtype, dtype))
+
+    # -- export ------------------------------------------------------------------------------------------
+
+    def todense(self) -> jax.Array:
+        """The dense ``(M, K)`` array (edge blocks cropped). Traceable and differentiable w.r.t. ``Av``."""
+        (bm, bk), (mb, kb) = self._block_shape, block_grid(self._shape, self._block_shape)
+        grid = jnp.zeros((mb, kb, bm, bk), self.dtype).at[self.Ai[:, None], self.Ak].add(jnp.moveaxis(self.Av, -1, 1))
+        return grid.transpose(0, 2, 1, 3).reshape(mb * bm, kb * bk)[: self._shape[0], : self._shape[1]]
+
+    def to_bcoo(self) -> jsparse.BCOO:
+        """An element-level ``BCOO`` with all ``G * bm * bk * P`` slot elements, padding included.
+
+        Padding blocks are zero-valued (so the matrix is equal, but ``unique_indices=False``); elements of edge
+        blocks beyond the logical shape get out-of-bounds indices, which BCOO treats as padding. Traceable.
+        """
+        rows, cols = _element_coords(jnp, self.Ai, self.Ak, self._block_shape)
+        indices = jnp.stack([rows.ravel(), cols.ravel()], axis=-1)
+        return jsparse.BCOO((self.Av.ravel(), indices), shape=self._shape)
+
+    def to_scipy(self):
+        """A ``scipy.sparse.csr_matrix`` of the logical shape (host side; needs concrete arrays).
+
+        CSR rather than BSR because BSR needs a shape that is a multiple of the block shape. Duplicates are
+        summed and zero-valued entries dropped (padding, explicit zeros, and the zeros inside stored blocks).
+        float16 and bfloat16 become float32.
+        """
+        where = f"{_FMT}.to_scipy"
+        Ai, Ak = host_array(where, self.Ai), host_array(where, self.Ak)
+        rows, cols = _element_coords(np, Ai, Ak, self._block_shape)
+        inside = (rows < self._shape[0]) & (cols < self._shape[1])
+        return to_scipy_csr(rows[inside], cols[inside], host_array(where, self.Av)[inside], self._shape)
+
+    def with_values(self, Av) -> BlockGroupCOO:
+        """The same block structure with new blocks ``Av`` of shape ``(G, bm, bk, P)``, any floating dtype.
+
+        Only shapes are checked, so this is cheap and works under ``jit``.
+        """
+        Av = as_jax_array(Av)
+        _check_values(Av, self.Ak.shape, self._block_shape)
+        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, Av))
+

@@ -1,0 +1,285 @@
+"""GroupCOO: a sparse matrix stored as groups of ``P`` nonzeros of one row (the Insum paper's format)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import sparse as jsparse
+
+from jinsum.formats._convert import (
+    as_jax_array,
+    check_floating,
+    check_group_indices,
+    check_group_size,
+    check_int,
+    check_nnz,
+    check_shape,
+    csr_from_bcoo,
+    csr_from_coo,
+    csr_from_dense,
+    csr_from_scipy,
+    groups_from_csr,
+    host_array,
+    to_scipy_csr,
+    value_dtype,
+)
+from jinsum.formats._matmul import SparseMatmul
+
+_FMT = "GroupCOO"
+
+
+def _check_values(Av, groups: tuple[int, int]) -> None:
+    """Static checks on ``Av`` against ``(G, P)``; shared by the constructor and :meth:`GroupCOO.with_values`."""
+    check_floating(_FMT, Av)
+    if Av.ndim < 2 or Av.shape[:2] != groups:
+        raise ValueError(
+            f"{_FMT}: Av must have shape (G, P, *dense_shape) with (G, P) = {groups} to match Ak, got {Av.shape}"
+        )
+
+
+@jax.tree_util.register_pytree_node_class
+class GroupCOO(SparseMatmul):
+    """A sparse ``M x K`` matrix (optionally with trailing dense dimensions) stored as groups.
+
+    The nonzeros of each row are cut into groups of ``P`` consecutive entries (in increasing column order);
+    group ``g`` belongs to row ``Ai[g]``, and its slot ``p`` holds column ``Ak[g, p]`` with value
+    ``Av[g, p]``. A row with ``L`` nonzeros has ``ceil(L / P)`` consecutive groups, empty rows have none, and a
+    row's last group is padded to ``P`` with column 0 and value 0. The matrix is therefore::
+
+        A[m, k] = sum over (g, p) with Ai[g] == m and Ak[g, p] == k of Av[g, p]
+
+    Trailing dense dimensions (like BCOO's ``n_dense``) give each stored entry a small dense array of values,
+    e.g. one per attention head: ``Av[g, p, h]`` is entry ``(Ai[g], Ak[g, p], h)``.
+
+    Attributes:
+      Ai: int ``(G,)``, the row of each group, sorted non-decreasing.
+      Ak: int ``(G, P)``, the column of each slot (same dtype as ``Ai``; int32 unless a dimension exceeds
+        ``2**31 - 1``).
+      Av: floating ``(G, P, *dense_shape)``, the value of each slot.
+
+    The class is a pytree with children ``(Ai, Ak, Av)`` and static ``(shape, nnz)``, so it passes through
+    ``jit``, ``grad`` and ``vmap``. Build it from other formats with :meth:`from_scipy`, :meth:`from_dense`,
+    :meth:`from_bcoo` or :meth:`from_edge_index`; they pick ``P`` with :func:`default_group_size` unless told.
+    """
+
+    __slots__ = ("Ai", "Ak", "Av", "_shape", "_nnz")
+
+    def __init__(self, Ai, Ak, Av, shape, *, nnz: int | None = None):
+        """Builds a GroupCOO from its arrays, validating them.
+
+        Args:
+          Ai: int ``(G,)`` rows of the groups, sorted.
+          Ak: int ``(G, P)`` columns, same dtype as ``Ai``.
+          Av: floating ``(G, P, *dense_shape)`` values.
+          shape: ``(M, K, *dense_shape)``.
+          nnz: the number of stored entries excluding group padding; defaults to ``G * P``.
+
+        Shapes and dtypes are always checked; index values (``0 <= Ai < M`` and sorted, ``0 <= Ak < K``) are
+        checked when the arrays are concrete, and not under tracing. Column order within a row and zero-valued
+        padding are conventions the ``from_*`` converters keep; the matrix is well defined without them.
+        """
+        shape = check_shape(_FMT, "shape", shape)
+        if len(shape) < 2:
+            raise ValueError(f"{_FMT}: shape must be (M, K, *dense_shape), got {shape}")
+        Ai, Ak = check_group_indices(_FMT, Ai, Ak, shape[:2], ("rows", "columns"))
+        Av = as_jax_array(Av)
+        _check_values(Av, Ak.shape)
+        if shape[2:] != Av.shape[2:]:
+            raise ValueError(
+                f"{_FMT}: shape must be (M, K, *dense_shape) with dense_shape = Av.shape[2:] = {Av.shape[2:]}, "
+                f"got {shape}"
+            )
+        self._set(Ai, Ak, Av, shape, check_nnz(_FMT, nnz, Ak.size, "entries"))
+
+    def _set(self, Ai, Ak, Av, shape, nnz) -> None:
+        self.Ai, self.Ak, self.Av, self._shape, self._nnz = Ai, Ak, Av, shape, nnz
+
+    # -- pytree ------------------------------------------------------------------------------------------
+
+    def tree_flatten(self):
+        return (self.Ai, self.Ak, self.Av), (self._shape, self._nnz)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        # No validation: the leaves may be tracers, or placeholders such as object() inside JAX transforms.
+        obj = object.__new__(cls)
+        obj._set(*children, *aux)
+        return obj
+
+    # -- properties --------------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(M, K, *dense_shape)``."""
+        return self._shape
+
+    @property
+    def dtype(self):
+        """The dtype of the values ``Av``."""
+        return self.Av.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def nnz(self) -> int:
+        """Stored entries, excluding group padding (explicit zeros count)."""
+        return self._nnz
+
+    @property
+    def group_size(self) -> int:
+        """``P``, the slots per group."""
+        return self.Ak.shape[1]
+
+    @property
+    def num_groups(self) -> int:
+        """``G``."""
+        return self.Ak.shape[0]
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        """The trailing dense dimensions of each entry (``()`` for a plain matrix)."""
+        return self._shape[2:]
+
+    @property
+    def index_dtype(self):
+        """The dtype of ``Ai`` and ``Ak``."""
+        return self.Ai.dtype
+
+    def __repr__(self) -> str:
+        # Only static information, so it also works on tracers.
+        dims = ", ".join(map(str, self._shape))
+        return (
+            f"{_FMT}({jnp.dtype(self.dtype).name}[{dims}], nnz={self._nnz}, "
+            f"groups={self.num_groups} x {self.group_size})"
+        )
+
+    # -- construction from other formats (host side, NumPy) ----------------------------------------------
+
+    @classmethod
+    def _from_csr(cls, shape, indptr, indices, data, group_size, dtype) -> GroupCOO:
+        group_size = check_group_size(_FMT, group_size, np.diff(indptr))
+        Ai, Ak, Av = groups_from_csr(indptr, indices, data, group_size, dtype, shape[1])
+        return cls(Ai, Ak, Av, shape, nnz=len(indices))
+
+    @classmethod
+    def from_scipy(cls, mat, *, group_size: int | None = None, dtype=None) -> GroupCOO:
+        """Converts any ``scipy.sparse`` matrix or array (COO, CSR, CSC, BSR, ...).
+
+        Duplicate entries are summed; explicit zeros are kept as stored entries (and counted in ``nnz``, as
+        SciPy does). ``group_size`` defaults to :func:`default_group_size`; ``dtype`` defaults to the
+        matrix's dtype when floating, else float32.
+        """
+        indptr, indices, data = csr_from_scipy(_FMT, mat)
+        return cls._from_csr(mat.shape, indptr, indices, data, group_size, value_dtype(_FMT, data.dtype, dtype))
+
+    @classmethod
+    def from_dense(cls, x, *, group_size: int | None = None, dtype=None) -> GroupCOO:
+        """Converts a dense ``(M, K, *dense_shape)`` NumPy or concrete JAX array.
+
+        Entry ``(m, k)`` is stored iff ``x[m, k]`` is nonzero (anywhere in its dense dimensions).
+        """
+        indptr, indices, data = csr_from_dense(_FMT, x)
+        return cls._from_csr(np.shape(x), indptr, indices, data, group_size, value_dtype(_FMT, data.dtype, dtype))
+
+    @classmethod
+    def from_bcoo(cls, mat, *, group_size: int | None = None, dtype=None) -> GroupCOO:
+        """Converts a concrete ``jax.experimental.sparse.BCOO`` without batch dimensions.
+
+        BCOO dense dimensions (``n_dense``) become :attr:`dense_shape`. Duplicates are summed; BCOO's
+        out-of-bounds padding entries are dropped.
+        """
+        shape, indptr, indices, data = csr_from_bcoo(_FMT, mat)
+        return cls._from_csr(shape, indptr, indices, data, group_size, value_dtype(_FMT, data.dtype, dtype))
+
+    @classmethod
+    def from_edge_index(
+        cls, edge_index, values=None, *, num_nodes: int, group_size: int | None = None, dtype=None
+    ) -> GroupCOO:
+        """The ``num_nodes x num_nodes`` adjacency matrix of a graph given as an edge list.
+
+        Args:
+          edge_index: int ``(2, E)``; row 0 holds sources and row 1 destinations (the PyG convention).
+          values: ``(E,)`` or ``(E, *dense_shape)`` edge values; defaults to ones.
+          num_nodes: the number of nodes.
+          group_size: defaults to :func:`default_group_size`.
+          dtype: defaults to the dtype of ``values`` when floating, else float32.
+
+        Returns:
+          ``A`` with ``A[dst, src] = value`` (duplicate edges summed), so that ``A @ X`` aggregates the features
+          of each node's sources into it, as message passing does.
+        """
+        where = f"{_FMT}.from_edge_index"
+        edge_index = host_array(where, edge_index)
+        if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not np.issubdtype(edge_index.dtype, np.integer):
+            raise ValueError(
+                f"{where}: edge_index must be an integer array of shape (2, E) (sources, destinations), got "
+                f"{edge_index.dtype}{list(edge_index.shape)}"
+            )
+        num_nodes = check_int(where, "num_nodes", num_nodes)
+        bad = np.argwhere((edge_index < 0) | (edge_index >= num_nodes))
+        if bad.size:
+            i, e = bad[0]
+            raise ValueError(
+                f"{where}: edge_index[{i}, {e}] = {edge_index[i, e]} is out of range: expected 0 <= node < "
+                f"num_nodes = {num_nodes}"
+            )
+        num_edges = edge_index.shape[1]
+        values = np.ones(num_edges, np.float32) if values is None else host_array(where, values)
+        if values.ndim < 1 or values.shape[0] != num_edges:
+            raise ValueError(
+                f"{where}: values must have shape (E, *dense_shape) with E = {num_edges} edges, got {values.shape}"
+            )
+        shape = (num_nodes, num_nodes, *values.shape[1:])
+        indptr, indices, data = csr_from_coo(edge_index[1], edge_index[0], values, shape[:2])
+        return cls._from_csr(shape, indptr, indices, data, group_size, value_dtype(_FMT, values.dtype, dtype))
+
+    # -- export ------------------------------------------------------------------------------------------
+
+    def todense(self) -> jax.Array:
+        """The dense ``(M, K, *dense_shape)`` array. Traceable and differentiable with respect to ``Av``."""
+        return jnp.zeros(self._shape, self.dtype).at[self.Ai[:, None], self.Ak].add(self.Av)
+
+    def to_bcoo(self) -> jsparse.BCOO:
+        """A ``BCOO`` holding every one of the ``G * P`` slots, padding included.
+
+        Padding slots are zero-valued entries at column 0, so the matrix is equal, but the BCOO is not
+        duplicate-free (``unique_indices=False``) and ``nse = G * P``. Keeping every slot makes this traceable;
+        call ``.sum_duplicates()`` on the result to compact it outside ``jit``.
+        """
+        rows = jnp.broadcast_to(self.Ai[:, None], self.Ak.shape)
+        indices = jnp.stack([rows, self.Ak], axis=-1).reshape(-1, 2)
+        data = self.Av.reshape(-1, *self.dense_shape)
+        return jsparse.BCOO((data, indices), shape=self._shape)
+
+    def to_scipy(self):
+        """A ``scipy.sparse.csr_matrix`` (host side; needs concrete arrays and no dense dimensions).
+
+        Duplicates are summed and zero-valued entries are dropped -- group padding, and also stored explicit
+        zeros, so ``to_scipy().nnz`` may be below :attr:`nnz`. float16 and bfloat16 become float32.
+        """
+        if self.dense_shape:
+            raise ValueError(
+                f"{_FMT}.to_scipy: SciPy matrices are 2-D, but this GroupCOO has dense_shape {self.dense_shape}; "
+                f"convert one dense slice at a time with with_values(A.Av[..., i])"
+            )
+        where = f"{_FMT}.to_scipy"
+        rows = np.repeat(host_array(where, self.Ai), self.group_size)
+        return to_scipy_csr(rows, host_array(where, self.Ak).ravel(), host_array(where, self.Av).ravel(), self._shape)
+
+    def with_values(self, Av) -> GroupCOO:
+        """The same sparsity structure with new values.
+
+        Args:
+          Av: floating ``(G, P, *dense_shape)``, any floating dtype and any dense shape (e.g. per-head
+            attention weights on a structure built with scalar values).
+
+        Returns:
+          A GroupCOO sharing ``Ai``, ``Ak`` and ``nnz``, with shape ``(M, K, *Av.shape[2:])``. Only shapes
+          are checked, so this is cheap and works under ``jit``.
+        """
+        Av = as_jax_array(Av)
+        _check_values(Av, self.Ak.shape)
+        return self.tree_unflatten((self._shape[:2] + Av.shape[2:], self._nnz), (self.Ai, self.Ak, Av))
