@@ -5,7 +5,7 @@
 2. The factors are contracted with one `einsum` into the loop variables that occur on the right (the summed
    variables disappear here), accumulating in float32 for 16-bit inputs.
 3. The result is added (`+=`) or set (`=`) into the left-hand side through its index arrays: one scatter, marked
-   sorted when the format guarantees sorted rows (XLA then emits a sorted segment reduction).
+   sorted when it goes through a sorted index array (a format's rows): a sorted segment reduction.
 
 Out-of-range and negative indices never fault: a read through one gives 0 (an index array read there gives an
 out-of-range index, so the outer access is out of range too), and a write through one is dropped. The Triton
@@ -111,5 +111,5 @@ def _write(values: jax.Array, axes: tuple[str, ...], env: dict[str, jax.Array], 
         return jnp.broadcast_to(values, target.shape).astype(target.dtype)
     values = values.astype(target.dtype)
     if statement.accumulate:
-        return target.at[indexer].add(values, mode="drop", indices_are_sorted=spec.indices_are_sorted)
+        return target.at[indexer].add(values, mode="drop", indices_are_sorted=spec.lhs_sorted_index is not None)
     return target.at[indexer].set(values, mode="drop")

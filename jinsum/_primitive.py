@@ -16,16 +16,21 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jinsum import _derive, _lower_xla
-from jinsum._lang import Operand, Spec, Statement, check, tensor_names, walk
+from jinsum import _derive, _lower_triton, _lower_xla
+from jinsum._lang import Operand, Spec, Statement, check, tensor_names
 
 
-def bind(statement: Statement, arrays: Mapping[str, jax.Array], *, indices_are_sorted: bool = False,
-         allow_tf32: bool = False) -> jax.Array:
-    """Checks `statement` against `arrays` (name -> array; extra names ignored) and applies the primitive."""
+def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
+              sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False) -> Spec:
+    """Checks `statement` against `arrays` (name -> array; extra names ignored): the primitive's parameter."""
     names = tensor_names(statement)
     operands = tuple(Operand(n, tuple(np.shape(arrays[n])), np.dtype(arrays[n].dtype)) for n in names)
-    spec = check(statement, operands, indices_are_sorted, allow_tf32)
+    return check(statement, operands, frozenset(sorted_indices), allow_tf32)
+
+
+def bind(statement: Statement, arrays: Mapping[str, jax.Array], **flags) -> jax.Array:
+    """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags)."""
+    spec = make_spec(statement, arrays, **flags)
     return jinsum_p.bind(*(arrays[n] for n in spec.names), spec=spec)
 
 
@@ -55,6 +60,7 @@ def _abstract_eval(*avals, spec: Spec):
 jinsum_p.def_impl(_impl)
 jinsum_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(jinsum_p, mlir.lower_fun(_lower_xla.evaluate, multiple_results=False))
+mlir.register_lowering(jinsum_p, mlir.lower_fun(_lower_triton.evaluate, multiple_results=False), platform="cuda")
 
 
 # --- forward-mode differentiation -----------------------------------------------------------------------------
@@ -85,7 +91,7 @@ def _jvp(primals, tangents, *, spec: Spec):
         name = _derive.fresh_name("d" + factor.tensor, taken)
         term = _derive.replace_factor(statement, i, name, accumulate=statement.accumulate or k > 0)
         arrays = {**env, statement.lhs.tensor: tangent, name: ad.instantiate_zeros(tangent_of[factor.tensor])}
-        tangent = bind(term, arrays, indices_are_sorted=spec.indices_are_sorted, allow_tf32=spec.allow_tf32)
+        tangent = bind(term, arrays, sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32)
     return out, tangent
 
 
@@ -117,7 +123,7 @@ def _transpose(cotangent, *args, spec: Spec):
             raise NotImplementedError(f"jinsum: {spec!r} is not linear in {name}; cannot transpose")
         zeros = jnp.zeros(aval.shape, aval.dtype)
         results[name] = bind(_derive.transpose(statement, occurrences[0]), {**env, name: zeros},
-                             allow_tf32=spec.allow_tf32)
+                             sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32)
     return [results.get(name) for name in spec.names]
 
 
@@ -130,7 +136,7 @@ def _unwritten(cotangent, env, spec: Spec):
     zeros_name = _derive.fresh_name("zeros", set(spec.names))
     mask = _derive.unwritten_mask(statement, zeros_name)
     zeros = jnp.zeros([spec.extent[v] for v in spec.loop_variables], spec.lhs.dtype)
-    return bind(mask, {**env, zeros_name: zeros})
+    return bind(mask, {**env, zeros_name: zeros}, sorted_indices=spec.sorted_indices)
 
 
 ad.primitive_transposes[jinsum_p] = _transpose
@@ -138,7 +144,7 @@ ad.primitive_transposes[jinsum_p] = _transpose
 
 # --- batching ---------------------------------------------------------------------------------------------------
 # vmap adds one index variable: at the batched axis of every batched operand, and in the output. An unbatched
-# left-hand side is broadcast with the new axis last, where it leaves the format's sorted row indices sorted.
+# left-hand side is broadcast with the new axis last. A batched index array is no longer 1-D, hence not sorted.
 
 def _batch(args, dims, *, spec: Spec):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
@@ -150,14 +156,8 @@ def _batch(args, dims, *, spec: Spec):
         lhs_axis = len(spec.lhs.shape)
         env[lhs_name] = jnp.broadcast_to(env[lhs_name][..., None], (*spec.lhs.shape, size))
     statement, _ = _derive.batch(spec.statement, batched, lhs_axis)
-    lhs_indices_batched = any(name in batched for name in _lhs_index_tensors(spec))
-    out = bind(statement, env, indices_are_sorted=spec.indices_are_sorted and not lhs_indices_batched,
-               allow_tf32=spec.allow_tf32)
+    out = bind(statement, env, sorted_indices=spec.sorted_indices - set(batched), allow_tf32=spec.allow_tf32)
     return out, lhs_axis
-
-
-def _lhs_index_tensors(spec: Spec) -> set[str]:
-    return {node.tensor for node in walk(spec.statement.lhs)} - {spec.lhs.name}
 
 
 batching.primitive_batchers[jinsum_p] = _batch

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum._lang import Access, Operand, Var, check, parse, tensor_names
+from jinsum._lang import Access, Operand, Spec, Var, check, parse, tensor_names, walk
+from jinsum._primitive import jinsum_p
 
-__all__ = ["reference", "assert_allclose", "tolerance", "check_vmap"]
+__all__ = ["reference", "assert_allclose", "tolerance", "check_vmap", "random_operands", "specs_in"]
 
 
 def reference(expression: str, **operands) -> np.ndarray:
@@ -101,3 +102,43 @@ def check_vmap(fn, args, in_axes, out_axes=0) -> None:
               for b in range(size)]
     expected = np.stack([np.asarray(x, np.float64) for x in looped], axis=out_axes)
     assert_allclose(batched, expected, np.asarray(batched).dtype, err_msg="vmap vs loop")
+
+
+def random_operands(spec: Spec, rng: np.random.Generator, dtype=None) -> dict[str, np.ndarray]:
+    """Random operands for a checked statement: normal values (in `dtype`, default each operand's own) and index
+    arrays in range of every dimension they address (sorted where the spec says so)."""
+    statement = spec.statement
+    bounds: dict[str, int] = {}
+    for access in statement.accesses:
+        for node in walk(access):
+            for dim, index in enumerate(node.indices):
+                if isinstance(index, Access):
+                    size = spec.operand[node.tensor].shape[dim]
+                    bounds[index.tensor] = min(bounds.get(index.tensor, size), size)
+    operands = {}
+    for operand in spec.operands:
+        if operand.name in bounds:
+            values = rng.integers(0, max(bounds[operand.name], 1), operand.shape).astype(operand.dtype)
+            operands[operand.name] = np.sort(values) if operand.name in spec.sorted_indices else values
+        else:
+            operands[operand.name] = rng.standard_normal(operand.shape).astype(dtype or operand.dtype)
+    return operands
+
+
+def specs_in(fn, *args) -> list[Spec]:
+    """The checked statements `fn(*args)` binds, in order, including those inside nested jaxprs (jit, grad, ...)."""
+    found = []
+
+    def visit(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is jinsum_p:
+                found.append(eqn.params["spec"])
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if hasattr(sub, "eqns"):
+                        visit(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        visit(sub.jaxpr)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

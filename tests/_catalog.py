@@ -67,6 +67,17 @@ def _block_spmm(rng, dtype, Mb=5, Kb=4, bm=3, bk=2, N=5, G=7, P=2):
                 Av=_values(rng, (G, bm, bk, P), dtype), B=_values(rng, (Kb, bk, N), dtype))
 
 
+def _block_spmm_tiles(rng, dtype):
+    """Blocks large enough for the Tensor Core (tl.dot) plan."""
+    return _block_spmm(rng, dtype, Mb=4, Kb=3, bm=16, bk=16, N=24, G=5, P=2)
+
+
+def _block_sddmm(rng, dtype, Mb=3, Kb=4, b=16, D=16, G=4, P=2):
+    return dict(S=_values(rng, (G, b, b, P), dtype), Ai=_group_rows(rng, Mb, G),
+                Ak=rng.integers(0, Kb, (G, P)).astype(np.int32), Q=_values(rng, (Mb, b, D), dtype),
+                K=_values(rng, (Kb, b, D), dtype))
+
+
 def _sddmm(rng, dtype, M=9, K=8, D=5, G=12, P=3):
     Ak, _ = _padded(rng, G, P, K, dtype)
     return dict(S=_values(rng, (G, P), dtype), Ai=_group_rows(rng, M, G), Ak=Ak,
@@ -111,6 +122,8 @@ CATALOG = [
     Case("group_spmm_empty", "C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", _empty_group_spmm, ("C", "Av", "B")),
     Case("coo_spmm", "C[R[e],n] += V[e] * B[Col[e],n]", _coo_spmm, ("C", "V", "B")),
     Case("block_spmm", "C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]", _block_spmm, ("C", "Av", "B")),
+    Case("block_spmm_tiles", "C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]", _block_spmm_tiles, ("C", "Av", "B")),
+    Case("block_sddmm", "S[g,m,k,p] = Q[Ai[g],m,d] * K[Ak[g,p],k,d]", _block_sddmm, ("Q", "K")),
     Case("sddmm", "S[g,p] = X[Ai[g],d] * Y[Ak[g,p],d]", _sddmm, ("X", "Y")),
     Case("rgcn", "O[R[e],f] += X[C[e],c] * W[T[e],c,f]", _rgcn, ("O", "X", "W")),
     Case("nested", "C[P[Ai[g]],n] += Av[g,p] * B[Ak[g,p],n]", _nested, ("C", "Av", "B")),

@@ -45,15 +45,15 @@ class Spec:
       statement: the parsed statement.
       operands: one per tensor name, in order of first appearance; `operands[0]` is the left-hand side.
       extents: `(variable, extent)` for every index variable, in order of first appearance.
-      indices_are_sorted: the left-hand side's index arrays are sorted (a format guarantee), so the scatter may
-        use sorted segment reductions.
+      sorted_indices: 1-D index arrays whose values are known to be non-decreasing (a format's row indices).
+        A left-hand side written through one of them is a sorted segment reduction.
       allow_tf32: float32 contractions may use TensorFloat-32 (faster on GPUs, ~1e-3 relative error).
     """
 
     statement: Statement
     operands: tuple[Operand, ...]
     extents: tuple[tuple[str, int], ...]
-    indices_are_sorted: bool = False
+    sorted_indices: frozenset[str] = frozenset()
     allow_tf32: bool = False
 
     def __repr__(self) -> str:  # short: this is what a printed jaxpr shows for the primitive's parameter
@@ -80,6 +80,20 @@ class Spec:
         return index_tensor_names(self.statement)
 
     @functools.cached_property
+    def lhs_sorted_index(self) -> str | None:
+        """The sorted index array through which the left-hand side is written, if that is its only indirection.
+
+        Then the writes are a sorted segment reduction: consecutive assignments hit the same or later rows.
+        """
+        indirect = [i for i in self.statement.lhs.indices if isinstance(i, Access)]
+        if len(indirect) != 1 or indirect[0].tensor not in self.sorted_indices:
+            return None
+        [var] = indirect[0].indices  # sorted index arrays are 1-D
+        if isinstance(var, Access):
+            return None
+        return indirect[0].tensor
+
+    @functools.cached_property
     def loop_variables(self) -> tuple[str, ...]:
         """Variables on the left-hand side (also inside its indirections): one output element per assignment."""
         return variables(self.statement.lhs)
@@ -100,7 +114,7 @@ def _describe(operand: Operand) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def check(statement: Statement, operands: tuple[Operand, ...], indices_are_sorted: bool = False,
+def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: frozenset[str] = frozenset(),
           allow_tf32: bool = False) -> Spec:
     """Binds operands to a statement and validates everything that can be known before tracing.
 
@@ -170,4 +184,6 @@ def check(statement: Statement, operands: tuple[Operand, ...], indices_are_sorte
 
     ordered = tuple(by_name[n] for n in names)
     ordered_extents = tuple((v, extents[v][0]) for v in statement_variables(statement))
-    return Spec(statement, ordered, ordered_extents, bool(indices_are_sorted), bool(allow_tf32))
+    # Only 1-D index arrays of this statement can be sorted; dropping the rest keeps equal Specs equal.
+    sorted_indices = frozenset(n for n in sorted_indices if n in index_tensors and len(by_name[n].shape) == 1)
+    return Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32))

@@ -1,0 +1,264 @@
+"""jinsum GPU benchmarks: SpMM, block SpMM and SDDMM against their peers, every system timed the same way.
+
+    python benchmarks/run.py [--quick] [--out benchmarks/results]
+
+Workloads: SpMM fp32 and SDDMM fp32 on PubMed (real, shipped) and R-MAT graphs (a=0.57, b=c=0.19, edge factor 16,
+scales 17 and 20, deduplicated) for F = 32 and 128; block SpMM fp16 with M=K=N=4096, 32x32 blocks at 5% and 20%
+block density. Peers in the same run: jax.experimental.sparse (BCOO), the sorted segment_sum idiom (gather idiom
+for SDDMM), dense matmul where it fits, and, where PyTorch is installed, cuSPARSE CSR (torch.sparse),
+torch.sparse._triton_ops.bsr_dense_mm and torch.sparse.sampled_addmm.
+
+Timing (jinsum.timing.time_calls): warm-up, then R back-to-back calls closed by one synchronisation, divided by R;
+the median of 5 rounds. Every result is checked against the first peer before it is timed. Bandwidth is the
+compulsory traffic (each input read once, the output written once) over the time, and its fraction of the device
+copy bandwidth measured in the same run; block SpMM also reports TFLOP/s against a dense fp16 matmul's rate.
+Writes a long-format CSV and a markdown table (with the device name) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import os
+import pathlib
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave memory for the torch peers
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import scipy.sparse as sp  # noqa: E402
+from jax.experimental import sparse  # noqa: E402
+
+import jinsum  # noqa: E402
+from jinsum.datasets import load_planetoid, rmat  # noqa: E402
+from jinsum.timing import time_calls  # noqa: E402
+
+try:
+    import torch
+except ImportError:  # the torch peers are skipped
+    torch = None
+
+
+@dataclasses.dataclass
+class Row:
+    workload: str
+    system: str
+    ms: float
+    gb_per_s: float
+    hbm_fraction: float
+    tflops: float | None
+    vs_jinsum: float
+    max_rel_error: float
+
+
+def _torch_sync(_):
+    torch.cuda.synchronize()
+
+
+def _rel_error(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def _to_numpy(x):
+    if torch is not None and isinstance(x, torch.Tensor):
+        return (x.to_dense() if x.is_sparse or x.layout != torch.strided else x).float().cpu().numpy()
+    return np.asarray(x)
+
+
+class Suite:
+    def __init__(self, calls: int):
+        self.calls = calls
+        self.rows: list[Row] = []
+        self.device = jax.devices()[0].device_kind
+        self.copy_gbps = self._copy_bandwidth()
+        self.matmul_tflops = self._fp16_matmul_rate()
+
+    def _copy_bandwidth(self) -> float:
+        x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB
+        seconds = time_calls(jax.jit(lambda x: x * 1.0001), x, calls=self.calls)
+        return 2 * x.nbytes / seconds / 1e9
+
+    def _fp16_matmul_rate(self) -> float:
+        keys = jax.random.split(jax.random.key(0))
+        a, b = (jax.random.normal(k, (8192, 8192), jnp.float16) for k in keys)
+        seconds = time_calls(jax.jit(jnp.matmul), a, b, calls=self.calls)
+        return 2 * 8192**3 / seconds / 1e12
+
+    def run(self, workload: str, systems: dict, bytes_moved: float, flops: float | None = None) -> None:
+        """Checks every system against the first peer, times each, records rows relative to jinsum.
+
+        `systems`: name -> (fn, args, sync) or (fn, args, sync, to_host), `to_host` mapping the output to the
+        peers' layout for the check (it is not timed).
+        """
+        reference = None
+        results = {}
+        for name, (fn, args, sync, *to_host) in systems.items():
+            out = fn(*args)
+            sync(out)
+            value = to_host[0](out) if to_host else _to_numpy(out)
+            if reference is None and name != "jinsum":
+                reference = value
+            results[name] = (value, time_calls(fn, *args, calls=self.calls, sync=sync))
+        reference = reference if reference is not None else results["jinsum"][0]
+        base = results["jinsum"][1]
+        for name, (value, seconds) in results.items():
+            error = _rel_error(value, reference)
+            gbps = bytes_moved / seconds / 1e9
+            self.rows.append(Row(workload, name, 1e3 * seconds, gbps, gbps / self.copy_gbps,
+                                 flops / seconds / 1e12 if flops else None, seconds / base, error))
+            print(f"  {name:<34} {1e3 * seconds:9.3f} ms  {gbps:8.1f} GB/s  err {error:.1e}", flush=True)
+
+
+def _graph(name: str) -> tuple[np.ndarray, int]:
+    if name == "pubmed":
+        data = load_planetoid("pubmed")
+        return data.edge_index, data.num_nodes
+    scale = int(name.removeprefix("rmat"))
+    return rmat(scale, 16), 1 << scale
+
+
+def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
+    edges, n = _graph(graph)
+    rng = np.random.default_rng(0)
+    values = rng.random(edges.shape[1], dtype=np.float32)
+    A = jinsum.GroupCOO.from_edge_index(edges, values, num_nodes=n)
+    csr = sp.csr_matrix((values, (edges[1], edges[0])), shape=(n, n))
+    csr.sum_duplicates()
+    csr.sort_indices()
+    nnz = csr.nnz
+    bcoo = sparse.BCOO.from_scipy_sparse(csr)
+    rows = jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), np.diff(csr.indptr)))
+    cols, vals = jnp.asarray(csr.indices), jnp.asarray(csr.data)
+    stored = _stored_slots(A, csr)
+    print(f"{graph}: {n} nodes, {nnz} nonzeros, {A}", flush=True)
+    torch_csr = None
+    if torch is not None:
+        torch_csr = torch.sparse_csr_tensor(torch.from_numpy(csr.indptr.astype(np.int64)),
+                                            torch.from_numpy(csr.indices.astype(np.int64)),
+                                            torch.from_numpy(csr.data), size=(n, n), device="cuda")
+    for f in features:
+        B = jnp.asarray(rng.standard_normal((n, f), dtype=np.float32))
+        systems = {
+            "segment_sum (sorted)": (jax.jit(lambda B: jax.ops.segment_sum(
+                vals[:, None] * B[cols], rows, num_segments=n, indices_are_sorted=True)), (B,),
+                jax.block_until_ready),
+            "jinsum": (jax.jit(lambda A, B: A @ B), (A, B), jax.block_until_ready),
+            "jax.experimental.sparse BCOO": (jax.jit(lambda B: bcoo @ B), (B,), jax.block_until_ready),
+        }
+        if n * n * 4 < 8e9:
+            dense = jnp.asarray(csr.toarray())
+            systems["dense matmul (XLA)"] = (jax.jit(jnp.matmul), (dense, B), jax.block_until_ready)
+        if torch_csr is not None:
+            tB = torch.from_numpy(np.asarray(B)).cuda()
+            systems["cuSPARSE CSR (torch.sparse)"] = (lambda B: torch_csr @ B, (tB,), _torch_sync)
+        compulsory = nnz * 8 + (n + 1) * 4 + 2 * n * f * 4
+        print(f" SpMM fp32 {graph} F={f}", flush=True)
+        suite.run(f"SpMM fp32 {graph} F={f}", systems, compulsory)
+        del systems
+
+        X = jnp.asarray(rng.standard_normal((n, f), dtype=np.float32))
+        Y = jnp.asarray(rng.standard_normal((n, f), dtype=np.float32))
+        pattern = A.with_values(jnp.ones_like(A.Av))
+        indices = jnp.stack([rows, cols], axis=1)
+        systems = {
+            "gather idiom": (jax.jit(lambda X, Y: jnp.sum(X[rows] * Y[cols], axis=1)), (X, Y), jax.block_until_ready),
+            "jinsum": (jax.jit(lambda A, X, Y: jinsum.einsum("ij,ik,jk->ij", A, X, Y).Av), (pattern, X, Y),
+                       jax.block_until_ready, lambda Sv: np.asarray(Sv).reshape(-1)[stored]),
+            "jax.experimental.sparse bcoo_dot_general_sampled": (jax.jit(
+                lambda X, Y: sparse.bcoo_dot_general_sampled(X, Y, indices, dimension_numbers=(([1], [1]), ([], [])))),
+                (X, Y), jax.block_until_ready),
+        }
+        if torch_csr is not None:
+            mask = torch.sparse_csr_tensor(torch_csr.crow_indices(), torch_csr.col_indices(),
+                                           torch.ones_like(torch_csr.values()), size=(n, n))
+            tX, tY = (torch.from_numpy(np.asarray(a)).cuda() for a in (X, Y))
+            systems["torch.sparse.sampled_addmm"] = (
+                lambda X, Y: torch.sparse.sampled_addmm(mask, X, Y.T, beta=0.0).values(), (tX, tY), _torch_sync)
+        print(f" SDDMM fp32 {graph} F={f}", flush=True)
+        suite.run(f"SDDMM fp32 {graph} F={f}", systems, nnz * 12 + 2 * n * f * 4)
+        del systems
+
+
+def _stored_slots(A: jinsum.GroupCOO, csr: sp.csr_matrix) -> np.ndarray:
+    """Which of the format's G*P slots hold a stored entry (not group padding), in CSR order: a row's entries fill
+    its groups in column order, then the last group is padded."""
+    lengths = np.diff(csr.indptr)
+    rows = np.asarray(A.Ai)
+    first_group = np.searchsorted(rows, rows, side="left")
+    position = (np.arange(len(rows)) - first_group)[:, None] * A.group_size + np.arange(A.group_size)
+    return (position < lengths[rows][:, None]).reshape(-1)
+
+
+def block_spmm(suite: Suite, densities: list[float], size: int = 4096, block: int = 32) -> None:
+    rng = np.random.default_rng(1)
+    grid = size // block
+    for density in densities:
+        mask = rng.random((grid, grid)) < density
+        block_rows, block_cols = np.nonzero(mask)
+        data = rng.standard_normal((len(block_rows), block, block)).astype(np.float16)
+        bsr = sp.bsr_matrix((data, block_cols, np.searchsorted(block_rows, np.arange(grid + 1))),
+                            shape=(size, size))
+        A = jinsum.BlockGroupCOO.from_scipy(bsr, block_shape=(block, block))
+        B = jnp.asarray(rng.standard_normal((size, size)).astype(np.float16))
+        dense = jnp.asarray(bsr.toarray())
+        systems = {
+            "dense matmul fp16 (cuBLAS)": (jax.jit(jnp.matmul), (dense, B), jax.block_until_ready),
+            "jinsum": (jax.jit(lambda A, B: A @ B), (A, B), jax.block_until_ready),
+            "jax.experimental.sparse BCOO": (jax.jit(lambda B, M=sparse.BCOO.fromdense(dense): M @ B), (B,),
+                                             jax.block_until_ready),
+        }
+        if torch is not None:
+            from torch.sparse._triton_ops import bsr_dense_mm  # noqa: PLC0415
+
+            t_bsr = torch.from_numpy(bsr.toarray()).cuda().to_sparse_bsr((block, block))
+            systems["torch bsr_dense_mm (Triton)"] = (bsr_dense_mm, (t_bsr, torch.from_numpy(np.asarray(B)).cuda()),
+                                                      _torch_sync)
+        stored = len(block_rows) * block * block
+        print(f" Block SpMM fp16 {size}^3 {block}x{block} density {density:.0%} ({A})", flush=True)
+        suite.run(f"Block SpMM fp16 {size}^3 {block}x{block} {density:.0%}", systems,
+                  stored * 2 + 2 * size * size * 2, flops=2 * stored * size)
+
+
+def write(suite: Suite, out: pathlib.Path, started: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / suite.device.replace(" ", "_")
+    with open(f"{stem}.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([field.name for field in dataclasses.fields(Row)])
+        writer.writerows(dataclasses.astuple(r) for r in suite.rows)
+    lines = [f"# jinsum benchmarks on {suite.device}", "",
+             f"jax {jax.__version__}, jinsum {jinsum.__version__}" + (f", torch {torch.__version__}" if torch else "")
+             + f"; measured copy bandwidth {suite.copy_gbps:.0f} GB/s, dense fp16 matmul {suite.matmul_tflops:.0f} "
+             f"TFLOP/s; {time.time() - started:.0f} s. Time: median of 5 rounds of back-to-back calls, one sync "
+             "per round. GB/s: compulsory bytes / time. x jinsum: time / jinsum's time (above 1: jinsum faster).",
+             "", "| workload | system | ms | GB/s | of HBM | TFLOP/s | x jinsum | max rel. error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in suite.rows:
+        tflops = f"{r.tflops:.1f}" if r.tflops else ""
+        lines.append(f"| {r.workload} | {r.system} | {r.ms:.3f} | {r.gb_per_s:.0f} | {r.hbm_fraction:.0%} | "
+                     f"{tflops} | {r.vs_jinsum:.2f} | {r.max_rel_error:.1e} |")
+    pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="PubMed and R-MAT 17 only, one block density")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
+    parser.add_argument("--calls", type=int, default=50)
+    args = parser.parse_args()
+    started = time.time()
+    suite = Suite(args.calls)
+    print(f"{suite.device}: copy {suite.copy_gbps:.0f} GB/s, fp16 matmul {suite.matmul_tflops:.0f} TFLOP/s")
+    for graph in ["pubmed", "rmat17"] + ([] if args.quick else ["rmat20"]):
+        spmm_and_sddmm(suite, graph, [32, 128])
+    block_spmm(suite, [0.05] if args.quick else [0.05, 0.20])
+    write(suite, args.out, started)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Opt-in autotuning of generated kernels: time a small set of configurations on real operands, keep the fastest
+(stored on disk by `jinsum.kernels`, and used by every later CUDA lowering of the same call)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Sequence
+
+import jax
+
+from jinsum import _einsum, _primitive
+from jinsum._lang import Spec
+from jinsum.kernels import KernelConfig, forced_config, make_plan, store_tuned_config
+from jinsum.timing import time_calls
+
+
+def candidate_configs(spec: Spec) -> list[KernelConfig]:
+    """The configurations `autotune` tries for `spec` by default (the plan's default first)."""
+    plan = make_plan(spec)
+    if getattr(plan, "template", None) == "dot":
+        return [KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, window=win)
+                for bm, bn, bk, w, s, win in [(0, 0, 0, 0, 2, 4), (32, 64, 32, 4, 3, 4), (32, 128, 32, 4, 3, 8),
+                                              (64, 64, 32, 4, 3, 4), (64, 128, 32, 8, 3, 4),
+                                              (32, 128, 32, 4, 3, 1)]]
+    return [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, split_rows=split)
+            for b, win, w, s, split in [(0, 4, 0, 2, True), (0, 8, 0, 2, True), (0, 2, 0, 2, True),
+                                        (0, 4, 0, 3, False), (0, 16, 0, 2, True), (64, 4, 1, 2, True),
+                                        (128, 4, 1, 2, True), (128, 4, 2, 2, True), (256, 8, 2, 2, True)]]
+
+
+def autotune(expression: str, /, *, configs: Sequence[KernelConfig] | None = None, calls: int = 10,
+             sorted_indices: Collection[str] = (), allow_tf32: bool = False, **named) -> KernelConfig:
+    """Times the generated kernel for this call under each configuration and stores the fastest.
+
+    Takes `einsum`'s arguments (the operands must live on a CUDA GPU). Returns the chosen configuration; from
+    now on (also in later processes) the CUDA lowering of the same statement, shapes and dtypes uses it.
+    """
+    statement, arrays, flags = _einsum.prepare(expression, named, sorted_indices=sorted_indices,
+                                               allow_tf32=allow_tf32)
+    spec = _primitive.make_spec(statement, arrays, **flags)
+    if jax.devices()[0].platform != "gpu":
+        raise RuntimeError("jinsum.autotune times generated Triton kernels: it needs a CUDA GPU")
+    args = [arrays[n] for n in spec.names]
+    timings = {}
+    for config in configs or candidate_configs(spec):
+        with forced_config(config):  # the lowering runs now, inside compile()
+            compiled = jax.jit(functools.partial(_primitive.jinsum_p.bind, spec=spec)).lower(*args).compile()
+        timings[config] = time_calls(compiled, *args, calls=calls)
+    best = min(timings, key=timings.get)
+    store_tuned_config(spec, best)
+    return best

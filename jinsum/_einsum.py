@@ -1,0 +1,172 @@
+"""`jinsum.einsum`: the one entry point, for the indirect notation and for NumPy subscripts over sparse formats."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum import _format_rewrite, _primitive
+from jinsum._lang import Access, ExpressionError, Statement, Var, parse, walk
+from jinsum.formats import BlockGroupCOO, GroupCOO
+
+SPARSE_FORMATS = (GroupCOO, BlockGroupCOO)
+
+
+def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), allow_tf32: bool = False,
+           **named):
+    """Evaluates an indirect Einsum, or a NumPy-style einsum whose operands may be sparse formats.
+
+    Indirect notation, operands by name::
+
+        C = einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", C=C, Ai=Ai, Ak=Ak, Av=Av, B=B)
+        C = einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", C=C, A=adj, B=B)   # adj: GroupCOO -> Ai, Ak, Av
+
+    Index variables on the left (also inside an indirection there) are loop variables; those only on the right
+    are summed. `+=` adds into the left-hand side array (duplicate targets accumulate); `=` sets the targets (a
+    target hit twice gets one of the values; which one is undefined). The call is functional: it returns the
+    updated array. The left-hand side array may be omitted when all its indices are plain variables (it then
+    starts at zero).
+
+    NumPy subscripts, operands by position, one of them a `GroupCOO`/`BlockGroupCOO`::
+
+        C = einsum("ik,kn->in", adj, B)          # SpMM; also "ik,k->i", "mi,ik->mk", multi-head "ik,khn->ihn"
+        S = einsum("ij,ik,jk->ij", adj, X, Y)    # SDDMM: the output takes adj's sparsity (a format is returned)
+
+    Args:
+      expression: the statement, e.g. `"C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]"`, or NumPy subscripts.
+      *operands: operands of NumPy subscripts.
+      sorted_indices: names of 1-D index arrays whose values are non-decreasing; writes through them are sorted
+        segment reductions (no atomics on GPUs). A format's row indices (`Ai`) are always included.
+      allow_tf32: float32 contractions may use TensorFloat-32 on GPUs (faster, ~1e-3 relative error).
+      **named: the tensors of the indirect notation. A format passed as `A=` binds `Ai`, `Ak` and `Av`.
+
+    Returns:
+      The new left-hand side array (or, for NumPy subscripts with sparse output, a format of the same structure).
+
+    Raises:
+      ExpressionError: the expression or the operands are malformed (the message points into the expression).
+      ValueError: a concrete index array holds an out-of-range index. Under `jit`, indices cannot be checked: an
+        out-of-range read gives 0 and an out-of-range write is dropped.
+    """
+    if "[" not in expression:
+        if named:
+            raise TypeError(f"jinsum: NumPy-style subscripts {expression!r} take operands by position; got "
+                            f"keyword operands {sorted(named)}")
+        return _format_rewrite.numpy_einsum(expression, operands, allow_tf32=allow_tf32)
+    if operands:
+        raise TypeError("jinsum: the indirect notation takes operands by name, e.g. einsum(expr, C=C, B=B); got "
+                        f"{len(operands)} positional operand(s)")
+    statement, arrays, flags = prepare(expression, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
+    return _primitive.bind(statement, arrays, **flags)
+
+
+def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] = (), allow_tf32: bool = False):
+    """Parses, expands format operands, fills an omitted left-hand side and validates concrete index arrays.
+
+    Returns `(statement, arrays, flags)` ready for `_primitive.bind(statement, arrays, **flags)`.
+    """
+    statement = parse(expression)
+    arrays, checked, row_indices = _expand_formats(named)
+    lhs = statement.lhs.tensor
+    if lhs not in arrays:
+        arrays[lhs] = _zeros_lhs(statement, arrays)
+    arrays = {name: jnp.asarray(value) for name, value in arrays.items()}
+    _check_index_values(statement, arrays, skip=checked)
+    _check_sorted(sorted_indices, arrays)
+    return statement, arrays, dict(sorted_indices=frozenset(sorted_indices) | row_indices, allow_tf32=allow_tf32)
+
+
+def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str]]:
+    """Replaces each format operand `A` by `Ai`, `Ak`, `Av`.
+
+    Returns the arrays, the names whose values the format constructor already validated, and the names of row
+    index arrays (sorted by the format's definition).
+    """
+    arrays, checked, rows = {}, set(), set()
+    for name, value in named.items():
+        if not isinstance(value, SPARSE_FORMATS):
+            arrays[name] = value
+            continue
+        parts = {name + "i": value.Ai, name + "k": value.Ak, name + "v": value.Av}
+        clash = sorted(set(parts) & set(named))
+        if clash:
+            raise TypeError(f"jinsum: format operand {name}= expands to {sorted(parts)}, which clashes with the "
+                            f"operand(s) {clash}; rename one of them")
+        arrays.update(parts)
+        checked.update((name + "i", name + "k"))
+        rows.add(name + "i")
+    return arrays, checked, rows
+
+
+def _zeros_lhs(statement: Statement, arrays: Mapping) -> jax.Array:
+    lhs = statement.lhs
+    extents = {}
+    for factor in statement.factors:
+        for node in walk(factor):
+            if node.tensor in arrays and len(np.shape(arrays[node.tensor])) == len(node.indices):
+                for dim, index in enumerate(node.indices):
+                    if isinstance(index, Var):
+                        extents.setdefault(index.name, np.shape(arrays[node.tensor])[dim])
+    unknown = [i for i in lhs.indices if not isinstance(i, Var) or i.name not in extents]
+    if unknown:
+        raise ExpressionError(
+            f"jinsum: pass {lhs.tensor}=..., the array to write into: the size of its index {unknown[0]} cannot be "
+            "inferred from the right-hand side", statement.source, unknown[0].span)
+    dtype = jnp.result_type(*(arrays[f.tensor] for f in statement.factors if f.tensor in arrays))
+    return jnp.zeros([extents[i.name] for i in lhs.indices], dtype)
+
+
+def _check_index_values(statement: Statement, arrays: Mapping[str, jax.Array], skip: set[str]) -> None:
+    """On concrete index arrays, that every index is in range of the dimension it addresses."""
+    for access in statement.accesses:
+        for node in walk(access):
+            for dim, index in enumerate(node.indices):
+                if not isinstance(index, Access) or index.tensor in skip:
+                    continue
+                values = arrays.get(index.tensor)
+                if values is None or isinstance(values, jax.core.Tracer) or node.tensor not in arrays:
+                    continue
+                bound = np.shape(arrays[node.tensor])[dim] if dim < np.ndim(arrays[node.tensor]) else None
+                values = np.asarray(values)
+                if bound is None or not np.issubdtype(values.dtype, np.integer) or values.size == 0:
+                    continue  # the checker reports rank and dtype errors with a caret
+                bad = (values < 0) | (values >= bound)
+                if bad.any():
+                    where = tuple(int(k) for k in np.argwhere(bad)[0])
+                    raise ValueError(
+                        f"jinsum: index array {index.tensor} holds {values[where]} at position {where}, out of range "
+                        f"for dimension {dim} of {node.tensor} (shape {np.shape(arrays[node.tensor])}) in {node}; "
+                        f"every index there must lie in [0, {bound})")
+
+
+def _check_sorted(names: Collection[str], arrays: Mapping[str, jax.Array]) -> None:
+    """On concrete arrays, that the ones claimed sorted are 1-D and non-decreasing."""
+    for name in names:
+        if name not in arrays:
+            raise ValueError(f"jinsum: sorted_indices names {name!r}, which is not an operand")
+        values = arrays[name]
+        if isinstance(values, jax.core.Tracer):
+            continue
+        values = np.asarray(values)
+        if values.ndim != 1 or (values.size > 1 and (np.diff(values) < 0).any()):
+            raise ValueError(f"jinsum: sorted_indices claims {name} (shape {values.shape}) is sorted, but it is not a "
+                             "non-decreasing 1-D array")
+
+
+def triton_source(expression: str, /, *, config=None, sorted_indices: Collection[str] = (), allow_tf32: bool = False,
+                  **named) -> str:
+    """The Triton source generated for an indirect Einsum on these operands (what runs on a CUDA GPU).
+
+    Takes the same arguments as `einsum`, plus an optional `jinsum.kernels.KernelConfig`. Needs no GPU.
+    Raises `ValueError` with the reason when the statement would stay on the XLA lowering.
+    """
+    from jinsum import kernels  # noqa: PLC0415 (the code generator is only needed here and on CUDA)
+
+    statement, arrays, flags = prepare(expression, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
+    plan = kernels.make_plan(_primitive.make_spec(statement, arrays, **flags), config or kernels.KernelConfig())
+    if isinstance(plan, kernels.Fallback):
+        raise ValueError(f"jinsum: {statement} has no generated kernel: {plan.reason}")
+    return kernels.generate(plan)

@@ -1,0 +1,139 @@
+"""NumPy subscripts over a sparse format -> the format's indirect Einsum.
+
+The sparse operand `A` with subscripts `rc` (row `r`, column `c`, then any dense value axes) is replaced by its
+stored values, and its row and column letters by indirections wherever they occur:
+
+    GroupCOO:       r -> Ai[g],       c -> Ak[g,p],       A[r,c,...] -> Av[g,p,...]
+    BlockGroupCOO:  r -> Ai[g], m,    c -> Ak[g,p], k,    A[r,c]     -> Av[g,m,k,p]
+
+So `"ik,kn->in"` becomes `C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]`. For the block format, dense axes labelled `r`
+or `c` are split into (block, offset) axes, zero-padded to whole blocks. When the output subscripts are exactly
+the sparse operand's, the output keeps its sparsity (SDDMM) and a format with the new values is returned.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jinsum import _primitive
+from jinsum._lang import parse
+from jinsum.formats import BlockGroupCOO, GroupCOO
+
+
+def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
+    inputs, output = _split_subscripts(subscripts, len(operands))
+    sparse = [k for k, x in enumerate(operands) if isinstance(x, (GroupCOO, BlockGroupCOO))]
+    if not sparse:
+        precision = lax.Precision.DEFAULT if allow_tf32 else lax.Precision.HIGHEST
+        return jnp.einsum(subscripts, *operands, precision=precision)
+    if len(sparse) > 1:
+        raise NotImplementedError(f"jinsum: {subscripts!r} multiplies {len(sparse)} sparse operands; products of "
+                                  "sparse operands are not supported yet (densify all but one with .todense())")
+    [s] = sparse
+    A = operands[s]
+    sizes = _letter_sizes(subscripts, inputs, operands)
+    rows, cols, *dense = inputs[s]
+    if rows == cols:
+        raise NotImplementedError(f"jinsum: {subscripts!r} takes the diagonal of a sparse operand; not supported")
+    block = isinstance(A, BlockGroupCOO)
+    if block:
+        bm, bk = A.block_shape
+        replace = {rows: ["Ai[_g]", "_m"], cols: ["Ak[_g,_p]", "_k"]}
+        values = "Av[_g,_m,_k,_p]"
+        split = {rows: (A.shape[0], bm), cols: (A.shape[1], bk)}
+    else:
+        replace = {rows: ["Ai[_g]"], cols: ["Ak[_g,_p]"]}
+        values = f"Av[{','.join(['_g', '_p', *dense])}]"
+        split = {}
+
+    def access(name: str, letters: str) -> str:
+        return f"{name}[{','.join(part for letter in letters for part in replace.get(letter, [letter]))}]"
+
+    factors, arrays = [], {"A": A}
+    for k, (letters, x) in enumerate(zip(inputs, operands)):
+        if k == s:
+            factors.append(values)
+            continue
+        factors.append(access(f"X{k}", letters))
+        arrays[f"X{k}"] = _split_axes(jnp.asarray(x), letters, split)
+    dtype = jnp.result_type(A.dtype, *(arrays[f"X{k}"].dtype for k in range(len(operands)) if k != s))
+
+    if output == inputs[s]:  # the output takes the sparse operand's structure
+        lhs = values.replace("Av", "Out", 1)
+        arrays["Out"] = jnp.zeros(A.Av.shape, dtype)
+        result = _primitive.bind(parse(f"{lhs} = {' * '.join(factors)}"), _expand(arrays),
+                                 sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32)
+        return A.with_values(result)
+
+    out_shape = [d for letter in output for d in _split_shape(letter, sizes[letter], split)]
+    arrays["Out"] = jnp.zeros(out_shape, dtype)
+    statement = parse(f"{access('Out', output)} += {' * '.join(factors)}")
+    out = _primitive.bind(statement, _expand(arrays), sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32)
+    return _merge_axes(out, output, split)
+
+
+def _expand(arrays: dict) -> dict:
+    A = arrays.pop("A")
+    return {**arrays, "Ai": A.Ai, "Ak": A.Ak, "Av": A.Av}
+
+
+def _split_subscripts(subscripts: str, count: int) -> tuple[list[str], str]:
+    if "." in subscripts:
+        raise NotImplementedError(f"jinsum: ellipses in {subscripts!r} are not supported with sparse operands; "
+                                  "name every axis")
+    spec = subscripts.replace(" ", "")
+    inputs_text, arrow, output = spec.partition("->")
+    inputs = inputs_text.split(",")
+    if len(inputs) != count:
+        raise ValueError(f"jinsum: {subscripts!r} names {len(inputs)} operand(s) but {count} were given")
+    if not all(s.isalpha() for s in inputs + ([output] if output else [])):
+        raise ValueError(f"jinsum: {subscripts!r}: subscripts must be letters")
+    if not arrow:  # NumPy's implicit output: the letters that occur once, in alphabetical order
+        letters = "".join(inputs)
+        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return inputs, output
+
+
+def _letter_sizes(subscripts: str, inputs: list[str], operands) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for k, (letters, x) in enumerate(zip(inputs, operands)):
+        shape = tuple(x.shape)
+        if len(letters) != len(shape):
+            raise ValueError(f"jinsum: {subscripts!r}: operand {k} has shape {shape} but its subscripts "
+                             f"{letters!r} name {len(letters)} axes")
+        for letter, size in zip(letters, shape):
+            if sizes.setdefault(letter, size) != size:
+                raise ValueError(f"jinsum: {subscripts!r}: '{letter}' has size {sizes[letter]} in one operand and "
+                                 f"{size} in operand {k} (shape {shape})")
+    return sizes
+
+
+def _split_shape(letter: str, size: int, split: dict) -> list[int]:
+    if letter not in split:
+        return [size]
+    _, block = split[letter]
+    return [-(-size // block), block]
+
+
+def _split_axes(x, letters: str, split: dict):
+    """Pads each axis labelled with a block-split letter to whole blocks and splits it into (block, offset)."""
+    for axis in reversed(range(len(letters))):
+        if letters[axis] in split:
+            blocks, block = _split_shape(letters[axis], x.shape[axis], split)
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, blocks * block - x.shape[axis])
+            x = jnp.pad(x, pad).reshape(*x.shape[:axis], blocks, block, *x.shape[axis + 1:])
+    return x
+
+
+def _merge_axes(x, letters: str, split: dict):
+    """Undoes `_split_axes` on the output: merges (block, offset) axes and drops the padding."""
+    axis = 0
+    for letter in letters:
+        if letter in split:
+            size, _ = split[letter]
+            x = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+            x = lax.slice_in_dim(x, 0, size, axis=axis)
+        axis += 1
+    return x

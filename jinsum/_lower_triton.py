@@ -1,0 +1,108 @@
+"""The CUDA lowering: a generated Triton kernel per statement, launched through `jax_triton.triton_call`.
+
+Also the same launch through Triton's interpreter on torch CPU tensors (`interpret`), which is how CI runs every
+generated kernel without a GPU. Statements the code generator does not take stay on the XLA lowering, with a
+`FallbackWarning` that says why.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import numpy as np
+
+from jinsum import _lower_xla
+from jinsum._lang import Spec
+from jinsum.kernels import (Fallback, KernelConfig, KernelPlan, generate, kernel_inputs, load_kernel, make_plan,
+                            tuned_config)
+
+
+class FallbackWarning(UserWarning):
+    """A statement runs on the XLA lowering instead of a generated Triton kernel."""
+
+
+def plan_for(spec: Spec) -> KernelPlan | Fallback:
+    """The plan the CUDA lowering uses for `spec`: with the tuned configuration if `jinsum.autotune` stored one."""
+    return make_plan(spec, tuned_config(spec) or KernelConfig())
+
+
+def _metaparameters(plan: KernelPlan) -> dict[str, int]:
+    config = plan.config
+    tiles = dict(BLOCK=config.block) if plan.template == "lanes" else \
+        dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+    return dict(**tiles, WINDOW=config.window, NUM_STAGES=config.num_stages)
+
+
+def _has_work(plan: KernelPlan) -> bool:
+    return 0 not in plan.grid_shape and all(plan.spec.extent[v] for v in plan.spec.loop_variables)
+
+
+def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
+    """The statement on CUDA arrays: one generated kernel (the body of the primitive's cuda lowering)."""
+    plan = plan_for(spec) if os.environ.get("JINSUM_TRITON", "1") != "0" else Fallback("JINSUM_TRITON=0")
+    if isinstance(plan, Fallback):
+        if plan.reason != "JINSUM_TRITON=0":
+            warnings.warn(f"jinsum: {spec.statement} runs on the XLA lowering: {plan.reason}", FallbackWarning,
+                          stacklevel=2)
+        return _lower_xla.evaluate(*arrays, spec=spec)
+    env = dict(zip(spec.names, arrays))
+    lhs = env[spec.lhs.name]
+    if not _has_work(plan):
+        return lhs
+    env[spec.lhs.name] = lhs.astype(plan.out_dtype)
+    out = _jax_triton().triton_call(
+        *(env[n] for n in kernel_inputs(plan)),
+        kernel=load_kernel(generate(plan)),
+        out_shape=jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype),
+        grid=plan.grid_shape,
+        input_output_aliases={0: 0} if plan.reads_lhs else {},
+        num_warps=plan.config.num_warps,
+        num_stages=plan.config.num_stages,
+        name="jinsum",
+        **_metaparameters(plan),
+    )
+    return out.astype(spec.lhs.dtype)
+
+
+def _jax_triton():
+    """jax_triton, imported on first use (the CPU build of jaxlib cannot import it)."""
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton  # noqa: PLC0415
+
+    # jax-triton 0.3.1 sets TRITON_CACHE_DIR="" on import, which disables Triton's on-disk cache in this process.
+    if previous is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = previous
+    return jax_triton
+
+
+def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = KernelConfig()) -> np.ndarray:
+    """Runs the generated kernel for `spec` in Triton's interpreter on CPU (needs `TRITON_INTERPRET=1` set before
+    Triton kernels are first defined, and torch). For tests: the same plan, source and arguments as on a GPU."""
+    import torch  # noqa: PLC0415
+
+    plan = make_plan(spec, config)
+    if isinstance(plan, Fallback):
+        raise ValueError(f"jinsum: no kernel for {spec.statement}: {plan.reason}")
+    lhs = np.asarray(arrays[spec.lhs.name])
+    if not _has_work(plan):
+        return lhs
+
+    def to_torch(x: np.ndarray) -> torch.Tensor:
+        x = np.ascontiguousarray(x)
+        if x.dtype == jax.numpy.bfloat16:
+            return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+
+    inputs = [to_torch(np.asarray(arrays[n])) for n in kernel_inputs(plan) if n != spec.lhs.name]
+    out = to_torch(lhs.astype(plan.out_dtype)).clone()
+    if plan.reads_lhs:
+        inputs.insert(0, out)  # aliased: the kernel reads and writes the output buffer only
+    load_kernel(generate(plan))[plan.grid_shape](*inputs, out, num_warps=plan.config.num_warps,
+                                                 **_metaparameters(plan))
+    if out.dtype == torch.bfloat16:
+        return out.view(torch.uint16).numpy().view(jax.numpy.bfloat16)
+    return out.numpy().astype(spec.lhs.dtype)

@@ -1,0 +1,18 @@
+"""The Triton code generator: checked statement -> kernel plan -> Triton source -> importable kernel.
+
+Shipped inside the package as `jinsum.kernels`. The launchers (jax-triton, and Triton's interpreter for tests)
+live in `jinsum._lower_triton`; the `@triton.jit` helpers every generated kernel imports are in `helpers`.
+"""
+
+from jinsum.kernels._cache import cache_dir as cache_dir
+from jinsum.kernels._cache import load_kernel as load_kernel
+from jinsum.kernels._plan import DotRoles as DotRoles
+from jinsum.kernels._plan import Fallback as Fallback
+from jinsum.kernels._plan import KernelConfig as KernelConfig
+from jinsum.kernels._plan import KernelPlan as KernelPlan
+from jinsum.kernels._plan import make_plan as make_plan
+from jinsum.kernels._source import generate as generate
+from jinsum.kernels._source import kernel_inputs as kernel_inputs
+from jinsum.kernels._tuned import forced_config as forced_config
+from jinsum.kernels._tuned import store_tuned_config as store_tuned_config
+from jinsum.kernels._tuned import tuned_config as tuned_config

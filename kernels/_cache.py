@@ -1,0 +1,38 @@
+"""Generated sources -> importable modules. Triton reads a kernel's source from its file, so each generated module is
+written once to a cache folder (`$JINSUM_CACHE_DIR`, default `~/.cache/jinsum/kernels`) and imported from there."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+import tempfile
+
+from jinsum.kernels._source import KERNEL_NAME
+
+_LOADED: dict[str, object] = {}
+
+
+def cache_dir() -> pathlib.Path:
+    """Where generated kernel modules are written."""
+    default = pathlib.Path.home() / ".cache" / "jinsum" / "kernels"
+    return pathlib.Path(os.environ.get("JINSUM_CACHE_DIR", default))
+
+
+def load_kernel(source: str):
+    """The `@triton.jit` kernel defined by `source` (imported once per distinct source and process)."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:24]
+    if digest not in _LOADED:
+        directory = cache_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"jinsum_{digest}.py"
+        if not path.exists():  # write-then-rename: concurrent processes never import a half-written file
+            with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as f:
+                f.write(source)
+            os.replace(f.name, path)
+        spec = importlib.util.spec_from_file_location(f"jinsum_generated_{digest}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _LOADED[digest] = getattr(module, KERNEL_NAME)
+    return _LOADED[digest]

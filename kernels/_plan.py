@@ -1,0 +1,216 @@
+"""Checked `Spec` -> `KernelPlan`: which variables are tiles, which are parallel over the grid, which are looped,
+and how the left-hand side is written.
+
+Two templates cover the class:
+
+- **dot**: two factors that, for fixed scalar variables, multiply as matrices (`m,k x k,n` with the output on
+  `m,n`, every side >= 16 and addressed directly): tiles of the three, contracted with `tl.dot` (Tensor Cores).
+  Block-sparse SpMM, block SDDMM and their transposes take this path.
+- **lanes**: everything else. One variable is vectorised across the program's lanes (the one most factors read
+  contiguously); every other variable is a scalar, either parallel (grid) or looped inside. Each lane keeps its
+  own float32 accumulator, so nothing is reduced across threads except when the lane variable is itself summed.
+
+Parallel (grid) variables are the left-hand side's; summed ones are loops. The innermost grid variable is walked in
+windows of `window` consecutive values per program, so short work items share a program.
+
+Write modes:
+- `set` (`=`): store; a target written twice is undefined by the language anyway.
+- `update` (`+=`, the left-hand side addressed by plain variables): each element has one writer, load-add-store.
+- `segmented` (`+=` through a sorted index array of the window variable, a format's rows): consecutive equal rows
+  accumulate in registers and are written once; rows that continue into a neighbouring program's window are added
+  atomically (`split_rows=True`, balanced for hub rows), or a program owns every row that starts in its window and
+  finishes it (`split_rows=False`, no atomics at all).
+- `atomic` (`+=` through other indirections): `tl.atomic_add`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+
+from jinsum._lang import Access, Spec, Var, walk
+
+# Operand element counts at or above this need 64-bit offsets.
+INT32_LIMIT = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch and tiling parameters. Zero means "choose from the plan" (see `default_config`)."""
+
+    block: int = 0  # lanes per program (lanes template)
+    window: int = 4  # consecutive values of the window variable per program
+    split_rows: bool = True  # segmented writes: split long rows across programs (atomics at window edges)
+    block_m: int = 0  # dot template tiles
+    block_n: int = 0
+    block_k: int = 0
+    num_warps: int = 0
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DotRoles:
+    """The matrix product inside a dot plan: `a[m,k] x b[k,n] -> out[m,n]` for fixed scalar variables."""
+
+    a: int  # factor positions
+    b: int
+    m: str
+    n: str
+    k: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    spec: Spec
+    template: str  # "lanes" or "dot"
+    lanes: str | None  # lanes template: the vectorised variable
+    dot: DotRoles | None  # dot template: the matrix product
+    grid: tuple[str, ...]  # scalar parallel variables, flattened over program_id(0), outermost first
+    window: str | None  # the innermost parallel variable, walked in windows
+    loops: tuple[str, ...]  # summed scalar variables, looped inside, outermost first
+    write: str  # "set", "update", "segmented" or "atomic"
+    config: KernelConfig
+    out_dtype: np.dtype  # the buffer the kernel writes (float32 when 16-bit results need atomics)
+
+    @property
+    def reads_lhs(self) -> bool:
+        """The kernel starts from the left-hand side's values (the launcher aliases it to the output)."""
+        statement = self.spec.statement
+        return statement.accumulate or not all(isinstance(i, Var) for i in statement.lhs.indices)
+
+    @functools.cached_property
+    def tile_vars(self) -> tuple[str, ...]:
+        return (self.lanes,) if self.template == "lanes" else (self.dot.m, self.dot.n)
+
+    @functools.cached_property
+    def windows(self) -> int:
+        return -(-self.spec.extent[self.window] // self.config.window) if self.window else 1
+
+    @property
+    def grid_shape(self) -> tuple[int, int]:
+        """(programs over the grid variables and windows, programs over output tiles)."""
+        extent = self.spec.extent
+        programs = self.windows * int(np.prod([extent[v] for v in self.grid], dtype=np.int64))
+        if self.template == "dot":
+            tiles = _ceil(extent[self.dot.m], self.config.block_m) * _ceil(extent[self.dot.n], self.config.block_n)
+        elif self.lanes in self.spec.loop_variables:
+            tiles = _ceil(extent[self.lanes], self.config.block)
+        else:
+            tiles = 1
+        return int(programs), int(tiles)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """The statement stays on the XLA lowering, for `reason`."""
+
+    reason: str
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, 1 << max(0, int(x) - 1).bit_length())))
+
+
+def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan | Fallback:
+    """The kernel plan for `spec`, or a `Fallback` saying why it stays on XLA."""
+    statement = spec.statement
+    dot = _dot_roles(spec)
+    tiles = (dot.m, dot.n) if dot else (_lane_variable(spec),)
+    scalar_loop = [v for v in spec.loop_variables if v not in tiles]
+    loops = tuple(v for v in spec.summed_variables if v not in tiles and not (dot and v == dot.k))
+
+    segment = spec.lhs_sorted_index
+    segment_var = None
+    if segment is not None and statement.accumulate:
+        [var] = next(n for n in walk(statement.lhs) if n.tensor == segment).indices
+        if var.name not in tiles:
+            segment_var = var.name
+    if segment_var is not None:
+        window = segment_var
+        write = "segmented"
+    else:
+        window = max(scalar_loop, key=lambda v: spec.extent[v], default=None)
+        if not statement.accumulate:
+            write = "set"
+        elif all(isinstance(i, Var) for i in statement.lhs.indices):
+            write = "update"
+        else:
+            write = "atomic"
+    grid = tuple(v for v in scalar_loop if v != window)
+
+    out_dtype = np.dtype(spec.lhs.dtype)
+    if write in ("atomic", "segmented") and out_dtype.itemsize < 4:
+        out_dtype = np.dtype(np.float32)  # 16-bit atomics lose precision and are slow; the launcher casts back
+    config = default_config(spec, dot, tiles, config)
+    plan = KernelPlan(spec, "dot" if dot else "lanes", None if dot else tiles[0], dot, grid, window, loops, write,
+                      config, out_dtype)
+    programs, tile_programs = plan.grid_shape
+    if programs > INT32_LIMIT or tile_programs > 65535:
+        return Fallback(f"the grid ({programs} x {tile_programs} programs) exceeds CUDA's launch limits")
+    return plan
+
+
+def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], config: KernelConfig) -> KernelConfig:
+    """Fills the zero fields of `config`: a default that is good on Hopper for the plan's shape."""
+    extent = spec.extent
+    changes = {}
+    if dot:
+        changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 64)
+        changes["block_n"] = config.block_n or _pow2(extent[dot.n], 16, 128)
+        changes["block_k"] = config.block_k or _pow2(extent[dot.k], 16, 64)
+        changes["num_warps"] = config.num_warps or 4
+    else:
+        block = config.block or _pow2(extent[tiles[0]], 1, 256)
+        changes["block"] = block
+        # One warp holds 32 lanes x 4 contiguous elements (16-byte loads); more lanes, more warps.
+        changes["num_warps"] = config.num_warps or max(1, min(8, block // 128))
+    return dataclasses.replace(config, **changes)
+
+
+def _lane_variable(spec: Spec) -> str:
+    """The variable most top-level accesses read contiguously (last position), the left-hand side breaking ties."""
+    statement = spec.statement
+
+    def last(access: Access) -> str | None:
+        index = access.indices[-1]
+        return index.name if isinstance(index, Var) else None
+
+    def score(v: str) -> tuple[int, int, int]:
+        reads = sum(last(f) == v for f in statement.factors)
+        return (2 * reads + (last(statement.lhs) == v), spec.extent[v], -list(spec.extent).index(v))
+
+    return max(spec.extent, key=score)
+
+
+def _dot_roles(spec: Spec) -> DotRoles | None:
+    """`a[m,k] x b[k,n] -> out[m,n]` if the statement has that shape with sides >= 16, else None."""
+    statement = spec.statement
+    if len(statement.factors) != 2 or any(spec.operand[f.tensor].dtype == np.float64 for f in statement.factors):
+        return None
+
+    def direct(access: Access) -> set[str]:
+        return {i.name for i in access.indices if isinstance(i, Var)}
+
+    # Tile variables must address their operands directly: they may not occur inside any index array.
+    inside_indices = {v.name for access in statement.accesses for node in walk(access) if node is not access
+                      for v in node.indices if isinstance(v, Var)}
+
+    out = direct(statement.lhs) - inside_indices
+    for a, b in ((0, 1), (1, 0)):
+        da = direct(statement.factors[a]) - inside_indices
+        db = direct(statement.factors[b]) - inside_indices
+        ms = sorted((da & out) - db, key=lambda v: -spec.extent[v])
+        ns = sorted((db & out) - da, key=lambda v: -spec.extent[v])
+        ks = sorted((da & db) - set(spec.loop_variables), key=lambda v: -spec.extent[v])
+        for m in ms:
+            for n in ns:
+                for k in ks:
+                    if min(spec.extent[m], spec.extent[n], spec.extent[k]) >= 16:
+                        return DotRoles(a, b, m, n, k)
+    return None

@@ -1,0 +1,101 @@
+"""The catalog through real generated kernels on a CUDA GPU: jit, grad and vmap against the XLA lowering and the
+float64 reference. Run with `pytest -m gpu` on a machine with a GPU and jax-triton; skipped elsewhere."""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jinsum
+from jinsum import _lower_xla, _primitive
+from jinsum.testing import assert_allclose, check_vmap, reference
+
+from _catalog import CATALOG, group_spmm
+from conftest import ON_GPU
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")]
+
+DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)]
+
+
+@pytest.fixture(autouse=True)
+def no_fallback():
+    """Every statement here must run in a generated kernel: a fallback to XLA fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jinsum.FallbackWarning)
+        yield
+
+
+def _sorted(operands):
+    return ("Ai",) if "Ai" in operands else ()
+
+
+def _jinsum(case, operands):
+    return jax.jit(lambda ops: jinsum.einsum(case.expression, **ops, sorted_indices=_sorted(ops)))(operands)
+
+
+def _xla(case, operands):
+    """The same statement forced onto the XLA lowering, on the same device."""
+    from jinsum import _einsum  # noqa: PLC0415
+
+    statement, arrays, flags = _einsum.prepare(case.expression, operands, sorted_indices=_sorted(operands))
+    spec = _primitive.make_spec(statement, arrays, **flags)
+    return jax.jit(functools.partial(_lower_xla.evaluate, spec=spec))(*(arrays[n] for n in spec.names))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CATALOG, ids=repr)
+def test_catalog_kernels_on_gpu(case, dtype, rng):
+    operands = case.make(rng, dtype)
+    lowered = jax.jit(lambda ops: jinsum.einsum(case.expression, **ops)).lower(operands).as_text()
+    assert "triton_kernel_call" in lowered or case.name == "group_spmm_empty"
+    actual = _jinsum(case, operands)
+    assert_allclose(actual, reference(case.expression, **operands), dtype)
+    assert_allclose(actual, np.asarray(_xla(case, operands), np.float64), dtype, err_msg="against XLA")
+
+
+@pytest.mark.parametrize("case", CATALOG, ids=repr)
+def test_grads_on_gpu(case, rng):
+    with jax.enable_x64(True):
+        operands = case.make(rng, np.float64)
+
+        def fn(*values):
+            return jinsum.einsum(case.expression, **{**operands, **dict(zip(case.linear_in, values))},
+                                 sorted_indices=_sorted(operands))
+
+        check_grads(jax.jit(fn), tuple(operands[n] for n in case.linear_in), order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize("case", CATALOG, ids=repr)
+def test_vmap_on_gpu(case, rng):
+    operands = case.make(rng, np.float32)
+    name = case.linear_in[-1]
+    batched = np.stack([operands[name] * (b + 1) for b in range(3)])
+    fn = jax.jit(lambda x: jinsum.einsum(case.expression, **{**operands, name: x}, sorted_indices=_sorted(operands)))
+    check_vmap(fn, (batched,), (0,))
+
+
+def test_large_group_spmm_with_hub_rows(rng):
+    """Windows, split rows and many programs: a power-law row-length distribution at scale."""
+    rows = np.sort(np.minimum(rng.zipf(1.5, 200_000), 5000) - 1).astype(np.int32)
+    operands = group_spmm(rng, np.float32, M=5000, K=7000, N=96, G=200_000, P=8)
+    operands["Ai"] = rows
+    A = jinsum.GroupCOO(operands["Ai"], operands["Ak"], operands["Av"], (5000, 7000))
+    out = jax.jit(lambda A, B: A @ B)(A, operands["B"])
+    dense = np.zeros((5000, 7000))
+    np.add.at(dense, (np.repeat(rows, 8), operands["Ak"].reshape(-1)), operands["Av"].reshape(-1))
+    assert_allclose(out, dense @ operands["B"], np.float32)
+
+
+def test_autotune_stores_and_reuses_a_config(rng, tmp_path, monkeypatch):
+    monkeypatch.setenv("JINSUM_CACHE_DIR", str(tmp_path / "kernels"))
+    operands = group_spmm(rng, np.float32, M=300, K=200, N=64, G=900, P=4)
+    operands = {k: jnp.asarray(v) for k, v in operands.items()}
+    config = jinsum.autotune("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", sorted_indices=("Ai",), **operands)
+    assert (tmp_path / "autotune.json").exists() and str(config.window) in (tmp_path / "autotune.json").read_text()
+    out = jinsum.einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", sorted_indices=("Ai",), **operands)
+    assert_allclose(out, reference("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", **operands), np.float32)

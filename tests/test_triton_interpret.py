@@ -1,0 +1,122 @@
+"""Every generated Triton kernel of the catalog, and of the statements its grads and vmaps derive, run in Triton's
+interpreter on CPU against the float64 reference and the XLA lowering (skipped on a GPU: see test_gpu.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jinsum
+from jinsum import _einsum, _primitive
+from jinsum._lower_triton import interpret
+from jinsum.kernels import KernelConfig, make_plan
+from jinsum.testing import assert_allclose, random_operands, reference, specs_in
+
+from _catalog import CATALOG, group_spmm
+from conftest import ON_GPU
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GPU is")
+
+DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)]
+# Small tiles and windows so that every loop of a plan runs several times on small shapes.
+STRESS = KernelConfig(block=4, window=3, block_m=16, block_n=16, block_k=16, num_stages=1)
+
+
+def _spec(expression, operands):
+    """The checked statement, with the catalog's sorted group rows (`Ai`) declared as such."""
+    sorted_rows = ("Ai",) if "Ai" in operands else ()
+    statement, arrays, flags = _einsum.prepare(expression, operands, sorted_indices=sorted_rows)
+    return _primitive.make_spec(statement, arrays, **flags)
+
+
+@pytest.mark.parametrize("config", [KernelConfig(), STRESS, KernelConfig(split_rows=False, window=2)],
+                         ids=["default", "stress", "owned_rows"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CATALOG, ids=repr)
+def test_catalog_kernel_matches_reference_and_xla(case, dtype, config, rng):
+    operands = case.make(rng, dtype)
+    spec = _spec(case.expression, operands)
+    if dtype == jnp.bfloat16 and make_plan(spec, config).template == "dot":
+        pytest.skip("Triton 3.6's interpreter computes bfloat16 tl.dot wrongly (it is right on GPUs: test_gpu.py)")
+    actual = interpret(spec, operands, config)
+    assert actual.dtype == dtype
+    assert_allclose(actual, reference(case.expression, **operands), dtype)
+    xla = jinsum.einsum(case.expression, **operands)
+    assert_allclose(actual, np.asarray(xla, np.float64), dtype, err_msg="against the XLA lowering")
+
+
+def _derived_specs():
+    """The statements that jax.grad (with respect to every linear operand) and jax.vmap derive from the catalog."""
+    derived = {}
+    rng = np.random.default_rng(0)
+    for case in CATALOG:
+        operands = case.make(rng, np.float32)
+
+        sorted_rows = ("Ai",) if "Ai" in operands else ()
+
+        def loss(values, case=case, operands=operands, sorted_rows=sorted_rows):
+            return jnp.sum(jinsum.einsum(case.expression, **{**operands, **values}, sorted_indices=sorted_rows) ** 2)
+
+        values = {n: operands[n] for n in case.linear_in}
+        for spec in specs_in(jax.grad(loss), values):
+            derived.setdefault(str(spec.statement), spec)
+        name = case.linear_in[-1]
+        batched = np.stack([operands[name]] * 3)
+        for spec in specs_in(jax.vmap(lambda x, case=case, operands=operands, name=name, s=sorted_rows: jinsum.einsum(
+                case.expression, **{**operands, name: x}, sorted_indices=s)), batched):
+            derived.setdefault(str(spec.statement), spec)
+    return list(derived.values())
+
+
+DERIVED = _derived_specs()
+
+
+@pytest.mark.parametrize("spec", DERIVED, ids=lambda s: str(s.statement))
+def test_derived_statement_kernels_match_reference(spec, rng):
+    operands = random_operands(spec, rng)
+    for config in (KernelConfig(), STRESS):
+        assert_allclose(interpret(spec, operands, config), reference(str(spec.statement), **operands),
+                        np.float32, err_msg=str(config))
+
+
+def test_derived_statements_cover_the_transposes():
+    statements = {str(s.statement) for s in DERIVED}
+    assert "dB[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]" in statements
+    assert "dAv[g,p] += B[Ak[g,p],n] * C[Ai[g],n]" in statements
+    assert "dX[Ai[g],d] += Y[Ak[g,p],d] * S[g,p]" in statements  # the SDDMM's transpose: a sorted SpMM
+    assert "dW[T[e],c,f] += X[C[e],c] * O[R[e],f]" in statements
+    assert "C[Ai[g],n,b] += Av[g,p] * B[b,Ak[g,p],n]" in statements  # vmap over B
+
+
+def test_block_spmm_source_uses_tensor_cores(rng):
+    operands = next(c for c in CATALOG if c.name == "block_spmm_tiles").make(rng, np.float16)
+    source = jinsum.triton_source("C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]", **operands)
+    assert "tl.dot(" in source and "tl.float16" in source
+
+
+def test_group_spmm_with_owned_rows_has_no_atomics(rng):
+    operands = group_spmm(rng, np.float32)
+    expression = "C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]"
+    owned = jinsum.triton_source(expression, config=KernelConfig(split_rows=False), sorted_indices=("Ai",),
+                                 **operands)
+    assert "atomic" not in owned and "update(" in owned
+    split = jinsum.triton_source(expression, sorted_indices=("Ai",), **operands)
+    assert "segment_update(" in split  # hub rows split across programs: atomics at window edges only
+
+
+def test_fp32_dot_precision_follows_allow_tf32(rng):
+    operands = next(c for c in CATALOG if c.name == "block_spmm_tiles").make(rng, np.float32)
+    expression = "C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]"
+    assert 'input_precision="ieee"' in jinsum.triton_source(expression, **operands)
+    assert 'input_precision="tf32"' in jinsum.triton_source(expression, allow_tf32=True, **operands)
+
+
+def test_plan_of_the_catalog():
+    rng = np.random.default_rng(1)
+    plans = {c.name: make_plan(_spec(c.expression, c.make(rng, np.float32))) for c in CATALOG}
+    assert plans["group_spmm"].write == "segmented" and plans["group_spmm"].lanes == "n"
+    assert plans["block_spmm_tiles"].template == "dot" and plans["block_sddmm"].template == "dot"
+    assert plans["coo_spmm"].write == "atomic"
+    assert plans["sddmm"].lanes == "d" and plans["sddmm"].write == "set"
+    assert plans["ell"].write == "update"
