@@ -18,14 +18,13 @@ def candidate_configs(spec: Spec) -> list[KernelConfig]:
     """The configurations `autotune` tries for `spec` by default (the plan's default first)."""
     plan = make_plan(spec)
     if getattr(plan, "template", None) == "dot":
-        return [KernelConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, window=win)
-                for bm, bn, bk, w, s, win in [(0, 0, 0, 0, 2, 4), (32, 64, 32, 4, 3, 4), (32, 128, 32, 4, 3, 8),
-                                              (64, 64, 32, 4, 3, 4), (64, 128, 32, 8, 3, 4),
-                                              (32, 128, 32, 4, 3, 1)]]
-    return [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, split_rows=split)
-            for b, win, w, s, split in [(0, 4, 0, 2, True), (0, 8, 0, 2, True), (0, 2, 0, 2, True),
-                                        (0, 4, 0, 3, False), (0, 16, 0, 2, True), (64, 4, 1, 2, True),
-                                        (128, 4, 1, 2, True), (128, 4, 2, 2, True), (256, 8, 2, 2, True)]]
+        return [KernelConfig(block_n=bn, num_warps=w, num_stages=s, schedule=schedule)
+                for bn, w, s, schedule in [(0, 0, 1, ""), (128, 4, 3, "rows"), (256, 8, 3, "rows"),
+                                           (256, 4, 2, "rows"), (256, 8, 1, "split"), (128, 4, 1, "split")]]
+    return [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, schedule=schedule)
+            for b, win, w, s, schedule in [(0, 4, 0, 1, ""), (0, 8, 0, 1, "split"), (0, 2, 0, 1, "split"),
+                                           (0, 16, 0, 1, "split"), (0, 4, 0, 1, "owned"), (0, 1, 0, 2, "rows"),
+                                           (64, 4, 1, 1, "split"), (0, 4, 2, 1, "split")]]
 
 
 def autotune(expression: str, /, *, configs: Sequence[KernelConfig] | None = None, calls: int = 10,

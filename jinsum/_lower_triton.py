@@ -11,6 +11,7 @@ import os
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jinsum import _lower_xla
@@ -30,7 +31,7 @@ def plan_for(spec: Spec) -> KernelPlan | Fallback:
 
 def _metaparameters(plan: KernelPlan) -> dict[str, int]:
     config = plan.config
-    tiles = dict(BLOCK=config.block) if plan.template == "lanes" else \
+    tiles = dict(BLOCK_ROWS=config.block_rows, BLOCK=config.block) if plan.template == "lanes" else \
         dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k)
     return dict(**tiles, WINDOW=config.window, NUM_STAGES=config.num_stages)
 
@@ -52,8 +53,11 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     if not _has_work(plan):
         return lhs
     env[spec.lhs.name] = lhs.astype(plan.out_dtype)
+    inputs = [env[n] for n in kernel_inputs(plan)]
+    if plan.row_programs:
+        inputs.append(row_starts(env[spec.lhs_sorted_index], plan.row_count, jnp))
     out = _jax_triton().triton_call(
-        *(env[n] for n in kernel_inputs(plan)),
+        *inputs,
         kernel=load_kernel(generate(plan)),
         out_shape=jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype),
         grid=plan.grid_shape,
@@ -64,6 +68,11 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         **_metaparameters(plan),
     )
     return out.astype(spec.lhs.dtype)
+
+
+def row_starts(rows, count: int, xp):
+    """Entry r: the first group whose (sorted) row is >= r, for r in 0..count. Rows out of range are skipped."""
+    return xp.searchsorted(rows, xp.arange(count + 1, dtype=rows.dtype), side="left").astype(xp.int32)
 
 
 def _jax_triton():
@@ -98,6 +107,8 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
         return torch.from_numpy(x)
 
     inputs = [to_torch(np.asarray(arrays[n])) for n in kernel_inputs(plan) if n != spec.lhs.name]
+    if plan.row_programs:
+        inputs.append(to_torch(row_starts(np.asarray(arrays[spec.lhs_sorted_index]), plan.row_count, np)))
     out = to_torch(lhs.astype(plan.out_dtype)).clone()
     if plan.reads_lhs:
         inputs.insert(0, out)  # aliased: the kernel reads and writes the output buffer only

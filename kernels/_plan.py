@@ -9,6 +9,8 @@ Two templates cover the class:
 - **lanes**: everything else. One variable is vectorised across the program's lanes (the one most factors read
   contiguously); every other variable is a scalar, either parallel (grid) or looped inside. Each lane keeps its
   own float32 accumulator, so nothing is reduced across threads except when the lane variable is itself summed.
+  Then (SDDMM: `S[g,p] = X[Ai[g],d] * Y[Ak[g,p],d]`) the output's contiguous variable becomes a second, row tile
+  (`p`), so one program gathers a whole `p x d` tile, reduces it over `d` and stores `p` outputs at once.
 
 Parallel (grid) variables are the left-hand side's; summed ones are loops. The innermost grid variable is walked in
 windows of `window` consecutive values per program, so short work items share a program.
@@ -17,9 +19,11 @@ Write modes:
 - `set` (`=`): store; a target written twice is undefined by the language anyway.
 - `update` (`+=`, the left-hand side addressed by plain variables): each element has one writer, load-add-store.
 - `segmented` (`+=` through a sorted index array of the window variable, a format's rows): consecutive equal rows
-  accumulate in registers and are written once; rows that continue into a neighbouring program's window are added
-  atomically (`split_rows=True`, balanced for hub rows), or a program owns every row that starts in its window and
-  finishes it (`split_rows=False`, no atomics at all).
+  accumulate in registers and are written once. Three schedules (`KernelConfig.schedule`):
+  `split`: windows of `window` groups; rows that continue into a neighbouring window are added atomically
+  (balanced even with hub rows; the default for lanes plans). `owned`: a program finishes every row that starts
+  in its window (no atomics; the default for dot plans). `rows`: one program per row, its groups found through
+  row pointers computed by the launcher (no atomics and no branch in the loop).
 - `atomic` (`+=` through other indirections): `tl.atomic_add`.
 """
 
@@ -30,7 +34,7 @@ import functools
 
 import numpy as np
 
-from jinsum._lang import Access, Spec, Var, walk
+from jinsum._lang import Access, Spec, Var, variables, walk
 
 # Operand element counts at or above this need 64-bit offsets.
 INT32_LIMIT = 2**31 - 1
@@ -41,13 +45,14 @@ class KernelConfig:
     """Launch and tiling parameters. Zero means "choose from the plan" (see `default_config`)."""
 
     block: int = 0  # lanes per program (lanes template)
-    window: int = 4  # consecutive values of the window variable per program
-    split_rows: bool = True  # segmented writes: split long rows across programs (atomics at window edges)
+    block_rows: int = 0  # rows of the lanes tile, when it has a row variable
+    window: int = 0  # consecutive values of the window variable per program
+    schedule: str = ""  # segmented writes: "split", "owned" or "rows" ("": rows for dot plans, else split)
     block_m: int = 0  # dot template tiles
     block_n: int = 0
     block_k: int = 0
     num_warps: int = 0
-    num_stages: int = 2
+    num_stages: int = 0  # software pipelining depth of the window loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,7 @@ class KernelPlan:
     spec: Spec
     template: str  # "lanes" or "dot"
     lanes: str | None  # lanes template: the vectorised variable
+    rows: str | None  # lanes template: an output variable tiled along a second axis, or None
     dot: DotRoles | None  # dot template: the matrix product
     grid: tuple[str, ...]  # scalar parallel variables, flattened over program_id(0), outermost first
     window: str | None  # the innermost parallel variable, walked in windows
@@ -82,10 +88,26 @@ class KernelPlan:
 
     @functools.cached_property
     def tile_vars(self) -> tuple[str, ...]:
-        return (self.lanes,) if self.template == "lanes" else (self.dot.m, self.dot.n)
+        if self.template == "dot":
+            return (self.dot.m, self.dot.n)
+        return (self.rows, self.lanes) if self.rows else (self.lanes,)
+
+    @property
+    def row_programs(self) -> bool:
+        """One program per output row, through row pointers (the `rows` schedule of a segmented write)."""
+        return self.write == "segmented" and self.config.schedule == "rows"
+
+    @functools.cached_property
+    def row_count(self) -> int:
+        """The size of the left-hand side dimension that the sorted index addresses."""
+        position = next(d for d, i in enumerate(self.spec.statement.lhs.indices) if isinstance(i, Access))
+        return self.spec.lhs.shape[position]
 
     @functools.cached_property
     def windows(self) -> int:
+        """Programs along the window variable: one per window of `window` values, or one per row."""
+        if self.row_programs:
+            return self.row_count
         return -(-self.spec.extent[self.window] // self.config.window) if self.window else 1
 
     @property
@@ -95,10 +117,10 @@ class KernelPlan:
         programs = self.windows * int(np.prod([extent[v] for v in self.grid], dtype=np.int64))
         if self.template == "dot":
             tiles = _ceil(extent[self.dot.m], self.config.block_m) * _ceil(extent[self.dot.n], self.config.block_n)
-        elif self.lanes in self.spec.loop_variables:
-            tiles = _ceil(extent[self.lanes], self.config.block)
         else:
-            tiles = 1
+            tiles = _ceil(extent[self.rows], self.config.block_rows) if self.rows else 1
+            if self.lanes in self.spec.loop_variables:
+                tiles *= _ceil(extent[self.lanes], self.config.block)
         return int(programs), int(tiles)
 
 
@@ -121,7 +143,9 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     """The kernel plan for `spec`, or a `Fallback` saying why it stays on XLA."""
     statement = spec.statement
     dot = _dot_roles(spec)
-    tiles = (dot.m, dot.n) if dot else (_lane_variable(spec),)
+    lanes = None if dot else _lane_variable(spec)
+    rows = None if dot else _row_variable(spec, lanes)
+    tiles = (dot.m, dot.n) if dot else tuple(v for v in (rows, lanes) if v)
     scalar_loop = [v for v in spec.loop_variables if v not in tiles]
     loops = tuple(v for v in spec.summed_variables if v not in tiles and not (dot and v == dot.k))
 
@@ -144,12 +168,13 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             write = "atomic"
     grid = tuple(v for v in scalar_loop if v != window)
 
-    out_dtype = np.dtype(spec.lhs.dtype)
-    if write in ("atomic", "segmented") and out_dtype.itemsize < 4:
-        out_dtype = np.dtype(np.float32)  # 16-bit atomics lose precision and are slow; the launcher casts back
     config = default_config(spec, dot, tiles, config)
-    plan = KernelPlan(spec, "dot" if dot else "lanes", None if dot else tiles[0], dot, grid, window, loops, write,
-                      config, out_dtype)
+    out_dtype = np.dtype(spec.lhs.dtype)
+    atomics = write == "atomic" or (write == "segmented" and config.schedule == "split")
+    if atomics and out_dtype.itemsize < 4:
+        out_dtype = np.dtype(np.float32)  # 16-bit atomics lose precision and are slow; the launcher casts back
+    plan = KernelPlan(spec, "dot" if dot else "lanes", lanes, rows, dot, grid, window, loops, write, config,
+                      out_dtype)
     programs, tile_programs = plan.grid_shape
     if programs > INT32_LIMIT or tile_programs > 65535:
         return Fallback(f"the grid ({programs} x {tile_programs} programs) exceeds CUDA's launch limits")
@@ -160,16 +185,25 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
     """Fills the zero fields of `config`: a default that is good on Hopper for the plan's shape."""
     extent = spec.extent
     changes = {}
+    # Measured on an H100 (benchmarks/): gathers want one warp per 128 lanes, a short window and no software
+    # pipelining; tl.dot plans want programs that own their rows (no atomics, so 16-bit outputs stay 16-bit)
+    # over windows of 8 groups, two pipeline stages and 128-wide n tiles.
+    changes["schedule"] = config.schedule or ("owned" if dot else "split")
     if dot:
         changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 64)
         changes["block_n"] = config.block_n or _pow2(extent[dot.n], 16, 128)
         changes["block_k"] = config.block_k or _pow2(extent[dot.k], 16, 64)
         changes["num_warps"] = config.num_warps or 4
+        changes["window"] = config.window or 8
+        changes["num_stages"] = config.num_stages or 2
     else:
-        block = config.block or _pow2(extent[tiles[0]], 1, 256)
+        block = config.block or _pow2(extent[tiles[-1]], 1, 256)
         changes["block"] = block
+        changes["block_rows"] = config.block_rows or (_pow2(extent[tiles[0]], 1, 32) if len(tiles) == 2 else 1)
         # One warp holds 32 lanes x 4 contiguous elements (16-byte loads); more lanes, more warps.
         changes["num_warps"] = config.num_warps or max(1, min(8, block // 128))
+        changes["window"] = config.window or 4
+        changes["num_stages"] = config.num_stages or 1
     return dataclasses.replace(config, **changes)
 
 
@@ -186,6 +220,19 @@ def _lane_variable(spec: Spec) -> str:
         return (2 * reads + (last(statement.lhs) == v), spec.extent[v], -list(spec.extent).index(v))
 
     return max(spec.extent, key=score)
+
+
+def _row_variable(spec: Spec, lanes: str) -> str | None:
+    """For a summed lane variable: the output's last (contiguous) plain variable, tiled as rows, if it is read by
+    some factor (so a program gathers several rows at once) and is not the only parallel variable."""
+    if lanes in spec.loop_variables:
+        return None
+    last = spec.statement.lhs.indices[-1]
+    if not isinstance(last, Var) or len(spec.loop_variables) < 2:
+        return None
+    if not any(last.name in variables(f) for f in spec.statement.factors):
+        return None
+    return last.name
 
 
 def _dot_roles(spec: Spec) -> DotRoles | None:

@@ -26,7 +26,8 @@ def generate(plan: KernelPlan) -> str:
 
 
 def kernel_inputs(plan: KernelPlan) -> tuple[str, ...]:
-    """The operands passed to the kernel, in order (the output pointer follows them)."""
+    """The operands passed to the kernel, in order. Then come the row pointers (`plan.row_programs`: entry r is
+    the first group of row r, entry `row_count` the number of groups) and the output."""
     names = plan.spec.names
     return names if plan.reads_lhs else names[1:]
 
@@ -41,7 +42,7 @@ class _Writer:
         self.helpers: set[str] = set()
         self.acc_type = "tl.float64" if plan.out_dtype == np.float64 else "tl.float32"
         self.tiled = {*plan.tile_vars, self.inner_tile} - {None}
-        self.lhs_role = "out" if plan.template == "dot" else "lanes"
+        self.lhs_role = "out"
         self.level = self._levels()
 
     # --- structure --------------------------------------------------------------------------------------------
@@ -84,8 +85,8 @@ class _Writer:
 
     def _kernel(self) -> list[str]:
         plan, spec = self.plan, self.spec
-        params = [f"p_{n}" for n in kernel_inputs(plan)] + ["p_out"]
-        params += ["BLOCK: tl.constexpr"] if plan.template == "lanes" else \
+        params = [f"p_{n}" for n in kernel_inputs(plan)] + ["p_row_starts"] * plan.row_programs + ["p_out"]
+        params += ["BLOCK_ROWS: tl.constexpr", "BLOCK: tl.constexpr"] if plan.template == "lanes" else \
             ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr"]
         params += ["WINDOW: tl.constexpr", "NUM_STAGES: tl.constexpr"]
         self._prologue()
@@ -97,7 +98,7 @@ class _Writer:
         doc = [f'"""{spec.statement}', "",
                f"template {plan.template}; tiles {', '.join(plan.tile_vars)}; grid {', '.join(plan.grid) or '-'}; "
                f"window {plan.window or '-'}; loops {', '.join(plan.loops) or '-'}; write {plan.write}"
-               + (" (rows split across programs)" if plan.write == "segmented" and config.split_rows else ""),
+               + (f" ({config.schedule} schedule)" if plan.write == "segmented" else ""),
                '"""']
         return ["@triton.jit", f"def {KERNEL_NAME}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
 
@@ -106,7 +107,12 @@ class _Writer:
         self.emit("always = tl.program_id(0) >= 0  # the mask of writes that need none")
         self.emit("pid = tl.program_id(0)")
         rest = "pid"
-        if plan.window:
+        if plan.row_programs:
+            self.emit(f"row = pid % {plan.windows}")
+            self.emit("begin = tl.load(p_row_starts + row)")
+            self.emit("end = tl.load(p_row_starts + row + 1)")
+            rest = f"(pid // {plan.windows})"
+        elif plan.window:
             self.emit(f"start = (pid % {plan.windows}) * WINDOW")
             self.emit(f"stop = tl.minimum(start + WINDOW, {extent[plan.window]})")
             rest = f"(pid // {plan.windows})"
@@ -120,14 +126,21 @@ class _Writer:
             self.emit(f"v_{n} = (tl.program_id(1) % {tiles_n}) * BLOCK_N + tl.arange(0, BLOCK_N)")
             for v in (m, n):
                 self.emit(f"m_{v} = v_{v} < {extent[v]}")
-        elif self.inner_tile is None:
+        else:
             t = plan.lanes
-            self.emit(f"v_{t} = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)")
-            self.emit(f"m_{t} = v_{t} < {extent[t]}")
+            lane_tiles = -(-extent[t] // plan.config.block) if t in self.spec.loop_variables else 1
+            if plan.rows:
+                r = plan.rows
+                self.emit(f"v_{r} = (tl.program_id(1) // {lane_tiles}) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+                self.emit(f"m_{r} = v_{r} < {extent[r]}")
+            if self.inner_tile is None:
+                self.emit(f"v_{t} = (tl.program_id(1) % {lane_tiles}) * BLOCK + tl.arange(0, BLOCK)")
+                self.emit(f"m_{t} = v_{t} < {extent[t]}")
         self._emit_loads(0)
 
     def _acc_init(self) -> str:
-        shape = "[BLOCK]" if self.plan.template == "lanes" else "[BLOCK_M, BLOCK_N]"
+        plan = self.plan
+        shape = "[BLOCK_M, BLOCK_N]" if plan.template == "dot" else "[BLOCK_ROWS, BLOCK]" if plan.rows else "[BLOCK]"
         return f"acc = tl.zeros({shape}, dtype={self.acc_type})"
 
     def _plain_body(self) -> None:
@@ -155,14 +168,27 @@ class _Writer:
         plan, extent = self.plan, self.spec.extent
         g, size = plan.window, extent[plan.window]
         rows = f"p_{self.spec.lhs_sorted_index}"
-        if plan.config.split_rows:
+        schedule = plan.config.schedule
+        if schedule == "rows":
+            # The program's groups are exactly its row's: one accumulator, no branch in the loop, one write.
+            self.emit(self._acc_init())
+            self.emit(f"for v_{g} in tl.range(begin, end, num_stages=NUM_STAGES):")
+            self.depth += 1
+            self._emit_loads(1)
+            self._inner_loops()
+            self.depth -= 1
+            self.emit("if begin < end:")
+            self.depth += 1
+            self._flush(None)
+            self.depth -= 1
+            return
+        if schedule == "split":
             # Rows at the window's edges may continue in the neighbouring windows: those are added atomically.
             self.emit(f"first_row = tl.load({rows} + start)")
             self.emit(f"last_row = tl.load({rows} + stop - 1)")
             self.emit(f"shares_first = tl.load({rows} + start - 1, mask=start > 0, other=-1) == first_row")
             self.emit(f"shares_last = tl.load({rows} + stop, mask=stop < {size}, other=-1) == last_row")
             begin, end = "start", "stop"
-            self.helpers.add("segment_update")
         else:
             # This program owns the rows that start in its window: it skips the tail of a row begun earlier and
             # runs past the window's end to finish its last row. No two programs write one row: no atomics.
@@ -172,14 +198,13 @@ class _Writer:
             self.emit(f"    while (begin < stop) & (tl.load({rows} + begin, mask=begin < stop, other=-1) == earlier):")
             self.emit("        begin += 1")
             self.emit("end = stop")
-            self.emit(f"if begin < stop:")
+            self.emit("if begin < stop:")
             self.emit(f"    last = tl.load({rows} + stop - 1)")
             self.emit(f"    while tl.load({rows} + end, mask=end < {size}, other=-1) == last:")
             self.emit("        end += 1")
             self.emit("else:")
             self.emit("    end = begin")
             begin, end = "begin", "end"
-            self.helpers.add("update")
         self.emit(f"row = tl.load({rows} + {begin}, mask={begin} < {size}, other=0)")
         self.emit(self._acc_init())
         self.emit(f"for v_{g} in tl.range({begin}, {end}, num_stages=NUM_STAGES):")
@@ -188,13 +213,13 @@ class _Writer:
         sorted_row = self.loaded[self._key(self._sorted_node(), self.lhs_role)]
         self.emit(f"if {sorted_row} != row:")
         self.depth += 1
-        self._flush("(row == first_row) & shares_first")
+        self._flush("(row == first_row) & shares_first" if schedule == "split" else None)
         self.emit(self._acc_init())
         self.emit(f"row = {sorted_row}")
         self.depth -= 1
         self._inner_loops()
         self.depth -= 1
-        if plan.config.split_rows:
+        if schedule == "split":
             self._flush("((row == first_row) & shares_first) | ((row == last_row) & shares_last)")
         else:
             self.emit(f"if {begin} < {end}:")
@@ -203,12 +228,15 @@ class _Writer:
             self.depth -= 1
 
     def _flush(self, shared: str | None) -> None:
+        """Writes the accumulator to row `row`: atomically where `shared` (an expression) holds, else alone."""
         pointer, mask = self._lhs_pointer(row="row")
         value = self._written_value()
-        if self.plan.config.split_rows:
-            self.emit(f"segment_update({pointer}, {value}, {mask}, {shared})")
-        else:
+        if shared is None:
+            self.helpers.add("update")
             self.emit(f"update({pointer}, {value}, {mask})")
+        else:
+            self.helpers.add("segment_update")
+            self.emit(f"segment_update({pointer}, {value}, {mask}, {shared})")
 
     def _sorted_node(self) -> Access:
         return next(i for i in self.spec.statement.lhs.indices if isinstance(i, Access))
@@ -242,16 +270,20 @@ class _Writer:
         if plan.template == "dot":
             a = self.loaded[self._key(self.spec.statement.factors[plan.dot.a], "a")]
             b = self.loaded[self._key(self.spec.statement.factors[plan.dot.b], "b")]
-            precision = "tf32" if self.spec.allow_tf32 else "ieee"
-            self.emit(f"acc = tl.dot({a}, {b}, acc, input_precision=\"{precision}\")")
+            if self._value_type("a") == "tl.float32":  # 16-bit operands always use Tensor Cores
+                precision = "tf32" if self.spec.allow_tf32 else "ieee"
+                self.emit(f"acc = tl.dot({a}, {b}, acc, input_precision=\"{precision}\")")
+            else:
+                self.emit(f"acc = tl.dot({a}, {b}, acc)")
             return
         terms = [self.loaded[self._key(f, self._role(k))] for k, f in enumerate(self.spec.statement.factors)]
         self.emit(f"acc += {' * '.join(terms)}")
 
     def _written_value(self) -> str:
+        """The accumulator reduced over a summed lane variable (the last axis)."""
         plan = self.plan
         if plan.template == "lanes" and plan.lanes in self.spec.summed_variables:
-            return "tl.sum(acc, axis=0)"
+            return f"tl.sum(acc, axis={1 if plan.rows else 0})"
         return "acc"
 
     # --- accesses ---------------------------------------------------------------------------------------------
@@ -265,11 +297,15 @@ class _Writer:
 
     def _tile_axis(self, role: str, var: str) -> str:
         """The expression of tile variable `var` in an access of `role` (broadcast to the tile's rank)."""
-        if role in ("lanes", "scalar"):
-            return f"v_{var}"
-        dot = self.plan.dot
-        rows = {"a": (dot.m, dot.k), "b": (dot.k, dot.n), "out": (dot.m, dot.n)}[role]
-        return f"v_{var}[:, None]" if var == rows[0] else f"v_{var}[None, :]"
+        plan = self.plan
+        if plan.template == "dot":
+            dot = plan.dot
+            rows = {"a": (dot.m, dot.k), "b": (dot.k, dot.n), "out": (dot.m, dot.n)}[role]
+            return f"v_{var}[:, None]" if var == rows[0] else f"v_{var}[None, :]"
+        written = [v for v in plan.tile_vars if v in self.spec.loop_variables]
+        if plan.rows is None or (role == "out" and len(written) == 1):
+            return f"v_{var}"  # one axis: the lanes, or what is left of the tile after the lane sum
+        return f"v_{var}[:, None]" if var == plan.rows else f"v_{var}[None, :]"
 
     def _key(self, node: Access, role: str) -> tuple[str, str]:
         """Loads are shared between accesses of the same text, unless tile variables broadcast differently."""
@@ -284,7 +320,7 @@ class _Writer:
         for k, factor in enumerate(statement.factors):
             self._load_at(factor, self._role(k), level)
         for index in statement.lhs.indices:
-            if isinstance(index, Access):
+            if isinstance(index, Access) and not self.plan.row_programs:  # row programs know their row
                 self._load_at(index, self.lhs_role, level)
 
     def _load_at(self, node: Access, role: str, level: int) -> None:
@@ -346,7 +382,10 @@ class _Writer:
             pointer, mask = self._address(lhs, self.lhs_role)
         else:
             key = self._key(self._sorted_node(), self.lhs_role)
-            loaded, self.loaded[key] = self.loaded[key], row
+            loaded, self.loaded[key] = self.loaded.get(key), row
             pointer, mask = self._address(lhs, self.lhs_role)
-            self.loaded[key] = loaded
+            if loaded is None:
+                del self.loaded[key]
+            else:
+                self.loaded[key] = loaded
         return pointer.replace(f"p_{lhs.tensor} +", "p_out +", 1), mask or "always"

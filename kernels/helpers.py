@@ -12,9 +12,9 @@ def in_range(index, bound):
 
 @triton.jit
 def update(pointer, value, mask):
-    """`*pointer += value` for elements this program alone writes: load, add in float32, store."""
+    """`*pointer += value` for elements this program alone writes: load, add in the accumulator's type, store."""
     old = tl.load(pointer, mask=mask, other=0.0)
-    tl.store(pointer, (old.to(tl.float32) + value).to(pointer.dtype.element_ty), mask=mask)
+    tl.store(pointer, (old.to(value.dtype) + value).to(pointer.dtype.element_ty), mask=mask)
 
 
 @triton.jit

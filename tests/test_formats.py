@@ -578,8 +578,7 @@ def test_block_from_scipy_matches_scipy(entries, fmt, block_shape, group_size):
     assert B.num_block_rows == -(-shape[0] // block_shape[0])
     check_block_groups(B, ref.toarray(), stored)
     if group_size is None:
-        counts = np.bincount([r for r, _ in stored], minlength=B.num_block_rows).astype(np.int64)
-        assert B.group_size == default_group_size(counts)
+        assert B.group_size == 1  # block formats default to one block per group
 
 
 @SETTINGS

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GP
 
 DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)]
 # Small tiles and windows so that every loop of a plan runs several times on small shapes.
-STRESS = KernelConfig(block=4, window=3, block_m=16, block_n=16, block_k=16, num_stages=1)
+STRESS = KernelConfig(block=4, block_rows=2, window=3, block_m=16, block_n=16, block_k=16, num_stages=2)
 
 
 def _spec(expression, operands):
@@ -30,8 +30,9 @@ def _spec(expression, operands):
     return _primitive.make_spec(statement, arrays, **flags)
 
 
-@pytest.mark.parametrize("config", [KernelConfig(), STRESS, KernelConfig(split_rows=False, window=2)],
-                         ids=["default", "stress", "owned_rows"])
+@pytest.mark.parametrize("config", [KernelConfig(), STRESS, KernelConfig(schedule="owned", window=2),
+                                    KernelConfig(schedule="rows"), KernelConfig(schedule="split")],
+                         ids=["default", "stress", "owned", "rows", "split"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CATALOG, ids=repr)
 def test_catalog_kernel_matches_reference_and_xla(case, dtype, config, rng):
@@ -98,9 +99,10 @@ def test_block_spmm_source_uses_tensor_cores(rng):
 def test_group_spmm_with_owned_rows_has_no_atomics(rng):
     operands = group_spmm(rng, np.float32)
     expression = "C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]"
-    owned = jinsum.triton_source(expression, config=KernelConfig(split_rows=False), sorted_indices=("Ai",),
-                                 **operands)
-    assert "atomic" not in owned and "update(" in owned
+    for schedule in ("owned", "rows"):
+        owned = jinsum.triton_source(expression, config=KernelConfig(schedule=schedule), sorted_indices=("Ai",),
+                                     **operands)
+        assert "atomic" not in owned and "update(" in owned
     split = jinsum.triton_source(expression, sorted_indices=("Ai",), **operands)
     assert "segment_update(" in split  # hub rows split across programs: atomics at window edges only
 

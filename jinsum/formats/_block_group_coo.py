@@ -177,7 +177,9 @@ class BlockGroupCOO(SparseMatmul):
 
     @classmethod
     def _from_blocks(cls, shape, block_shape, indptr, indices, blocks, group_size, dtype) -> BlockGroupCOO:
-        group_size = check_group_size(_FMT, group_size, np.diff(indptr))
+        # Default 1: a padding slot costs a whole zero block, and with one block per group the kernels read each
+        # block contiguously (measured on an H100: 2x faster block SpMM than 4 blocks per group).
+        group_size = check_group_size(_FMT, 1 if group_size is None else group_size, np.diff(indptr))
         Ai, Ak, Av = groups_from_csr(indptr, indices, blocks, group_size, dtype, block_grid(shape, block_shape)[1])
         # groups_from_csr lays slots out as (G, P, bm, bk); the format keeps the slot axis last.
         return cls(Ai, Ak, np.moveaxis(Av, 1, -1), shape, nnz=len(indices))
@@ -188,7 +190,7 @@ class BlockGroupCOO(SparseMatmul):
 
         A block is stored iff it contains a stored entry of ``mat`` (explicit zeros included; duplicates are
         summed). A BSR matrix whose ``blocksize`` equals ``block_shape`` contributes its blocks as they are.
-        ``group_size`` defaults to :func:`default_group_size` of the blocks per block row; ``dtype`` to the
+        ``group_size`` defaults to 1 (one block per group); ``dtype`` to the
         matrix's dtype when floating, else float32.
         """
         block_shape = check_block_shape(_FMT, block_shape)
