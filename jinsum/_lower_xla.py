@@ -14,6 +14,7 @@ lowering does the same.
 
 from __future__ import annotations
 
+import math
 import string
 
 import jax
@@ -28,9 +29,19 @@ Labelled = tuple[jax.Array, tuple[str, ...]]  # an array and the index variable 
 def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     """The value of the checked statement `spec` on `arrays` (in `spec.names` order)."""
     env = dict(zip(spec.names, arrays))
-    terms = [_read(factor, env, spec) for factor in spec.statement.factors]
-    on_right = {v for _, axes in terms for v in axes}
-    out_axes = tuple(v for v in spec.loop_variables if v in on_right)
+    statement = spec.statement
+    terms = [_read(factor, env, spec) for factor in statement.factors]
+    every = tuple(dict.fromkeys(v for _, axes in terms for v in axes))
+    scatters = statement.accumulate and any(isinstance(i, Access) for i in statement.lhs.indices)
+    if scatters and math.prod(spec.extent[v] for v in every) <= max(array.size for array, _ in terms):
+        # The products at every assignment are no more than the largest gathered factor (SpMM, SDDMM's
+        # transposes, RGCN): multiply them elementwise and let the scatter sum the summed variables too, as the
+        # segment_sum idiom does. A contraction first would run tiny batched matrix products (slow on CPUs).
+        accumulator = jnp.promote_types(jnp.result_type(*(a.dtype for a, _ in terms)), jnp.float32)
+        product = math.prod(_align(array.astype(accumulator), axes, every) for array, axes in terms)
+        product = jnp.broadcast_to(product, [spec.extent[v] for v in every])
+        return _write(product, every, env, spec, summed=tuple(v for v in every if v in spec.summed_variables))
+    out_axes = tuple(v for v in spec.loop_variables if v in every)
     return _write(_contract(terms, out_axes, spec), out_axes, env, spec)
 
 
@@ -44,12 +55,14 @@ def _read(access: Access, env: dict[str, jax.Array], spec: Spec) -> Labelled:
     return array.at[indexer].get(mode="fill", fill_value=fill), axes
 
 
-def _indexer(access: Access, env: dict[str, jax.Array], spec: Spec) -> tuple[tuple, tuple[str, ...]]:
+def _indexer(access: Access, env: dict[str, jax.Array], spec: Spec,
+             extra: tuple[str, ...] = ()) -> tuple[tuple, tuple[str, ...]]:
     """The NumPy-style index for `access` and the variables labelling the axes of the indexed result.
 
     Indirect positions become integer arrays. A plain variable that an indirection in the same access also uses
     must be advanced-indexed too (an `arange`), so that both positions follow one axis instead of forming an
-    outer product; other plain variables stay slices.
+    outer product; other plain variables stay slices. `extra` variables (absent from the access) become axes of
+    the advanced indices, so that a scatter adds every value along them into the same element.
     """
     shape = spec.operand[access.tensor].shape
     indirect = {d: _read(i, env, spec) for d, i in enumerate(access.indices) if isinstance(i, Access)}
@@ -59,17 +72,21 @@ def _indexer(access: Access, env: dict[str, jax.Array], spec: Spec) -> tuple[tup
         return (slice(None),) * len(shape), tuple(i.name for i in access.indices)
 
     advanced_axes = tuple(dict.fromkeys(
-        v for d in advanced for v in (indirect[d][1] if d in indirect else (access.indices[d].name,))))
+        [v for d in advanced for v in (indirect[d][1] if d in indirect else (access.indices[d].name,))]
+        + list(extra)))
+    advanced_shape = [spec.extent[v] for v in advanced_axes]
     indexer = []
     for d, index in enumerate(access.indices):
         if d not in advanced:
             indexer.append(slice(None))
-        elif isinstance(index, Var):
-            indexer.append(_align(jnp.arange(spec.extent[index.name]), (index.name,), advanced_axes))
+            continue
+        if isinstance(index, Var):
+            positions, axes = jnp.arange(spec.extent[index.name]), (index.name,)
         else:
             positions, axes = indirect[d]
             positions = jnp.where(positions < 0, shape[d], positions)  # negative is out of range, never wraps
-            indexer.append(_align(positions, axes, advanced_axes))
+        positions = _align(positions, axes, advanced_axes)
+        indexer.append(jnp.broadcast_to(positions, advanced_shape) if extra else positions)
 
     sliced = [(d, i.name) for d, i in enumerate(access.indices) if d not in advanced]
     if advanced[-1] - advanced[0] + 1 == len(advanced):  # NumPy keeps adjacent advanced axes in place
@@ -100,10 +117,13 @@ def _contract(terms: list[Labelled], out_axes: tuple[str, ...], spec: Spec) -> j
     )
 
 
-def _write(values: jax.Array, axes: tuple[str, ...], env: dict[str, jax.Array], spec: Spec) -> jax.Array:
+def _write(values: jax.Array, axes: tuple[str, ...], env: dict[str, jax.Array], spec: Spec,
+           summed: tuple[str, ...] = ()) -> jax.Array:
+    """Adds or sets `values` (labelled by `axes`) into the left-hand side; `summed` variables are summed by the
+    scatter itself (only for a left-hand side written through an index array)."""
     statement = spec.statement
     target = env[statement.lhs.tensor]
-    indexer, target_axes = _indexer(statement.lhs, env, spec)
+    indexer, target_axes = _indexer(statement.lhs, env, spec, extra=summed)
     values = _align(values, axes, target_axes)  # unit axes broadcast over variables only on the left
     if all(isinstance(i, slice) for i in indexer):
         if statement.accumulate:
