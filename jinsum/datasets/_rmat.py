@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
+
+from jinsum.formats._convert import check_int
 
 _CHUNK = 1 << 16
 
@@ -36,8 +36,8 @@ def rmat(
       int ``(2, E)`` edges sorted by (source, destination), without duplicates; row 0 holds sources and row 1
       destinations. int32 when the node ids fit (``scale <= 31``), else int64.
     """
-    scale = _check_int("scale", scale, 0)
-    edge_factor = _check_int("edge_factor", edge_factor, 1)
+    scale = check_int("rmat", "scale", scale, 0)
+    edge_factor = check_int("rmat", "edge_factor", edge_factor, 1)
     if scale > 62:
         raise ValueError(f"rmat: scale must be at most 62 so that (source, destination) fits an int64 key, got {scale}")
     if min(a, b, c) < 0 or a + b + c > 1:
@@ -70,13 +70,3 @@ def rmat(
     key = key[np.concatenate([[True], key[1:] != key[:-1]])]
     dtype = np.int32 if scale <= 31 else np.int64
     return np.stack([key >> scale, key & ((1 << scale) - 1)]).astype(dtype)
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"rmat: {name} must be an int, got {value!r}") from None
-    if value < minimum:
-        raise ValueError(f"rmat: {name} must be at least {minimum}, got {value}")
-    return value

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
+from jinsum.formats._base import GroupedFormat
 from jinsum.formats._convert import (
     as_jax_array,
     block_grid,
@@ -25,7 +26,6 @@ from jinsum.formats._convert import (
     to_scipy_csr,
     value_dtype,
 )
-from jinsum.formats._matmul import SparseMatmul
 
 _FMT = "BlockGroupCOO"
 
@@ -54,7 +54,7 @@ def _check_values(Av, groups: tuple[int, int], block_shape: tuple[int, int]) -> 
 
 
 @jax.tree_util.register_pytree_node_class
-class BlockGroupCOO(SparseMatmul):
+class BlockGroupCOO(GroupedFormat):
     """A sparse ``M x K`` matrix of dense ``bm x bk`` blocks, stored as groups of ``P`` blocks of one block row.
 
     It is :class:`GroupCOO` one level up: the matrix is a ``ceil(M / bm) x ceil(K / bk)`` grid of blocks, group
@@ -112,19 +112,7 @@ class BlockGroupCOO(SparseMatmul):
     def tree_flatten(self):
         return (self.Ai, self.Ak, self.Av), (self._shape, self._block_shape, self._nnz)
 
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        # No validation: the leaves may be tracers, or placeholders such as object() inside JAX transforms.
-        obj = object.__new__(cls)
-        obj._set(*children, *aux)
-        return obj
-
     # -- properties --------------------------------------------------------------------------------------
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """The logical ``(M, K)``."""
-        return self._shape
 
     @property
     def block_shape(self) -> tuple[int, int]:
@@ -132,38 +120,9 @@ class BlockGroupCOO(SparseMatmul):
         return self._block_shape
 
     @property
-    def dtype(self):
-        """The dtype of the values ``Av``."""
-        return self.Av.dtype
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
-    @property
-    def nnz(self) -> int:
-        """Stored blocks, excluding group padding."""
-        return self._nnz
-
-    @property
-    def group_size(self) -> int:
-        """``P``, the block slots per group."""
-        return self.Ak.shape[1]
-
-    @property
-    def num_groups(self) -> int:
-        """``G``."""
-        return self.Ak.shape[0]
-
-    @property
     def num_block_rows(self) -> int:
         """``ceil(M / bm)``."""
         return block_grid(self._shape, self._block_shape)[0]
-
-    @property
-    def index_dtype(self):
-        """The dtype of ``Ai`` and ``Ak``."""
-        return self.Ai.dtype
 
     def __repr__(self) -> str:
         # Only static information, so it also works on tracers.

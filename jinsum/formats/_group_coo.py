@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jsparse
 
+from jinsum.formats._base import GroupedFormat
 from jinsum.formats._convert import (
     as_jax_array,
     check_floating,
@@ -24,7 +25,6 @@ from jinsum.formats._convert import (
     to_scipy_csr,
     value_dtype,
 )
-from jinsum.formats._matmul import SparseMatmul
 
 _FMT = "GroupCOO"
 
@@ -39,7 +39,7 @@ def _check_values(Av, groups: tuple[int, int]) -> None:
 
 
 @jax.tree_util.register_pytree_node_class
-class GroupCOO(SparseMatmul):
+class GroupCOO(GroupedFormat):
     """A sparse ``M x K`` matrix (optionally with trailing dense dimensions) stored as groups.
 
     The nonzeros of each row are cut into groups of ``P`` consecutive entries (in increasing column order);
@@ -100,53 +100,12 @@ class GroupCOO(SparseMatmul):
     def tree_flatten(self):
         return (self.Ai, self.Ak, self.Av), (self._shape, self._nnz)
 
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        # No validation: the leaves may be tracers, or placeholders such as object() inside JAX transforms.
-        obj = object.__new__(cls)
-        obj._set(*children, *aux)
-        return obj
-
     # -- properties --------------------------------------------------------------------------------------
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """``(M, K, *dense_shape)``."""
-        return self._shape
-
-    @property
-    def dtype(self):
-        """The dtype of the values ``Av``."""
-        return self.Av.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self._shape)
-
-    @property
-    def nnz(self) -> int:
-        """Stored entries, excluding group padding (explicit zeros count)."""
-        return self._nnz
-
-    @property
-    def group_size(self) -> int:
-        """``P``, the slots per group."""
-        return self.Ak.shape[1]
-
-    @property
-    def num_groups(self) -> int:
-        """``G``."""
-        return self.Ak.shape[0]
 
     @property
     def dense_shape(self) -> tuple[int, ...]:
         """The trailing dense dimensions of each entry (``()`` for a plain matrix)."""
         return self._shape[2:]
-
-    @property
-    def index_dtype(self):
-        """The dtype of ``Ai`` and ``Ak``."""
-        return self.Ai.dtype
 
     def __repr__(self) -> str:
         # Only static information, so it also works on tracers.
