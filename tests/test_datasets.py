@@ -131,10 +131,10 @@ def test_rmat_scale_17_size():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(scale=-1), ValueError, r"rmat: scale must be at least 0, got -1"),
+        (dict(scale=-1), ValueError, r"rmat: scale must be an int >= 0, got -1"),
         (dict(scale=63), ValueError, r"rmat: scale must be at most 62"),
         (dict(scale=2.5), TypeError, r"rmat: scale must be an int, got 2.5"),
-        (dict(scale=4, edge_factor=0), ValueError, r"rmat: edge_factor must be at least 1, got 0"),
+        (dict(scale=4, edge_factor=0), ValueError, r"rmat: edge_factor must be an int >= 1, got 0"),
         (dict(scale=4, a=0.6, b=0.3, c=0.2), ValueError, r"a \+ b \+ c <= 1 .* got a=0.6, b=0.3, c=0.2"),
         (dict(scale=4, a=-0.1), ValueError, r"must be non-negative probabilities"),
     ],
