@@ -122,3 +122,44 @@ def test_plan_of_the_catalog():
     assert plans["coo_spmm"].write == "atomic"
     assert plans["sddmm"].lanes == "d" and plans["sddmm"].write == "set"
     assert plans["ell"].write == "update"
+
+
+def _layer_specs():
+    """The statements of every jinsum.nn layer's forward pass and gradient, on small graphs."""
+    from flax import nnx  # noqa: PLC0415
+
+    import jinsum.nn as jnn  # noqa: PLC0415
+
+    rng = np.random.default_rng(3)
+    edge_index = np.stack([rng.integers(0, 9, 25), rng.integers(0, 9, 25)])
+    A = jnn.adjacency(edge_index, 9)
+    x = jnp.asarray(rng.standard_normal((9, 4)).astype(np.float32))
+    graph = jnn.relational_graph(edge_index[0], edge_index[1], rng.integers(0, 3, 25), 9, 3)
+    rngs = nnx.Rngs(0)
+    cases = [(jnn.GCNConv(4, 3, rngs=rngs), A), (jnn.SAGEConv(4, 3, rngs=rngs), A),
+             (jnn.GINConv(nnx.Linear(4, 3, rngs=rngs)), A), (jnn.GATConv(4, 3, heads=2, rngs=rngs), A),
+             (jnn.RGCNConv(4, 3, num_relations=3, num_bases=2, rngs=rngs), graph)]
+    specs = {}
+    for layer, adjacency in cases:
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def loss(params, x, graphdef=graphdef, rest=rest, adjacency=adjacency):
+            return jnp.sum(nnx.merge(graphdef, params, rest)(x, adjacency) ** 2)
+
+        for spec in specs_in(jax.grad(loss, argnums=(0, 1)), params, x):
+            specs.setdefault(str(spec.statement) + repr([o.shape for o in spec.operands]), spec)
+    q = jnp.asarray(rng.standard_normal((48, 2, 16)).astype(np.float32))
+    pattern = jnn.block_pattern(48, 16, local_blocks=1, global_blocks=1)
+    attention = lambda q: jnp.sum(jnn.block_sparse_attention(q, q, q, pattern) ** 2)  # noqa: E731
+    for spec in specs_in(jax.grad(attention), q):
+        specs.setdefault(str(spec.statement) + repr([o.shape for o in spec.operands]), spec)
+    return list(specs.values())
+
+
+LAYER_SPECS = _layer_specs()
+
+
+@pytest.mark.parametrize("spec", LAYER_SPECS, ids=lambda s: str(s.statement))
+def test_layer_statements_and_their_gradients_run_in_generated_kernels(spec, rng):
+    operands = random_operands(spec, rng)
+    assert_allclose(interpret(spec, operands), reference(str(spec.statement), **operands), np.float32)

@@ -1,0 +1,23 @@
+"""Flax NNX graph and attention layers whose sparse work is indirect Einsums (needs `pip install 'jinsum[nn]'`).
+
+Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on the host and passed to every call:
+
+    A = jinsum.nn.adjacency(edge_index, num_nodes=N)          # edge_index (2, E): sources, destinations
+    conv = jinsum.nn.GCNConv(F, 64, rngs=nnx.Rngs(0))
+    y = nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A)
+
+Layers: `GCNConv`, `SAGEConv`, `GINConv` (SpMM; also on a `BlockGroupCOO`), `GATConv` (SDDMM, edge softmax,
+multi-head SpMM), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`.
+"""
+
+from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
+from jinsum.nn._attention import block_pattern as block_pattern
+from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
+from jinsum.nn._gat import GATConv as GATConv
+from jinsum.nn._gcn import GCNConv as GCNConv
+from jinsum.nn._gin import GINConv as GINConv
+from jinsum.nn._graph import adjacency as adjacency
+from jinsum.nn._rgcn import RelationalGraph as RelationalGraph
+from jinsum.nn._rgcn import RGCNConv as RGCNConv
+from jinsum.nn._rgcn import relational_graph as relational_graph
+from jinsum.nn._sage import SAGEConv as SAGEConv

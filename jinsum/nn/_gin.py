@@ -1,0 +1,41 @@
+"""Graph isomorphism network convolution (Xu et al., 2019) on a sparse adjacency."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.nn._graph import aggregate, expect_adjacency
+
+
+class GINConv(nnx.Module):
+    """`out = mlp((1 + eps) x + A @ x)`: sum aggregation (one SpMM) followed by a learned MLP.
+
+    Shapes: `x` `(N, F)`, `A` `(N, N)` with `A[dst, src] = weight` -> whatever `mlp` makes of `(N, F)`.
+
+    Example:
+      >>> rngs = nnx.Rngs(0)
+      >>> mlp = nnx.Sequential(nnx.Linear(16, 32, rngs=rngs), nnx.relu, nnx.Linear(32, 32, rngs=rngs))
+      >>> gin = jinsum.nn.GINConv(mlp)
+      >>> y = gin(x, jinsum.nn.adjacency(edge_index, num_nodes=N))  # (N, 32)
+    """
+
+    def __init__(self, mlp: nnx.Module, *, eps: float = 0.0, train_eps: bool = True, param_dtype=jnp.float32):
+        """Wraps `mlp` and creates `eps`.
+
+        Args:
+          mlp: applied to the aggregated features (any callable module, e.g. an `nnx.Sequential`).
+          eps: the initial weight of a node's own features, `1 + eps`.
+          train_eps: make `eps` a learned `nnx.Param`; otherwise it is a constant.
+          param_dtype: dtype of `eps` when it is learned.
+        """
+        self.mlp = mlp
+        self.eps = nnx.Param(jnp.asarray(eps, param_dtype)) if train_eps else eps
+
+    def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
+        """`x` `(N, F)`, `A` a `GroupCOO` or `BlockGroupCOO` `(N, N)` -> `mlp(...)` of `(N, F)`."""
+        expect_adjacency("GINConv", A, x, (GroupCOO, BlockGroupCOO))
+        eps = self.eps[...] if isinstance(self.eps, nnx.Param) else self.eps
+        return self.mlp((1 + eps) * x + aggregate(A, x))

@@ -1,0 +1,85 @@
+"""Graph adjacency for the layers: building it on the host, checking it at a call, and the sparse sums on it.
+
+A graph is a `jinsum.GroupCOO` `A` with `A[dst, src] = weight`, so `A @ X` sums the features of each node's
+sources into it. It is built once, outside `jit`, by `adjacency`; layers take it as an argument of every call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+
+import jinsum
+from jinsum.formats import BlockGroupCOO, GroupCOO
+
+
+def adjacency(edge_index, num_nodes: int, *, values=None, group_size: int | None = None,
+              self_loops: bool = False) -> GroupCOO:
+    """The `(N, N)` adjacency of a graph given as an edge index, for the layers of `jinsum.nn`.
+
+    Runs on the host (NumPy): call it once, outside the jitted training step, and pass the result to every
+    layer call; its index arrays then stay fixed while the step is compiled once.
+
+    Args:
+      edge_index: int `(2, E)`, row 0 the sources and row 1 the destinations (the PyG convention).
+      num_nodes: `N`.
+      values: `(E,)` edge weights; defaults to ones. Duplicate edges are summed.
+      group_size: entries per group of the `GroupCOO`; defaults to `jinsum.default_group_size`.
+      self_loops: add an edge `i -> i` of weight 1 for every node whose self loop is absent or weighs 0 (like
+        PyG's `add_remaining_self_loops`); other edges of weight 0 are dropped. `GCNConv` and `GATConv` add
+        their own self loops by default, without this.
+
+    Returns:
+      A `GroupCOO` with `A[dst, src] = weight`.
+
+    Example:
+      >>> A = jinsum.nn.adjacency(np.array([[0, 1, 1], [1, 2, 0]]), num_nodes=3)
+      >>> A.todense()   # A[1, 0], A[2, 1], A[0, 1] are 1
+    """
+    A = GroupCOO.from_edge_index(edge_index, values, num_nodes=num_nodes, group_size=group_size)
+    if not self_loops:
+        return A
+    csr = A.to_scipy()
+    missing = (csr.diagonal() == 0).astype(csr.dtype)
+    return GroupCOO.from_scipy(csr + sp.diags(missing), group_size=group_size, dtype=A.dtype)
+
+
+def expect_adjacency(layer: str, A, x, formats=(GroupCOO,)) -> None:
+    """Raises a clear error unless `A` is a square adjacency in one of `formats` over the `N` rows of `x`."""
+    if not isinstance(A, formats):
+        names = " or ".join(f"jinsum.{f.__name__}" for f in formats)
+        got = (f"an array {jnp.dtype(A.dtype).name}{list(A.shape)}" if isinstance(A, (jax.Array, np.ndarray))
+               else repr(A))
+        raise TypeError(
+            f"{layer}: expected the adjacency as a {names}, got {got}. Convert an edge index (2, E) once, outside "
+            "the jitted step, with `A = jinsum.nn.adjacency(edge_index, num_nodes)` and pass A to every call")
+    if len(A.shape) != 2 or A.shape[0] != A.shape[1] or A.shape[1] != x.shape[0]:
+        raise ValueError(
+            f"{layer}: expected a square (N, N) adjacency with scalar entries over the N = {x.shape[0]} rows of the "
+            f"node features {tuple(x.shape)}, got {A!r}; build it with jinsum.nn.adjacency(edge_index, N)")
+
+
+def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
+    """`A.sum(axis=1)` as an indirect Einsum over the stored entries: `(M, *A.dense_shape)`.
+
+    One sorted segment sum of `Av` over the rows `Ai` (for a `BlockGroupCOO`, over the block rows, then the
+    block rows are unfolded to matrix rows). `dtype` defaults to `A.dtype`.
+
+    Example:
+      >>> deg = row_sums(A)            # in-degrees (weighted) of an adjacency A[dst, src]
+    """
+    A = A.with_values(A.Av.astype(A.dtype if dtype is None else dtype))
+    if isinstance(A, BlockGroupCOO):
+        (bm, _), rows = A.block_shape, A.num_block_rows
+        sums = jinsum.einsum("D[Ai[g],m] += Av[g,m,k,p]", D=jnp.zeros((rows, bm), A.dtype), A=A)
+        return sums.reshape(-1)[: A.shape[0]]
+    dense = "".join(f",d{i}" for i in range(len(A.dense_shape)))
+    zeros = jnp.zeros((A.shape[0], *A.dense_shape), A.dtype)
+    return jinsum.einsum(f"D[Ai[g]{dense}] += Av[g,p{dense}]", D=zeros, A=A)
+
+
+def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
+    """`A @ h` (SpMM over the stored entries), with `A`'s values in `h`'s dtype: `(M, F)` from `h` `(K, F)`."""
+    return jinsum.einsum("ik,kn->in", A.with_values(A.Av.astype(h.dtype)), h)
