@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/spmm_cora.py
+	$(BIN)/python examples/gcn/main.py --dataset cora
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2

@@ -10,6 +10,8 @@ timed the same way (jinsum.timing.time_calls: back-to-back calls, one synchronis
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +23,8 @@ import jinsum
 from jinsum.datasets import load_planetoid
 from jinsum.timing import time_calls
 
-
-def normalized_adjacency(edge_index: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Edges of A + I and their GCN weights 1 / sqrt(deg(src) deg(dst))."""
-    loops = np.arange(num_nodes, dtype=edge_index.dtype)
-    edges = np.concatenate([edge_index, np.stack([loops, loops])], axis=1)
-    degree = np.bincount(edges[1], minlength=num_nodes).astype(np.float32)
-    return edges, (degree[edges[0]] * degree[edges[1]]) ** -0.5
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples' shared helpers
+from _common import normalized_adjacency  # noqa: E402
 
 
 def main(features: list[int]) -> None:

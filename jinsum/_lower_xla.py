@@ -33,9 +33,10 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     terms = [_read(factor, env, spec) for factor in statement.factors]
     every = tuple(dict.fromkeys(v for _, axes in terms for v in axes))
     scatters = statement.accumulate and any(isinstance(i, Access) for i in statement.lhs.indices)
-    if scatters and math.prod(spec.extent[v] for v in every) <= max(array.size for array, _ in terms):
-        # The products at every assignment are no more than the largest gathered factor (SpMM, SDDMM's
-        # transposes, RGCN): multiply them elementwise and let the scatter sum the summed variables too, as the
+    summed = math.prod(spec.extent[v] for v in spec.summed_variables)
+    if scatters and summed <= 16 and math.prod(spec.extent[v] for v in every) <= max(a.size for a, _ in terms):
+        # Few summed terms per output element (SpMM over a group) and products no larger than the largest
+        # gathered factor: multiply elementwise and let the scatter sum the summed variables too, as the
         # segment_sum idiom does. A contraction first would run tiny batched matrix products (slow on CPUs).
         accumulator = jnp.promote_types(jnp.result_type(*(a.dtype for a, _ in terms)), jnp.float32)
         product = math.prod(_align(array.astype(accumulator), axes, every) for array, axes in terms)

@@ -74,9 +74,11 @@ def relational_graph(src, dst, rel, num_nodes: int, num_relations: int) -> Relat
 class RGCNConv(nnx.Module):
     """`out_i = x_i W_0 + sum_r sum_{j in N_r(i)} x_j W_r / c_{i,r} + b`, over typed edges.
 
-    All messages of all relations are one indirect Einsum with the relation as an index:
-    `O[dst[e],f] += norm[e] * X[src[e],c] * W[rel[e],c,f]` (a sorted segment sum, edges being sorted by
-    destination). With `num_bases`, the relation weights are `W_r = sum_b comp[r,b] V_b` (a dense einsum).
+    All messages of all relations are one indirect Einsum with the relation as an index, on node features
+    transformed by every relation first (`H = x W_r`, one dense product): `O[dst[e],f] += norm[e] *
+    H[src[e],rel[e],f]` (a sorted segment sum, edges being sorted by destination). With `num_bases`
+    (`W_r = sum_b comp[r,b] V_b`), `H` holds `x V_b` and the statement is
+    `O[dst[e],f] += norm[e] * comp[rel[e],b] * H[src[e],b,f]`. `H` has `N x R x out_features` (or bases) entries.
 
     Shapes: `x` `(N, in_features)`, `graph` a `RelationalGraph` over `N` nodes -> `(N, out_features)`.
 
@@ -123,13 +125,19 @@ class RGCNConv(nnx.Module):
             raise ValueError(f"RGCNConv: expected a graph over the N = {x.shape[0]} rows of x {tuple(x.shape)} "
                              f"with num_relations = {self.num_relations}, got num_nodes = {graph.num_nodes} and "
                              f"num_relations = {graph.num_relations}")
+        # Transform first: every node by every relation (or basis) in one dense product, so that each edge
+        # gathers a single row of H. Edge by edge, `X[C[e],c] * W[T[e],c,f]` would cost c times more work and,
+        # on the XLA lowering, gather a whole weight matrix per edge.
         weight = self.weight[...]
-        if self.comp is not None:
-            weight = jnp.einsum("rb,bcf->rcf", self.comp[...], weight)
         dtype = jnp.result_type(x, weight)
-        out = jinsum.einsum("O[R[e],f] += N[e] * X[C[e],c] * W[T[e],c,f]", sorted_indices=("R",),
-                            O=jnp.zeros((x.shape[0], weight.shape[-1]), dtype), R=graph.dst, C=graph.src,
-                            T=graph.rel, N=graph.norm.astype(dtype), X=x.astype(dtype), W=weight.astype(dtype))
+        H = jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype))
+        zeros = jnp.zeros((x.shape[0], weight.shape[-1]), dtype)
+        edges = dict(R=graph.dst, C=graph.src, T=graph.rel, N=graph.norm.astype(dtype), H=H)
+        if self.comp is None:
+            out = jinsum.einsum("O[R[e],f] += N[e] * H[C[e],T[e],f]", sorted_indices=("R",), O=zeros, **edges)
+        else:  # W_r = sum_b comp[r,b] V_b: H holds x V_b, and each edge weighs the bases by its relation's comp
+            out = jinsum.einsum("O[R[e],f] += N[e] * Comp[T[e],b] * H[C[e],b,f]", sorted_indices=("R",), O=zeros,
+                                Comp=self.comp[...].astype(dtype), **edges)
         if self.root is not None:
             out = out + self.root(x)
         return out if self.bias is None else out + self.bias[...]
