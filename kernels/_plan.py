@@ -13,7 +13,10 @@ Two templates cover the class:
   (`p`), so one program gathers a whole `p x d` tile, reduces it over `d` and stores `p` outputs at once.
 
 Parallel (grid) variables are the left-hand side's; summed ones are loops. The innermost grid variable is walked in
-windows of `window` consecutive values per program, so short work items share a program.
+windows of `window` consecutive values per program, so short work items share a program. Short parallel variables
+that some factor does not read (the `p` of `dB[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]`, a transpose) are looped inside
+the program instead (`write_loops`): each iteration writes its own outputs, and the loads they do not depend on
+(the row `C[Ai[g],:]`) are made once, not once per program.
 
 Write modes:
 - `set` (`=`): store; a target written twice is undefined by the language anyway.
@@ -38,6 +41,8 @@ from jinsum._lang import Access, Spec, Var, variables, walk
 
 # Operand element counts at or above this need 64-bit offsets.
 INT32_LIMIT = 2**31 - 1
+# Loops this short are unrolled (`tl.static_range`), so all their loads are in flight at once.
+UNROLL_LIMIT = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,7 @@ class KernelPlan:
     dot: DotRoles | None  # dot template: the matrix product
     grid: tuple[str, ...]  # scalar parallel variables, flattened over program_id(0), outermost first
     window: str | None  # the innermost parallel variable, walked in windows
+    write_loops: tuple[str, ...]  # parallel scalar variables looped inside, a write per iteration
     loops: tuple[str, ...]  # summed scalar variables, looped inside, outermost first
     write: str  # "set", "update", "segmented" or "atomic"
     config: KernelConfig
@@ -166,15 +172,19 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             write = "update"
         else:
             write = "atomic"
-    grid = tuple(v for v in scalar_loop if v != window)
+    parallel = [v for v in scalar_loop if v != window]
+    # Unrolled inside the program when that saves loads; not for segmented writes, whose accumulator is per row.
+    write_loops = tuple(v for v in parallel if write != "segmented" and spec.extent[v] <= UNROLL_LIMIT
+                        and any(v not in variables(f) for f in statement.factors))
+    grid = tuple(v for v in parallel if v not in write_loops)
 
     config = default_config(spec, dot, tiles, config)
     out_dtype = np.dtype(spec.lhs.dtype)
     atomics = write == "atomic" or (write == "segmented" and config.schedule == "split")
     if atomics and out_dtype.itemsize < 4:
         out_dtype = np.dtype(np.float32)  # 16-bit atomics lose precision and are slow; the launcher casts back
-    plan = KernelPlan(spec, "dot" if dot else "lanes", lanes, rows, dot, grid, window, loops, write, config,
-                      out_dtype)
+    plan = KernelPlan(spec, "dot" if dot else "lanes", lanes, rows, dot, grid, window, write_loops, loops, write,
+                      config, out_dtype)
     programs, tile_programs = plan.grid_shape
     if programs > INT32_LIMIT or tile_programs > 65535:
         return Fallback(f"the grid ({programs} x {tile_programs} programs) exceeds CUDA's launch limits")

@@ -1,9 +1,9 @@
 """`KernelPlan` -> Triton source text: one `@triton.jit` kernel per plan, readable on its own.
 
 The kernel is a loop nest. Level 0 is the program: its grid variables are decoded from `program_id(0)` and its
-tiles (the lanes, or the m/n tiles of a dot plan) from `program_id(1)`. Level 1 walks the window variable; deeper
-levels loop over summed variables, innermost the k tiles of a dot plan (or the lane tiles of a summed lane
-variable). Every access is loaded once, at the outermost level where all its variables are bound, so index and
+tiles (the lanes, or the m/n tiles of a dot plan) from `program_id(1)`. Level 1 walks the window variable; then
+come the write loops (parallel variables looped inside, each iteration a write), then the summed variables,
+innermost the k tiles of a dot plan (or the lane tiles of a summed lane variable). Every access is loaded once, at the outermost level where all its variables are bound, so index and
 value loads are hoisted out of the loops they do not depend on. Indirect indices are range-checked (`in_range`):
 an out-of-range read gives 0 and an out-of-range write is dropped, as in the XLA lowering.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from jinsum._lang import Access, Var, variables
-from jinsum.kernels._plan import INT32_LIMIT, KernelPlan
+from jinsum.kernels._plan import INT32_LIMIT, UNROLL_LIMIT, KernelPlan
 
 _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
                   "float64": "tl.float64"}
@@ -55,10 +55,10 @@ class _Writer:
             level[v] = 0
         if plan.window:
             level[plan.window] = 1
-        for depth, v in enumerate(plan.loops):
+        for depth, v in enumerate(plan.write_loops + plan.loops):
             level[v] = 2 + depth
         if self.inner_tile:
-            level[self.inner_tile] = 2 + len(plan.loops)
+            level[self.inner_tile] = 2 + len(plan.write_loops + plan.loops)
         return level
 
     @property
@@ -97,7 +97,8 @@ class _Writer:
         config = plan.config
         doc = [f'"""{spec.statement}', "",
                f"template {plan.template}; tiles {', '.join(plan.tile_vars)}; grid {', '.join(plan.grid) or '-'}; "
-               f"window {plan.window or '-'}; loops {', '.join(plan.loops) or '-'}; write {plan.write}"
+               f"window {plan.window or '-'}; write loops {', '.join(plan.write_loops) or '-'}; "
+               f"loops {', '.join(plan.loops) or '-'}; write {plan.write}"
                + (f" ({config.schedule} schedule)" if plan.write == "segmented" else ""),
                '"""']
         return ["@triton.jit", f"def {KERNEL_NAME}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
@@ -150,18 +151,33 @@ class _Writer:
             self.emit(f"for v_{plan.window} in tl.range(start, stop, num_stages=NUM_STAGES):")
             self.depth += 1
             self._emit_loads(1)
+        for v in plan.write_loops:
+            self._open_loop(v)
         self.emit(self._acc_init())
         self._inner_loops()
         pointer, mask = self._lhs_pointer()
         value = self._written_value()
         if plan.write == "set":
             self.emit(f"tl.store({pointer}, {value}.to(p_out.dtype.element_ty), mask={mask})")
+        elif plan.write == "update":
+            self.helpers.add("update")
+            self.emit(f"update({pointer}, {value}, {mask})")
         else:
-            helper = "update" if plan.write == "update" else "atomic_update"
-            self.helpers.add(helper)
-            self.emit(f"{helper}({pointer}, {value}, {mask})")
-        if plan.window:
-            self.depth -= 1
+            self.helpers.add("atomic_update")
+            for factor in self._scalar_factors():  # (`tl.where`: the interpreter cannot `&` a float comparison)
+                mask = f"tl.where({factor} != 0, {mask}, False)"
+            self.emit(f"atomic_update({pointer}, {value}, {mask})")
+        self.depth -= len(plan.write_loops) + bool(plan.window)
+
+    def _scalar_factors(self) -> list[str]:
+        """The loaded factors that are one scalar for the whole written tile. An atomic update is skipped where one
+        is zero: it would add zeros (NaN or inf in another factor aside), and group padding (value 0, column 0)
+        would otherwise send every padded slot's atomics to one row, serialising them (10x slower on an H100)."""
+        spec, scalars = self.spec, []
+        for k, factor in enumerate(spec.statement.factors):
+            if not set(variables(factor)) & (self.tiled | set(spec.summed_variables)):
+                scalars.append(self.loaded[self._key(factor, self._role(k))])
+        return scalars
 
     def _segmented_body(self) -> None:
         """Runs of equal rows (the window variable's sorted index) accumulate in registers and are written once."""
@@ -244,15 +260,9 @@ class _Writer:
     def _inner_loops(self) -> None:
         """The summed loops (and the innermost tile loop), with the accumulation at the bottom."""
         plan, extent = self.plan, self.spec.extent
-        opened = 0
-        for depth, v in enumerate(plan.loops):
-            if extent[v] <= 16:  # short loops unroll, so their loads are all in flight at once
-                self.emit(f"for v_{v} in tl.static_range({extent[v]}):")
-            else:
-                self.emit(f"for v_{v} in tl.range(0, {extent[v]}):")
-            self.depth += 1
-            opened += 1
-            self._emit_loads(2 + depth)
+        for v in plan.loops:
+            self._open_loop(v)
+        opened = len(plan.loops)
         inner = self.inner_tile
         if inner:
             block = "BLOCK_K" if plan.template == "dot" else "BLOCK"
@@ -261,9 +271,19 @@ class _Writer:
             opened += 1
             self.emit(f"v_{inner} = t_{inner} + tl.arange(0, {block})")
             self.emit(f"m_{inner} = v_{inner} < {extent[inner]}")
-            self._emit_loads(2 + len(plan.loops))
+            self._emit_loads(self.level[inner])
         self._accumulate()
         self.depth -= opened
+
+    def _open_loop(self, v: str) -> None:
+        """`for v_<v>` over the whole extent (unrolled when short), then the loads that it binds."""
+        extent = self.spec.extent[v]
+        if extent <= UNROLL_LIMIT:
+            self.emit(f"for v_{v} in tl.static_range({extent}):")
+        else:
+            self.emit(f"for v_{v} in tl.range(0, {extent}):")
+        self.depth += 1
+        self._emit_loads(self.level[v])
 
     def _accumulate(self) -> None:
         plan = self.plan

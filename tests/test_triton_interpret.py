@@ -107,6 +107,19 @@ def test_group_spmm_with_owned_rows_has_no_atomics(rng):
     assert "segment_update(" in split  # hub rows split across programs: atomics at window edges only
 
 
+def test_spmm_transpose_loops_slots_inside_and_skips_padding(rng):
+    operands = group_spmm(rng, np.float32)
+    transpose = dict(dB=np.zeros_like(operands["B"]), Ai=operands["Ai"], Ak=operands["Ak"], Av=operands["Av"],
+                     C=operands["C"])
+    expression = "dB[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]"
+    plan = make_plan(_spec(expression, transpose))
+    assert plan.write == "atomic" and plan.write_loops == ("p",) and plan.grid == ()
+    source = jinsum.triton_source(expression, **transpose)
+    # C[Ai[g],:] is loaded once per group, outside the slot loop; a zero value Av[g,p] skips its atomics.
+    assert source.index("# C[Ai[g],n]") < source.index("tl.static_range(")
+    assert "!= 0, " in source.split("atomic_update(")[-1]
+
+
 def test_fp32_dot_precision_follows_allow_tf32(rng):
     operands = next(c for c in CATALOG if c.name == "block_spmm_tiles").make(rng, np.float32)
     expression = "C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]"
