@@ -3,9 +3,10 @@
 The kernel is a loop nest. Level 0 is the program: its grid variables are decoded from `program_id(0)` and its
 tiles (the lanes, or the m/n tiles of a dot plan) from `program_id(1)`. Level 1 walks the window variable; then
 come the write loops (parallel variables looped inside, each iteration a write), then the summed variables,
-innermost the k tiles of a dot plan (or the lane tiles of a summed lane variable). Every access is loaded once, at the outermost level where all its variables are bound, so index and
-value loads are hoisted out of the loops they do not depend on. Indirect indices are range-checked (`in_range`):
-an out-of-range read gives 0 and an out-of-range write is dropped, as in the XLA lowering.
+innermost the k tiles of a dot plan (or the lane tiles of a summed lane variable). Every access is loaded once,
+at the outermost level where all its variables are bound, so index and value loads are hoisted out of the loops
+they do not depend on. Indirect indices are range-checked (`in_range`): an out-of-range read gives 0 and an
+out-of-range write is dropped, as in the XLA lowering.
 """
 
 from __future__ import annotations
