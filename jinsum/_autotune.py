@@ -22,9 +22,10 @@ def candidate_configs(spec: Spec) -> list[KernelConfig]:
                 for bn, w, s, schedule in [(0, 0, 1, ""), (128, 4, 3, "rows"), (256, 8, 3, "rows"),
                                            (256, 4, 2, "rows"), (256, 8, 1, "split"), (128, 4, 1, "split")]]
     return [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, schedule=schedule)
-            for b, win, w, s, schedule in [(0, 4, 0, 1, ""), (0, 8, 0, 1, "split"), (0, 2, 0, 1, "split"),
+            for b, win, w, s, schedule in [(0, 0, 0, 0, ""), (0, 4, 0, 1, "split"), (0, 8, 0, 1, "split"),
                                            (0, 16, 0, 1, "split"), (0, 4, 0, 1, "owned"), (0, 1, 0, 2, "rows"),
-                                           (64, 4, 1, 1, "split"), (0, 4, 2, 1, "split")]]
+                                           (64, 4, 1, 1, "split"), (0, 16, 0, 1, "tile"), (32, 16, 4, 1, "tile"),
+                                           (0, 8, 0, 1, "tile")]]
 
 
 def autotune(expression: str, /, *, configs: Sequence[KernelConfig] | None = None, calls: int = 10,

@@ -27,8 +27,8 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
     Index variables on the left (also inside an indirection there) are loop variables; those only on the right
     are summed. `+=` adds into the left-hand side array (duplicate targets accumulate); `=` sets the targets (a
     target hit twice gets one of the values; which one is undefined). The call is functional: it returns the
-    updated array. The left-hand side array may be omitted when all its indices are plain variables (it then
-    starts at zero).
+    updated array. To start from zeros, pass the left-hand side as a `jax.ShapeDtypeStruct` (kernels then
+    neither materialise nor read it), or omit it when all its indices are plain variables.
 
     NumPy subscripts, operands by position, one of them a `GroupCOO`/`BlockGroupCOO`::
 
@@ -71,12 +71,16 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
     statement = parse(expression)
     arrays, checked, row_indices = _expand_formats(named)
     lhs = statement.lhs.tensor
+    zero_lhs = lhs not in arrays or isinstance(arrays[lhs], jax.ShapeDtypeStruct)
     if lhs not in arrays:
         arrays[lhs] = _zeros_lhs(statement, arrays)
+    elif zero_lhs:
+        arrays[lhs] = jnp.zeros(arrays[lhs].shape, arrays[lhs].dtype)
     arrays = {name: jnp.asarray(value) for name, value in arrays.items()}
     _check_index_values(statement, arrays, skip=checked)
     _check_sorted(sorted_indices, arrays)
-    return statement, arrays, dict(sorted_indices=frozenset(sorted_indices) | row_indices, allow_tf32=allow_tf32)
+    return statement, arrays, dict(sorted_indices=frozenset(sorted_indices) | row_indices, allow_tf32=allow_tf32,
+                                   zero_lhs=zero_lhs)
 
 
 def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str]]:

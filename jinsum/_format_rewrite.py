@@ -63,13 +63,14 @@ def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
         lhs = values.replace("Av", "Out", 1)
         arrays["Out"] = jnp.zeros(A.Av.shape, dtype)
         result = _primitive.bind(parse(f"{lhs} = {' * '.join(factors)}"), _expand(arrays),
-                                 sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32)
+                                 sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32, zero_lhs=True)
         return A.with_values(result)
 
     out_shape = [d for letter in output for d in _split_shape(letter, sizes[letter], split)]
     arrays["Out"] = jnp.zeros(out_shape, dtype)
     statement = parse(f"{access('Out', output)} += {' * '.join(factors)}")
-    out = _primitive.bind(statement, _expand(arrays), sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32)
+    out = _primitive.bind(statement, _expand(arrays), sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32,
+                          zero_lhs=True)
     return _merge_axes(out, output, split)
 
 

@@ -62,6 +62,7 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         out_shape=jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype),
         grid=plan.grid_shape,
         input_output_aliases={0: 0} if plan.reads_lhs else {},
+        zeroed_outputs=(0,) if plan.zeroes_output else (),
         num_warps=plan.config.num_warps,
         num_stages=plan.config.num_stages,
         name="jinsum",
@@ -110,6 +111,8 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
     if plan.row_programs:
         inputs.append(to_torch(row_starts(np.asarray(arrays[spec.lhs_sorted_index]), plan.row_count, np)))
     out = to_torch(lhs.astype(plan.out_dtype)).clone()
+    if plan.zeroes_output:
+        out.zero_()  # as the launcher's zeroed output: the kernel must not rely on the left-hand side's values
     if plan.reads_lhs:
         inputs.insert(0, out)  # aliased: the kernel reads and writes the output buffer only
     load_kernel(generate(plan))[plan.grid_shape](*inputs, out, num_warps=plan.config.num_warps,

@@ -21,11 +21,12 @@ from jinsum._lang import Operand, Spec, Statement, check, tensor_names
 
 
 def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
-              sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False) -> Spec:
-    """Checks `statement` against `arrays` (name -> array; extra names ignored): the primitive's parameter."""
+              sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False, zero_lhs: bool = False) -> Spec:
+    """Checks `statement` against `arrays` (name -> array; extra names ignored): the primitive's parameter.
+    `zero_lhs` promises that the left-hand side array is all zeros (see `Spec`)."""
     names = tensor_names(statement)
     operands = tuple(Operand(n, tuple(np.shape(arrays[n])), np.dtype(arrays[n].dtype)) for n in names)
-    return check(statement, operands, frozenset(sorted_indices), allow_tf32)
+    return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs)
 
 
 def bind(statement: Statement, arrays: Mapping[str, jax.Array], **flags) -> jax.Array:
@@ -91,7 +92,8 @@ def _jvp(primals, tangents, *, spec: Spec):
         name = _derive.fresh_name("d" + factor.tensor, taken)
         term = _derive.replace_factor(statement, i, name, accumulate=statement.accumulate or k > 0)
         arrays = {**env, statement.lhs.tensor: tangent, name: ad.instantiate_zeros(tangent_of[factor.tensor])}
-        tangent = bind(term, arrays, sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32)
+        tangent = bind(term, arrays, sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32,
+                       zero_lhs=k == 0 and type(lhs_tangent) is ad.Zero)
     return out, tangent
 
 
@@ -123,7 +125,7 @@ def _transpose(cotangent, *args, spec: Spec):
             raise NotImplementedError(f"jinsum: {spec!r} is not linear in {name}; cannot transpose")
         zeros = jnp.zeros(aval.shape, aval.dtype)
         results[name] = bind(_derive.transpose(statement, occurrences[0]), {**env, name: zeros},
-                             sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32)
+                             sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32, zero_lhs=True)
     return [results.get(name) for name in spec.names]
 
 
@@ -156,7 +158,8 @@ def _batch(args, dims, *, spec: Spec):
         lhs_axis = len(spec.lhs.shape)
         env[lhs_name] = jnp.broadcast_to(env[lhs_name][..., None], (*spec.lhs.shape, size))
     statement, _ = _derive.batch(spec.statement, batched, lhs_axis)
-    out = bind(statement, env, sorted_indices=spec.sorted_indices - set(batched), allow_tf32=spec.allow_tf32)
+    out = bind(statement, env, sorted_indices=spec.sorted_indices - set(batched), allow_tf32=spec.allow_tf32,
+               zero_lhs=spec.zero_lhs)  # zeros, broadcast or batched, are zeros
     return out, lhs_axis
 
 

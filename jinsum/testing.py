@@ -106,7 +106,8 @@ def check_vmap(fn, args, in_axes, out_axes=0) -> None:
 
 def random_operands(spec: Spec, rng: np.random.Generator, dtype=None) -> dict[str, np.ndarray]:
     """Random operands for a checked statement: normal values (in `dtype`, default each operand's own) and index
-    arrays in range of every dimension they address (sorted where the spec says so)."""
+    arrays in range of every dimension they address (sorted where the spec says so). The left-hand side is zeros
+    where the spec promises that (`Spec.zero_lhs`)."""
     statement = spec.statement
     bounds: dict[str, int] = {}
     for access in statement.accesses:
@@ -117,7 +118,9 @@ def random_operands(spec: Spec, rng: np.random.Generator, dtype=None) -> dict[st
                     bounds[index.tensor] = min(bounds.get(index.tensor, size), size)
     operands = {}
     for operand in spec.operands:
-        if operand.name in bounds:
+        if operand.name == spec.lhs.name and spec.zero_lhs:
+            operands[operand.name] = np.zeros(operand.shape, dtype or operand.dtype)
+        elif operand.name in bounds:
             values = rng.integers(0, max(bounds[operand.name], 1), operand.shape).astype(operand.dtype)
             operands[operand.name] = np.sort(values) if operand.name in spec.sorted_indices else values
         else:

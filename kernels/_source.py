@@ -54,7 +54,7 @@ class _Writer:
             level[v] = 0
         for v in plan.tile_vars:
             level[v] = 0
-        if plan.window:
+        if plan.window and not plan.tiled_window:
             level[plan.window] = 1
         for depth, v in enumerate(plan.write_loops + plan.loops):
             level[v] = 2 + depth
@@ -131,7 +131,10 @@ class _Writer:
         else:
             t = plan.lanes
             lane_tiles = -(-extent[t] // plan.config.block) if t in self.spec.loop_variables else 1
-            if plan.rows:
+            if plan.tiled_window:
+                self.emit(f"v_{plan.rows} = start + tl.arange(0, BLOCK_ROWS)  # the window, as the tile's rows")
+                self.emit(f"m_{plan.rows} = v_{plan.rows} < stop")
+            elif plan.rows:
                 r = plan.rows
                 self.emit(f"v_{r} = (tl.program_id(1) // {lane_tiles}) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
                 self.emit(f"m_{r} = v_{r} < {extent[r]}")
@@ -148,7 +151,8 @@ class _Writer:
     def _plain_body(self) -> None:
         """One accumulator per assignment of the window variable (or per program), written after its loops."""
         plan = self.plan
-        if plan.window:
+        window_loop = plan.window and not plan.tiled_window
+        if window_loop:
             self.emit(f"for v_{plan.window} in tl.range(start, stop, num_stages=NUM_STAGES):")
             self.depth += 1
             self._emit_loads(1)
@@ -158,25 +162,25 @@ class _Writer:
         self._inner_loops()
         pointer, mask = self._lhs_pointer()
         value = self._written_value()
-        if plan.write == "set":
-            self.emit(f"tl.store({pointer}, {value}.to(p_out.dtype.element_ty), mask={mask})")
-        elif plan.write == "update":
-            self.helpers.add("update")
-            self.emit(f"update({pointer}, {value}, {mask})")
+        if plan.write in ("set", "update"):
+            self._write_alone(pointer, value, mask)
         else:
             self.helpers.add("atomic_update")
             for factor in self._scalar_factors():  # (`tl.where`: the interpreter cannot `&` a float comparison)
                 mask = f"tl.where({factor} != 0, {mask}, False)"
             self.emit(f"atomic_update({pointer}, {value}, {mask})")
-        self.depth -= len(plan.write_loops) + bool(plan.window)
+        self.depth -= len(plan.write_loops) + bool(window_loop)
 
     def _scalar_factors(self) -> list[str]:
-        """The loaded factors that are one scalar for the whole written tile. An atomic update is skipped where one
-        is zero: it would add zeros (NaN or inf in another factor aside), and group padding (value 0, column 0)
-        would otherwise send every padded slot's atomics to one row, serialising them (10x slower on an H100)."""
-        spec, scalars = self.spec, []
+        """The loaded factors that are one value per written row (constant along the lanes and the sums). An
+        atomic update is skipped where one is zero: it would add zeros (NaN or inf in another factor aside), and
+        group padding (value 0, column 0) would otherwise send every padded slot's atomics to one row,
+        serialising them (10x slower on an H100)."""
+        plan, spec, scalars = self.plan, self.spec, []
+        if plan.template == "dot":
+            return scalars
         for k, factor in enumerate(spec.statement.factors):
-            if not set(variables(factor)) & (self.tiled | set(spec.summed_variables)):
+            if not set(variables(factor)) & {plan.lanes, self.inner_tile, *spec.summed_variables}:
                 scalars.append(self.loaded[self._key(factor, self._role(k))])
         return scalars
 
@@ -249,11 +253,19 @@ class _Writer:
         pointer, mask = self._lhs_pointer(row="row")
         value = self._written_value()
         if shared is None:
+            self._write_alone(pointer, value, mask)
+        else:
+            helper = "segment_store" if self.plan.zeroes_output else "segment_update"
+            self.helpers.add(helper)
+            self.emit(f"{helper}({pointer}, {value}, {mask}, {shared})")
+
+    def _write_alone(self, pointer: str, value: str, mask: str) -> None:
+        """Writes elements that no other program writes: `=` and `+=` into zeros store, `+=` loads, adds, stores."""
+        if self.plan.write == "set" or self.plan.zeroes_output:
+            self.emit(f"tl.store({pointer}, {value}.to(p_out.dtype.element_ty), mask={mask})")
+        else:
             self.helpers.add("update")
             self.emit(f"update({pointer}, {value}, {mask})")
-        else:
-            self.helpers.add("segment_update")
-            self.emit(f"segment_update({pointer}, {value}, {mask}, {shared})")
 
     def _sorted_node(self) -> Access:
         return next(i for i in self.spec.statement.lhs.indices if isinstance(i, Access))

@@ -24,6 +24,15 @@ def atomic_update(pointer, value, mask):
 
 
 @triton.jit
+def segment_store(pointer, value, mask, shared):
+    """Writes a row's sum into a zero-filled output: atomically if the row continues in a neighbouring window."""
+    if shared:
+        atomic_update(pointer, value, mask)
+    else:
+        tl.store(pointer, value.to(pointer.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def segment_update(pointer, value, mask, shared):
     """Writes a row's sum: atomically if the row continues in a neighbouring program's window."""
     if shared:

@@ -7,7 +7,7 @@ import pytest
 from jax.experimental import sparse
 
 import jinsum
-from jinsum.testing import assert_allclose, reference
+from jinsum.testing import assert_allclose, reference, specs_in
 
 from _catalog import CATALOG, group_spmm
 
@@ -72,6 +72,20 @@ def test_lhs_may_be_omitted_when_its_extents_are_known(rng):
     with pytest.raises(jinsum.ExpressionError, match=r"pass C=\.\.\., the array to write into") as info:
         jinsum.einsum("C[Ai[g],n] += B[g,n]", Ai=np.zeros(3, np.int32), B=np.ones((3, 2), np.float32))
     assert str(info.value).splitlines()[-1].strip() == "^^^^^"
+
+
+def test_lhs_given_as_a_shape_starts_from_zeros(rng):
+    operands = group_spmm(rng, np.float32)
+    C = operands.pop("C")
+    expression = "C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]"
+    shape = jax.ShapeDtypeStruct(C.shape, C.dtype)
+    out = jinsum.einsum(expression, C=shape, **operands)
+    assert out.dtype == C.dtype
+    assert_allclose(out, reference(expression, C=np.zeros_like(C), **operands), np.float32)
+    [spec] = specs_in(lambda ops: jinsum.einsum(expression, C=shape, **ops), operands)
+    assert spec.zero_lhs  # kernels need not read it
+    [spec] = specs_in(lambda ops: jinsum.einsum(expression, C=C, **ops), operands)
+    assert not spec.zero_lhs
 
 
 def test_set_overwrites_only_its_targets(rng):

@@ -7,7 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jinsum
-from jinsum.testing import check_vmap
+from jinsum.testing import check_vmap, specs_in
 
 from _catalog import CATALOG, group_spmm
 
@@ -75,6 +75,19 @@ def test_grad_of_spmm_is_the_transposed_indirect_einsum(rng):
     assert "B[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]" in jaxpr
     loss_av = lambda Av: jinsum.einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", **{**ops, "Av": Av}).sum()  # noqa
     assert "Av[g,p] += B[Ak[g,p],n] * C[Ai[g],n]" in str(jax.make_jaxpr(jax.grad(loss_av))(ops["Av"]))
+
+
+def test_derived_statements_into_fresh_zeros_say_so(rng):
+    ops = group_spmm(rng, np.float64)
+    A = jinsum.GroupCOO(ops["Ai"], ops["Ak"], ops["Av"], shape=(ops["C"].shape[0], ops["B"].shape[0]))
+    specs = specs_in(jax.grad(lambda B: jnp.sum((A @ B) ** 2)), ops["B"])
+    assert [(str(s.statement), s.zero_lhs) for s in specs] == [
+        ("Out[Ai[_g],n] += Av[_g,_p] * X1[Ak[_g,_p],n]", True),  # A @ B writes into zeros it made
+        ("dX1[Ak[_g,_p],n] += Av[_g,_p] * Out[Ai[_g],n]", True)]  # so does the transpose (the cotangent of B)
+    tangents = specs_in(lambda B, dB: jax.jvp(lambda B: A @ B, (B,), (dB,)), ops["B"], ops["B"])
+    assert [s.zero_lhs for s in tangents] == [True, True]  # the tangent chain starts from a zero tangent
+    [spec] = specs_in(jax.vmap(lambda B: A @ B), np.stack([ops["B"]] * 2))
+    assert spec.zero_lhs
 
 
 def test_hessian_of_a_scalar_function_of_the_values(rng):

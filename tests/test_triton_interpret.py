@@ -1,6 +1,9 @@
 """Every generated Triton kernel of the catalog, and of the statements its grads and vmaps derive, run in Triton's
 interpreter on CPU against the float64 reference and the XLA lowering (skipped on a GPU: see test_gpu.py)."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,7 @@ import pytest
 import jinsum
 from jinsum import _einsum, _primitive
 from jinsum._lower_triton import interpret
-from jinsum.kernels import KernelConfig, make_plan
+from jinsum.kernels import KernelConfig, generate, make_plan
 from jinsum.testing import assert_allclose, random_operands, reference, specs_in
 
 from _catalog import CATALOG, group_spmm
@@ -31,8 +34,9 @@ def _spec(expression, operands):
 
 
 @pytest.mark.parametrize("config", [KernelConfig(), STRESS, KernelConfig(schedule="owned", window=2),
-                                    KernelConfig(schedule="rows"), KernelConfig(schedule="split")],
-                         ids=["default", "stress", "owned", "rows", "split"])
+                                    KernelConfig(schedule="rows"), KernelConfig(schedule="split"),
+                                    KernelConfig(schedule="tile", window=3)],
+                         ids=["default", "stress", "owned", "rows", "split", "tile"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CATALOG, ids=repr)
 def test_catalog_kernel_matches_reference_and_xla(case, dtype, config, rng):
@@ -45,6 +49,19 @@ def test_catalog_kernel_matches_reference_and_xla(case, dtype, config, rng):
     assert_allclose(actual, reference(case.expression, **operands), dtype)
     xla = jinsum.einsum(case.expression, **operands)
     assert_allclose(actual, np.asarray(xla, np.float64), dtype, err_msg="against the XLA lowering")
+
+
+@pytest.mark.parametrize("config", [KernelConfig(), STRESS, KernelConfig(schedule="owned", window=2),
+                                    KernelConfig(schedule="rows"), KernelConfig(schedule="tile", window=3)],
+                         ids=["default", "stress", "owned", "rows", "tile"])
+@pytest.mark.parametrize("case", [c for c in CATALOG if "+=" in c.expression], ids=repr)
+def test_kernels_into_zeros_store_without_reading(case, config, rng):
+    operands = case.make(rng, np.float32)
+    spec = dataclasses.replace(_spec(case.expression, operands), zero_lhs=True)
+    operands[spec.lhs.name] = np.zeros_like(operands[spec.lhs.name])
+    source = generate(make_plan(spec, config))
+    assert not re.search(r"(?<!\w)update\(", source)  # no load-add-store of the left-hand side
+    assert_allclose(interpret(spec, operands, config), reference(case.expression, **operands), np.float32)
 
 
 def _derived_specs():
@@ -103,7 +120,8 @@ def test_group_spmm_with_owned_rows_has_no_atomics(rng):
         owned = jinsum.triton_source(expression, config=KernelConfig(schedule=schedule), sorted_indices=("Ai",),
                                      **operands)
         assert "atomic" not in owned and "update(" in owned
-    split = jinsum.triton_source(expression, sorted_indices=("Ai",), **operands)
+    split = jinsum.triton_source(expression, config=KernelConfig(schedule="split"), sorted_indices=("Ai",),
+                                 **operands)
     assert "segment_update(" in split  # hub rows split across programs: atomics at window edges only
 
 
@@ -130,7 +148,11 @@ def test_fp32_dot_precision_follows_allow_tf32(rng):
 def test_plan_of_the_catalog():
     rng = np.random.default_rng(1)
     plans = {c.name: make_plan(_spec(c.expression, c.make(rng, np.float32))) for c in CATALOG}
-    assert plans["group_spmm"].write == "segmented" and plans["group_spmm"].lanes == "n"
+    # Narrow rows (N = 5): the window of groups is the tile's row axis, written atomically.
+    assert plans["group_spmm"].write == "atomic" and (plans["group_spmm"].rows, plans["group_spmm"].lanes) == ("g", "n")
+    group = next(c for c in CATALOG if c.name == "group_spmm")
+    wide = make_plan(_spec(group.expression, group.make(rng, np.float32)), KernelConfig(block=128))
+    assert wide.write == "segmented" and wide.config.schedule == "split" and wide.rows is None
     assert plans["block_spmm_tiles"].template == "dot" and plans["block_sddmm"].template == "dot"
     assert plans["coo_spmm"].write == "atomic"
     assert plans["sddmm"].lanes == "d" and plans["sddmm"].write == "set"

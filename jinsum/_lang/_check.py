@@ -48,6 +48,8 @@ class Spec:
       sorted_indices: 1-D index arrays whose values are known to be non-decreasing (a format's row indices).
         A left-hand side written through one of them is a sorted segment reduction.
       allow_tf32: float32 contractions may use TensorFloat-32 (faster on GPUs, ~1e-3 relative error).
+      zero_lhs: the left-hand side operand is all zeros (jinsum made it: an omitted left-hand side, a format's
+        product, a cotangent), so a kernel need not read it.
     """
 
     statement: Statement
@@ -55,6 +57,7 @@ class Spec:
     extents: tuple[tuple[str, int], ...]
     sorted_indices: frozenset[str] = frozenset()
     allow_tf32: bool = False
+    zero_lhs: bool = False
 
     def __repr__(self) -> str:  # short: this is what a printed jaxpr shows for the primitive's parameter
         return f"Spec({str(self.statement)!r})"
@@ -115,12 +118,13 @@ def _describe(operand: Operand) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: frozenset[str] = frozenset(),
-          allow_tf32: bool = False) -> Spec:
+          allow_tf32: bool = False, zero_lhs: bool = False) -> Spec:
     """Binds operands to a statement and validates everything that can be known before tracing.
 
     Args:
       statement: a parsed statement.
       operands: the arrays bound to the statement's tensor names, in any order.
+      sorted_indices, allow_tf32, zero_lhs: see `Spec`.
 
     Raises:
       ExpressionError: an unknown or unused operand, a wrong rank, a non-integer index array, a non-floating value
@@ -186,4 +190,4 @@ def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: f
     ordered_extents = tuple((v, extents[v][0]) for v in statement_variables(statement))
     # Only 1-D index arrays of this statement can be sorted; dropping the rest keeps equal Specs equal.
     sorted_indices = frozenset(n for n in sorted_indices if n in index_tensors and len(by_name[n].shape) == 1)
-    return Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32))
+    return Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs))

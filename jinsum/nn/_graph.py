@@ -73,10 +73,10 @@ def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
     A = A.with_values(A.Av.astype(A.dtype if dtype is None else dtype))
     if isinstance(A, BlockGroupCOO):
         (bm, _), rows = A.block_shape, A.num_block_rows
-        sums = jinsum.einsum("D[Ai[g],m] += Av[g,m,k,p]", D=jnp.zeros((rows, bm), A.dtype), A=A)
+        sums = jinsum.einsum("D[Ai[g],m] += Av[g,m,k,p]", D=jax.ShapeDtypeStruct((rows, bm), A.dtype), A=A)
         return sums.reshape(-1)[: A.shape[0]]
     dense = "".join(f",d{i}" for i in range(len(A.dense_shape)))
-    zeros = jnp.zeros((A.shape[0], *A.dense_shape), A.dtype)
+    zeros = jax.ShapeDtypeStruct((A.shape[0], *A.dense_shape), A.dtype)
     return jinsum.einsum(f"D[Ai[g]{dense}] += Av[g,p{dense}]", D=zeros, A=A)
 
 

@@ -131,7 +131,7 @@ class RGCNConv(nnx.Module):
         weight = self.weight[...]
         dtype = jnp.result_type(x, weight)
         H = jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype))
-        zeros = jnp.zeros((x.shape[0], weight.shape[-1]), dtype)
+        zeros = jax.ShapeDtypeStruct((x.shape[0], weight.shape[-1]), dtype)
         edges = dict(R=graph.dst, C=graph.src, T=graph.rel, N=graph.norm.astype(dtype), H=H)
         if self.comp is None:
             out = jinsum.einsum("O[R[e],f] += N[e] * H[C[e],T[e],f]", sorted_indices=("R",), O=zeros, **edges)
