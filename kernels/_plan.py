@@ -50,6 +50,8 @@ INT32_LIMIT = 2**31 - 1
 TILE_LANES = 64
 # Loops this short are unrolled (`tl.static_range`), so all their loads are in flight at once.
 UNROLL_LIMIT = 16
+# At most this many copies of the innermost body once write loops are unrolled too.
+UNROLLED_BODIES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +208,15 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             write = "atomic" if write == "segmented" else write
     parallel = [v for v in scalar_loop if v != window]
     # Unrolled inside the program when that saves loads; not for segmented writes, whose accumulator is per row.
-    write_loops = tuple(v for v in parallel if write != "segmented" and spec.extent[v] <= UNROLL_LIMIT
-                        and any(v not in variables(f) for f in statement.factors))
+    # The unrolled body (write loops x short summed loops) stays small, or Triton's compile time explodes.
+    bodies = int(np.prod([spec.extent[v] for v in loops if spec.extent[v] <= UNROLL_LIMIT], dtype=np.int64))
+    write_loops = []
+    for v in parallel:
+        if (write != "segmented" and spec.extent[v] <= UNROLL_LIMIT and bodies * spec.extent[v] <= UNROLLED_BODIES
+                and any(v not in variables(f) for f in statement.factors)):
+            write_loops.append(v)
+            bodies *= spec.extent[v]
+    write_loops = tuple(write_loops)
     grid = tuple(v for v in parallel if v not in write_loops)
 
     config = default_config(spec, dot, tiles, config)
