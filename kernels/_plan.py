@@ -46,8 +46,10 @@ from jinsum._lang import Access, Spec, Var, variables, walk
 
 # Operand element counts at or above this need 64-bit offsets.
 INT32_LIMIT = 2**31 - 1
-# Lanes plans this narrow (lanes per program) take the `tile` schedule by default.
+# Lanes plans this narrow (lanes per program) take the `tile` schedule by default, and their row tile (if any)
+# is replaced by the window when it would have this few rows.
 TILE_LANES = 64
+SHORT_ROWS = 4
 # Loops this short are unrolled (`tl.static_range`), so all their loads are in flight at once.
 UNROLL_LIMIT = 16
 # At most this many copies of the innermost body once write loops are unrolled too.
@@ -177,6 +179,9 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     dot = _dot_roles(spec)
     lanes = None if dot else _lane_variable(spec)
     rows = None if dot else _row_variable(spec, lanes)
+    narrow = not dot and (config.block or _pow2(spec.extent[lanes], 1, 256)) <= TILE_LANES
+    if rows and narrow and spec.extent[rows] <= SHORT_ROWS and config.schedule in ("", "tile"):
+        rows = None  # a tile of a few rows: tile the window instead (SDDMM over groups of 2: rows g, not p)
     tiles = (dot.m, dot.n) if dot else tuple(v for v in (rows, lanes) if v)
     scalar_loop = [v for v in spec.loop_variables if v not in tiles]
     loops = tuple(v for v in spec.summed_variables if v not in tiles and not (dot and v == dot.k))
@@ -198,7 +203,7 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             write = "update"
         else:
             write = "atomic"
-    if not config.schedule and not dot and (config.block or _pow2(spec.extent[lanes], 1, 256)) <= TILE_LANES:
+    if not config.schedule and narrow:
         config = dataclasses.replace(config, schedule="tile")  # narrow rows: more of them in flight at once
     if config.schedule == "tile":
         if dot or rows is not None or window is None:
@@ -236,10 +241,13 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
     """Fills the zero fields of `config`: a default that is good on Hopper for the plan's shape."""
     extent = spec.extent
     changes = {}
-    # Measured on an H100 (benchmarks/): gathers want one warp per 128 lanes, a short window and no software
-    # pipelining; narrow ones (<= TILE_LANES lanes) a tile of 16 gathered rows (SpMM F=32: PubMed 9.6 -> 4.3 us,
-    # R-MAT17 71 -> 37 us; at F=128 the loop is as fast: 12 vs 12 us, 128 vs 133 us); tl.dot plans want programs that own their rows (no atomics, so 16-bit outputs stay 16-bit)
-    # over windows of 8 groups, two pipeline stages and 128-wide n tiles.
+    # Measured on an H100 (benchmarks/, kernel times):
+    # - gathers: one warp per 128 lanes, windows of 8, no software pipelining (SpMM F=128 into zeros, window 4 -> 8:
+    #   PubMed 10.3 -> 9.5 us, R-MAT20 1228 -> 1212 us);
+    # - narrow gathers (<= TILE_LANES lanes): a tile of 16 gathered rows, <= 4 warps (SpMM F=32: PubMed 9.6 -> 4.3 us,
+    #   R-MAT17 71 -> 37 us; SDDMM PubMed F=32 9.9 -> 3.8 us; at F=128 the loop is as fast or faster);
+    # - tl.dot plans: programs that own their rows (no atomics, so 16-bit outputs stay 16-bit) over windows of 8
+    #   groups, two pipeline stages and 128-wide n tiles.
     changes["schedule"] = config.schedule or ("owned" if dot else "split")
     if dot:
         changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 64)
@@ -251,7 +259,7 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
     else:
         block = config.block or _pow2(extent[tiles[-1]], 1, 256)
         changes["block"] = block
-        changes["window"] = config.window or (16 if config.schedule == "tile" else 4)
+        changes["window"] = config.window or (16 if config.schedule == "tile" else 8)
         if config.schedule == "tile":  # rows past the window's end are masked off
             changes["block_rows"] = _pow2(changes["window"], 1, 1 << 16)
         else:

@@ -177,8 +177,8 @@ class _Writer:
         group padding (value 0, column 0) would otherwise send every padded slot's atomics to one row,
         serialising them (10x slower on an H100)."""
         plan, spec, scalars = self.plan, self.spec, []
-        if plan.template == "dot":
-            return scalars
+        if plan.template == "dot" or plan.lanes in spec.summed_variables:  # (a written tile reduced over the lanes
+            return scalars  # has lost the axis those factors broadcast along)
         for k, factor in enumerate(spec.statement.factors):
             if not set(variables(factor)) & {plan.lanes, self.inner_tile, *spec.summed_variables}:
                 scalars.append(self.loaded[self._key(factor, self._role(k))])
