@@ -179,7 +179,7 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     dot = _dot_roles(spec)
     lanes = None if dot else _lane_variable(spec)
     rows = None if dot else _row_variable(spec, lanes)
-    narrow = not dot and (config.block or _pow2(spec.extent[lanes], 1, 256)) <= TILE_LANES
+    narrow = not dot and _lanes_block(spec, lanes, config) <= TILE_LANES
     if rows and narrow and spec.extent[rows] <= SHORT_ROWS and config.schedule in ("", "tile"):
         rows = None  # a tile of a few rows: tile the window instead (SDDMM over groups of 2: rows g, not p)
     tiles = (dot.m, dot.n) if dot else tuple(v for v in (rows, lanes) if v)
@@ -257,7 +257,7 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
         changes["window"] = config.window or 8
         changes["num_stages"] = config.num_stages or 2
     else:
-        block = config.block or _pow2(extent[tiles[-1]], 1, 256)
+        block = _lanes_block(spec, tiles[-1], config)
         changes["block"] = block
         changes["window"] = config.window or (16 if config.schedule == "tile" else 8)
         if config.schedule == "tile":  # rows past the window's end are masked off
@@ -272,6 +272,12 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
             changes["num_warps"] = config.num_warps or max(1, min(8, block // 128))
         changes["num_stages"] = config.num_stages or 1
     return dataclasses.replace(config, **changes)
+
+
+def _lanes_block(spec: Spec, lanes: str, config: KernelConfig) -> int:
+    """Lanes per program: the configured block, else the lane variable's extent rounded up to a power of 2
+    (at most 256)."""
+    return config.block or _pow2(spec.extent[lanes], 1, 256)
 
 
 def _lane_variable(spec: Spec) -> str:

@@ -128,8 +128,8 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: Bl
     # Masking the exponent (not its result) keeps masked elements at exactly 0 with zero gradient.
     weights = jnp.exp(jnp.where(allowed, scores - shift, -jnp.inf))
     heads = q.shape[1]
-    totals = jinsum.einsum("Z[Ai[g],m,h] += P[g,m,k,p,h]", Z=jax.ShapeDtypeStruct((Q.shape[0], bm, heads), weights.dtype),
-                           A=pattern, P=weights)
+    totals = jinsum.einsum("Z[Ai[g],m,h] += P[g,m,k,p,h]", A=pattern, P=weights,
+                           Z=jax.ShapeDtypeStruct((Q.shape[0], bm, heads), weights.dtype))
     out = jinsum.einsum("O[Ai[g],m,h,d] += P[g,m,k,p,h] * V[Ak[g,p],k,h,d]", A=pattern, P=weights, V=V,
                         O=jax.ShapeDtypeStruct((Q.shape[0], bm, heads, v.shape[-1]), jnp.result_type(weights, V)))
     out = out / jnp.where(totals > 0, totals, 1)[..., None]
