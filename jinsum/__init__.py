@@ -5,6 +5,7 @@
     C = adjacency @ B                                   # the same, written format-agnostically
 """
 
+from jinsum._attention import attention as attention
 from jinsum._autotune import autotune as autotune
 from jinsum._einsum import einsum as einsum
 from jinsum._einsum import triton_source as triton_source

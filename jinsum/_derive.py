@@ -57,18 +57,20 @@ def overwrites_everything(statement: Statement) -> bool:
     return not statement.accumulate and all(isinstance(i, Var) for i in statement.lhs.indices)
 
 
-def batch(statement: Statement, batched: Mapping[str, int], lhs_axis: int) -> tuple[Statement, str]:
+def batch(statement: Statement, batched: Mapping[str, int], lhs_axis: int, var: str | None = None
+          ) -> tuple[Statement, str]:
     """Adds a fresh index variable for a vmapped axis.
 
     Args:
       batched: tensor name -> the axis that carries the batch, for every batched operand.
       lhs_axis: where the batch axis goes in the left-hand side (every output is batched).
+      var: the new variable's name (one that the statement does not use); a fresh `b...` by default.
 
     Returns:
       The statement with the new variable inserted at those axes in every access of those tensors, and the name of
       the new variable.
     """
-    var = Var(fresh_name("b", statement_variables(statement)))
+    var = Var(var or fresh_name("b", statement_variables(statement)))
     axes = {**batched, statement.lhs.tensor: lhs_axis}
 
     def insert(access: Access) -> Access:

@@ -92,21 +92,12 @@ def _jax_triton():
 def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = KernelConfig()) -> np.ndarray:
     """Runs the generated kernel for `spec` in Triton's interpreter on CPU (needs `TRITON_INTERPRET=1` set before
     Triton kernels are first defined, and torch). For tests: the same plan, source and arguments as on a GPU."""
-    import torch  # noqa: PLC0415
-
     plan = make_plan(spec, config)
     if isinstance(plan, Fallback):
         raise ValueError(f"jinsum: no kernel for {spec.statement}: {plan.reason}")
     lhs = np.asarray(arrays[spec.lhs.name])
     if not _has_work(plan):
         return lhs
-
-    def to_torch(x: np.ndarray) -> torch.Tensor:
-        x = np.ascontiguousarray(x)
-        if x.dtype == jax.numpy.bfloat16:
-            return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(x)
-
     inputs = [to_torch(np.asarray(arrays[n])) for n in kernel_inputs(plan) if n != spec.lhs.name]
     if plan.row_programs:
         inputs.append(to_torch(row_starts(np.asarray(arrays[spec.lhs_sorted_index]), plan.row_count, np)))
@@ -117,6 +108,24 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
         inputs.insert(0, out)  # aliased: the kernel reads and writes the output buffer only
     load_kernel(generate(plan))[plan.grid_shape](*inputs, out, num_warps=plan.config.num_warps,
                                                  **_metaparameters(plan))
-    if out.dtype == torch.bfloat16:
-        return out.view(torch.uint16).numpy().view(jax.numpy.bfloat16)
-    return out.numpy().astype(spec.lhs.dtype)
+    return from_torch(out).astype(spec.lhs.dtype)
+
+
+def to_torch(x: np.ndarray):
+    """A torch CPU tensor sharing `x`'s data (bfloat16 through a uint16 view: NumPy has no bfloat16)."""
+    import torch  # noqa: PLC0415 (torch is only needed by the interpreter)
+
+    x = np.ascontiguousarray(x)
+    if not x.flags.writeable:  # (torch wants writable memory; the interpreter's inputs are copies anyway)
+        x = x.copy()
+    if x.dtype == jax.numpy.bfloat16:
+        return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def from_torch(x) -> np.ndarray:
+    import torch  # noqa: PLC0415
+
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.uint16).numpy().view(jax.numpy.bfloat16)
+    return x.numpy()

@@ -1,10 +1,17 @@
-"""The Triton code generator: checked statement -> kernel plan -> Triton source -> importable kernel.
+"""The Triton code generator: checked statement (or attention chain) -> kernel plan -> Triton source -> kernel.
 
 Shipped inside the package as `jinsum.kernels`. The launchers (jax-triton, and Triton's interpreter for tests)
 live in `jinsum._lower_triton`; the `@triton.jit` helpers every generated kernel imports are in `helpers`.
 """
 
 from jinsum.kernels._cache import cache_dir as cache_dir
+from jinsum.kernels._chain_plan import ChainConfig as ChainConfig
+from jinsum.kernels._chain_plan import ChainPlan as ChainPlan
+from jinsum.kernels._chain_plan import make_chain_plan as make_chain_plan
+from jinsum.kernels._chain_source import chain_inputs as chain_inputs
+from jinsum.kernels._chain_source import chain_outputs as chain_outputs
+from jinsum.kernels._chain_source import generate_chain as generate_chain
+from jinsum.kernels._chain_source import scratch_shapes as scratch_shapes
 from jinsum.kernels._cache import load_kernel as load_kernel
 from jinsum.kernels._plan import DotRoles as DotRoles
 from jinsum.kernels._plan import Fallback as Fallback

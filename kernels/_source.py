@@ -33,6 +33,18 @@ def kernel_inputs(plan: KernelPlan) -> tuple[str, ...]:
     return names if plan.reads_lhs else names[1:]
 
 
+def offset(shape: tuple[int, ...], positions: list[str]) -> str:
+    """The element offset `sum(position[d] * stride[d])` in a row-major array of `shape`, as Triton source;
+    computed in 64 bits when the array has more elements than int32 can address."""
+    wide = int(np.prod(shape, dtype=np.int64)) > INT32_LIMIT
+    strides = np.cumprod((1,) + tuple(shape)[:0:-1])[::-1]
+    terms = []
+    for position, stride in zip(positions, strides):
+        position = f"{position}.to(tl.int64)" if wide else position
+        terms.append(position if stride == 1 else f"{position} * {stride}")
+    return " + ".join(terms)
+
+
 class _Writer:
     def __init__(self, plan: KernelPlan):
         self.plan = plan
@@ -365,10 +377,8 @@ class _Writer:
 
     def _address(self, node: Access, role: str) -> tuple[str, str]:
         """`(pointer expression, mask expression)` of `node` for an access of `role`."""
-        operand = self.spec.operand[node.tensor]
-        wide = int(np.prod(operand.shape, dtype=np.int64)) > INT32_LIMIT
-        strides = np.cumprod((1,) + operand.shape[:0:-1])[::-1]
-        terms, masks = [], []
+        shape = self.spec.operand[node.tensor].shape
+        positions, masks = [], []
         for d, index in enumerate(node.indices):
             if isinstance(index, Var):
                 value = self._tile_axis(role, index.name) if index.name in self.tiled else f"v_{index.name}"
@@ -376,12 +386,10 @@ class _Writer:
                     masks.append(self._tile_axis(role, index.name).replace("v_", "m_", 1))
             else:
                 value = self.loaded[self._key(index, role)]
-                masks.append(f"in_range({value}, {operand.shape[d]})")
+                masks.append(f"in_range({value}, {shape[d]})")
                 self.helpers.add("in_range")
-            if wide:
-                value = f"{value}.to(tl.int64)"
-            terms.append(value if strides[d] == 1 else f"{value} * {strides[d]}")
-        return f"p_{node.tensor} + {' + '.join(terms)}", " & ".join(masks)
+            positions.append(value)
+        return f"p_{node.tensor} + {offset(shape, positions)}", " & ".join(masks)
 
     def _load(self, node: Access, role: str) -> None:
         name = f"x{len(self.loaded)}"

@@ -1,0 +1,195 @@
+"""The attention primitives and all their rules, in one ordered section (as `_primitive` for single statements).
+
+- `attention_p(Ai, Ak, Av, seed, Q, K, V[, KM]) -> (O, LSE)`: the fused chain (`Chain`), one generated kernel on
+  CUDA (plus a combine for split rows), the unfused statements elsewhere.
+- `attention_tangent_p(..., O, LSE, tQ, tK, tV) -> (tO, tLSE)`: its JVP, linear in the tangents. Forward mode
+  evaluates it by JAX's rules on the unfused chain; reverse mode never evaluates it but transposes it into
+- `attention_backward_p(..., O, LSE, dO, dLSE) -> (dQ, dK, dV)`: the FlashAttention-2 backward on CUDA (scores
+  recomputed from the saved log-sum-exp, no stored probabilities), JAX's reverse mode of the unfused chain
+  elsewhere.
+
+So `jax.grad` of attention saves `(Q, K, V, O, LSE)` and runs the generated backward kernels, and `jax.jvp` works
+too. The pattern (`Ai`, `Ak`, `Av`, the key mask) has no tangent: masks are piecewise constant in `Av`. `vmap`
+over the values adds a batch variable to the chain (a grid axis of the kernels); over the pattern or the seed it
+runs the batch as a loop (`lax.map`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jinsum import _chain_reference, _derive, _lower_chain, _primitive
+from jinsum._lang import statement_variables
+from jinsum._lang._chain import Chain
+
+PATTERN = ("Ai", "Ak", "Av", "seed", "KM")  # operands that describe the pattern: never differentiated or batched
+TANGENT_INPUTS = ("O", "LSE", "tQ", "tK", "tV")
+BACKWARD_INPUTS = ("O", "LSE", "dO", "dLSE")
+
+
+def bind(chain: Chain, arrays: dict) -> tuple[jax.Array, jax.Array]:
+    """`(O, LSE)`: the chain on `arrays` (by name, `chain.names`)."""
+    return tuple(attention_p.bind(*(arrays[n] for n in chain.names), chain=chain))
+
+
+attention_p = Primitive("jinsum_attention")
+attention_p.multiple_results = True
+attention_tangent_p = Primitive("jinsum_attention_tangent")
+attention_tangent_p.multiple_results = True
+attention_backward_p = Primitive("jinsum_attention_backward")
+attention_backward_p.multiple_results = True
+
+_INPUTS = {attention_p: (), attention_tangent_p: TANGENT_INPUTS, attention_backward_p: BACKWARD_INPUTS}
+
+
+def _names(primitive: Primitive, chain: Chain) -> tuple[str, ...]:
+    return chain.names + _INPUTS[primitive]
+
+
+def _aval(chain: Chain, name: str) -> jax.core.ShapedArray:
+    source = {"O": "O", "LSE": "LSE", "dO": "O", "dLSE": "LSE", "tQ": "Q", "tK": "K", "tV": "V"}.get(name, name)
+    operand = chain.operand[source]
+    return jax.core.ShapedArray(operand.shape, operand.dtype)
+
+
+# --- evaluation --------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def _compiled(primitive: Primitive, chain: Chain):
+    return jax.jit(functools.partial(primitive.bind, chain=chain))
+
+
+def _abstract_eval(primitive: Primitive, outputs: tuple[str, ...]):
+    def rule(*avals, chain: Chain):
+        for aval, name in zip(avals, _names(primitive, chain)):
+            expected = _aval(chain, name)
+            if aval.shape != expected.shape or aval.dtype != expected.dtype:
+                raise TypeError(f"jinsum: {primitive.name} operand {name} is {aval.str_short()}, but {chain!r} was "
+                                f"checked for {expected.str_short()}")
+        return [_aval(chain, name) for name in outputs]
+    return rule
+
+
+def _xla(evaluate):
+    def rule(*arrays, chain: Chain):
+        return evaluate(chain, arrays)
+    return rule
+
+
+def _forward_reference(chain, arrays):
+    return _chain_reference.forward(chain, dict(zip(chain.names, arrays)))
+
+
+def _tangent_reference(chain, arrays):
+    env = dict(zip(_names(attention_tangent_p, chain), arrays))
+    return _chain_reference.tangent(chain, env, (env["tQ"], env["tK"], env["tV"]))
+
+
+def _backward_reference(chain, arrays):
+    env = dict(zip(_names(attention_backward_p, chain), arrays))
+    return _chain_reference.backward(chain, env, (env["dO"], env["dLSE"]))
+
+
+for _primitive_, _outputs, _reference, _cuda in [
+        (attention_p, ("O", "LSE"), _forward_reference, _lower_chain.forward),
+        (attention_tangent_p, ("O", "LSE"), _tangent_reference, None),
+        (attention_backward_p, ("Q", "K", "V"), _backward_reference, _lower_chain.backward)]:
+    _primitive_.def_impl(lambda *arrays, _p=_primitive_, chain: _compiled(_p, chain)(*arrays))
+    _primitive_.def_abstract_eval(_abstract_eval(_primitive_, _outputs))
+    mlir.register_lowering(_primitive_, mlir.lower_fun(_xla(_reference), multiple_results=True))
+    if _cuda is not None:
+        mlir.register_lowering(_primitive_, mlir.lower_fun(_xla(_cuda), multiple_results=True), platform="cuda")
+
+
+# --- forward-mode differentiation -----------------------------------------------------------------------------
+# Only Q, K and V have tangents. The tangent of (O, LSE) is a separate primitive, linear in (tQ, tK, tV), so that
+# reverse mode transposes it into the backward kernels instead of differentiating through the forward.
+
+def _jvp(primals, tangents, *, chain: Chain):
+    out, lse = attention_p.bind(*primals, chain=chain)
+    named = dict(zip(chain.names, tangents))
+    if all(type(named[n]) is ad.Zero for n in ("Q", "K", "V")):
+        return (out, lse), (ad.Zero.from_primal_value(out), ad.Zero.from_primal_value(lse))
+    linear = [ad.instantiate_zeros(named[n]) for n in ("Q", "K", "V")]
+    return (out, lse), tuple(attention_tangent_p.bind(*primals, out, lse, *linear, chain=chain))
+
+
+ad.primitive_jvps[attention_p] = _jvp
+
+
+# --- transposition ----------------------------------------------------------------------------------------------
+# The tangent primitive is linear in (tQ, tK, tV); everything else is a constant (residuals of the forward).
+
+def _transpose_tangent(cotangents, *args, chain: Chain):
+    d_out, d_lse = cotangents
+    if type(d_out) is ad.Zero and type(d_lse) is ad.Zero:
+        return [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None for a in args]
+    constants = args[:len(chain.names) + 2]
+    d_out = ad.instantiate_zeros(d_out) if type(d_out) is not ad.Zero else jnp.zeros(_aval(chain, "O").shape,
+                                                                                       _aval(chain, "O").dtype)
+    d_lse = jnp.zeros(_aval(chain, "LSE").shape, jnp.float32) if type(d_lse) is ad.Zero else d_lse
+    grads = attention_backward_p.bind(*constants, d_out, d_lse, chain=chain)
+    return [None] * len(constants) + [g if ad.is_undefined_primal(a) else None
+                                      for g, a in zip(grads, args[len(constants):])]
+
+
+ad.primitive_transposes[attention_tangent_p] = _transpose_tangent
+
+
+# --- batching ---------------------------------------------------------------------------------------------------
+# Batched values (Q, K, V and what shares their layout) get one more batch variable, at axis 0 of every value
+# operand (unbatched ones are broadcast). A batched pattern or seed is a loop over the batch.
+
+def _batcher(primitive: Primitive):
+    def rule(args, dims, *, chain: Chain):
+        names = _names(primitive, chain)
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+        if any(d is not None for n, d in zip(names, dims) if n in PATTERN):
+            return _loop(primitive, chain, args, dims)
+        batched_chain = batch_chain(chain, size)
+        args = [a if n in PATTERN or d is not None else jnp.broadcast_to(a, (size, *a.shape))
+                for a, n, d in zip(args, names, dims)]
+        outs = primitive.bind(*args, chain=batched_chain)
+        return outs, [0] * len(outs)
+    return rule
+
+
+def _loop(primitive: Primitive, chain: Chain, args, dims):
+    batched = [k for k, d in enumerate(dims) if d is not None]
+
+    def one(slices):
+        full = list(args)
+        for k, x in zip(batched, slices):
+            full[k] = x
+        return primitive.bind(*full, chain=chain)
+
+    outs = jax.lax.map(one, [args[k] for k in batched])
+    return outs, [0] * len(outs)
+
+
+def batch_chain(chain: Chain, size: int) -> Chain:
+    """The chain with a new batch variable of extent `size` in front of every value operand."""
+    taken = set(statement_variables(chain.scores.statement)) | set(statement_variables(chain.output.statement))
+    var = _derive.fresh_name("b", taken)
+
+    def rebatch(spec, tensors):
+        statement, _ = _derive.batch(spec.statement, {t: 0 for t in tensors}, 0, var=var)
+        shapes = {o.name: jax.ShapeDtypeStruct(((size,) if o.name in tensors or o.name == spec.lhs.name else ())
+                                               + o.shape, o.dtype) for o in spec.operands}
+        return _primitive.make_spec(statement, shapes, sorted_indices=spec.sorted_indices,
+                                    allow_tf32=spec.allow_tf32, zero_lhs=spec.zero_lhs)
+
+    roles = dataclasses.replace(chain.roles, batch=(var, *chain.roles.batch))
+    return dataclasses.replace(chain, scores=rebatch(chain.scores, ("Q", "K")),
+                               output=rebatch(chain.output, ("S", "V")), roles=roles).check()
+
+
+for _primitive_ in _INPUTS:
+    batching.primitive_batchers[_primitive_] = _batcher(_primitive_)

@@ -1,0 +1,241 @@
+"""The CUDA lowering of attention chains: work lists in XLA, then the generated kernels through jax-triton.
+
+Forward: `forward` (one program per work item and head) then `combine` (the pieces of long rows). Backward:
+`D = rowsum(dO * O) - dLSE` in XLA, then `dq` over the rows and `dkdv` over the keys, whose entries come sorted by
+key (the transposed pattern: a stable argsort of `Ak`). The same launches run in Triton's interpreter on CPU
+(`interpret_forward`, `interpret_backward`), which is how CI checks every generated chain kernel.
+
+Work lists (`work_items`) are computed from the pattern inside the jitted program, so a pattern passed as an
+argument needs no host round trip: a segment (row or key) of `L` entries is `max(1, ceil(L / chunk))` items.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum import _chain_reference
+from jinsum._lang._chain import Chain
+from jinsum._lower_triton import FallbackWarning, _jax_triton, from_torch, row_starts, to_torch
+from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_inputs, chain_outputs, generate_chain,
+                            load_kernel, make_chain_plan, scratch_shapes)
+
+
+def plans(chain: Chain, kinds, config: ChainConfig = ChainConfig()) -> dict[str, ChainPlan] | Fallback:
+    """The plans of the chain's `kinds` of kernels, or the first `Fallback`."""
+    if os.environ.get("JINSUM_TRITON", "1") == "0":
+        return Fallback("JINSUM_TRITON=0")
+    if chain.entries == 0 or chain.rows == 0 or chain.keys == 0:
+        return Fallback("an empty pattern")
+    found = {}
+    for kind in kinds:
+        plan = make_chain_plan(chain, kind, config)
+        if isinstance(plan, Fallback):
+            return plan
+        found[kind] = plan
+    try:  # a score_mod without a Triton translation shows up here
+        for plan in found.values():
+            generate_chain(plan)
+    except NotImplementedError as error:
+        return Fallback(str(error))
+    return found
+
+
+def _fallback(chain: Chain, plan: Fallback) -> None:
+    if plan.reason != "JINSUM_TRITON=0":
+        warnings.warn(f"jinsum: {chain!r} runs unfused: {plan.reason}", FallbackWarning, stacklevel=3)
+
+
+def forward(chain: Chain, arrays) -> list[jax.Array]:
+    """`[O, LSE]` on CUDA arrays (the body of the attention primitive's cuda lowering)."""
+    found = plans(chain, ("forward", "combine"))
+    if isinstance(found, Fallback):
+        _fallback(chain, found)
+        return list(_chain_reference.forward(chain, dict(zip(chain.names, arrays))))
+    return run_forward(found, dict(zip(chain.names, arrays)), jnp, _triton_launch)
+
+
+def backward(chain: Chain, arrays) -> list[jax.Array]:
+    """`[dQ, dK, dV]` on CUDA arrays (the body of the backward primitive's cuda lowering)."""
+    names = chain.names + ("O", "LSE", "dO", "dLSE")
+    env = dict(zip(names, arrays))
+    found = plans(chain, ("dq", "dkdv"))
+    if isinstance(found, Fallback):
+        _fallback(chain, found)
+        return list(_chain_reference.backward(chain, env, (env["dO"], env["dLSE"])))
+    return run_backward(found, env, jnp, _triton_launch)
+
+
+# --- what both launchers share ------------------------------------------------------------------------------------
+
+def run_forward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
+    plan = found["forward"]
+    chain = plan.chain
+    items, combine = row_items(plan, env, xp)
+    inputs = {**env, "items": items}
+    if plan.template == "dot":
+        inputs["flags"] = block_flags(chain, env, xp)
+    shapes = scratch_shapes(plan)
+    out = launch(plan, inputs, {"O": _struct(chain, "O"), "LSE": _struct(chain, "LSE"),
+                                "part_m": (shapes["part_m"], np.float32), "part_l": (shapes["part_l"], np.float32),
+                                "part_acc": (shapes["part_acc"], np.float32)})
+    merged = launch(found["combine"], {**out, "combine": combine}, {"O": _struct(chain, "O"),
+                                                                     "LSE": _struct(chain, "LSE")},
+                    aliases={"O": "O", "LSE": "LSE"})
+    return [merged["O"], merged["LSE"]]
+
+
+def run_backward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
+    chain = found["dq"].chain
+    accumulate = np.float64 if chain.operand["Q"].dtype == np.float64 else np.float32
+    drow = (env["dO"].astype(accumulate) * env["O"].astype(accumulate)).sum(-1) - env["dLSE"]
+    inputs = {**env, "Drow": drow.astype(np.float32)}
+    if found["dq"].template == "dot":
+        inputs["flags"] = block_flags(chain, env, xp)
+    items, _ = row_items(found["dq"], env, xp)
+    grads = launch(found["dq"], {**inputs, "items": items}, {"dQ": (chain.operand["Q"].shape, accumulate)},
+                   zeroed=("dQ",))
+    perm, starts = transposed_entries(found["dkdv"], inputs, xp)
+    items, _ = work_items(starts, found["dkdv"], xp)
+    grads.update(launch(found["dkdv"], {**inputs, "perm": perm, "items": items},
+                        {"dK": (chain.operand["K"].shape, accumulate), "dV": (chain.operand["V"].shape, accumulate)},
+                        zeroed=("dK", "dV")))
+    return [grads[g].astype(chain.operand[n].dtype) for g, n in (("dQ", "Q"), ("dK", "K"), ("dV", "V"))]
+
+
+def _struct(chain: Chain, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    return chain.operand[name].shape, chain.operand[name].dtype
+
+
+def row_items(plan: ChainPlan, env: dict, xp):
+    """Work items over the rows: each row's entries `[first group * P, end group * P)`."""
+    slots = plan.chain.scores.extent[plan.chain.roles.slot]
+    starts = row_starts(env["Ai"], plan.chain.rows, xp) * slots
+    return work_items(starts, plan, xp)
+
+
+def work_items(starts, plan: ChainPlan, xp):
+    """Cuts segments (`starts`: segment `s` covers units `[starts[s], starts[s + 1])`) into work items.
+
+    Returns `items` `(plan.items, 5)`: segment (or -1: no work), begin, end, scratch slot of a piece of a long
+    segment (or -1: the whole segment), piece number; and `combine` `(plan.split_segments, 3)`: each long segment
+    (or -1) with its scratch slots `[first, last)`.
+    """
+    chunk, count = plan.config.chunk, plan.items
+    segments = starts.shape[0] - 1
+    pieces = xp.maximum(1, (starts[1:] - starts[:-1] + chunk - 1) // chunk)
+    ends = xp.cumsum(pieces)
+    item = xp.arange(count)
+    segment = xp.searchsorted(ends, item, side="right")
+    valid = segment < segments
+    segment = xp.minimum(segment, segments - 1)
+    piece = item - (ends[segment] - pieces[segment])
+    begin = starts[segment] + piece * chunk
+    end = xp.minimum(begin + chunk, starts[segment + 1])
+    split = valid & (pieces[segment] > 1)
+    part = xp.where(split, xp.cumsum(split) - 1, -1)
+    items = xp.stack([xp.where(valid, segment, -1), begin, end, part, piece], axis=1).astype(xp.int32)
+
+    long = pieces > 1
+    last = xp.cumsum(xp.where(long, pieces, 0))
+    which = _first_true(long, plan.split_segments, xp)
+    safe = xp.maximum(which, 0)
+    combine = xp.stack([which, last[safe] - pieces[safe], last[safe]], axis=1).astype(xp.int32)
+    return items, combine
+
+
+def _first_true(mask, size: int, xp):
+    """The indices of the first `size` true entries of `mask`, padded with -1."""
+    if xp is np:
+        found = np.flatnonzero(mask)[:size]
+        return np.concatenate([found, np.full(size - len(found), -1, found.dtype)])
+    return jnp.nonzero(mask, size=size, fill_value=-1)[0]
+
+
+def block_flags(chain: Chain, env: dict, xp):
+    """Per stored block: 2 if every element attends (no mask to read), 1 if some do, 0 if none (int8)."""
+    nonzero = env["Av"] != 0
+    any_, all_ = nonzero.any(axis=(1, 2)), nonzero.all(axis=(1, 2))
+    if chain.causal:  # blocks wholly below the diagonal stay full; wholly above it, empty
+        bm, bk = chain.block
+        first_query, first_key = env["Ai"][:, None] * bm, env["Ak"] * bk
+        all_ = all_ & (first_key + bk - 1 <= first_query)
+        any_ = any_ & (first_key <= first_query + bm - 1)
+    return xp.where(all_, 2, xp.where(any_, 1, 0)).astype(xp.int8).reshape(-1)
+
+
+def transposed_entries(plan: ChainPlan, env: dict, xp):
+    """The pattern transposed: the entries that attend somewhere, sorted by key (stable), and each key's
+    `[start, end)` in that order. Entries that attend nowhere (padding, masked self loops) sort last."""
+    chain = plan.chain
+    slots = chain.scores.extent[chain.roles.slot]
+    if plan.template == "dot":
+        active = env["flags"] != 0
+    else:
+        nonzero = env["Av"] != 0
+        active = (nonzero.any(axis=2) if nonzero.ndim == 3 else nonzero).reshape(-1)
+    keys = env["Ak"].reshape(-1)
+    if chain.self_loops:
+        active = active & (keys != xp.repeat(env["Ai"], slots))
+    key = xp.where(active, keys, chain.keys).astype(xp.int32)
+    perm = xp.argsort(key, kind="stable") if xp is np else jnp.argsort(key, stable=True)
+    starts = xp.searchsorted(key[perm], xp.arange(chain.keys + 1), side="left")
+    return perm.astype(xp.int32), starts.astype(xp.int32)
+
+
+# --- the two launchers --------------------------------------------------------------------------------------------
+
+def _triton_launch(plan: ChainPlan, inputs: dict, outputs: dict, *, zeroed=(), aliases=None) -> dict:
+    names_in, names_out = chain_inputs(plan), chain_outputs(plan)
+    results = _jax_triton().triton_call(
+        *(inputs[n] for n in names_in),
+        kernel=load_kernel(generate_chain(plan)),
+        out_shape=[jax.ShapeDtypeStruct(*outputs[n]) for n in names_out],
+        grid=plan.grid_shape,
+        input_output_aliases={names_in.index(i): names_out.index(o) for i, o in (aliases or {}).items()},
+        zeroed_outputs=tuple(names_out.index(n) for n in zeroed),
+        num_warps=plan.config.num_warps,
+        num_stages=plan.config.num_stages,
+        name=f"jinsum_attention_{plan.kind}",
+    )
+    return dict(zip(names_out, results))
+
+
+def _interpret_launch(plan: ChainPlan, inputs: dict, outputs: dict, *, zeroed=(), aliases=None) -> dict:
+    import torch  # noqa: PLC0415
+
+    names_in, names_out = chain_inputs(plan), chain_outputs(plan)
+    ins = [to_torch(np.asarray(inputs[n])) for n in names_in]
+    aliased = {o: names_in.index(i) for i, o in (aliases or {}).items()}
+    outs = []
+    for name in names_out:
+        shape, dtype = outputs[name]
+        if name in aliased:
+            ins[aliased[name]] = ins[aliased[name]].clone()
+            outs.append(ins[aliased[name]])
+        else:
+            buffer = to_torch(np.zeros(shape, dtype))
+            outs.append(buffer if name in zeroed else buffer.fill_(float("nan")) if buffer.is_floating_point()
+                        else buffer.fill_(-7))  # unwritten elements must show
+    load_kernel(generate_chain(plan))[plan.grid_shape](*ins, *outs, num_warps=plan.config.num_warps)
+    return {n: from_torch(t) for n, t in zip(names_out, outs)}
+
+
+def interpret_forward(chain: Chain, arrays: dict, config: ChainConfig = ChainConfig()) -> list[np.ndarray]:
+    """The fused forward kernels in Triton's interpreter (tests; needs `TRITON_INTERPRET=1` and torch)."""
+    found = plans(chain, ("forward", "combine"), config)
+    if isinstance(found, Fallback):
+        raise ValueError(f"jinsum: no fused kernels for {chain!r}: {found.reason}")
+    return run_forward(found, {n: np.asarray(a) for n, a in arrays.items()}, np, _interpret_launch)
+
+
+def interpret_backward(chain: Chain, arrays: dict, config: ChainConfig = ChainConfig()) -> list[np.ndarray]:
+    """The fused backward kernels in Triton's interpreter; `arrays` also holds `O`, `LSE`, `dO` and `dLSE`."""
+    found = plans(chain, ("dq", "dkdv"), config)
+    if isinstance(found, Fallback):
+        raise ValueError(f"jinsum: no fused kernels for {chain!r}: {found.reason}")
+    return run_backward(found, {n: np.asarray(a) for n, a in arrays.items()}, np, _interpret_launch)

@@ -1,0 +1,129 @@
+"""Checked `Chain` -> `ChainPlan`: the kernels of a fused attention chain, their tiles and their work lists.
+
+Four kernels per chain, one plan each (`kind`):
+
+- `forward`: one program per work item (a row, or a piece of a long row) and per grid assignment (batch, head).
+  It walks the row's stored entries once: scores, `score_mod`, masks, an online softmax (running maximum and sum
+  in float32, the accumulator rescaled when the maximum grows), dropout, the weighted sum of the values. A row in
+  one piece is finished in place (output and log-sum-exp); a long row is cut into pieces of `chunk` entries (a
+  BigBird global row attends to every block) whose partial (max, sum, accumulator) go to a scratch buffer, and
+- `combine` merges the pieces of each long row.
+- `dq`: the backward over rows (FlashAttention-2): scores recomputed, weights `exp(s - LSE)` from the saved
+  log-sum-exp, `dS = P * (dP - D)` with `D = rowsum(dO * O)`, `dQ += dS K`.
+- `dkdv`: the backward over keys, through the pattern transposed (entries sorted by key, a permutation the
+  launcher computes): `dV += P^T dO`, `dK += dS^T Q`.
+Pieces of a long row (key) in the backward add their results atomically.
+
+Two templates, as for single statements: **dot** for block patterns (every product a Tensor Core `tl.dot` on
+`bm x D`, `D x bk` and `bm x bk` tiles; the pattern's blocks classified by the launcher as full, partial or empty,
+so that a full block never reads its mask), and **lanes** for element patterns (each iteration gathers `entries`
+stored entries' key and value rows as a tile; scores are dot products along the lanes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jinsum._lang._chain import Chain
+from jinsum.kernels._plan import INT32_LIMIT, Fallback, _pow2
+
+KINDS = ("forward", "combine", "dq", "dkdv")
+# Widest head and value sizes a program keeps in registers.
+MAX_WIDTH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainConfig:
+    """Launch and tiling parameters of a chain's kernels. Zero means "choose" (see `default_chain_config`)."""
+
+    entries: int = 0  # lanes template: stored entries gathered per iteration
+    chunk: int = 0  # stored entries (blocks) per work item: longer rows and keys are split into pieces
+    num_warps: int = 0
+    num_stages: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainPlan:
+    chain: Chain
+    kind: str  # one of KINDS
+    template: str  # "dot" (block patterns) or "lanes" (element patterns)
+    block_m: int  # tile sizes: query and key offsets in a block (1 for lanes), head size, value size
+    block_k: int
+    block_d: int
+    block_e: int
+    config: ChainConfig
+
+    @property
+    def grid_size(self) -> int:
+        """Programs along axis 1: one per assignment of the chain's grid variables (batch..., head)."""
+        extent = self.chain.output.extent
+        return int(np.prod([extent[v] for v in self.chain.grid], dtype=np.int64))
+
+    @property
+    def segments(self) -> int:
+        """Rows (forward, combine, dq) or keys (dkdv) that the work items cover."""
+        return self.chain.keys if self.kind == "dkdv" else self.chain.rows
+
+    @property
+    def items(self) -> int:
+        """Work items: at most one per segment plus one per `chunk` entries (see `work_items`)."""
+        return self.segments + self.chain.entries // self.config.chunk
+
+    @property
+    def parts(self) -> int:
+        """Scratch slots for the pieces of long rows: pieces of segments longer than `chunk` number fewer than
+        `2 * entries / chunk`."""
+        return max(1, 2 * self.chain.entries // self.config.chunk)
+
+    @property
+    def split_segments(self) -> int:
+        """At most this many segments are longer than `chunk`."""
+        return max(1, self.chain.entries // (self.config.chunk + 1))
+
+    @property
+    def grid_shape(self) -> tuple[int, int]:
+        return (self.split_segments if self.kind == "combine" else self.items), self.grid_size
+
+
+def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()) -> ChainPlan | Fallback:
+    """The plan of one of the chain's kernels, or a `Fallback` saying why the chain stays unfused."""
+    if kind not in KINDS:
+        raise ValueError(f"jinsum: unknown chain kernel {kind!r}; expected one of {KINDS}")
+    operand = chain.operand
+    head_dim, value_dim = operand["Q"].shape[-1], operand["V"].shape[-1]
+    if max(head_dim, value_dim) > MAX_WIDTH:
+        return Fallback(f"heads of {head_dim} / values of {value_dim} exceed the fused kernels' {MAX_WIDTH} lanes")
+    block = chain.block
+    if block and operand["Q"].dtype == np.float64:
+        return Fallback("float64 block attention (Tensor Cores take 16- and 32-bit operands)")
+    if block:
+        plan = ChainPlan(chain, kind, "dot", _pow2(block[0], 16, 256), _pow2(block[1], 16, 256),
+                         _pow2(head_dim, 16, MAX_WIDTH), _pow2(value_dim, 16, MAX_WIDTH), config)
+    else:
+        plan = ChainPlan(chain, kind, "lanes", 1, 1, _pow2(head_dim, 1, MAX_WIDTH), _pow2(value_dim, 1, MAX_WIDTH),
+                         config)
+    plan = dataclasses.replace(plan, config=default_chain_config(plan))
+    if plan.grid_size > 65535:
+        return Fallback(f"{plan.grid_size} (batch x head) programs exceed CUDA's 65535 along the grid's axis 1")
+    if plan.items > INT32_LIMIT:
+        return Fallback(f"{plan.items} work items exceed CUDA's launch limits")
+    return plan
+
+
+def default_chain_config(plan: ChainPlan) -> ChainConfig:
+    """Fills the zero fields of the plan's config with defaults for its template and kind."""
+    config, changes = plan.config, {}
+    if plan.template == "dot":
+        tile = plan.block_m * plan.block_k
+        changes["chunk"] = config.chunk or 16  # blocks per work item (a BigBird row holds ~7)
+        changes["num_warps"] = config.num_warps or (8 if tile >= 128 * 64 else 4)
+        changes["num_stages"] = config.num_stages or (2 if plan.kind == "forward" else 1)
+    else:
+        width = max(plan.block_d, plan.block_e)
+        changes["entries"] = config.entries or _pow2(4096 // width, 16, 128)
+        changes["chunk"] = config.chunk or 8 * changes["entries"]
+        changes["num_warps"] = config.num_warps or max(1, min(4, changes["entries"] * width // 1024))
+        changes["num_stages"] = config.num_stages or 1
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,119 @@
+"""A traced `score_mod` (a jaxpr over scalars) -> Triton statements over tiles.
+
+Every equation becomes one assignment; nested jaxprs (`jit`, `custom_jvp_call`) are inlined. Scalars broadcast
+like tiles in Triton, so the same statements compute the transform of a whole tile of scores. Only elementwise
+primitives are translated; anything else raises `NotImplementedError` naming the primitive (the CUDA lowering
+then keeps the chain on the unfused path, with a `FallbackWarning`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_BINARY = {
+    "add": "({} + {})", "sub": "({} - {})", "mul": "({} * {})", "max": "tl.maximum({}, {})",
+    "min": "tl.minimum({}, {})", "gt": "({} > {})", "lt": "({} < {})", "ge": "({} >= {})", "le": "({} <= {})",
+    "eq": "({} == {})", "ne": "({} != {})", "and": "({} & {})", "or": "({} | {})", "xor": "({} ^ {})",
+    "rem": "({} % {})",
+}
+_UNARY = {
+    "neg": "(-{})", "exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})", "log1p": "tl.log(1.0 + {})",
+    "expm1": "(tl.exp({}) - 1.0)", "abs": "tl.abs({})", "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})",
+    "floor": "tl.floor({})", "ceil": "tl.ceil({})", "sin": "tl.sin({})", "cos": "tl.cos({})", "not": "(~{})",
+    "logistic": "(1.0 / (1.0 + tl.exp(-{})))", "square": "({0} * {0})", "copy": "{}", "copy_p": "{}",
+    "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, 0.0))", "stop_gradient": "{}",
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice call (the interpreter has none).
+    "tanh": "(1.0 - 2.0 / (tl.exp(2.0 * {}) + 1.0))",
+}
+_TRITON_DTYPES = {"float32": "tl.float32", "float16": "tl.float32", "bfloat16": "tl.float32",
+                  "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1",
+                  "int8": "tl.int8", "uint32": "tl.uint32"}
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint")
+
+
+def score_mod_lines(jaxpr, inputs: list[str], prefix: str) -> tuple[list[str], list[str]]:
+    """Triton assignments computing `jaxpr`'s outputs from the Triton expressions `inputs`.
+
+    Returns the lines and one expression per output. Temporaries are named `<prefix>0`, `<prefix>1`, ...
+    """
+    writer = _Writer(prefix)
+    outputs = writer.run(jaxpr, inputs)
+    return writer.lines, outputs
+
+
+class _Writer:
+    def __init__(self, prefix: str):
+        self.prefix, self.lines, self.count = prefix, [], 0
+
+    def fresh(self, expression: str) -> str:
+        name = f"{self.prefix}{self.count}"
+        self.count += 1
+        self.lines.append(f"{name} = {expression}")
+        return name
+
+    def run(self, jaxpr, inputs: list[str]) -> list[str]:
+        env = dict(zip(jaxpr.invars, inputs))
+
+        def read(atom) -> str:
+            return _literal(atom.val) if hasattr(atom, "val") else env[atom]
+
+        for eqn in jaxpr.eqns:
+            args = [read(a) for a in eqn.invars]
+            name = eqn.primitive.name
+            if name in _CALLS:
+                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                results = self.run(getattr(inner, "jaxpr", inner), args)
+            else:
+                results = [self.fresh(self.expression(eqn, args))]
+            for var, result in zip(eqn.outvars, results):
+                env[var] = result
+        return [read(a) for a in jaxpr.outvars]
+
+    def expression(self, eqn, args: list[str]) -> str:
+        name = eqn.primitive.name
+        dtype = str(eqn.outvars[0].aval.dtype)
+        if name == "div":
+            return "({} // {})".format(*args) if "int" in str(eqn.invars[0].aval.dtype) else "({} / {})".format(*args)
+        if name in _BINARY:
+            return _BINARY[name].format(*args)
+        if name in _UNARY:
+            return _UNARY[name].format(*args)
+        if name == "integer_pow":
+            power = eqn.params["y"]
+            product = " * ".join([args[0]] * abs(power)) or "1.0"
+            return f"({product})" if power >= 0 else f"(1.0 / ({product}))"
+        if name == "convert_element_type":
+            return f"({args[0]}).to({_TRITON_DTYPES[dtype]})" if dtype in _TRITON_DTYPES else _unsupported(eqn)
+        if name == "select_n":  # select_n(which, case0, case1, ...): case[which]
+            which, *cases = args
+            if len(cases) == 2:
+                return f"tl.where({which}, {cases[1]}, {cases[0]})"
+            chosen = cases[-1]
+            for k in reversed(range(len(cases) - 1)):
+                chosen = f"tl.where({which} == {k}, {cases[k]}, {chosen})"
+            return chosen
+        if name == "clamp":
+            low, x, high = args
+            return f"tl.minimum(tl.maximum({x}, {low}), {high})"
+        if name in ("broadcast_in_dim", "reshape", "squeeze") and not eqn.outvars[0].aval.shape:
+            return args[0]
+        return _unsupported(eqn)
+
+
+def _unsupported(eqn) -> str:
+    raise NotImplementedError(f"score_mod uses {eqn.primitive.name}, which has no Triton translation")
+
+
+def _literal(value) -> str:
+    value = np.asarray(value).item()
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return 'float("nan")'
+        if math.isinf(value):
+            return 'float("inf")' if value > 0 else 'float("-inf")'
+        return repr(value)
+    return str(value)
