@@ -133,7 +133,7 @@ def _transpose_tangent(cotangents, *args, chain: Chain):
     constants = args[:len(chain.names) + 2]
     d_out = ad.instantiate_zeros(d_out) if type(d_out) is not ad.Zero else jnp.zeros(_aval(chain, "O").shape,
                                                                                        _aval(chain, "O").dtype)
-    d_lse = jnp.zeros(_aval(chain, "LSE").shape, jnp.float32) if type(d_lse) is ad.Zero else d_lse
+    d_lse = jnp.zeros(_aval(chain, "LSE").shape, _aval(chain, "LSE").dtype) if type(d_lse) is ad.Zero else d_lse
     grads = attention_backward_p.bind(*constants, d_out, d_lse, chain=chain)
     return [None] * len(constants) + [g if ad.is_undefined_primal(a) else None
                                       for g, a in zip(grads, args[len(constants):])]

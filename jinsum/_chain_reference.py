@@ -71,7 +71,7 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
     safe = jnp.where(totals > 0, totals, 1)
     out = out / safe[..., None]
     lse = jnp.where(totals > 0, shift + jnp.log(safe), jnp.inf)
-    return out.astype(chain.output.lhs.dtype), lse.astype(jnp.float32)
+    return out.astype(chain.output.lhs.dtype), lse.astype(chain.operand["LSE"].dtype)
 
 
 def tangent(chain: Chain, arrays: dict, tangents: tuple) -> tuple[jax.Array, jax.Array]:
@@ -90,13 +90,14 @@ def backward(chain: Chain, arrays: dict, cotangents: tuple) -> tuple[jax.Array, 
 def _transform(chain: Chain, scores, b, h, q_idx, kv_idx):
     if chain.score_mod is None:
         return scores
-    return chain.score_mod(scores.astype(jnp.float32), b, h, q_idx, kv_idx).astype(scores.dtype)
+    return chain.score_mod(scores, b, h, q_idx, kv_idx).astype(scores.dtype)
 
 
 def _self_scores(chain: Chain, arrays: dict, lse_shape) -> jax.Array:
     """The score of every row with itself (self loops): `sum_d Q[..., i, h, d] * K[..., i, h, d]`, transformed."""
     r = chain.roles
-    raw = jnp.sum(arrays["Q"].astype(jnp.float32) * arrays["K"].astype(jnp.float32), axis=-1) * chain.scale
+    precision = jnp.float64 if chain.operand["Q"].dtype == np.float64 else jnp.float32
+    raw = jnp.sum(arrays["Q"].astype(precision) * arrays["K"].astype(precision), axis=-1) * chain.scale
     index = jax.lax.broadcasted_iota(jnp.int32, lse_shape, len(r.batch))
     b = (jax.lax.broadcasted_iota(jnp.int32, lse_shape, r.batch.index(r.batch_index))
          if r.batch_index else jnp.zeros((), jnp.int32))

@@ -159,18 +159,3 @@ def _check_sorted(names: Collection[str], arrays: Mapping[str, jax.Array]) -> No
             raise ValueError(f"jinsum: sorted_indices claims {name} (shape {values.shape}) is sorted, but it is not a "
                              "non-decreasing 1-D array")
 
-
-def triton_source(expression: str, /, *, config=None, sorted_indices: Collection[str] = (), allow_tf32: bool = False,
-                  **named) -> str:
-    """The Triton source generated for an indirect Einsum on these operands (what runs on a CUDA GPU).
-
-    Takes the same arguments as `einsum`, plus an optional `jinsum.kernels.KernelConfig`. Needs no GPU.
-    Raises `ValueError` with the reason when the statement would stay on the XLA lowering.
-    """
-    from jinsum import kernels  # noqa: PLC0415 (the code generator is only needed here and on CUDA)
-
-    statement, arrays, flags = prepare(expression, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
-    plan = kernels.make_plan(_primitive.make_spec(statement, arrays, **flags), config or kernels.KernelConfig())
-    if isinstance(plan, kernels.Fallback):
-        raise ValueError(f"jinsum: {statement} has no generated kernel: {plan.reason}")
-    return kernels.generate(plan)

@@ -16,9 +16,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+import numpy as np
+
 from jinsum import _primitive
 from jinsum._lang import parse
 from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.formats._base import GroupedFormat
 
 
 def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
@@ -138,3 +141,28 @@ def _merge_axes(x, letters: str, split: dict):
             x = lax.slice_in_dim(x, 0, size, axis=axis)
         axis += 1
     return x
+
+
+# --- `@` on the formats ------------------------------------------------------------------------------------------
+
+def _matmul(subscripts: dict[int, str], sparse, dense, operands):
+    ndim = np.ndim(dense)
+    if sparse.ndim != 2 or ndim not in subscripts:
+        raise ValueError(f"jinsum: @ takes a 2-D sparse matrix and a 1-D or 2-D dense operand, got "
+                         f"{type(sparse).__name__} of shape {sparse.shape} and an operand of shape {np.shape(dense)}; "
+                         "use jinsum.einsum with explicit subscripts for other products")
+    return numpy_einsum(subscripts[ndim], operands, allow_tf32=False)
+
+
+def _format_matmul(self, other):
+    """`A @ x`, `A @ B` for a dense vector or matrix: the format's SpMV / SpMM."""
+    return _matmul({1: "ik,k->i", 2: "ik,kn->in"}, self, other, (self, other))
+
+
+def _format_rmatmul(self, other):
+    """`x @ A`, `B @ A` for a dense vector or matrix."""
+    return _matmul({1: "k,ki->i", 2: "mk,ki->mi"}, self, other, (other, self))
+
+
+GroupedFormat.__matmul__ = _format_matmul
+GroupedFormat.__rmatmul__ = _format_rmatmul

@@ -81,8 +81,8 @@ def run_forward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
         inputs["flags"] = block_flags(chain, env, xp)
     shapes = scratch_shapes(plan)
     out = launch(plan, inputs, {"O": _struct(chain, "O"), "LSE": _struct(chain, "LSE"),
-                                "part_m": (shapes["part_m"], np.float32), "part_l": (shapes["part_l"], np.float32),
-                                "part_acc": (shapes["part_acc"], np.float32)})
+                                **{name: (shapes[name], chain.operand["LSE"].dtype)
+                                   for name in ("part_m", "part_l", "part_acc")}})
     merged = launch(found["combine"], {**out, "combine": combine}, {"O": _struct(chain, "O"),
                                                                      "LSE": _struct(chain, "LSE")},
                     aliases={"O": "O", "LSE": "LSE"})
@@ -93,7 +93,7 @@ def run_backward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
     chain = found["dq"].chain
     accumulate = np.float64 if chain.operand["Q"].dtype == np.float64 else np.float32
     drow = (env["dO"].astype(accumulate) * env["O"].astype(accumulate)).sum(-1) - env["dLSE"]
-    inputs = {**env, "Drow": drow.astype(np.float32)}
+    inputs = {**env, "Drow": drow.astype(chain.operand["LSE"].dtype)}
     if found["dq"].template == "dot":
         inputs["flags"] = block_flags(chain, env, xp)
     items, _ = row_items(found["dq"], env, xp)
@@ -206,8 +206,6 @@ def _triton_launch(plan: ChainPlan, inputs: dict, outputs: dict, *, zeroed=(), a
 
 
 def _interpret_launch(plan: ChainPlan, inputs: dict, outputs: dict, *, zeroed=(), aliases=None) -> dict:
-    import torch  # noqa: PLC0415
-
     names_in, names_out = chain_inputs(plan), chain_outputs(plan)
     ins = [to_torch(np.asarray(inputs[n])) for n in names_in]
     aliased = {o: names_in.index(i) for i, o in (aliases or {}).items()}

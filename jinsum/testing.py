@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum._lang import Access, Operand, Spec, Var, check, parse, tensor_names, walk
+from jinsum._inspect import equations
 from jinsum._primitive import jinsum_p
 
 __all__ = ["reference", "assert_allclose", "tolerance", "check_vmap", "random_operands", "specs_in"]
@@ -130,18 +131,4 @@ def random_operands(spec: Spec, rng: np.random.Generator, dtype=None) -> dict[st
 
 def specs_in(fn, *args) -> list[Spec]:
     """The checked statements `fn(*args)` binds, in order, including those inside nested jaxprs (jit, grad, ...)."""
-    found = []
-
-    def visit(jaxpr) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is jinsum_p:
-                found.append(eqn.params["spec"])
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    if hasattr(sub, "eqns"):
-                        visit(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        visit(sub.jaxpr)
-
-    visit(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [eqn.params["spec"] for eqn in equations(fn, *args) if eqn.primitive is jinsum_p]

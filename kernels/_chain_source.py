@@ -237,7 +237,7 @@ class _Writer:
         r = self.chain.roles
         b = f"v_{r.batch_index}" if r.batch_index else "0"
         lines, (value, derivative) = score_mod_lines(mod.value_and_slope.jaxpr,
-                                                     ["s", b, f"v_{r.head}", q_idx, kv_idx], "sm")
+                                                     ["s", b, f"v_{r.head}", q_idx, kv_idx], "sm", self.acc_type)
         for line in lines:
             self.emit(line)
         self.emit(f"s = {value}")
@@ -339,10 +339,10 @@ class _Writer:
 
     def _row_statistics(self) -> None:
         shape = f"[{self.plan.block_m}]" if self.dot else "[1]"
-        self.emit(f"m_i = tl.full({shape}, {_NEG_INF}, tl.float32)  # running maximum")
-        self.emit(f"l_i = tl.zeros({shape}, tl.float32)  # running sum of exp(s - m_i)")
+        self.emit(f"m_i = tl.full({shape}, {_NEG_INF}, {self.acc_type})  # running maximum")
+        self.emit(f"l_i = tl.zeros({shape}, {self.acc_type})  # running sum of exp(s - m_i)")
         acc = f"[{self.plan.block_m}, {self.plan.block_e}]" if self.dot else f"[{self.plan.block_e}]"
-        self.emit(f"acc = tl.zeros({acc}, tl.float32)")
+        self.emit(f"acc = tl.zeros({acc}, {self.acc_type})")
 
     def _entries_loop(self):
         """The loop over the item's entries: one per iteration (dot) or a tile of `entries` (lanes)."""
@@ -398,7 +398,7 @@ class _Writer:
         self.env["Ak[g,p]"] = row
         k = self.load("K", ("d",))
         v = self.load("V", ("e",))
-        self.emit(f"s = tl.zeros([1], tl.float32) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
+        self.emit(f"s = tl.zeros([1], {self.acc_type}) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
         self._transform(row.expression, row.expression, slope=False)
         self._online_softmax("s", None, f"{v}[None, :]", f"{self.chain.entries} + segment")
 
@@ -476,14 +476,14 @@ class _Writer:
             do = self.load("dO", axes_o, native=self.dot)
             lse = self._load_row("LSE", ("m",) if self.dot else (), "0.0")
             drow = self._load_row("Drow", ("m",) if self.dot else (), "0.0")
-            self.emit(f"dq = tl.zeros([{self.plan.block_m}, {self.plan.block_d}], tl.float32)" if self.dot else
-                      f"dq = tl.zeros([{self.plan.block_d}], tl.float32)")
+            self.emit(f"dq = tl.zeros([{self.plan.block_m}, {self.plan.block_d}], {self.acc_type})" if self.dot else
+                      f"dq = tl.zeros([{self.plan.block_d}], {self.acc_type})")
             if self.chain.self_loops:
                 with self.indented("if piece == 0:  # the row's weight on itself"):
                     self.env["Ak[g,p]"] = row
                     k = self.load("K", ("d",))
                     v = self.load("V", ("e",))
-                    self.emit(f"s = tl.zeros([1], tl.float32) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
+                    self.emit(f"s = tl.zeros([1], {self.acc_type}) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
                     self._transform(row.expression, row.expression, slope=True)
                     self.emit(f"w = tl.exp(s - {lse})")
                     self.emit(f"dp = tl.sum({do} * {v}, 0)")
@@ -532,8 +532,8 @@ class _Writer:
             shape_k, shape_v = ((f"[{self.plan.block_k}, {self.plan.block_d}]", f"[{self.plan.block_k}, "
                                  f"{self.plan.block_e}]") if self.dot else
                                 (f"[{self.plan.block_d}]", f"[{self.plan.block_e}]"))
-            self.emit(f"dk = tl.zeros({shape_k}, tl.float32)")
-            self.emit(f"dv = tl.zeros({shape_v}, tl.float32)")
+            self.emit(f"dk = tl.zeros({shape_k}, {self.acc_type})")
+            self.emit(f"dv = tl.zeros({shape_v}, {self.acc_type})")
             if self.chain.self_loops:
                 with self.indented("if piece == 0:  # the key's own row attends to it"):
                     self.env["Ai[g]"] = col
@@ -541,7 +541,7 @@ class _Writer:
                     do = self.load("dO", ("e",))
                     lse = self._load_row("LSE", (), "0.0")
                     drow = self._load_row("Drow", (), "0.0")
-                    self.emit(f"s = tl.zeros([1], tl.float32) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
+                    self.emit(f"s = tl.zeros([1], {self.acc_type}) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
                     self._transform(col.expression, col.expression, slope=True)
                     self.emit(f"w = tl.exp(s - {lse})")
                     self.emit(f"dp = tl.sum({do} * {v}, 0)")

@@ -27,25 +27,26 @@ _UNARY = {
     # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice call (the interpreter has none).
     "tanh": "(1.0 - 2.0 / (tl.exp(2.0 * {}) + 1.0))",
 }
-_TRITON_DTYPES = {"float32": "tl.float32", "float16": "tl.float32", "bfloat16": "tl.float32",
-                  "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1",
-                  "int8": "tl.int8", "uint32": "tl.uint32"}
+_TRITON_DTYPES = {"int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1", "int8": "tl.int8",
+                  "uint32": "tl.uint32"}
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint")
 
 
-def score_mod_lines(jaxpr, inputs: list[str], prefix: str) -> tuple[list[str], list[str]]:
+def score_mod_lines(jaxpr, inputs: list[str], prefix: str, float_type: str = "tl.float32"
+                    ) -> tuple[list[str], list[str]]:
     """Triton assignments computing `jaxpr`'s outputs from the Triton expressions `inputs`.
 
-    Returns the lines and one expression per output. Temporaries are named `<prefix>0`, `<prefix>1`, ...
+    Returns the lines and one expression per output. Temporaries are named `<prefix>0`, `<prefix>1`, ...;
+    floating-point conversions convert to `float_type` (the kernel's accumulation type).
     """
-    writer = _Writer(prefix)
+    writer = _Writer(prefix, float_type)
     outputs = writer.run(jaxpr, inputs)
     return writer.lines, outputs
 
 
 class _Writer:
-    def __init__(self, prefix: str):
-        self.prefix, self.lines, self.count = prefix, [], 0
+    def __init__(self, prefix: str, float_type: str):
+        self.prefix, self.float_type, self.lines, self.count = prefix, float_type, [], 0
 
     def fresh(self, expression: str) -> str:
         name = f"{self.prefix}{self.count}"
@@ -85,6 +86,11 @@ class _Writer:
             product = " * ".join([args[0]] * abs(power)) or "1.0"
             return f"({product})" if power >= 0 else f"(1.0 / ({product}))"
         if name == "convert_element_type":
+            constant = _constant(args[0])
+            if constant is not None:  # convert it here: a Python number has no .to()
+                return _literal(np.asarray(constant).astype(np.float64 if "float" in dtype else dtype))
+            if "float" in dtype:
+                return f"({args[0]}).to({self.float_type})"
             return f"({args[0]}).to({_TRITON_DTYPES[dtype]})" if dtype in _TRITON_DTYPES else _unsupported(eqn)
         if name == "select_n":  # select_n(which, case0, case1, ...): case[which]
             which, *cases = args
@@ -104,6 +110,21 @@ class _Writer:
 
 def _unsupported(eqn) -> str:
     raise NotImplementedError(f"score_mod uses {eqn.primitive.name}, which has no Triton translation")
+
+
+def _constant(text: str):
+    """The value of a literal written by `_literal`, or None for an expression."""
+    if text in ("True", "False"):
+        return text == "True"
+    if text.startswith('float("'):
+        return float(text[7:-2])
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return None
 
 
 def _literal(value) -> str:

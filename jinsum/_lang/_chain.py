@@ -111,7 +111,7 @@ class Chain:
         out = self.output.statement.lhs
         shape = tuple(n for i, n in zip(out.indices, self.output.lhs.shape)
                       if not (isinstance(i, Var) and i.name == self.roles.feature))
-        table["LSE"] = Operand("LSE", shape, np.dtype(np.float32))
+        table["LSE"] = Operand("LSE", shape, np.dtype(np.float64 if table["Q"].dtype == np.float64 else np.float32))
         return table
 
     @functools.cached_property

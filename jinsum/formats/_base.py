@@ -1,8 +1,10 @@
-"""What both grouped formats share: their pytree reconstruction, properties read off their arrays, and `@`."""
+"""What both grouped formats share: their pytree reconstruction and the properties read off their arrays.
+
+`A @ B` is attached by `jinsum._format_rewrite`, which implements products over formats (the way JAX attaches
+array methods from the modules that implement them): the formats do not import the einsum machinery.
+"""
 
 from __future__ import annotations
-
-import numpy as np
 
 
 class GroupedFormat:
@@ -51,22 +53,3 @@ class GroupedFormat:
     def index_dtype(self):
         """The dtype of ``Ai`` and ``Ak``."""
         return self.Ai.dtype
-
-    def __matmul__(self, other):
-        """`A @ x`, `A @ B` for a dense vector or matrix: the format's SpMV / SpMM."""
-        return _einsum({1: "ik,k->i", 2: "ik,kn->in"}, self, other, (self, other))
-
-    def __rmatmul__(self, other):
-        """`x @ A`, `B @ A` for a dense vector or matrix."""
-        return _einsum({1: "k,ki->i", 2: "mk,ki->mi"}, self, other, (other, self))
-
-
-def _einsum(subscripts: dict[int, str], sparse, dense, operands):
-    from jinsum._einsum import einsum  # noqa: PLC0415 (jinsum._einsum imports the formats)
-
-    ndim = np.ndim(dense)
-    if sparse.ndim != 2 or ndim not in subscripts:
-        raise ValueError(f"jinsum: @ takes a 2-D sparse matrix and a 1-D or 2-D dense operand, got "
-                         f"{type(sparse).__name__} of shape {sparse.shape} and an operand of shape {np.shape(dense)}; "
-                         "use jinsum.einsum with explicit subscripts for other products")
-    return einsum(subscripts[ndim], *operands)

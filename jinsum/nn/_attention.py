@@ -1,14 +1,12 @@
-"""Block-sparse multi-head attention: block SDDMM scores, softmax over stored blocks, block SpMM.
+"""Block-sparse multi-head attention: `jinsum.attention` over a block pattern, and BigBird-style patterns.
 
 The attention pattern is a `jinsum.BlockGroupCOO` of shape `(L, S)` (queries x keys) whose stored `bm x bk`
 blocks are the ones computed; inside them, an element attends iff the pattern's value there is nonzero. So
-`block_pattern` makes BigBird/Longformer layouts with whole blocks of ones, and causal masking is a
-lower-triangular diagonal block.
+`block_pattern` makes BigBird/Longformer layouts with whole blocks of ones, and causal masking is either a
+lower-triangular diagonal block in the pattern or the `causal` rule.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +16,7 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import BlockGroupCOO
+from jinsum.nn._dropout import dropout_seed
 
 
 def block_pattern(seq_len: int, block: int, *, local_blocks: int = 1, global_blocks: int = 0,
@@ -71,88 +70,62 @@ def block_pattern(seq_len: int, block: int, *, local_blocks: int = 1, global_blo
     return BlockGroupCOO.from_scipy(bsr, block_shape=(block, block), group_size=1)
 
 
-def _to_blocks(x: jax.Array, block: int) -> jax.Array:
-    """`(T, H, D)` -> `(ceil(T / block), block, H, D)`, zero-padded."""
-    blocks = -(-x.shape[0] // block)
-    return jnp.pad(x, [(0, blocks * block - x.shape[0])] + [(0, 0)] * (x.ndim - 1)).reshape(blocks, block,
-                                                                                             *x.shape[1:])
-
-
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: BlockGroupCOO, *,
-                           scale: float | None = None) -> jax.Array:
+                           scale: float | None = None, causal: bool = False, key_padding_mask: jax.Array | None = None,
+                           score_mod=None, dropout: float = 0.0, seed=None) -> jax.Array:
     """Multi-head attention `softmax(q k^T * scale) v` computed only where `pattern` allows it.
 
-    With the pattern's block rows `Ai`, block columns `Ak` and `Q`, `K`, `V` cut into blocks of rows
-    (`(L/bm, bm, H, D)` etc.), three indirect Einsums do the sparse work:
-
-    - scores, a block SDDMM per head: `S[g,m,k,p,h] = Q[Ai[g],m,h,d] * K[Ak[g,p],k,h,d]`;
-    - softmax over each query's stored blocks: the row maximum is a `jax.ops.segment_max` over `Ai` of each
-      group's maximum, and the normaliser the sorted segment sum `Z[Ai[g],m,h] += P[g,m,k,p,h]`;
-    - output, a block SpMM per head: `O[Ai[g],m,h,d] += P[g,m,k,p,h] * V[Ak[g,p],k,h,d]`, divided by `Z`.
-
-    An element attends iff the pattern's value there is nonzero (padding blocks are all zero). A query with
-    nothing to attend to gets 0. `L` and `S` need not be multiples of the block shape.
+    `jinsum.attention` over a block pattern: on CUDA one generated kernel walks each query block's stored key
+    blocks with Tensor Core tiles and an online softmax (FlashAttention's), and the gradient is the
+    FlashAttention-2 backward; elsewhere the same chain runs as unfused statements. An element attends iff the
+    pattern's value there is nonzero (blocks whose values are all nonzero are never read element by element),
+    and, with `causal`, iff its key position is not after its query position. A query with nothing to attend to
+    gets 0. `L` and `S` need not be multiples of the block shape.
 
     Args:
-      q: `(L, H, D)` queries.
-      k: `(S, H, D)` keys.
-      v: `(S, H, Dv)` values.
-      pattern: a `BlockGroupCOO` of shape `(L, S)`; e.g. from `block_pattern`.
+      q: `(L, H, D)` queries, or `(B, L, H, D)` with a batch axis.
+      k: `(S, H, D)` keys (`(B, S, H, D)`).
+      v: `(S, H, Dv)` values (`(B, S, H, Dv)`).
+      pattern: a `BlockGroupCOO` of shape `(L, S)`, shared by the batch; e.g. from `block_pattern`.
       scale: multiplies the scores; defaults to `1 / sqrt(D)`.
+      causal: query position `t` attends to key positions `<= t` only.
+      key_padding_mask: booleans `(S,)` or `(B, S)`, True for the real keys.
+      score_mod: `f(score, b, h, q_idx, kv_idx) -> score` (see `jinsum.attention`): soft caps, positional biases.
+      dropout, seed: attention dropout at rate `dropout`, drawn from `seed` (an int or a `jax.random.key`).
 
     Returns:
-      `(L, H, Dv)`. Batch with `jax.vmap` (the pattern broadcast, `in_axes=(0, 0, 0, None)`).
+      `(L, H, Dv)` (`(B, L, H, Dv)`).
 
     Example:
       >>> pattern = jinsum.nn.block_pattern(256, 32, local_blocks=1, causal=True)
-      >>> out = jinsum.nn.block_sparse_attention(q, k, v, pattern)   # q, k, v: (256, heads, 64)
+      >>> out = jinsum.nn.block_sparse_attention(q, k, v, pattern, causal=True)   # q, k, v: (256, heads, 64)
     """
     if not isinstance(pattern, BlockGroupCOO):
         raise TypeError(f"block_sparse_attention: expected the pattern as a jinsum.BlockGroupCOO, got "
                         f"{type(pattern).__name__}; build one with jinsum.nn.block_pattern or "
                         "jinsum.BlockGroupCOO.from_dense(mask, block_shape=...) outside jit")
-    if (q.ndim != 3 or k.shape != (k.shape[0], *q.shape[1:]) or v.ndim != 3 or v.shape[:2] != k.shape[:2]
-            or pattern.shape != (q.shape[0], k.shape[0])):
-        raise ValueError(f"block_sparse_attention: expected q (L, H, D), k (S, H, D), v (S, H, Dv) and a pattern of "
-                         f"shape (L, S), got q {q.shape}, k {k.shape}, v {v.shape}, pattern {pattern.shape}")
-    (bm, bk), length = pattern.block_shape, q.shape[0]
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    Q, K, V = _to_blocks(q * scale, bm), _to_blocks(k, bk), _to_blocks(v, bk)
-    scores = jinsum.einsum("S[g,m,k,p,h] = Q[Ai[g],m,h,d] * K[Ak[g,p],k,h,d]", A=pattern, Q=Q, K=K)
-    allowed = (pattern.Av != 0)[..., None]
-
-    # The shift only keeps exp() in range; it cancels in the softmax, so it carries no gradient.
-    group_max = jnp.max(jnp.where(allowed, scores, -jnp.inf), axis=(2, 3))
-    row_max = jax.ops.segment_max(group_max, pattern.Ai, num_segments=Q.shape[0], indices_are_sorted=True)
-    shift = jax.lax.stop_gradient(row_max)[pattern.Ai][:, :, None, None]
-    # Masking the exponent (not its result) keeps masked elements at exactly 0 with zero gradient.
-    weights = jnp.exp(jnp.where(allowed, scores - shift, -jnp.inf))
-    heads = q.shape[1]
-    totals = jinsum.einsum("Z[Ai[g],m,h] += P[g,m,k,p,h]", A=pattern, P=weights,
-                           Z=jax.ShapeDtypeStruct((Q.shape[0], bm, heads), weights.dtype))
-    out = jinsum.einsum("O[Ai[g],m,h,d] += P[g,m,k,p,h] * V[Ak[g,p],k,h,d]", A=pattern, P=weights, V=V,
-                        O=jax.ShapeDtypeStruct((Q.shape[0], bm, heads, v.shape[-1]), jnp.result_type(weights, V)))
-    out = out / jnp.where(totals > 0, totals, 1)[..., None]
-    return out.reshape(-1, heads, v.shape[-1])[:length]
+    return jinsum.attention(q, k, v, pattern, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
+                            score_mod=score_mod, dropout=dropout, seed=seed)
 
 
 class BlockSparseAttention(nnx.Module):
     """Multi-head self-attention over a block-sparse pattern: projections around `block_sparse_attention`.
 
     `x` is projected to queries, keys and values (`num_heads` heads of `head_dim`), attends through the
-    pattern, and the concatenated heads are projected to `out_features`.
+    pattern (one fused kernel on CUDA), and the concatenated heads are projected to `out_features`.
 
-    Shapes: `x` `(L, in_features)`, `pattern` a `BlockGroupCOO` `(L, L)` -> `(L, out_features)`. Batch with
-    `nnx.vmap` (the module and pattern broadcast).
+    Shapes: `x` `(L, in_features)` or `(B, L, in_features)`, `pattern` a `BlockGroupCOO` `(L, L)` ->
+    `(L, out_features)` (`(B, L, out_features)`).
 
     Example:
       >>> pattern = jinsum.nn.block_pattern(512, 64, local_blocks=1, global_blocks=1)   # once, on the host
-      >>> attn = jinsum.nn.BlockSparseAttention(128, num_heads=4, rngs=nnx.Rngs(0))
-      >>> y = attn(x, pattern)                                       # x: (512, 128) -> (512, 128)
+      >>> attn = jinsum.nn.BlockSparseAttention(128, num_heads=4, causal=True, rngs=nnx.Rngs(0))
+      >>> y = attn(x, pattern)                                       # x: (8, 512, 128) -> (8, 512, 128)
     """
 
     def __init__(self, in_features: int, num_heads: int, *, head_dim: int | None = None,
-                 out_features: int | None = None, use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 out_features: int | None = None, causal: bool = False, dropout: float = 0.0, use_bias: bool = True,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
@@ -160,21 +133,33 @@ class BlockSparseAttention(nnx.Module):
           num_heads: `H`.
           head_dim: size of each head's queries, keys and values; defaults to `in_features // num_heads`.
           out_features: size of the output; defaults to `in_features`.
+          causal: position `t` attends to positions `<= t` only.
+          dropout: dropout rate on the attention weights while the module is not in `eval()` mode (draws from
+            the `dropout` stream of `rngs`, else its default stream).
           use_bias: the projections have biases.
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
-          rngs: initialises the projections.
+          rngs: initialises the projections and seeds the dropout.
         """
         head_dim = in_features // num_heads if head_dim is None else head_dim
         if head_dim < 1:
             raise ValueError(f"BlockSparseAttention: head_dim must be >= 1, got {head_dim} (in_features = "
                              f"{in_features}, num_heads = {num_heads}); pass head_dim explicitly")
-        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_heads, self.head_dim, self.causal = num_heads, head_dim, causal
         self.qkv = nnx.Linear(in_features, 3 * num_heads * head_dim, use_bias=use_bias, param_dtype=param_dtype,
                               rngs=rngs)
         self.out = nnx.Linear(num_heads * head_dim, out_features or in_features, use_bias=use_bias,
                               param_dtype=param_dtype, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
-    def __call__(self, x: jax.Array, pattern: BlockGroupCOO) -> jax.Array:
-        """`x` `(L, in_features)`, `pattern` a `BlockGroupCOO` `(L, L)` -> `(L, out_features)`."""
-        q, k, v = jnp.split(self.qkv(x).reshape(x.shape[0], 3 * self.num_heads, self.head_dim), 3, axis=1)
-        return self.out(block_sparse_attention(q, k, v, pattern).reshape(x.shape[0], -1))
+    def __call__(self, x: jax.Array, pattern: BlockGroupCOO, *, key_padding_mask: jax.Array | None = None
+                 ) -> jax.Array:
+        """`x` `(..., L, in_features)`, `pattern` `(L, L)`, `key_padding_mask` `(..., L)` booleans (True: a real
+        position) -> `(..., L, out_features)`."""
+        if x.ndim not in (2, 3):
+            raise ValueError(f"BlockSparseAttention: expected x (L, in_features) or (B, L, in_features), got "
+                             f"{x.shape}")
+        q, k, v = jnp.split(self.qkv(x).reshape(*x.shape[:-1], 3 * self.num_heads, self.head_dim), 3, axis=-2)
+        rate, seed = dropout_seed(self.dropout)
+        out = block_sparse_attention(q, k, v, pattern, causal=self.causal, key_padding_mask=key_padding_mask,
+                                     dropout=rate, seed=seed)
+        return self.out(out.reshape(*x.shape[:-1], -1))

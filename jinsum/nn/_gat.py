@@ -1,4 +1,5 @@
-"""Graph attention (Velickovic et al., 2018) on a sparse adjacency: SDDMM scores, edge softmax, multi-head SpMM."""
+"""Graph attention (Velickovic et al., 2018) on a sparse adjacency: scores, edge softmax and aggregation as one
+fused `jinsum.attention` chain."""
 
 from __future__ import annotations
 
@@ -8,27 +9,25 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import GroupCOO
-from jinsum.nn._graph import expect_adjacency, row_sums
+from jinsum.nn._dropout import dropout_seed
+from jinsum.nn._graph import expect_adjacency
 
 
 class GATConv(nnx.Module):
     """Multi-head graph attention: `out_i = sum_j alpha_ij W x_j` per head, `alpha` a softmax over `i`'s in-edges.
 
     With `h = x W` split into heads `(N, H, F)`, the score of edge `j -> i` is
-    `e_ij = LeakyReLU(a_dst . h_i + a_src . h_j)`. Every step is sparse over the stored edges only:
+    `e_ij = LeakyReLU(a_dst . h_i + a_src . h_j)`. The whole layer's sparse work is one fused chain,
+    `jinsum.attention` over the adjacency (a `GroupCOO`: one score per stored edge):
 
-    1. scores, one SDDMM per layer call: with per-head `X_i = [s_dst_i, 1]` and `Y_j = [1, s_src_j]`,
-       `E[g,p,h] = X[Ai[g],h,t] * Y[Ak[g,p],h,t]` sums over `t` to `s_dst_i + s_src_j`;
-    2. edge softmax per destination, stable: the row maximum is a `jax.ops.segment_max` over the sorted rows
-       `Ai` (of each group's maximum), `P = exp(E - max)` is 0 on padding slots, and the row sums are one sorted
-       segment sum `D[Ai[g],h] += P[g,p,h]`;
-    3. aggregation, one multi-head SpMM `C[Ai[g],h,f] += P[g,p,h] * h[Ak[g,p],h,f]`, divided by the row sums
-       afterwards (per node rather than per edge: fewer divisions, same result, also after dropout).
+    - scores by the rank-2 trick: with per-head `X_i = [s_dst_i, 1]` and `Y_j = [1, s_src_j]`, the dot product
+      `X_i . Y_j = s_dst_i + s_src_j`, and `score_mod` is the LeakyReLU;
+    - a stable softmax over each node's in-edges, attention dropout, and the weighted sum of `h`;
+    on CUDA one generated kernel (and its FlashAttention-2-style backward), elsewhere the unfused statements.
 
     The adjacency's values only say which entries are edges (nonzero); their weights and multiplicities are
     ignored. With `add_self_loops`, stored self loops are dropped and every node attends to itself once, as
-    PyG does; the self-loop terms are dense per-node vectors, so the adjacency is never rebuilt. Without self
-    loops, a node with no in-edges outputs the bias only.
+    PyG does, without rebuilding the adjacency. Without self loops, a node with no in-edges outputs the bias only.
 
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] != 0` for each edge ->
     `(N, heads * out_features)` if `concat`, else `(N, out_features)` (the mean over heads).
@@ -64,7 +63,7 @@ class GATConv(nnx.Module):
         init = nnx.initializers.glorot_uniform()
         self.att_src = nnx.Param(init(rngs.params(), (heads, out_features), param_dtype))
         self.att_dst = nnx.Param(init(rngs.params(), (heads, out_features), param_dtype))
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)  # holds the rate, the train/eval switch and the stream
         width = heads * out_features if concat else out_features
         self.bias = nnx.Param(jnp.zeros((width,), param_dtype)) if use_bias else None
 
@@ -76,30 +75,11 @@ class GATConv(nnx.Module):
         s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...])
         s_dst = jnp.einsum("nhf,hf->nh", h, self.att_dst[...])
         ones = jnp.ones_like(s_src)
-        scores = jinsum.einsum("E[g,p,h] = X[Ai[g],h,t] * Y[Ak[g,p],h,t]", A=A,
-                               X=jnp.stack([s_dst, ones], -1), Y=jnp.stack([ones, s_src], -1))
-        scores = jax.nn.leaky_relu(scores, self.negative_slope)
-        edge = A.Av != 0  # padding slots hold 0
-        if self.add_self_loops:
-            edge = edge & (A.Ak != A.Ai[:, None])
-            self_scores = jax.nn.leaky_relu(s_dst + s_src, self.negative_slope)
-        edge = edge[..., None]
-
-        # The shift only keeps exp() in range; it cancels in the softmax, so it carries no gradient.
-        group_max = jnp.max(jnp.where(edge, scores, -jnp.inf), axis=1)
-        row_max = jax.ops.segment_max(group_max, A.Ai, num_segments=n, indices_are_sorted=True)
-        if self.add_self_loops:
-            row_max = jnp.maximum(row_max, self_scores)
-        row_max = jax.lax.stop_gradient(row_max)
-        # Masking the exponent (not its result) keeps padding slots at exactly 0 with zero gradient.
-        weights = jnp.exp(jnp.where(edge, scores - row_max[A.Ai][:, None], -jnp.inf))
-        totals = row_sums(A.with_values(weights))
-        out = jinsum.einsum("ikh,khf->ihf", A.with_values(self.dropout(weights)), h)
-        if self.add_self_loops:
-            self_weights = jnp.exp(self_scores - row_max)
-            totals = totals + self_weights
-            out = out + self.dropout(self_weights)[..., None] * h
-        out = out / jnp.where(totals > 0, totals, 1)[..., None]
-
+        slope = self.negative_slope
+        rate, seed = dropout_seed(self.dropout)
+        out = jinsum.attention(jnp.stack([s_dst, ones], -1), jnp.stack([ones, s_src], -1), h, A, scale=1.0,
+                               score_mod=lambda s, b, head, i, j: jax.nn.leaky_relu(s, slope),
+                               self_loops=self.add_self_loops, dropout=rate, seed=seed)
         out = out.reshape(n, -1) if self.concat else out.mean(axis=1)
         return out if self.bias is None else out + self.bias[...]
+

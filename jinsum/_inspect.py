@@ -1,0 +1,64 @@
+"""What runs on a GPU: the generated Triton source of one statement, or of every kernel a computation lowers to."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator
+
+import jax
+
+from jinsum import _attention_primitive, _einsum, _primitive
+
+
+def equations(fn: Callable, *args) -> Iterator:
+    """Every equation of `fn(*args)`'s jaxpr, including those inside nested jaxprs (jit, grad, vmap, ...)."""
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if hasattr(sub, "eqns"):
+                        yield from visit(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        yield from visit(sub.jaxpr)
+
+    yield from visit(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def triton_source(target: str | Callable, /, *args, config=None, sorted_indices: Collection[str] = (),
+                  allow_tf32: bool = False, **named) -> str:
+    """The Triton source that runs on a CUDA GPU. Needs no GPU.
+
+    - `triton_source(expression, **operands)`: the kernel of one indirect Einsum, with `einsum`'s arguments
+      (plus an optional `jinsum.kernels.KernelConfig`). Raises `ValueError` with the reason when the statement
+      would stay on the XLA lowering.
+    - `triton_source(fn, *args)`: every generated kernel that `fn(*args)` lowers to, in order (statements and
+      fused attention chains; `jax.grad` of `fn` shows the backward kernels), each under a comment naming it.
+    """
+    from jinsum import _lower_chain, kernels  # noqa: PLC0415 (the code generator is only needed here and on CUDA)
+
+    if callable(target):
+        sources = []
+        for eqn in equations(target, *args):
+            if eqn.primitive is _primitive.jinsum_p:
+                plan = kernels.make_plan(eqn.params["spec"], config or kernels.KernelConfig())
+                found = plan if isinstance(plan, kernels.Fallback) else {"statement": plan}
+                name = str(eqn.params["spec"].statement)
+            elif eqn.primitive in (_attention_primitive.attention_p, _attention_primitive.attention_backward_p):
+                kinds = ("forward", "combine") if eqn.primitive is _attention_primitive.attention_p else ("dq", "dkdv")
+                found = _lower_chain.plans(eqn.params["chain"], kinds)
+                name = repr(eqn.params["chain"])
+            else:
+                continue
+            if isinstance(found, kernels.Fallback):
+                sources.append(f"# {name}: no generated kernel ({found.reason}); it runs on XLA\n")
+                continue
+            for kind, plan in found.items():
+                source = kernels.generate(plan) if kind == "statement" else kernels.generate_chain(plan)
+                sources.append(f"# ---- {kind}: {name}\n{source}")
+        return "\n".join(sources)
+    statement, arrays, flags = _einsum.prepare(target, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
+    plan = kernels.make_plan(_primitive.make_spec(statement, arrays, **flags), config or kernels.KernelConfig())
+    if isinstance(plan, kernels.Fallback):
+        raise ValueError(f"jinsum: {statement} has no generated kernel: {plan.reason}")
+    return kernels.generate(plan)

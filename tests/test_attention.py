@@ -1,0 +1,399 @@
+"""Fused attention chains (`jinsum.attention`): the unfused reference lowering against dense float64 NumPy, its
+derivatives and batching, and every generated chain kernel in Triton's interpreter against that reference."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from jax.test_util import check_grads
+
+import jinsum
+from jinsum import _attention, _chain_reference, _lower_chain
+from jinsum.kernels import ChainConfig, make_chain_plan
+from jinsum.testing import assert_allclose
+
+from conftest import ON_GPU
+
+# --- patterns and a dense float64 reference ---------------------------------------------------------------------
+
+
+def block_pattern(rng, length=80, keys=71, block=16, density=0.4, partial=True):
+    """A random block pattern with a long (global) first block row, an empty last one and, if `partial`, stored
+    zeros inside the stored blocks (query row 0 only zeros); `length`, `keys` need not be multiples of `block`."""
+    rows, cols = -(-length // block), -(-keys // block)
+    stored = rng.random((rows, cols)) < density
+    stored[0] = True  # a long row: cut into pieces when the chunk is small
+    stored[-1] = False  # a block row with nothing to attend to
+    mask = np.kron(stored, np.ones((block, block)))[:length, :keys]
+    if partial:
+        mask = mask * (rng.random(mask.shape) < 0.8)
+        mask[0] = 0
+    padded = np.zeros((rows * block, cols * block))
+    padded[:length, :keys] = mask
+    r, c = np.nonzero(stored)  # every stored block, all-zero ones too
+    blocks = padded.reshape(rows, block, cols, block).transpose(0, 2, 1, 3)[r, c]
+    indptr = np.concatenate([[0], np.cumsum(stored.sum(1))])
+    bsr = sp.bsr_matrix((blocks, c, indptr), shape=padded.shape, blocksize=(block, block))
+    full = jinsum.BlockGroupCOO.from_scipy(bsr, block_shape=(block, block))
+    return jinsum.BlockGroupCOO(full.Ai, full.Ak, full.Av, (length, keys))
+
+
+def graph_pattern(rng, nodes=40, keys=None, heads=None, group_size=4):
+    """A random graph (GroupCOO): empty rows, a hub row, self loops, stored zeros; one value per head if `heads`.
+    Returns the pattern and where it allows attention, `(nodes, keys[, heads])` booleans."""
+    keys = keys or nodes
+    dense = rng.random((nodes, keys)) < 0.12
+    dense[1] = rng.random(keys) < 0.9  # a hub row
+    dense[2] = False  # an empty row
+    csr = sp.csr_matrix(dense.astype(float))
+    csr.data = (rng.random(csr.nnz) < 0.9).astype(float)  # some stored zeros
+    pattern = jinsum.GroupCOO.from_scipy(csr, group_size=group_size)
+    if heads is not None:
+        pattern = pattern.with_values(pattern.Av[..., None] * (rng.random((*pattern.Av.shape, heads)) < 0.8))
+    return pattern, np.asarray(pattern.todense()) != 0
+
+
+def dense_attention(q, k, v, allowed, *, scale=None, score_mod=None, causal=False, key_mask=None,
+                    self_loops=False):
+    """`(out, lse)` by brute force in float64: every score, masked, softmaxed per query row."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batched = q.ndim == 4
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.einsum("blhd,bshd->bhls", q, k) * scale
+    b, h, i, j = np.meshgrid(*map(np.arange, s.shape), indexing="ij")
+    if score_mod is not None:
+        with jax.enable_x64(True):
+            s = np.asarray(jax.vmap(score_mod)(*(jnp.asarray(x.reshape(-1)) for x in (s, b, h, i, j))),
+                           np.float64).reshape(s.shape)
+    allowed = np.asarray(allowed, bool)
+    allowed = allowed.transpose(2, 0, 1)[None] if allowed.ndim == 3 else allowed[None, None]
+    allowed = np.broadcast_to(allowed, s.shape).copy()
+    if self_loops:
+        allowed |= i == j
+    if causal:
+        allowed &= i >= j
+    if key_mask is not None:
+        allowed &= np.asarray(key_mask).reshape(-1 if batched else 1, 1, 1, s.shape[-1])
+    s = np.where(allowed, s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)
+    w = np.where(allowed, np.exp(s - top), 0)
+    total = w.sum(-1, keepdims=True)
+    out = np.einsum("bhls,bshe->blhe", w / np.where(total > 0, total, 1), v)
+    lse = np.where(total[..., 0] > 0, top[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1)), np.inf)
+    lse = lse.transpose(0, 2, 1)
+    return (out, lse) if batched else (out[0], lse[0])
+
+
+def _qkv(rng, length, keys, heads=2, dim=16, value_dim=8, batch=None, dtype=np.float32):
+    lead = () if batch is None else (batch,)
+    return (rng.standard_normal((*lead, length, heads, dim)).astype(dtype),
+            rng.standard_normal((*lead, keys, heads, dim)).astype(dtype),
+            rng.standard_normal((*lead, keys, heads, value_dim)).astype(dtype))
+
+
+def softcap(s, b, h, i, j):
+    return 5.0 * jnp.tanh(s / 5.0)
+
+
+def alibi(s, b, h, i, j):
+    """A positional bias per head (ALiBi) and a batch-dependent shift: uses every coordinate."""
+    return s - 0.1 * (h + 1) * jnp.abs(i - j).astype(jnp.float32) + 0.05 * b
+
+
+def leaky(s, b, h, i, j):
+    return jax.nn.leaky_relu(s, 0.2)
+
+
+def _id(value) -> str:
+    """Test ids that are the same in every process (function names, not addresses)."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={_id(v)}" for k, v in value.items()) or "plain"
+    if isinstance(value, ChainConfig):
+        return ",".join(f"{k}={v}" for k, v in vars(value).items() if v) or "default"
+    return getattr(value, "__name__", str(value))
+
+
+# --- the reference lowering against dense float64 ---------------------------------------------------------------
+
+BLOCK_CASES = [
+    dict(),
+    dict(causal=True),
+    dict(score_mod=softcap),
+    dict(score_mod=alibi, batch=2),
+    dict(key_mask=True, batch=2),
+    dict(causal=True, score_mod=alibi, key_mask=True),
+]
+GRAPH_CASES = [
+    dict(),
+    dict(score_mod=leaky, self_loops=True),
+    dict(heads_in_pattern=True),
+    dict(causal=True, batch=3),
+    dict(key_mask=True),
+    dict(score_mod=alibi, batch=2, self_loops=True),
+]
+
+
+def _case(rng, fmt, case, dtype=np.float32):
+    batch = case.get("batch")
+    if fmt == "block":
+        pattern = block_pattern(rng)
+        allowed = np.asarray(pattern.todense()) != 0
+        length, keys = pattern.shape
+    else:
+        heads = 2 if case.get("heads_in_pattern") else None
+        square = case.get("self_loops")
+        pattern, allowed = graph_pattern(rng, 40, None if square else 33, heads=heads)
+        length, keys = pattern.shape[:2]
+    q, k, v = _qkv(rng, length, keys, batch=batch, dtype=dtype)
+    key_mask = None
+    if case.get("key_mask"):
+        key_mask = rng.random((batch, keys) if batch else (keys,)) < 0.8
+    kwargs = dict(score_mod=case.get("score_mod"), causal=case.get("causal", False), key_padding_mask=key_mask,
+                  self_loops=case.get("self_loops", False))
+    expected = dense_attention(q, k, v, allowed, score_mod=kwargs["score_mod"], causal=kwargs["causal"],
+                               key_mask=key_mask, self_loops=kwargs["self_loops"])
+    return (q, k, v, pattern), kwargs, expected
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=_id)
+def test_block_attention_matches_dense_float64(case, rng):
+    with jax.enable_x64(True):
+        (q, k, v, pattern), kwargs, (out, lse) = _case(rng, "block", case, np.float64)
+        actual, actual_lse = jinsum.attention(q, k, v, pattern, return_lse=True, **kwargs)
+    assert_allclose(actual, out, np.float64)
+    np.testing.assert_allclose(actual_lse, lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=_id)
+def test_graph_attention_matches_dense_float64(case, rng):
+    with jax.enable_x64(True):
+        (q, k, v, pattern), kwargs, (out, lse) = _case(rng, "graph", case, np.float64)
+        actual, actual_lse = jinsum.attention(q, k, v, pattern, return_lse=True, **kwargs)
+    assert_allclose(actual, out, np.float64)
+    np.testing.assert_allclose(actual_lse, lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt", ["block", "graph"])
+def test_16_and_32_bit_inputs(fmt, dtype, rng):
+    (q, k, v, pattern), kwargs, (out, _) = _case(rng, fmt, dict(causal=True), dtype)
+    actual = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, pattern, **kwargs))(q, k, v)
+    assert actual.dtype == dtype
+    assert_allclose(actual, dense_attention(q, k, v, np.asarray(pattern.todense()) != 0, causal=True)[0]
+                    if fmt == "block" else out, dtype)
+
+
+def test_rows_with_nothing_to_attend_to_give_zero_and_finite_gradients(rng):
+    pattern = block_pattern(rng)  # the last block row stores nothing; query row 0 stores only zeros
+    q, k, v = _qkv(rng, *pattern.shape)
+    out, lse = jinsum.attention(q, k, v, pattern, return_lse=True)
+    assert np.all(np.asarray(out)[0] == 0) and np.all(np.asarray(out)[-10:] == 0) and np.isinf(lse[0]).all()
+    grads = jax.grad(lambda q, k, v: jnp.sum(jinsum.attention(q, k, v, pattern) ** 2), argnums=(0, 1, 2))(q, k, v)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    assert np.all(np.asarray(grads[0])[0] == 0)
+
+
+# --- derivatives and batching -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,case", [("block", dict(causal=True, score_mod=softcap)), ("block", dict(batch=2)),
+                                      ("graph", dict(score_mod=leaky, self_loops=True)),
+                                      ("graph", dict(heads_in_pattern=True, key_mask=True))], ids=_id)
+def test_gradients_forward_and_reverse(fmt, case, rng):
+    with jax.enable_x64(True):
+        (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case, np.float64)
+
+        def f(q, k, v):
+            out, lse = jinsum.attention(q, k, v, pattern, return_lse=True, **kwargs)
+            return out, jnp.where(jnp.isfinite(lse), lse, 0)  # the log-sum-exp is differentiable too
+
+        check_grads(jax.jit(f), (q, k, v), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+
+
+def test_gradients_with_dropout(rng):
+    """A fixed seed fixes the mask, so the function is smooth in q, k, v and its gradient checkable."""
+    with jax.enable_x64(True):
+        (q, k, v, pattern), _, _ = _case(rng, "graph", dict(self_loops=True), np.float64)
+        f = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, pattern, self_loops=True, dropout=0.3, seed=7))
+        check_grads(f, (q, k, v), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["block", "graph"])
+def test_vmap_over_values_equals_a_loop(fmt, rng):
+    (q, k, v, pattern), kwargs, _ = _case(rng, fmt, dict(score_mod=softcap))
+    stacked = [np.stack([x * (b + 1) for b in range(3)]) for x in (q, k, v)]
+    f = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, pattern, **kwargs))
+    batched = jax.vmap(f)(*stacked)
+    for b in range(3):
+        assert_allclose(batched[b], f(*(x[b] for x in stacked)), np.float32, err_msg=f"batch {b}")
+    grads = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))(*stacked)
+    for b in range(3):
+        looped = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(*(x[b] for x in stacked))
+        for g, expected in zip(grads, looped):
+            assert_allclose(g[b], expected, np.float32)
+
+
+def test_vmap_over_the_pattern_runs_a_loop(rng):
+    pattern = block_pattern(rng, partial=False)
+    q, k, v = _qkv(rng, *pattern.shape)
+    values = np.stack([np.asarray(pattern.Av) * (rng.random(pattern.Av.shape) < p) for p in (0.5, 0.9)])
+    batched = jax.vmap(lambda av: jinsum.attention(q, k, v, pattern.with_values(av)))(values)
+    for b in range(2):
+        expected = dense_attention(q, k, v, np.asarray(pattern.with_values(values[b]).todense()) != 0)[0]
+        assert_allclose(batched[b], expected, np.float32)
+
+
+def test_dropout_keeps_the_expected_fraction_and_is_reproducible(rng):
+    pattern, _ = graph_pattern(rng, 60)
+    q, k, v = _qkv(rng, 60, 60)
+    v = np.ones_like(v)
+    f = jax.jit(lambda seed, rate: jinsum.attention(q, k, v, pattern, dropout=rate, seed=seed), static_argnums=1)
+    a, b, c = f(1, 0.25), f(1, 0.25), f(2, 0.25)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    # With v = 1, each output is the sum of the kept weights / (1 - rate): its mean over rows is close to 1.
+    rows = np.asarray(pattern.todense()).any(1)
+    assert abs(float(np.asarray(a)[rows].mean()) - 1) < 0.05
+    assert_allclose(f(1, 0.0), jinsum.attention(q, k, v, pattern), np.float32)
+
+
+# --- the generated kernels, in Triton's interpreter ------------------------------------------------------------
+
+interpreted = pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GPU is (test_gpu.py covers GPUs)")
+KERNEL_CASES = [
+    ("block", dict(), ChainConfig(chunk=2)),  # long rows in pieces, combined
+    ("block", dict(causal=True, score_mod=alibi, batch=2), ChainConfig()),
+    ("block", dict(key_mask=True, dropout=0.2), ChainConfig(chunk=3)),
+    ("graph", dict(), ChainConfig(entries=4, chunk=8)),
+    ("graph", dict(score_mod=leaky, self_loops=True, dropout=0.3), ChainConfig(entries=8, chunk=8)),
+    ("graph", dict(heads_in_pattern=True, causal=True, batch=2), ChainConfig()),
+    ("graph", dict(key_mask=True, score_mod=softcap), ChainConfig(entries=16, chunk=16)),
+]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("fmt,case,config", KERNEL_CASES, ids=_id)
+def test_fused_kernels_match_the_reference(fmt, case, config, dtype, rng):
+    pytest.importorskip("torch")
+    (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case, dtype)
+    kwargs.update(dropout=case.get("dropout", 0.0), seed=11)
+    chain, arrays, _ = _attention.build_chain(q, k, v, pattern, **kwargs)
+    out, lse = _chain_reference.forward(chain, arrays)
+    fused_out, fused_lse = _lower_chain.interpret_forward(chain, arrays, config)
+    assert fused_out.dtype == dtype
+    assert_allclose(fused_out, np.asarray(out, np.float64), dtype, err_msg="forward")
+    finite = np.isfinite(np.asarray(lse))
+    assert np.array_equal(finite, np.isfinite(fused_lse))
+    np.testing.assert_allclose(fused_lse[finite], np.asarray(lse)[finite], rtol=1e-5, atol=1e-5)
+
+    d_out = rng.standard_normal(out.shape).astype(dtype)
+    d_lse = np.where(finite, rng.standard_normal(lse.shape), 0).astype(np.float32)
+    expected = _chain_reference.backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
+    fused = _lower_chain.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse},
+                                            config)
+    for name, actual, reference in zip("QKV", fused, expected):
+        assert actual.dtype == dtype
+        assert_allclose(actual, np.asarray(reference, np.float64), dtype, err_msg=f"d{name}")
+
+
+@interpreted
+def test_bfloat16_lanes_kernels(rng):
+    """(bfloat16 tl.dot is wrong in Triton 3.6's interpreter, so only element patterns run here in bfloat16.)"""
+    pytest.importorskip("torch")
+    (q, k, v, pattern), kwargs, _ = _case(rng, "graph", dict(score_mod=leaky, self_loops=True), jnp.bfloat16)
+    chain, arrays, _ = _attention.build_chain(q, k, v, pattern, **kwargs)
+    out, _ = _chain_reference.forward(chain, arrays)
+    assert_allclose(_lower_chain.interpret_forward(chain, arrays)[0], np.asarray(out, np.float64), jnp.bfloat16)
+
+
+# --- what the generator emits, and when it does not ---------------------------------------------------------------
+
+def test_block_kernels_use_tensor_cores_and_skip_the_mask_of_full_blocks(rng):
+    pattern = block_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape, dtype=jnp.bfloat16)
+    source = jinsum.triton_source(lambda q, k, v: jinsum.attention(q, k, v, pattern, causal=True), q, k, v)
+    forward = source.split("# ---- combine")[0]
+    assert forward.count("tl.dot(") == 2 and "input_precision" not in forward  # bf16: Tensor Cores
+    # The pattern's values (p_Av) are read only inside the partial-block branch.
+    branch = forward.index("if flag != 2:")
+    assert [m.start() > branch for m in re.finditer(r"tl\.load\(p_Av", forward)] == [True]
+    backward = jinsum.triton_source(jax.grad(lambda q, k, v: jnp.sum(jinsum.attention(q, k, v, pattern)),
+                                             argnums=(0, 1, 2)), q, k, v)
+    assert "# ---- dq" in backward and "# ---- dkdv" in backward and "p_perm" in backward
+
+
+def test_graph_kernels_gather_rows_and_need_no_scores_buffer(rng):
+    pattern, _ = graph_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape[:2])
+    source = jinsum.triton_source(lambda q: jinsum.attention(q, k, v, pattern, score_mod=leaky), q)
+    assert "tl.dot" not in source and "tl.maximum" in source and "S[" not in source.split('"""')[-1]
+
+
+def test_unfused_fallbacks_say_why(rng):
+    pattern = block_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape, dim=300)
+    chain, arrays, _ = _attention.build_chain(q, k, v, pattern)
+    assert "300" in _lower_chain.plans(chain, ("forward",)).reason
+    with pytest.warns(jinsum.FallbackWarning, match="runs unfused: heads of 300"):
+        out, _ = _lower_chain.forward(chain, tuple(arrays[n] for n in chain.names))
+    assert_allclose(out, np.asarray(_chain_reference.forward(chain, arrays)[0], np.float64), np.float32)
+    with jax.enable_x64(True):
+        chain64, _, _ = _attention.build_chain(*(x.astype(np.float64) for x in _qkv(rng, *pattern.shape)), pattern)
+    assert "float64" in _lower_chain.plans(chain64, ("forward",)).reason
+    assert "runs on XLA" in jinsum.triton_source(lambda q: jinsum.attention(q, k, v, pattern), q)
+
+
+def test_chain_plans_split_long_rows_only(rng):
+    pattern = block_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape)
+    chain, _, _ = _attention.build_chain(q, k, v, pattern)
+    plan = make_chain_plan(chain, "forward", ChainConfig(chunk=2))
+    assert plan.template == "dot" and plan.items == chain.rows + chain.entries // 2
+    assert plan.grid_shape == (plan.items, 2)
+
+
+# --- errors -------------------------------------------------------------------------------------------------------
+
+def test_bad_arguments_are_refused_clearly(rng):
+    pattern = block_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape)
+    with pytest.raises(TypeError, match="GroupCOO or jinsum.BlockGroupCOO, got ndarray"):
+        jinsum.attention(q, k, v, np.ones(pattern.shape))
+    with pytest.raises(ValueError, match=r"pattern must be \(L, S\) = \(80, 70\) for these queries and keys; got q"):
+        jinsum.attention(q, k[:-1], v[:-1], pattern)
+    with pytest.raises(ValueError, match="agree in heads and head size"):
+        jinsum.attention(q, k[..., :4], v, pattern)
+    with pytest.raises(ValueError, match="dropout needs a seed"):
+        jinsum.attention(q, k, v, pattern, dropout=0.1)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        jinsum.attention(q, k, v, pattern, dropout=1.0, seed=0)
+    with pytest.raises(ValueError, match="self_loops needs a square GroupCOO"):
+        jinsum.attention(q, k, v, pattern, self_loops=True)
+    with pytest.raises(ValueError, match="key_padding_mask must be booleans of shape"):
+        jinsum.attention(q, k, v, pattern, key_padding_mask=np.ones(3, bool))
+    with pytest.raises(TypeError, match="closes over an array of shape"):
+        table = jnp.arange(4.0)
+        jinsum.attention(q, k, v, pattern, score_mod=lambda s, b, h, i, j: s + table[h])
+    with pytest.raises(TypeError, match="must return one floating-point score"):
+        jinsum.attention(q, k, v, pattern, score_mod=lambda s, b, h, i, j: i)
+
+
+def test_repr_shows_the_chain_in_a_jaxpr(rng):
+    pattern, _ = graph_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape[:2])
+    text = str(jax.make_jaxpr(lambda q: jinsum.attention(q, k, v, pattern, score_mod=leaky, causal=True))(q))
+    assert "softmax(S)" in text and "Q[Ai[g],h,d] * K[Ak[g,p],h,d]" in text and "score_mod=leaky" in text
+
+
+def test_no_warning_on_the_reference_path(rng):
+    pattern, _ = graph_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape[:2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.block_until_ready(jinsum.attention(q, k, v, pattern))
