@@ -41,7 +41,7 @@ import jinsum  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum import _attention, _chain_reference  # noqa: E402
 from jinsum.datasets import rmat  # noqa: E402
-from jinsum.timing import time_calls  # noqa: E402
+from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
 try:
     import torch
@@ -112,15 +112,26 @@ def block_attention(length: int, calls: int, heads: int = 16, dim: int = 64, blo
             if seconds is not None:
                 outputs[system, pass_name] = compiled(*args)
                 record(f"{name} {pass_name}", system, 1e3 * seconds, tflops=flops[pass_name] / seconds / 1e12)
+                if system == "jinsum fused":
+                    breakdown(compiled, args)
     if torch is not None:
         _torch_attention(name, pattern, (q, k, v, d_out), flops, calls, outputs, block)
     _compare(name, outputs)
 
 
+def breakdown(compiled, args, calls: int = 10) -> None:
+    """Where a jinsum call's device time goes: the kernels above 1% of it, longest first."""
+    kernels = kernel_times(compiled, *args, calls=calls)
+    total = sum(kernels.values())
+    print(f"    device time {1e3 * total:.3f} ms:", ", ".join(
+        f"{name[:40]} {1e6 * t:.0f} us" for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])
+        if t > 0.01 * total))
+
+
 def _torch_attention(name, pattern, arrays, flops, calls, outputs, block):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: PLC0415
 
-    q, k, v, d_out = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).to("cuda", torch.bfloat16)
+    q, k, v, d_out = (torch.from_numpy(np.array(x.astype(jnp.float32))).to("cuda", torch.bfloat16)
                       .permute(1, 0, 2)[None].contiguous() for x in arrays)  # (1, H, L, D)
     length = q.shape[2]
     table = torch.zeros((length // block, length // block), dtype=torch.bool, device="cuda")
@@ -191,7 +202,8 @@ def gat_step(scale: int, calls: int) -> None:
     nodes = 1 << scale
     src, dst = rmat(scale, seed=0)
     keep = src != dst
-    pairs = np.unique(np.concatenate([src[keep] * nodes + dst[keep], dst[keep] * nodes + src[keep]]).astype(np.int64))
+    src, dst = src[keep].astype(np.int64), dst[keep].astype(np.int64)
+    pairs = np.unique(np.concatenate([src * nodes + dst, dst * nodes + src]))
     edge_index = np.stack([pairs // nodes, pairs % nodes]).astype(np.int32)
     name = f"GAT training step, R-MAT {scale} undirected ({edge_index.shape[1] / 1e6:.2f}M edges)"
     print(f"\n{name}")
@@ -226,6 +238,8 @@ def gat_step(scale: int, calls: int) -> None:
         seconds = attempt(name, system, lambda run=run: time_calls(run, calls=calls))
         if seconds is not None:
             record(name, system, 1e3 * seconds)
+            if system.startswith("jinsum"):
+                breakdown(run, ())
     if torch is not None:
         attempt(name, "PyG GATConv", lambda: _pyg_gat_step(name, edge_index, nodes, x, y, calls))
 

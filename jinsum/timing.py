@@ -43,6 +43,14 @@ def device_time(fn: Callable, *args, calls: int = 20, warmup: int = 2,
     whatever the kernels take; this is what the device does, summed over `calls` calls. Gaps between kernels do
     not count. Returns None where the trace has no GPU activity (a CPU backend).
     """
+    kernels = kernel_times(fn, *args, calls=calls, warmup=warmup, sync=sync)
+    return sum(kernels.values()) if kernels else None
+
+
+def kernel_times(fn: Callable, *args, calls: int = 20, warmup: int = 2,
+                 sync: Callable = jax.block_until_ready) -> dict[str, float]:
+    """Seconds per call that each GPU kernel (and copy) of `fn(*args)` runs, by name, from a profiler trace:
+    where a step's device time goes. Empty where the trace has no GPU activity."""
     import tempfile  # noqa: PLC0415
 
     from jax.profiler import ProfileData  # noqa: PLC0415
@@ -56,6 +64,12 @@ def device_time(fn: Callable, *args, calls: int = 20, warmup: int = 2,
             sync(out)
         [path] = pathlib.Path(directory).rglob("*.xplane.pb")
         profile = ProfileData.from_file(str(path))
-    nanoseconds = sum(event.duration_ns for plane in profile.planes if plane.name.startswith("/device:GPU")
-                      for line in plane.lines if line.name.startswith("Stream") for event in line.events)
-    return nanoseconds / 1e9 / calls if nanoseconds else None
+    totals: dict[str, float] = {}
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                for event in line.events:
+                    totals[event.name] = totals.get(event.name, 0.0) + event.duration_ns / 1e9 / calls
+    return totals

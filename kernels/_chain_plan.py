@@ -38,6 +38,8 @@ MAX_WIDTH = 256
 class ChainConfig:
     """Launch and tiling parameters of a chain's kernels. Zero means "choose" (see `default_chain_config`)."""
 
+    block_m: int = 0  # dot template: query rows and key columns per tile (a block is cut into such tiles)
+    block_k: int = 0
     entries: int = 0  # lanes template: stored entries gathered per iteration
     chunk: int = 0  # stored entries (blocks) per work item: longer rows and keys are split into pieces
     num_warps: int = 0
@@ -46,14 +48,37 @@ class ChainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ChainPlan:
+    """One kernel of a chain. For the dot template, a program owns `block_m` query rows (forward, dq, combine)
+    or `block_k` key columns (dkdv) of one block, and walks the other side of each of its entries in tiles: so a
+    block of 128 x 128 runs as 128 x 64 tiles forward, and 32-row tiles in the backward (FlashAttention-2's
+    shapes), without spilling the accumulators."""
+
     chain: Chain
     kind: str  # one of KINDS
     template: str  # "dot" (block patterns) or "lanes" (element patterns)
-    block_m: int  # tile sizes: query and key offsets in a block (1 for lanes), head size, value size
-    block_k: int
-    block_d: int
+    block_d: int  # head size and value size, padded to powers of two
     block_e: int
     config: ChainConfig
+
+    @property
+    def block_m(self) -> int:
+        return self.config.block_m
+
+    @property
+    def block_k(self) -> int:
+        return self.config.block_k
+
+    @property
+    def own_axis(self) -> str:
+        """The block axis whose tiles are programs: query rows `m`, or key columns `k` for dkdv."""
+        return "k" if self.kind == "dkdv" else "m"
+
+    def tiles(self, axis: str) -> int:
+        """Tiles per block along `axis` ("m" or "k"); 1 for the lanes template."""
+        if self.template != "dot":
+            return 1
+        size, block = (self.chain.block[0], self.block_m) if axis == "m" else (self.chain.block[1], self.block_k)
+        return -(-size // block)
 
     @property
     def grid_size(self) -> int:
@@ -84,13 +109,16 @@ class ChainPlan:
 
     @property
     def grid_shape(self) -> tuple[int, int]:
-        return (self.split_segments if self.kind == "combine" else self.items), self.grid_size
+        programs = self.split_segments if self.kind == "combine" else self.items * self.tiles(self.own_axis)
+        return programs, self.grid_size
 
 
 def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()) -> ChainPlan | Fallback:
     """The plan of one of the chain's kernels, or a `Fallback` saying why the chain stays unfused."""
     if kind not in KINDS:
         raise ValueError(f"jinsum: unknown chain kernel {kind!r}; expected one of {KINDS}")
+    if kind == "combine":  # whole blocks (its programs are few); only the work list's chunk is shared
+        config = ChainConfig(chunk=config.chunk)
     operand = chain.operand
     head_dim, value_dim = operand["Q"].shape[-1], operand["V"].shape[-1]
     if max(head_dim, value_dim) > MAX_WIDTH:
@@ -99,11 +127,9 @@ def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()
     if block and operand["Q"].dtype == np.float64:
         return Fallback("float64 block attention (Tensor Cores take 16- and 32-bit operands)")
     if block:
-        plan = ChainPlan(chain, kind, "dot", _pow2(block[0], 16, 256), _pow2(block[1], 16, 256),
-                         _pow2(head_dim, 16, MAX_WIDTH), _pow2(value_dim, 16, MAX_WIDTH), config)
+        plan = ChainPlan(chain, kind, "dot", _pow2(head_dim, 16, MAX_WIDTH), _pow2(value_dim, 16, MAX_WIDTH), config)
     else:
-        plan = ChainPlan(chain, kind, "lanes", 1, 1, _pow2(head_dim, 1, MAX_WIDTH), _pow2(value_dim, 1, MAX_WIDTH),
-                         config)
+        plan = ChainPlan(chain, kind, "lanes", _pow2(head_dim, 1, MAX_WIDTH), _pow2(value_dim, 1, MAX_WIDTH), config)
     plan = dataclasses.replace(plan, config=default_chain_config(plan))
     if plan.grid_size > 65535:
         return Fallback(f"{plan.grid_size} (batch x head) programs exceed CUDA's 65535 along the grid's axis 1")
@@ -116,14 +142,20 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
     """Fills the zero fields of the plan's config with defaults for its template and kind."""
     config, changes = plan.config, {}
     if plan.template == "dot":
-        tile = plan.block_m * plan.block_k
+        # FlashAttention-2's tiles (its Triton tutorial on Hopper): 128 x 64 forward; in the backward the program
+        # owns 128 rows (dq) or 128 key columns (dkdv) and walks the other side 32 at a time.
+        (bm, bk), kind = plan.chain.block, plan.kind
+        own, other = {"forward": (128, 64), "combine": (256, 256), "dq": (128, 32), "dkdv": (32, 128)}[kind]
+        changes["block_m"] = config.block_m or _pow2(bm, 16, own)
+        changes["block_k"] = config.block_k or _pow2(bk, 16, other)
         changes["chunk"] = config.chunk or 16  # blocks per work item (a BigBird row holds ~7)
-        changes["num_warps"] = config.num_warps or (8 if tile >= 128 * 64 else 4)
-        changes["num_stages"] = config.num_stages or (2 if plan.kind == "forward" else 1)
+        changes["num_warps"] = config.num_warps or (8 if changes["block_m"] * changes["block_k"] > 128 * 64 else 4)
+        changes["num_stages"] = config.num_stages or (3 if kind == "forward" else 2)
     else:
         width = max(plan.block_d, plan.block_e)
         changes["entries"] = config.entries or _pow2(4096 // width, 16, 128)
         changes["chunk"] = config.chunk or 8 * changes["entries"]
         changes["num_warps"] = config.num_warps or max(1, min(4, changes["entries"] * width // 1024))
         changes["num_stages"] = config.num_stages or 1
+        changes["block_m"] = changes["block_k"] = 1
     return dataclasses.replace(config, **changes)

@@ -23,6 +23,9 @@ from jinsum.kernels._source import KERNEL_NAME, offset
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'
+# The softmax runs in base 2 (FlashAttention's habit: exp2 is the hardware's instruction): scores, running
+# maxima and partial results are in units of log2(e); the stored log-sum-exp is natural.
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 def chain_inputs(plan: ChainPlan) -> tuple[str, ...]:
@@ -107,8 +110,8 @@ class _Writer:
         self._prologue()
         getattr(self, f"_{plan.kind}")()
         config = plan.config
-        tiles = (f"m {plan.block_m}, k {plan.block_k}, " if self.dot else f"entries {config.entries}, ") + \
-            f"d {plan.block_d}, e {plan.block_e}"
+        tiles = (f"m {plan.block_m}, k {plan.block_k} ({plan.own_axis} tiles are programs), " if self.dot else
+                 f"entries {config.entries}, ") + f"d {plan.block_d}, e {plan.block_e}"
         doc = [f'"""{chain!r}', "", f"{plan.kind} kernel; template {plan.template}; tiles {tiles}; grid "
                f"{', '.join(chain.grid)}; pieces of {config.chunk} entries", '"""']
         return ["@triton.jit", f"def {KERNEL_NAME}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
@@ -172,21 +175,26 @@ class _Writer:
     def _prologue(self) -> None:
         chain, plan = self.chain, self.plan
         extent = chain.output.extent
-        self.emit("item = tl.program_id(0)")
+        own_tiles = plan.tiles(plan.own_axis)
+        if own_tiles > 1:
+            self.emit(f"item = tl.program_id(0) // {own_tiles}")
+            self.emit(f"tile = tl.program_id(0) % {own_tiles}  # which {plan.own_axis} tile of the block")
+        else:
+            self.emit("item = tl.program_id(0)")
         self.emit("glin = tl.program_id(1)  # the grid variables' flat index")
         rest = "glin"
         for v in reversed(chain.grid):
             self.emit(f"v_{v} = {rest} % {extent[v]}")
             rest = f"({rest} // {extent[v]})"
             self.env[v] = _Bound(f"v_{v}")
-        sizes = {"d": (plan.block_d, chain.operand["Q"].shape[-1]), "e": (plan.block_e, chain.operand["V"].shape[-1])}
+        self._axis("d", "0", plan.block_d, chain.operand["Q"].shape[-1])
+        self._axis("e", "0", plan.block_e, chain.operand["V"].shape[-1])
         if self.dot:
-            (bm, bk) = chain.block
-            sizes = {"m": (plan.block_m, bm), "k": (plan.block_k, bk), **sizes}
-        for axis, (block, size) in sizes.items():
-            self.emit(f"v_{axis} = tl.arange(0, {block})")
-            self.emit(f"mk_{axis} = v_{axis} < {size}")
-            self.axis_masks[axis] = f"mk_{axis}"
+            start = f"tile * {self._block(plan.own_axis)}" if own_tiles > 1 else "0"
+            self._axis(plan.own_axis, start, self._block(plan.own_axis), self._size(plan.own_axis))
+            inner = self._inner_axis
+            if plan.tiles(inner) == 1:  # one tile per block: set up once
+                self._axis(inner, "0", self._block(inner), self._size(inner))
         r = chain.roles
         roles = {r.query_offset: "m", r.key_offset: "k", r.contract: "d", r.feature: "e"}
         for var, axis in roles.items():
@@ -200,6 +208,23 @@ class _Writer:
             self.emit("end = tl.load(p_items + item * 5 + 2)")
             self.emit("part = tl.load(p_items + item * 5 + 3)  # >= 0: one of several pieces of a long row")
             self.emit("piece = tl.load(p_items + item * 5 + 4)")
+
+    @property
+    def _inner_axis(self) -> str:
+        """The block axis a program walks in tiles for each of its entries (the other side of `own_axis`)."""
+        return "m" if self.plan.own_axis == "k" else "k"
+
+    def _block(self, axis: str) -> int:
+        return self.plan.block_m if axis == "m" else self.plan.block_k
+
+    def _size(self, axis: str) -> int:
+        return self.chain.block[0 if axis == "m" else 1]
+
+    def _axis(self, axis: str, start: str, block: int, size: int) -> None:
+        """`v_<axis>`: a tile of `block` positions from `start`, masked to `size`."""
+        self.emit(f"v_{axis} = {'' if start == '0' else start + ' + '}tl.arange(0, {block})")
+        self.emit(f"mk_{axis} = v_{axis} < {size}")
+        self.axis_masks[axis] = f"mk_{axis}"
 
     def _entry(self, entry: str, axis: str | None) -> None:
         """Binds the group and slot of the stored entry (entries) `entry`: `g = entry // P`, `p = entry % P`."""
@@ -218,17 +243,29 @@ class _Writer:
         return row.expression, col.expression
 
     def _scores(self, q: str, k: str, row: _Bound, positions: tuple[str, str], *, slope: bool) -> str:
-        """`s = score_mod(scale * q . k)` (and its derivative `ds_ds`); returns the scores' variable."""
+        """`s = score_mod(scale * q . k) * log2(e)` (and the derivative `ds_ds` of `score_mod`); returns the
+        scores' variable."""
         if self.dot:
-            self.emit(f"s = tl.dot({q}, tl.trans({k}){self._precision()}) * {self.chain.scale!r}")
+            self.emit(f"s = tl.dot({q}, tl.trans({k}){self._precision()}) * {self._score_scale!r}")
         else:  # one side is the program's row (key), the other a tile of gathered entries
             product = f"{q}[None, :] * {k}" if row.axis is None else f"{q} * {k}[None, :]"
-            self.emit(f"s = tl.sum({product}, 1) * {self.chain.scale!r}")
+            self.emit(f"s = tl.sum({product}, 1) * {self._score_scale!r}")
         self._transform(*positions, slope=slope)
         return "s"
 
+    @property
+    def _score_scale(self) -> float:
+        """What multiplies `q . k`: the scale, and log2(e) too when no `score_mod` stands between them."""
+        return self.chain.scale * (LOG2E if self.chain.score_mod is None else 1.0)
+
+    def _self_scores(self, q: str, k: str, position: str, *, slope: bool) -> None:
+        """`s` (a `[1]` tile) for a row attending to itself (self loops)."""
+        self.emit(f"s = tl.zeros([1], {self.acc_type}) + tl.sum({q} * {k}, 0) * {self._score_scale!r}")
+        self._transform(position, position, slope=slope)
+
     def _transform(self, q_idx: str, kv_idx: str, *, slope: bool) -> None:
-        """`s = score_mod(s, b, h, q_idx, kv_idx)`, and `ds_ds` its derivative when `slope`."""
+        """`s = score_mod(s, b, h, q_idx, kv_idx) * log2(e)`, and `ds_ds` the derivative of `score_mod` when
+        `slope`."""
         mod = self.chain.score_mod
         if mod is None:
             if slope:
@@ -240,7 +277,7 @@ class _Writer:
                                                      ["s", b, f"v_{r.head}", q_idx, kv_idx], "sm", self.acc_type)
         for line in lines:
             self.emit(line)
-        self.emit(f"s = {value}")
+        self.emit(f"s = {value} * {LOG2E!r}")
         if slope:
             self.emit(f"ds_ds = {derivative}")
 
@@ -303,8 +340,8 @@ class _Writer:
             self.emit(f"s = tl.where({allowed}, {s}, {_NEG_INF})")
         self.emit(f"m_new = tl.maximum(m_i, tl.max(s, {axis}))")
         self.emit(f"m_use = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # a row masked so far: no shift")
-        self.emit("alpha = tl.exp(m_i - m_use)")
-        self.emit(f"w = tl.exp(s - m_use{row})")
+        self.emit("alpha = tl.exp2(m_i - m_use)")
+        self.emit(f"w = tl.exp2(s - m_use{row})")
         self.emit(f"l_i = l_i * alpha + tl.sum(w, {axis})")
         if self.chain.dropout:
             self.emit(f"w = w * {self._keep(entry)}")
@@ -318,7 +355,8 @@ class _Writer:
         """Stores the normalised output and the log-sum-exp of the program's row."""
         o_axes, l_axes = (("m", "e"), ("m",)) if self.dot else (("e",), ())
         self.emit("safe = tl.where(l_i > 0, l_i, 1.0)")
-        self.emit(f"lse = tl.where(l_i > 0, tl.where(m_i == {_NEG_INF}, 0.0, m_i) + tl.log(safe), {_INF})")
+        self.emit(f"lse = tl.where(l_i > 0, (tl.where(m_i == {_NEG_INF}, 0.0, m_i) + tl.log2(safe)) * {LN2!r}, "
+                  f"{_INF})")
         self.store("O", o_axes, f"(acc / safe{'[:, None]' if self.dot else ''})")
         self._store_row("LSE", l_axes, "lse")
 
@@ -330,11 +368,12 @@ class _Writer:
         self.emit(f"tl.store({pointer}, {value}, mask={mask})")
 
     def _load_row(self, name: str, axes: tuple[str, ...], other: str) -> str:
+        """Loads per-row statistics (a `[1]` tile for one row of entries); the log-sum-exp in base 2."""
         pointer, mask = self.address(name, axes)
         if not self.dot and not axes:
             pointer = f"{pointer} + tl.arange(0, 1)"
         load = f"tl.load({pointer}, mask={mask}, other={other})" if mask else f"tl.load({pointer})"
-        self.emit(f"x_{name} = {load}")
+        self.emit(f"x_{name} = {load}{f' * {LOG2E!r}' if name == 'LSE' else ''}")
         return f"x_{name}"
 
     def _row_statistics(self) -> None:
@@ -345,17 +384,25 @@ class _Writer:
         self.emit(f"acc = tl.zeros({acc}, {self.acc_type})")
 
     def _entries_loop(self):
-        """The loop over the item's entries: one per iteration (dot) or a tile of `entries` (lanes)."""
-        stages = self.plan.config.num_stages
-        if self.dot:
-            header = f"for j in tl.range(begin, end, num_stages={stages}):"
-        else:
-            header = f"for j in tl.range(begin, end, {self.plan.config.entries}, num_stages={stages}):"
-        return self.indented(header)
+        """The loop over the item's entries: one per iteration (dot; times the tiles of the other block axis, as
+        one flat loop so that it pipelines) or a tile of `entries` (lanes)."""
+        plan = self.plan
+        stages = plan.config.num_stages
+        if not self.dot:
+            return self.indented(f"for j in tl.range(begin, end, {plan.config.entries}, num_stages={stages}):")
+        tiles = plan.tiles(self._inner_axis)
+        if tiles == 1:
+            return self.indented(f"for j in tl.range(begin, end, num_stages={stages}):")
+        return self.indented(f"for step in tl.range(begin * {tiles}, end * {tiles}, num_stages={stages}):")
 
     def _bind_entries(self, source: str | None) -> str:
         """Inside the entries loop: the entry (entries) of this iteration, and its group and slot."""
         if self.dot:
+            tiles = self.plan.tiles(self._inner_axis)
+            if tiles > 1:
+                inner = self._inner_axis
+                self.emit(f"j = step // {tiles}")
+                self._axis(inner, f"(step % {tiles}) * {self._block(inner)}", self._block(inner), self._size(inner))
             self.emit(f"entry = tl.load({source} + j)" if source else "entry = j")
             self._entry("entry", None)
             return "entry"
@@ -398,8 +445,7 @@ class _Writer:
         self.env["Ak[g,p]"] = row
         k = self.load("K", ("d",))
         v = self.load("V", ("e",))
-        self.emit(f"s = tl.zeros([1], {self.acc_type}) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
-        self._transform(row.expression, row.expression, slope=False)
+        self._self_scores(q, k, row.expression, slope=False)
         self._online_softmax("s", None, f"{v}[None, :]", f"{self.chain.entries} + segment")
 
     def _column(self) -> _Bound:
@@ -459,8 +505,8 @@ class _Writer:
                     self.emit(f"acc_c = tl.load(p_part_acc + slot * {value_dim} + v_e, mask=mk_e, other=0.0)")
                 self.emit("m_new = tl.maximum(m_i, m_c)")
                 self.emit(f"m_use = tl.where(m_new == {_NEG_INF}, 0.0, m_new)")
-                self.emit("alpha = tl.exp(m_i - m_use)")
-                self.emit("beta = tl.exp(m_c - m_use)")
+                self.emit("alpha = tl.exp2(m_i - m_use)")
+                self.emit("beta = tl.exp2(m_c - m_use)")
                 self.emit("l_i = l_i * alpha + l_c * beta")
                 row = "[:, None]" if self.dot else ""
                 self.emit(f"acc = acc * alpha{row} + acc_c * beta{row}")
@@ -483,9 +529,8 @@ class _Writer:
                     self.env["Ak[g,p]"] = row
                     k = self.load("K", ("d",))
                     v = self.load("V", ("e",))
-                    self.emit(f"s = tl.zeros([1], {self.acc_type}) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
-                    self._transform(row.expression, row.expression, slope=True)
-                    self.emit(f"w = tl.exp(s - {lse})")
+                    self._self_scores(q, k, row.expression, slope=True)
+                    self.emit(f"w = tl.exp2(s - {lse})")
                     self.emit(f"dp = tl.sum({do} * {v}, 0)")
                     self._gradient_of_scores("w", "dp", drow, f"{self.chain.entries} + segment", None)
                     self.emit(f"dq += ds * {k}")
@@ -498,7 +543,7 @@ class _Writer:
                     k = self.load("K", ("k", "d"), native=True)
                     vt = self.load("V", ("e", "k"), native=True)
                     s = self._scores(q, k, row, positions, slope=True)
-                    self.emit(f"w = tl.where({allowed}, tl.exp({s} - {lse}[:, None]), 0.0)")
+                    self.emit(f"w = tl.where({allowed}, tl.exp2({s} - {lse}[:, None]), 0.0)")
                     self.emit(f"dp = tl.dot({do}, {vt}{self._precision()})")
                     self._gradient_of_scores("w", "dp", f"{drow}[:, None]", entry, allowed)
                     self.emit(f"dq += tl.dot(ds.to({k}.dtype), {k}{self._precision()})")
@@ -506,7 +551,7 @@ class _Writer:
                     k = self.load("K", ("j", "d"), mask="allowed[:, None]")
                     v = self.load("V", ("j", "e"), mask="allowed[:, None]")
                     s = self._scores(q, k, row, positions, slope=True)
-                    self.emit(f"w = tl.where({allowed}, tl.exp({s} - {lse}), 0.0)")
+                    self.emit(f"w = tl.where({allowed}, tl.exp2({s} - {lse}), 0.0)")
                     self.emit(f"dp = tl.sum({do}[None, :] * {v}, 1)")
                     self._gradient_of_scores("w", "dp", drow, entry, allowed)
                     self.emit(f"dq += tl.sum(ds[:, None] * {k}, 0)")
@@ -541,9 +586,8 @@ class _Writer:
                     do = self.load("dO", ("e",))
                     lse = self._load_row("LSE", (), "0.0")
                     drow = self._load_row("Drow", (), "0.0")
-                    self.emit(f"s = tl.zeros([1], {self.acc_type}) + tl.sum({q} * {k}, 0) * {self.chain.scale!r}")
-                    self._transform(col.expression, col.expression, slope=True)
-                    self.emit(f"w = tl.exp(s - {lse})")
+                    self._self_scores(q, k, col.expression, slope=True)
+                    self.emit(f"w = tl.exp2(s - {lse})")
                     self.emit(f"dp = tl.sum({do} * {v}, 0)")
                     self._weights_and_scores_gradient("w", "dp", drow, f"{self.chain.entries} + segment", None)
                     self.emit(f"dv += wz * {do}")
@@ -565,7 +609,7 @@ class _Writer:
                     lse = self._load_row("LSE", ("m",), "0.0")
                     drow = self._load_row("Drow", ("m",), "0.0")
                     s = self._scores(q, k, row, positions, slope=True)
-                    self.emit(f"w = tl.where({allowed}, tl.exp({s} - {lse}[:, None]), 0.0)")
+                    self.emit(f"w = tl.where({allowed}, tl.exp2({s} - {lse}[:, None]), 0.0)")
                     self.emit(f"dp = tl.dot({do}, tl.trans({v}){self._precision()})")
                     self._weights_and_scores_gradient("w", "dp", f"{drow}[:, None]", entry, allowed)
                     self.emit(f"dv += tl.dot(tl.trans(wz.to({do}.dtype)), {do}{self._precision()})")
@@ -574,9 +618,10 @@ class _Writer:
                     q = self.load("Q", ("j", "d"), mask="allowed[:, None]")
                     do = self.load("dO", ("j", "e"), mask="allowed[:, None]")
                     lse = self.load("LSE", ("j",), mask="allowed")
+                    self.emit(f"{lse} = {lse} * {LOG2E!r}  # in base 2")
                     drow = self.load("Drow", ("j",), mask="allowed")
                     s = self._scores(q, k, row, positions, slope=True)
-                    self.emit(f"w = tl.where({allowed}, tl.exp({s} - {lse}), 0.0)")
+                    self.emit(f"w = tl.where({allowed}, tl.exp2({s} - {lse}), 0.0)")
                     self.emit(f"dp = tl.sum({do} * {v}[None, :], 1)")
                     self._weights_and_scores_gradient("w", "dp", drow, entry, allowed)
                     self.emit(f"dv += tl.sum(wz[:, None] * {do}, 0)")

@@ -143,7 +143,7 @@ GRAPH_CASES = [
 def _case(rng, fmt, case, dtype=np.float32):
     batch = case.get("batch")
     if fmt == "block":
-        pattern = block_pattern(rng)
+        pattern = block_pattern(rng, block=case.get("block", 16))
         allowed = np.asarray(pattern.todense()) != 0
         length, keys = pattern.shape
     else:
@@ -269,6 +269,7 @@ KERNEL_CASES = [
     ("block", dict(), ChainConfig(chunk=2)),  # long rows in pieces, combined
     ("block", dict(causal=True, score_mod=alibi, batch=2), ChainConfig()),
     ("block", dict(key_mask=True, dropout=0.2), ChainConfig(chunk=3)),
+    ("block", dict(block=32, causal=True, dropout=0.1), ChainConfig(block_m=16, block_k=16, chunk=2)),  # tiles
     ("graph", dict(), ChainConfig(entries=4, chunk=8)),
     ("graph", dict(score_mod=leaky, self_loops=True, dropout=0.3), ChainConfig(entries=8, chunk=8)),
     ("graph", dict(heads_in_pattern=True, causal=True, batch=2), ChainConfig()),
