@@ -41,6 +41,7 @@ import jinsum  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum import _attention, _chain_reference  # noqa: E402
 from jinsum.datasets import rmat  # noqa: E402
+from jinsum.kernels import ChainConfig, forced_config  # noqa: E402
 from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
 try:
@@ -114,6 +115,9 @@ def block_attention(length: int, calls: int, heads: int = 16, dim: int = 64, blo
                 record(f"{name} {pass_name}", system, 1e3 * seconds, tflops=flops[pass_name] / seconds / 1e12)
                 if system == "jinsum fused":
                     breakdown(compiled, args)
+                    copies = [line.strip()[:150] for line in compiled.lower(*args).compile().as_text().splitlines()
+                              if " copy(" in line or "copy-start" in line]
+                    print(f"    {len(copies)} copies in the optimized HLO", *copies[:6], sep="\n      ")
     if torch is not None:
         _torch_attention(name, pattern, (q, k, v, d_out), flops, calls, outputs, block)
     _compare(name, outputs)
@@ -194,7 +198,7 @@ def _gat_example():
     return module
 
 
-def gat_step(scale: int, calls: int) -> None:
+def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
     import optax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
@@ -240,6 +244,13 @@ def gat_step(scale: int, calls: int) -> None:
             record(name, system, 1e3 * seconds)
             if system.startswith("jinsum"):
                 breakdown(run, ())
+    for config in sweep:  # other kernel configurations of the fused GATConv (the call happens in the context)
+        with forced_config(config):
+            model = example.GAT(jnn.GATConv, 128, 40, heads=4, hidden=64, dropout=0.6, rngs=nnx.Rngs(0))
+            run = step_of(model, systems["jinsum GATConv (fused)"][1])
+        seconds = attempt(name, f"jinsum GATConv {config}", lambda run=run: time_calls(run, calls=calls))
+        if seconds is not None:
+            record(name, f"jinsum GATConv {config}", 1e3 * seconds)
     if torch is not None:
         attempt(name, "PyG GATConv", lambda: _pyg_gat_step(name, edge_index, nodes, x, y, calls))
 
@@ -320,6 +331,7 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384])
     p.add_argument("--gat-scale", type=int, default=17, help="R-MAT scale of the GAT graph (0: skip)")
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="also time other kernel configurations of GATConv")
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     args = p.parse_args()
     if jax.devices()[0].platform != "gpu":
@@ -328,7 +340,8 @@ def main() -> None:
     for length in args.lengths:
         block_attention(length, args.calls)
     if args.gat_scale:
-        gat_step(args.gat_scale, args.calls)
+        sweep = [ChainConfig(entries=e, num_warps=w) for e, w in ((32, 2), (128, 4), (64, 8), (128, 8))]
+        gat_step(args.gat_scale, args.calls, sweep if args.sweep else [])
     write(args.out, started)
 
 

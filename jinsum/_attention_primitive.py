@@ -27,15 +27,21 @@ from jax.interpreters import ad, batching, mlir
 from jinsum import _chain_reference, _derive, _lower_chain, _primitive
 from jinsum._lang import statement_variables
 from jinsum._lang._chain import Chain
+from jinsum._lower_chain import SCHEDULE
 
-PATTERN = ("Ai", "Ak", "Av", "seed", "KM")  # operands that describe the pattern: never differentiated or batched
+# Operands that describe the pattern (and the work lists derived from it): never differentiated, and batching
+# them runs a loop.
+PATTERN = ("Ai", "Ak", "Av", "seed", "KM", *SCHEDULE)
 TANGENT_INPUTS = ("O", "LSE", "tQ", "tK", "tV")
 BACKWARD_INPUTS = ("O", "LSE", "dO", "dLSE")
 
 
 def bind(chain: Chain, arrays: dict) -> tuple[jax.Array, jax.Array]:
-    """`(O, LSE)`: the chain on `arrays` (by name, `chain.names`)."""
-    return tuple(attention_p.bind(*(arrays[n] for n in chain.names), chain=chain))
+    """`(O, LSE)`: the chain on `arrays` (by name, `chain.names`), with its schedule computed here: on the host
+    for a concrete pattern, and once for the forward and the backward."""
+    schedule = _lower_chain.schedule(chain, arrays)
+    operands = [arrays[n] for n in chain.names] + [schedule[n] for n in SCHEDULE]
+    return tuple(attention_p.bind(*operands, chain=chain))
 
 
 attention_p = Primitive("jinsum_attention")
@@ -49,7 +55,7 @@ _INPUTS = {attention_p: (), attention_tangent_p: TANGENT_INPUTS, attention_backw
 
 
 def _names(primitive: Primitive, chain: Chain) -> tuple[str, ...]:
-    return chain.names + _INPUTS[primitive]
+    return chain.names + SCHEDULE + _INPUTS[primitive]
 
 
 def _aval(chain: Chain, name: str) -> jax.core.ShapedArray:
@@ -68,6 +74,8 @@ def _compiled(primitive: Primitive, chain: Chain):
 def _abstract_eval(primitive: Primitive, outputs: tuple[str, ...]):
     def rule(*avals, chain: Chain):
         for aval, name in zip(avals, _names(primitive, chain)):
+            if name in SCHEDULE:
+                continue
             expected = _aval(chain, name)
             if aval.shape != expected.shape or aval.dtype != expected.dtype:
                 raise TypeError(f"jinsum: {primitive.name} operand {name} is {aval.str_short()}, but {chain!r} was "
@@ -130,7 +138,7 @@ def _transpose_tangent(cotangents, *args, chain: Chain):
     d_out, d_lse = cotangents
     if type(d_out) is ad.Zero and type(d_lse) is ad.Zero:
         return [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None for a in args]
-    constants = args[:len(chain.names) + 2]
+    constants = args[:len(chain.names) + len(SCHEDULE) + 2]
     d_out = ad.instantiate_zeros(d_out) if type(d_out) is not ad.Zero else jnp.zeros(_aval(chain, "O").shape,
                                                                                        _aval(chain, "O").dtype)
     d_lse = jnp.zeros(_aval(chain, "LSE").shape, _aval(chain, "LSE").dtype) if type(d_lse) is ad.Zero else d_lse

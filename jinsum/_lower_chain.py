@@ -1,12 +1,16 @@
-"""The CUDA lowering of attention chains: work lists in XLA, then the generated kernels through jax-triton.
+"""The CUDA lowering of attention chains: the generated kernels through jax-triton, after a schedule of work lists.
 
 Forward: `forward` (one program per work item and head) then `combine` (the pieces of long rows). Backward:
 `D = rowsum(dO * O) - dLSE` in XLA, then `dq` over the rows and `dkdv` over the keys, whose entries come sorted by
-key (the transposed pattern: a stable argsort of `Ak`). The same launches run in Triton's interpreter on CPU
-(`interpret_forward`, `interpret_backward`), which is how CI checks every generated chain kernel.
+key (the transposed pattern), each followed by a `*_sum` kernel that adds up the pieces of long rows (keys). The
+same launches run in Triton's interpreter on CPU (`interpret_forward`, `interpret_backward`), which is how CI
+checks every generated chain kernel.
 
-Work lists (`work_items`) are computed from the pattern inside the jitted program, so a pattern passed as an
-argument needs no host round trip: a segment (row or key) of `L` entries is `max(1, ceil(L / chunk))` items.
+The schedule (`schedule`: work items, block flags, the transposed order) depends on the pattern only. It is
+computed before the primitive is bound, once for the forward and the backward: on the host with NumPy when the
+pattern is concrete (a pattern closed over by a jitted function costs nothing per call), else as XLA ops in the
+traced program (where layers sharing one adjacency share them). A segment (row or key) of `L` entries is
+`max(1, ceil(L / chunk))` work items.
 """
 
 from __future__ import annotations
@@ -21,12 +25,17 @@ import numpy as np
 from jinsum import _chain_reference
 from jinsum._lang._chain import Chain
 from jinsum._lower_triton import FallbackWarning, _jax_triton, from_torch, row_starts, to_torch
-from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_inputs, chain_outputs, generate_chain,
-                            load_kernel, make_chain_plan, scratch_shapes)
+from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_config, chain_inputs, chain_outputs,
+                            generate_chain, load_kernel, make_chain_plan, scratch_shapes)
+
+SCHEDULE = ("row_items", "row_combine", "flags", "perm", "key_items", "key_combine")
+FORWARD, BACKWARD = ("forward", "combine"), ("dq", "dq_sum", "dkdv", "dkdv_sum")
 
 
-def plans(chain: Chain, kinds, config: ChainConfig = ChainConfig()) -> dict[str, ChainPlan] | Fallback:
-    """The plans of the chain's `kinds` of kernels, or the first `Fallback`."""
+def plans(chain: Chain, kinds, config: ChainConfig | None = None) -> dict[str, ChainPlan] | Fallback:
+    """The plans of the chain's `kinds` of kernels (with `config`, else `chain_config()`), or the first
+    `Fallback`."""
+    config = config or chain_config()
     if os.environ.get("JINSUM_TRITON", "1") == "0":
         return Fallback("JINSUM_TRITON=0")
     if chain.entries == 0 or chain.rows == 0 or chain.keys == 0:
@@ -52,63 +61,48 @@ def _fallback(chain: Chain, plan: Fallback) -> None:
 
 def forward(chain: Chain, arrays) -> list[jax.Array]:
     """`[O, LSE]` on CUDA arrays (the body of the attention primitive's cuda lowering)."""
-    found = plans(chain, ("forward", "combine"))
+    env = dict(zip(chain.names + SCHEDULE, arrays))
+    found = plans(chain, FORWARD)
     if isinstance(found, Fallback):
         _fallback(chain, found)
-        return list(_chain_reference.forward(chain, dict(zip(chain.names, arrays))))
-    return run_forward(found, dict(zip(chain.names, arrays)), jnp, _triton_launch)
+        return list(_chain_reference.forward(chain, env))
+    return run_forward(found, env, jnp, _triton_launch)
 
 
 def backward(chain: Chain, arrays) -> list[jax.Array]:
     """`[dQ, dK, dV]` on CUDA arrays (the body of the backward primitive's cuda lowering)."""
-    names = chain.names + ("O", "LSE", "dO", "dLSE")
-    env = dict(zip(names, arrays))
-    found = plans(chain, ("dq", "dkdv"))
+    env = dict(zip(chain.names + SCHEDULE + ("O", "LSE", "dO", "dLSE"), arrays))
+    found = plans(chain, BACKWARD)
     if isinstance(found, Fallback):
         _fallback(chain, found)
         return list(_chain_reference.backward(chain, env, (env["dO"], env["dLSE"])))
     return run_backward(found, env, jnp, _triton_launch)
 
 
-# --- what both launchers share ------------------------------------------------------------------------------------
+# --- the schedule -------------------------------------------------------------------------------------------------
 
-def run_forward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
-    plan = found["forward"]
-    chain = plan.chain
-    items, combine = row_items(plan, env, xp)
-    inputs = {**env, "items": items}
-    if plan.template == "dot":
-        inputs["flags"] = block_flags(chain, env, xp)
-    shapes = scratch_shapes(plan)
-    out = launch(plan, inputs, {"O": _struct(chain, "O"), "LSE": _struct(chain, "LSE"),
-                                **{name: (shapes[name], chain.operand["LSE"].dtype)
-                                   for name in ("part_m", "part_l", "part_acc")}})
-    merged = launch(found["combine"], {**out, "combine": combine}, {"O": _struct(chain, "O"),
-                                                                     "LSE": _struct(chain, "LSE")},
-                    aliases={"O": "O", "LSE": "LSE"})
-    return [merged["O"], merged["LSE"]]
+def schedule(chain: Chain, arrays: dict, config: ChainConfig | None = None) -> dict:
+    """The chain's work lists (see the module docstring), on the host when the pattern's arrays are concrete.
 
-
-def run_backward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
-    chain = found["dq"].chain
-    accumulate = np.float64 if chain.operand["Q"].dtype == np.float64 else np.float32
-    drow = (env["dO"].astype(accumulate) * env["O"].astype(accumulate)).sum(-1) - env["dLSE"]
-    inputs = {**env, "Drow": drow.astype(chain.operand["LSE"].dtype)}
-    if found["dq"].template == "dot":
-        inputs["flags"] = block_flags(chain, env, xp)
-    items, _ = row_items(found["dq"], env, xp)
-    grads = launch(found["dq"], {**inputs, "items": items}, {"dQ": (chain.operand["Q"].shape, accumulate)},
-                   zeroed=("dQ",))
-    perm, starts = transposed_entries(found["dkdv"], inputs, xp)
-    items, _ = work_items(starts, found["dkdv"], xp)
-    grads.update(launch(found["dkdv"], {**inputs, "perm": perm, "items": items},
-                        {"dK": (chain.operand["K"].shape, accumulate), "dV": (chain.operand["V"].shape, accumulate)},
-                        zeroed=("dK", "dV")))
-    return [grads[g].astype(chain.operand[n].dtype) for g, n in (("dQ", "Q"), ("dK", "K"), ("dV", "V"))]
-
-
-def _struct(chain: Chain, name: str) -> tuple[tuple[int, ...], np.dtype]:
-    return chain.operand[name].shape, chain.operand[name].dtype
+    Empty arrays where no kernel would use them (the chain stays unfused, or only the reference lowering runs).
+    """
+    config = config or chain_config()
+    rows, keys = make_chain_plan(chain, "forward", config), make_chain_plan(chain, "dkdv", config)
+    empty = {"row_items": np.zeros((0, 5), np.int32), "row_combine": np.zeros((0, 3), np.int32),
+             "flags": np.zeros((0,), np.int8), "perm": np.zeros((0,), np.int32),
+             "key_items": np.zeros((0, 5), np.int32), "key_combine": np.zeros((0, 3), np.int32)}
+    if isinstance(rows, Fallback) or isinstance(keys, Fallback) or 0 in (chain.entries, chain.rows, chain.keys):
+        return empty
+    pattern = {n: arrays[n] for n in ("Ai", "Ak", "Av")}
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in pattern.values())
+    xp = np if concrete else jnp
+    pattern = {n: np.asarray(x) if concrete else x for n, x in pattern.items()}
+    found = dict(zip(("row_items", "row_combine"), row_items(rows, pattern, xp)))
+    found["flags"] = block_flags(chain, pattern, xp) if rows.template == "dot" else empty["flags"]
+    perm, starts = transposed_entries(keys, {**pattern, "flags": found["flags"]}, xp)
+    found["perm"] = perm
+    found["key_items"], found["key_combine"] = work_items(starts, keys, xp)
+    return found
 
 
 def row_items(plan: ChainPlan, env: dict, xp):
@@ -187,6 +181,42 @@ def transposed_entries(plan: ChainPlan, env: dict, xp):
     return perm.astype(xp.int32), starts.astype(xp.int32)
 
 
+# --- the launches ---------------------------------------------------------------------------------------------------
+
+def run_forward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
+    plan = found["forward"]
+    chain = plan.chain
+    shapes, stats = scratch_shapes(plan), chain.operand["LSE"].dtype
+    inputs = {**env, "items": env["row_items"]}
+    out = launch(plan, inputs, {"O": _struct(chain, "O"), "LSE": _struct(chain, "LSE"),
+                                **{name: (shapes[name], stats) for name in ("part_m", "part_l", "part_acc")}})
+    merged = launch(found["combine"], {**out, "combine": env["row_combine"]},
+                    {"O": _struct(chain, "O"), "LSE": _struct(chain, "LSE")}, aliases={"O": "O", "LSE": "LSE"})
+    return [merged["O"], merged["LSE"]]
+
+
+def run_backward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
+    chain = found["dq"].chain
+    stats = chain.operand["LSE"].dtype
+    drow = (env["dO"].astype(stats) * env["O"].astype(stats)).sum(-1) - env["dLSE"]
+    inputs = {**env, "Drow": drow.astype(stats)}
+    grads = {}
+    for kernel, items, combine, outputs in (("dq", "row_items", "row_combine", ("dQ",)),
+                                            ("dkdv", "key_items", "key_combine", ("dK", "dV"))):
+        plan = found[kernel]
+        shapes = scratch_shapes(plan)
+        structs = {g: _struct(chain, g[1]) for g in outputs}
+        parts = {f"part_{g.lower()}": (shapes[f"part_{g.lower()}"], stats) for g in outputs}
+        out = launch(plan, {**inputs, "items": env[items]}, {**structs, **parts})
+        grads.update(launch(found[f"{kernel}_sum"], {**out, "combine": env[combine]}, structs,
+                            aliases={g: g for g in outputs}))
+    return [grads["dQ"], grads["dK"], grads["dV"]]
+
+
+def _struct(chain: Chain, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    return chain.operand[name].shape, chain.operand[name].dtype
+
+
 # --- the two launchers --------------------------------------------------------------------------------------------
 
 def _triton_launch(plan: ChainPlan, inputs: dict, outputs: dict, *, zeroed=(), aliases=None) -> dict:
@@ -225,15 +255,17 @@ def _interpret_launch(plan: ChainPlan, inputs: dict, outputs: dict, *, zeroed=()
 
 def interpret_forward(chain: Chain, arrays: dict, config: ChainConfig = ChainConfig()) -> list[np.ndarray]:
     """The fused forward kernels in Triton's interpreter (tests; needs `TRITON_INTERPRET=1` and torch)."""
-    found = plans(chain, ("forward", "combine"), config)
-    if isinstance(found, Fallback):
-        raise ValueError(f"jinsum: no fused kernels for {chain!r}: {found.reason}")
-    return run_forward(found, {n: np.asarray(a) for n, a in arrays.items()}, np, _interpret_launch)
+    return _interpret(chain, arrays, config, FORWARD, run_forward)
 
 
 def interpret_backward(chain: Chain, arrays: dict, config: ChainConfig = ChainConfig()) -> list[np.ndarray]:
     """The fused backward kernels in Triton's interpreter; `arrays` also holds `O`, `LSE`, `dO` and `dLSE`."""
-    found = plans(chain, ("dq", "dkdv"), config)
+    return _interpret(chain, arrays, config, BACKWARD, run_backward)
+
+
+def _interpret(chain, arrays, config, kinds, run):
+    found = plans(chain, kinds, config)
     if isinstance(found, Fallback):
         raise ValueError(f"jinsum: no fused kernels for {chain!r}: {found.reason}")
-    return run_backward(found, {n: np.asarray(a) for n, a in arrays.items()}, np, _interpret_launch)
+    env = {n: np.asarray(a) for n, a in arrays.items()}
+    return run(found, {**env, **schedule(chain, env, config)}, np, _interpret_launch)

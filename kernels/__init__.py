@@ -20,6 +20,7 @@ from jinsum.kernels._plan import KernelPlan as KernelPlan
 from jinsum.kernels._plan import make_plan as make_plan
 from jinsum.kernels._source import generate as generate
 from jinsum.kernels._source import kernel_inputs as kernel_inputs
+from jinsum.kernels._tuned import chain_config as chain_config
 from jinsum.kernels._tuned import forced_config as forced_config
 from jinsum.kernels._tuned import store_tuned_config as store_tuned_config
 from jinsum.kernels._tuned import tuned_config as tuned_config

@@ -7,9 +7,8 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import re
 import tempfile
-
-from jinsum.kernels._source import KERNEL_NAME
 
 _LOADED: dict[str, object] = {}
 
@@ -21,7 +20,8 @@ def cache_dir() -> pathlib.Path:
 
 
 def load_kernel(source: str):
-    """The `@triton.jit` kernel defined by `source` (imported once per distinct source and process)."""
+    """The `@triton.jit` kernel defined by `source`, the function `jinsum_...` it defines (imported once per
+    distinct source and process)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:24]
     if digest not in _LOADED:
         directory = cache_dir()
@@ -34,5 +34,6 @@ def load_kernel(source: str):
         spec = importlib.util.spec_from_file_location(f"jinsum_generated_{digest}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        _LOADED[digest] = getattr(module, KERNEL_NAME)
+        [name] = re.findall(r"^def (jinsum_\w+)\(", source, re.MULTILINE)
+        _LOADED[digest] = getattr(module, name)
     return _LOADED[digest]

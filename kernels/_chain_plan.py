@@ -12,7 +12,8 @@ Four kernels per chain, one plan each (`kind`):
   log-sum-exp, `dS = P * (dP - D)` with `D = rowsum(dO * O)`, `dQ += dS K`.
 - `dkdv`: the backward over keys, through the pattern transposed (entries sorted by key, a permutation the
   launcher computes): `dV += P^T dO`, `dK += dS^T Q`.
-Pieces of a long row (key) in the backward add their results atomically.
+Pieces of a long row (key) in the backward also leave partial gradients in scratch, which `dq_sum` and `dkdv_sum`
+add up: every output element is written once, in its own dtype (no zero fill, no float32 buffer, no atomics).
 
 Two templates, as for single statements: **dot** for block patterns (every product a Tensor Core `tl.dot` on
 `bm x D`, `D x bk` and `bm x bk` tiles; the pattern's blocks classified by the launcher as full, partial or empty,
@@ -29,7 +30,8 @@ import numpy as np
 from jinsum._lang._chain import Chain
 from jinsum.kernels._plan import INT32_LIMIT, Fallback, _pow2
 
-KINDS = ("forward", "combine", "dq", "dkdv")
+KINDS = ("forward", "combine", "dq", "dq_sum", "dkdv", "dkdv_sum")
+SUMS = ("combine", "dq_sum", "dkdv_sum")  # kernels over the long segments only, merging their pieces
 # Widest head and value sizes a program keeps in registers.
 MAX_WIDTH = 256
 
@@ -71,7 +73,7 @@ class ChainPlan:
     @property
     def own_axis(self) -> str:
         """The block axis whose tiles are programs: query rows `m`, or key columns `k` for dkdv."""
-        return "k" if self.kind == "dkdv" else "m"
+        return "k" if self.kind.startswith("dkdv") else "m"
 
     def tiles(self, axis: str) -> int:
         """Tiles per block along `axis` ("m" or "k"); 1 for the lanes template."""
@@ -89,7 +91,7 @@ class ChainPlan:
     @property
     def segments(self) -> int:
         """Rows (forward, combine, dq) or keys (dkdv) that the work items cover."""
-        return self.chain.keys if self.kind == "dkdv" else self.chain.rows
+        return self.chain.keys if self.kind.startswith("dkdv") else self.chain.rows
 
     @property
     def items(self) -> int:
@@ -109,7 +111,7 @@ class ChainPlan:
 
     @property
     def grid_shape(self) -> tuple[int, int]:
-        programs = self.split_segments if self.kind == "combine" else self.items * self.tiles(self.own_axis)
+        programs = self.split_segments if self.kind in SUMS else self.items * self.tiles(self.own_axis)
         return programs, self.grid_size
 
 
@@ -117,7 +119,7 @@ def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()
     """The plan of one of the chain's kernels, or a `Fallback` saying why the chain stays unfused."""
     if kind not in KINDS:
         raise ValueError(f"jinsum: unknown chain kernel {kind!r}; expected one of {KINDS}")
-    if kind == "combine":  # whole blocks (its programs are few); only the work list's chunk is shared
+    if kind in SUMS:  # whole blocks (its programs are few); only the work list's chunk is shared
         config = ChainConfig(chunk=config.chunk)
     operand = chain.operand
     head_dim, value_dim = operand["Q"].shape[-1], operand["V"].shape[-1]
@@ -145,7 +147,7 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
         # FlashAttention-2's tiles (its Triton tutorial on Hopper): 128 x 64 forward; in the backward the program
         # owns 128 rows (dq) or 128 key columns (dkdv) and walks the other side 32 at a time.
         (bm, bk), kind = plan.chain.block, plan.kind
-        own, other = {"forward": (128, 64), "combine": (256, 256), "dq": (128, 32), "dkdv": (32, 128)}[kind]
+        own, other = {"forward": (128, 64), "dq": (128, 32), "dkdv": (32, 128)}.get(kind, (256, 256))
         changes["block_m"] = config.block_m or _pow2(bm, 16, own)
         changes["block_k"] = config.block_k or _pow2(bk, 16, other)
         changes["chunk"] = config.chunk or 16  # blocks per work item (a BigBird row holds ~7)

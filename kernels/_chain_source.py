@@ -17,9 +17,9 @@ import numpy as np
 
 from jinsum._dropout import threshold
 from jinsum._lang import Access, Var
-from jinsum.kernels._chain_plan import ChainPlan
+from jinsum.kernels._chain_plan import SUMS, ChainPlan
 from jinsum.kernels._score_mod import score_mod_lines
-from jinsum.kernels._source import KERNEL_NAME, offset
+from jinsum.kernels._source import offset
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'
@@ -36,25 +36,30 @@ def chain_inputs(plan: ChainPlan) -> tuple[str, ...]:
     return {"forward": ("Ak", *pattern, "items"),
             "combine": ("O", "LSE", "combine", "part_m", "part_l", "part_acc"),
             "dq": ("Ak", *pattern, "items", "LSE", "Drow", "dO"),
-            "dkdv": ("Ai", *pattern, "perm", "items", "LSE", "Drow", "dO")}[kind]
+            "dq_sum": ("dQ", "combine", "part_dq"),
+            "dkdv": ("Ai", *pattern, "perm", "items", "LSE", "Drow", "dO"),
+            "dkdv_sum": ("dK", "dV", "combine", "part_dk", "part_dv")}[kind]
 
 
 def chain_outputs(plan: ChainPlan) -> tuple[str, ...]:
-    return {"forward": ("O", "LSE", "part_m", "part_l", "part_acc"), "combine": ("O", "LSE"), "dq": ("dQ",),
-            "dkdv": ("dK", "dV")}[plan.kind]
+    return {"forward": ("O", "LSE", "part_m", "part_l", "part_acc"), "combine": ("O", "LSE"),
+            "dq": ("dQ", "part_dq"), "dq_sum": ("dQ",), "dkdv": ("dK", "dV", "part_dk", "part_dv"),
+            "dkdv_sum": ("dK", "dV")}[plan.kind]
 
 
 def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
     """Shapes of the launcher's arrays that are not the chain's operands: work lists and partial results."""
-    chain, rows = plan.chain, (plan.chain.block or (1, 1))[0]
-    value_dim = chain.operand["V"].shape[-1]
+    chain, (rows, cols) = plan.chain, plan.chain.block or (1, 1)
+    head, value = chain.operand["Q"].shape[-1], chain.operand["V"].shape[-1]
+    slots = (plan.parts, plan.grid_size)
     return {"items": (plan.items, 5), "combine": (plan.split_segments, 3), "flags": (chain.entries,),
-            "perm": (chain.entries,), "part_m": (plan.parts, plan.grid_size, rows),
-            "part_l": (plan.parts, plan.grid_size, rows), "part_acc": (plan.parts, plan.grid_size, rows, value_dim)}
+            "perm": (chain.entries,), "part_m": (*slots, rows), "part_l": (*slots, rows),
+            "part_acc": (*slots, rows, value), "part_dq": (*slots, rows, head), "part_dk": (*slots, cols, head),
+            "part_dv": (*slots, cols, value)}
 
 
 def generate_chain(plan: ChainPlan) -> str:
-    """The Python source of a module defining `jinsum_kernel` for one kernel of a chain."""
+    """The Python source of a module defining the kernel `jinsum_attention_<kind>` for one kernel of a chain."""
     return _Writer(plan).module()
 
 
@@ -114,7 +119,8 @@ class _Writer:
                  f"entries {config.entries}, ") + f"d {plan.block_d}, e {plan.block_e}"
         doc = [f'"""{chain!r}', "", f"{plan.kind} kernel; template {plan.template}; tiles {tiles}; grid "
                f"{', '.join(chain.grid)}; pieces of {config.chunk} entries", '"""']
-        return ["@triton.jit", f"def {KERNEL_NAME}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
+        name = f"jinsum_attention_{plan.kind}"  # what a profile shows
+        return ["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
 
     # --- addressing --------------------------------------------------------------------------------------------
 
@@ -161,14 +167,10 @@ class _Writer:
         self.emit(f"{variable} = {load}")
         return variable
 
-    def store(self, name: str, axes: tuple[str, ...], value: str, shared: str | None = None) -> None:
-        """Stores a tile; atomically where `shared` holds (pieces of one row or key add up)."""
+    def store(self, name: str, axes: tuple[str, ...], value: str) -> None:
+        """Stores a tile in the output's dtype."""
         pointer, mask = self.address(name, axes)
-        if shared is None:
-            self.emit(f"tl.store({pointer}, {value}.to({self.pointer(name)}.dtype.element_ty), mask={mask})")
-        else:
-            self.helpers.add("segment_store")
-            self.emit(f"segment_store({pointer}, {value}, {mask}, {shared})")
+        self.emit(f"tl.store({pointer}, {value}.to({self.pointer(name)}.dtype.element_ty), mask={mask})")
 
     # --- structure shared by the kernels -----------------------------------------------------------------------
 
@@ -200,7 +202,7 @@ class _Writer:
         for var, axis in roles.items():
             if var is not None:
                 self.env[var] = _Bound(f"v_{axis}", axis)
-        if self.plan.kind != "combine":
+        if self.plan.kind not in SUMS:
             if chain.dropout:
                 self.emit("seed = tl.load(p_seed)")
             self.emit("segment = tl.load(p_items + item * 5)  # a row (a key for dkdv), or -1: no work")
@@ -468,22 +470,15 @@ class _Writer:
 
     def _store_partials(self) -> None:
         rows = (self.chain.block or (1, 1))[0]
-        value_dim = self.chain.operand["V"].shape[-1]
-        grid = self.plan.grid_size
-        self.emit(f"slot = (part * {grid} + glin) * {rows}")
+        self.emit(f"slot = (part * {self.plan.grid_size} + glin) * {rows}")
         lanes = "v_m" if self.dot else "tl.arange(0, 1)"
         mask = "mk_m" if self.dot else "None"
         self.emit(f"tl.store(o_part_m + slot + {lanes}, m_i, mask={mask})")
         self.emit(f"tl.store(o_part_l + slot + {lanes}, l_i, mask={mask})")
-        if self.dot:
-            self.emit(f"tl.store(o_part_acc + (slot + v_m[:, None]) * {value_dim} + v_e[None, :], acc, "
-                      "mask=mk_m[:, None] & mk_e[None, :])")
-        else:
-            self.emit(f"tl.store(o_part_acc + slot * {value_dim} + v_e, acc, mask=mk_e)")
+        self.emit(f"tl.store({self._part_pointer('O')}, acc, mask={self._part_mask('O')})")
 
     def _combine(self) -> None:
         rows = (self.chain.block or (1, 1))[0]
-        value_dim = self.chain.operand["V"].shape[-1]
         self.env["Ai[g]"] = _Bound("segment")
         self.emit("segment = tl.load(p_combine + item * 3)  # a row cut into pieces, or -1")
         self.emit("first = tl.load(p_combine + item * 3 + 1)  # its pieces' scratch slots [first, last)")
@@ -498,11 +493,7 @@ class _Writer:
                 else:
                     self.emit("m_c = tl.load(p_part_m + slot + tl.arange(0, 1))")
                     self.emit("l_c = tl.load(p_part_l + slot + tl.arange(0, 1))")
-                if self.dot:
-                    self.emit(f"acc_c = tl.load(p_part_acc + (slot + v_m[:, None]) * {value_dim} + v_e[None, :], "
-                              "mask=mk_m[:, None] & mk_e[None, :], other=0.0)")
-                else:
-                    self.emit(f"acc_c = tl.load(p_part_acc + slot * {value_dim} + v_e, mask=mk_e, other=0.0)")
+                self.emit(f"acc_c = tl.load({self._part_pointer('O')}, mask={self._part_mask('O')}, other=0.0)")
                 self.emit("m_new = tl.maximum(m_i, m_c)")
                 self.emit(f"m_use = tl.where(m_new == {_NEG_INF}, 0.0, m_new)")
                 self.emit("alpha = tl.exp2(m_i - m_use)")
@@ -555,7 +546,7 @@ class _Writer:
                     self.emit(f"dp = tl.sum({do}[None, :] * {v}, 1)")
                     self._gradient_of_scores("w", "dp", drow, entry, allowed)
                     self.emit(f"dq += tl.sum(ds[:, None] * {k}, 0)")
-            self.store("dQ", axes_q, "dq", shared="part >= 0")
+            self._store_or_keep("dQ", axes_q, "dq")
 
     def _gradient_of_scores(self, w: str, dp: str, drow: str, entry: str, allowed: str | None) -> None:
         """`ds = P * (dP - D) * score_mod'(s) * scale`, with dropout's factor on `dP` (as on `P` forward)."""
@@ -626,8 +617,56 @@ class _Writer:
                     self._weights_and_scores_gradient("w", "dp", drow, entry, allowed)
                     self.emit(f"dv += tl.sum(wz[:, None] * {do}, 0)")
                     self.emit(f"dk += tl.sum(ds[:, None] * {q}, 0)")
-            self.store("dK", axes_k, "dk", shared="part >= 0")
-            self.store("dV", axes_v, "dv", shared="part >= 0")
+            self._store_or_keep("dK", axes_k, "dk")
+            self._store_or_keep("dV", axes_v, "dv")
+
+    def _store_or_keep(self, name: str, axes: tuple[str, ...], value: str) -> None:
+        """Stores a gradient tile of a whole segment; a piece of a long segment keeps it in scratch instead."""
+        with self.indented("if part < 0:"):
+            self.store(name, axes, value)
+        with self.indented("else:  # a piece of a long segment: its sum kernel adds the pieces up"):
+            self.emit(f"tl.store({self._part_pointer(name)}, {value}, mask={self._part_mask(name)})")
+
+    def _part_pointer(self, name: str, slot: str = "part") -> str:
+        """The scratch tile of a piece's partial result for `name` (`O` for the forward's accumulator)."""
+        own, width = self.plan.own_axis, "e" if name in ("O", "dV") else "d"
+        rows = self._size(own) if self.dot else 1
+        size = self.chain.operand["V" if width == "e" else "Q"].shape[-1]
+        part = {"O": "part_acc"}.get(name, f"part_{name.lower()}")
+        base = f"({slot} * {self.plan.grid_size} + glin) * {rows}"
+        if self.dot:
+            return f"{self.pointer(part)} + ({base} + v_{own}[:, None]) * {size} + v_{width}[None, :]"
+        return f"{self.pointer(part)} + {base} * {size} + v_{width}"
+
+    def _part_mask(self, name: str) -> str:
+        width = "e" if name in ("O", "dV") else "d"
+        return f"mk_{self.plan.own_axis}[:, None] & mk_{width}[None, :]" if self.dot else f"mk_{width}"
+
+    def _dq_sum(self) -> None:
+        self._sum(("dQ",), "dq")
+
+    def _dkdv_sum(self) -> None:
+        self._sum(("dK", "dV"), "dkdv")
+
+    def _sum(self, names: tuple[str, ...], kind: str) -> None:
+        """Adds up the partial gradients of each long segment's pieces and stores them."""
+        own = self.plan.own_axis
+        self.env["Ai[g]" if own == "m" else "Ak[g,p]"] = _Bound("segment")
+        self.emit("segment = tl.load(p_combine + item * 3)  # a segment cut into pieces, or -1")
+        self.emit("first = tl.load(p_combine + item * 3 + 1)  # its pieces' scratch slots [first, last)")
+        self.emit("last = tl.load(p_combine + item * 3 + 2)")
+        with self.indented("if segment >= 0:"):
+            widths = {n: ("e" if n == "dV" else "d") for n in names}
+            for n in names:
+                block = self.plan.block_e if widths[n] == "e" else self.plan.block_d
+                shape = f"[{self._block(own)}, {block}]" if self.dot else f"[{block}]"
+                self.emit(f"sum_{n} = tl.zeros({shape}, {self.acc_type})")
+            with self.indented("for part in tl.range(first, last):"):
+                for n in names:
+                    self.emit(f"sum_{n} += tl.load({self._part_pointer(n)}, mask={self._part_mask(n)}, other=0.0)")
+            axes = {n: ((own, widths[n]) if self.dot else (widths[n],)) for n in names}
+            for n in names:
+                self.store(n, axes[n], f"sum_{n}")
 
     def _weights_and_scores_gradient(self, w: str, dp: str, drow: str, entry: str, allowed: str | None) -> None:
         """`wz` (the weights after dropout, for dV) and `ds` (for dK)."""

@@ -18,11 +18,10 @@ from jinsum.kernels._plan import INT32_LIMIT, UNROLL_LIMIT, KernelPlan
 
 _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
                   "float64": "tl.float64"}
-KERNEL_NAME = "jinsum_kernel"
 
 
 def generate(plan: KernelPlan) -> str:
-    """The Python source of a module defining `jinsum_kernel` for `plan`."""
+    """The Python source of a module defining the kernel `jinsum_<template>_<write>` for `plan`."""
     return _Writer(plan).module()
 
 
@@ -114,7 +113,8 @@ class _Writer:
                f"loops {', '.join(plan.loops) or '-'}; write {plan.write}"
                + (f" ({config.schedule} schedule)" if plan.write == "segmented" else ""),
                '"""']
-        return ["@triton.jit", f"def {KERNEL_NAME}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
+        name = f"jinsum_{plan.template}_{plan.write}"  # what a profile shows
+        return ["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
 
     def _prologue(self) -> None:
         plan, extent = self.plan, self.spec.extent

@@ -15,14 +15,18 @@ import jax
 
 from jinsum._lang import Spec
 from jinsum.kernels._cache import cache_dir
+from jinsum.kernels._chain_plan import ChainConfig
 from jinsum.kernels._plan import KernelConfig
 
-_OVERRIDE: contextvars.ContextVar[KernelConfig | None] = contextvars.ContextVar("jinsum_config", default=None)
+_OVERRIDE: contextvars.ContextVar[KernelConfig | ChainConfig | None] = contextvars.ContextVar("jinsum_config",
+                                                                                             default=None)
 
 
 @contextlib.contextmanager
-def forced_config(config: KernelConfig):
-    """Within this context, every lowering uses `config` (how `jinsum.autotune` times candidates)."""
+def forced_config(config: KernelConfig | ChainConfig):
+    """Within this context, every lowering of a statement (a `KernelConfig`) or of an attention chain (a
+    `ChainConfig`) uses `config`: how `jinsum.autotune` and the benchmarks time candidates. For a chain, the
+    call (which computes its work lists) must happen inside the context too."""
     token = _OVERRIDE.set(config)
     try:
         yield
@@ -30,10 +34,16 @@ def forced_config(config: KernelConfig):
         _OVERRIDE.reset(token)
 
 
+def chain_config() -> ChainConfig:
+    """The configuration attention chains are lowered with: a forced one, else the defaults."""
+    forced = _OVERRIDE.get()
+    return forced if isinstance(forced, ChainConfig) else ChainConfig()
+
+
 def tuned_config(spec: Spec) -> KernelConfig | None:
     """The configuration to lower `spec` with: the one being timed, else a stored one, else None."""
     forced = _OVERRIDE.get()
-    if forced is not None:
+    if isinstance(forced, KernelConfig):
         return forced
     stored = _stored().get(_key(spec))
     return KernelConfig(**stored) if stored else None
