@@ -22,7 +22,8 @@ _UNARY = {
     "neg": "(-{})", "exp": "tl.exp({})", "exp2": "tl.exp2({})", "log": "tl.log({})", "log1p": "tl.log(1.0 + {})",
     "expm1": "(tl.exp({}) - 1.0)", "abs": "tl.abs({})", "sqrt": "tl.sqrt({})", "rsqrt": "tl.rsqrt({})",
     "floor": "tl.floor({})", "ceil": "tl.ceil({})", "sin": "tl.sin({})", "cos": "tl.cos({})", "not": "(~{})",
-    "logistic": "(1.0 / (1.0 + tl.exp(-{})))", "square": "({0} * {0})", "one_minus_square": "(1.0 - {0} * {0})", "copy": "{}", "copy_p": "{}",
+    "logistic": "(1.0 / (1.0 + tl.exp(-{})))", "square": "({0} * {0})",
+    "one_minus_square": "(1.0 - {0} * {0})", "copy": "{}", "copy_p": "{}",
     "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, 0.0))", "stop_gradient": "{}",
     # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, no libdevice call (the interpreter has none).
     "tanh": "(1.0 - 2.0 / (tl.exp(2.0 * {}) + 1.0))",
