@@ -340,7 +340,7 @@ def main() -> None:
     for length in args.lengths:
         block_attention(length, args.calls)
     if args.gat_scale:
-        sweep = [ChainConfig(entries=e, num_warps=w) for e, w in ((32, 2), (128, 4), (64, 8), (128, 8))]
+        sweep = [ChainConfig(entries=e, num_warps=w) for e, w in ((8, 2), (16, 2), (16, 8), (32, 4))]
         gat_step(args.gat_scale, args.calls, sweep if args.sweep else [])
     write(args.out, started)
 

@@ -17,8 +17,10 @@ add up: every output element is written once, in its own dtype (no zero fill, no
 
 Two templates, as for single statements: **dot** for block patterns (every product a Tensor Core `tl.dot` on
 `bm x D`, `D x bk` and `bm x bk` tiles; the pattern's blocks classified by the launcher as full, partial or empty,
-so that a full block never reads its mask), and **lanes** for element patterns (each iteration gathers `entries`
-stored entries' key and value rows as a tile; scores are dot products along the lanes).
+so that a full block never reads its mask; heads are programs), and **lanes** for element patterns (a program owns
+a row, or a key, with all its heads: each iteration gathers the key and value rows of `entries` stored entries as
+a `heads x entries x features` tile, every head's row read at once; scores are sums along the features). The
+heads play the part the block's query rows play in the dot template: the running statistics are per head.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class ChainPlan:
     template: str  # "dot" (block patterns) or "lanes" (element patterns)
     block_d: int  # head size and value size, padded to powers of two
     block_e: int
+    block_h: int  # lanes template: heads, padded to a power of two
     config: ChainConfig
 
     @property
@@ -72,7 +75,10 @@ class ChainPlan:
 
     @property
     def own_axis(self) -> str:
-        """The block axis whose tiles are programs: query rows `m`, or key columns `k` for dkdv."""
+        """The tile axis a program's statistics and results run along: the block's query rows `m` (its key
+        columns `k` for dkdv), or the heads `h` (lanes template)."""
+        if self.template == "lanes":
+            return "h"
         return "k" if self.kind.startswith("dkdv") else "m"
 
     def tiles(self, axis: str) -> int:
@@ -83,10 +89,16 @@ class ChainPlan:
         return -(-size // block)
 
     @property
+    def grid_vars(self) -> tuple[str, ...]:
+        """The variables decoded from `program_id(1)`: batch and head (dot), batch only (lanes: heads are a tile
+        axis)."""
+        return self.chain.grid if self.template == "dot" else self.chain.roles.batch
+
+    @property
     def grid_size(self) -> int:
-        """Programs along axis 1: one per assignment of the chain's grid variables (batch..., head)."""
+        """Programs along axis 1: one per assignment of `grid_vars`."""
         extent = self.chain.output.extent
-        return int(np.prod([extent[v] for v in self.chain.grid], dtype=np.int64))
+        return int(np.prod([extent[v] for v in self.grid_vars], dtype=np.int64))
 
     @property
     def segments(self) -> int:
@@ -128,10 +140,15 @@ def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()
     block = chain.block
     if block and operand["Q"].dtype == np.float64:
         return Fallback("float64 block attention (Tensor Cores take 16- and 32-bit operands)")
+    heads = chain.output.extent[chain.roles.head]
     if block:
-        plan = ChainPlan(chain, kind, "dot", _pow2(head_dim, 16, MAX_WIDTH), _pow2(value_dim, 16, MAX_WIDTH), config)
+        plan = ChainPlan(chain, kind, "dot", _pow2(head_dim, 16, MAX_WIDTH), _pow2(value_dim, 16, MAX_WIDTH), 1,
+                         config)
     else:
-        plan = ChainPlan(chain, kind, "lanes", _pow2(head_dim, 1, MAX_WIDTH), _pow2(value_dim, 1, MAX_WIDTH), config)
+        if heads * max(head_dim, value_dim) > 4 * MAX_WIDTH:
+            return Fallback(f"{heads} heads of {head_dim} / {value_dim} exceed the fused kernels' registers")
+        plan = ChainPlan(chain, kind, "lanes", _pow2(head_dim, 1, MAX_WIDTH), _pow2(value_dim, 1, MAX_WIDTH),
+                         _pow2(heads, 1, 1 << 10), config)
     plan = dataclasses.replace(plan, config=default_chain_config(plan))
     if plan.grid_size > 65535:
         return Fallback(f"{plan.grid_size} (batch x head) programs exceed CUDA's 65535 along the grid's axis 1")
@@ -147,15 +164,15 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
         # FlashAttention-2's tiles (its Triton tutorial on Hopper): 128 x 64 forward; in the backward the program
         # owns 128 rows (dq) or 128 key columns (dkdv) and walks the other side 32 at a time.
         (bm, bk), kind = plan.chain.block, plan.kind
-        own, other = {"forward": (128, 64), "dq": (128, 32), "dkdv": (32, 128)}.get(kind, (256, 256))
-        changes["block_m"] = config.block_m or _pow2(bm, 16, own)
-        changes["block_k"] = config.block_k or _pow2(bk, 16, other)
+        rows, cols = {"forward": (128, 64), "dq": (128, 32), "dkdv": (32, 128)}.get(kind, (256, 256))
+        changes["block_m"] = config.block_m or _pow2(bm, 16, rows)
+        changes["block_k"] = config.block_k or _pow2(bk, 16, cols)
         changes["chunk"] = config.chunk or 16  # blocks per work item (a BigBird row holds ~7)
         changes["num_warps"] = config.num_warps or (8 if changes["block_m"] * changes["block_k"] > 128 * 64 else 4)
         changes["num_stages"] = config.num_stages or (3 if kind == "forward" else 2)
-    else:
-        width = max(plan.block_d, plan.block_e)
-        changes["entries"] = config.entries or _pow2(4096 // width, 16, 128)
+    else:  # tiles of heads x entries x features of about 4096 elements
+        width = plan.block_h * max(plan.block_d, plan.block_e)
+        changes["entries"] = config.entries or _pow2(4096 // width, 8, 128)
         changes["chunk"] = config.chunk or 8 * changes["entries"]
         changes["num_warps"] = config.num_warps or max(1, min(4, changes["entries"] * width // 1024))
         changes["num_stages"] = config.num_stages or 1

@@ -3,9 +3,10 @@
 Every tensor of the chain is addressed from its access in the chain's statements (`Q[b,Ai[g],m,h,d]` etc.) by
 `offset`, the same address arithmetic as single-statement kernels: the writer binds each index variable and
 each index access to a Triton expression and a tile axis, and a load or store lays the access out along the axes
-it asks for. Tile axes: `m`, `k` (query and key offsets in a block), `d` (head), `e` (value feature) and, for the
-lanes template, `j` (a tile of stored entries). The grid variables (batch, head) are decoded from
-`program_id(1)`; `program_id(0)` is the work item (see `_chain_plan`).
+it asks for. Tile axes: `m`, `k` (query and key offsets in a block: dot template), `h` (heads) and `j` (a tile of
+stored entries: lanes template), `d` (head features) and `e` (value features). Scores are `[m, k]` or `[h, j]`
+tiles; the first axis is the one whose softmax statistics a program keeps (see `ChainPlan.own_axis`). The grid
+variables are decoded from `program_id(1)`, the work item from `program_id(0)` (see `_chain_plan`).
 """
 
 from __future__ import annotations
@@ -48,9 +49,14 @@ def chain_outputs(plan: ChainPlan) -> tuple[str, ...]:
 
 
 def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
-    """Shapes of the launcher's arrays that are not the chain's operands: work lists and partial results."""
-    chain, (rows, cols) = plan.chain, plan.chain.block or (1, 1)
+    """Shapes of the launcher's arrays that are not the chain's operands: work lists and partial results (one slot
+    per piece of a long segment and grid assignment, along the kernel's own axis)."""
+    chain = plan.chain
     head, value = chain.operand["Q"].shape[-1], chain.operand["V"].shape[-1]
+    if plan.template == "dot":
+        rows, cols = chain.block
+    else:
+        rows = cols = chain.output.extent[chain.roles.head]
     slots = (plan.parts, plan.grid_size)
     return {"items": (plan.items, 5), "combine": (plan.split_segments, 3), "flags": (chain.entries,),
             "perm": (chain.entries,), "part_m": (*slots, rows), "part_l": (*slots, rows),
@@ -82,11 +88,12 @@ class _Writer:
         self.env: dict[str, _Bound] = {}
         self.axis_masks: dict[str, str] = {}
         self.dot = plan.template == "dot"
+        self.own = plan.own_axis
+        self.score_axes = ("m", "k") if self.dot else ("h", "j")
         self.acc_type = "tl.float64" if self.chain.operand["Q"].dtype == np.float64 else "tl.float32"
         self.inputs, self.outputs = chain_inputs(plan), chain_outputs(plan)
         self.accesses = self.chain.accesses()
-        scratch = scratch_shapes(plan)
-        self.shapes = {**{n: o.shape for n, o in self.chain.operand.items()}, **scratch,
+        self.shapes = {**{n: o.shape for n, o in self.chain.operand.items()}, **scratch_shapes(plan),
                        **{n: self.chain.operand[s].shape for n, s in _SAME_LAYOUT.items()}}
 
     # --- text --------------------------------------------------------------------------------------------------
@@ -115,10 +122,10 @@ class _Writer:
         self._prologue()
         getattr(self, f"_{plan.kind}")()
         config = plan.config
-        tiles = (f"m {plan.block_m}, k {plan.block_k} ({plan.own_axis} tiles are programs), " if self.dot else
-                 f"entries {config.entries}, ") + f"d {plan.block_d}, e {plan.block_e}"
+        tiles = (f"m {plan.block_m}, k {plan.block_k} ({self.own} tiles are programs)" if self.dot else
+                 f"h {plan.block_h}, entries {config.entries}") + f", d {plan.block_d}, e {plan.block_e}"
         doc = [f'"""{chain!r}', "", f"{plan.kind} kernel; template {plan.template}; tiles {tiles}; grid "
-               f"{', '.join(chain.grid)}; pieces of {config.chunk} entries", '"""']
+               f"{', '.join(plan.grid_vars) or '-'}; pieces of {config.chunk} entries", '"""']
         name = f"jinsum_attention_{plan.kind}"  # what a profile shows
         return ["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
 
@@ -135,74 +142,81 @@ class _Writer:
         """`expression` (running along `axis`) broadcast into a tile whose axes are `axes`."""
         if axis is None or len(axes) == 1:
             return expression
-        return f"{expression}[:, None]" if axes.index(axis) == 0 else f"{expression}[None, :]"
+        return f"{expression}[{', '.join(':' if a == axis else 'None' for a in axes)}]"
 
-    def address(self, name: str, axes: tuple[str, ...], covered: tuple[str, ...] = ()) -> tuple[str, str]:
+    def address(self, name: str, axes: tuple[str, ...], covered: bool = False) -> tuple[str, str | None]:
         """`(pointer, mask)` of tensor `name` (by its access in the chain) as a tile with axes `axes`. The mask
-        holds the tile's edges and the range checks of index values, except along the `covered` axes (whose
-        mask the caller has)."""
+        holds the tile's edges and the range checks of index values; with `covered`, only those along the
+        feature axes `d`, `e` (the caller's attention mask covers the rest)."""
         access, shape = self.access(name), self.shapes[name]
-        positions, masks = [], [self.spread(self.axis_masks[a], a, axes) for a in axes if a not in covered]
-        for d, index in enumerate(access.indices):
+        positions, masks = [], [self.spread(self.axis_masks[a], a, axes) for a in axes
+                                if not covered or a in ("d", "e")]
+        for index in access.indices:
             bound = self.env[index.name if isinstance(index, Var) else str(index)]
             if bound.axis is not None and bound.axis not in axes:
                 raise AssertionError(f"{index} runs along {bound.axis}, not in the tile {axes} of {name}")
             positions.append(self.spread(bound.expression, bound.axis, axes))
-            if bound.check is not None and bound.axis not in covered:
+            if bound.check is not None and not covered:
                 self.helpers.add("in_range")
                 masks.append(f"in_range({positions[-1]}, {bound.check})")
         return f"{self.pointer(name)} + {offset(shape, positions)}", " & ".join(dict.fromkeys(masks)) or None
 
-    def load(self, name: str, axes: tuple[str, ...], *, mask: str | None = None, other: str = "0.0",
-             native: bool = False) -> str:
-        """Loads `name` as a tile with `axes` into a fresh variable `x_<name>`; values are converted to the
-        accumulation type unless `native` (Tensor Core operands keep 16-bit types). A `mask` (the attention mask
-        of a tile of entries) covers the entries' axis `j`."""
-        pointer, address_mask = self.address(name, axes, covered=("j",) if mask else ())
+    def load(self, name: str, axes: tuple[str, ...], *, mask: str | None = None, native: bool = False,
+             into: str | None = None) -> str:
+        """Loads `name` as a tile with `axes` into `into` (default `x_<name>`); values are converted to the
+        accumulation type unless `native` (Tensor Core operands keep 16-bit types). A `mask` (an attention mask,
+        spread over the tile) replaces the edges and range checks of every axis but the features."""
+        pointer, address_mask = self.address(name, axes, covered=mask is not None)
         masks = " & ".join(m for m in (address_mask, mask) if m)
-        load = f"tl.load({pointer}, mask={masks}, other={other})" if masks else f"tl.load({pointer})"
+        load = f"tl.load({pointer}, mask={masks}, other=0.0)" if masks else f"tl.load({pointer})"
         if not native and name not in ("Av", "KM", "flags"):
             load += f".to({self.acc_type})"
-        variable = f"x_{name}"
+        if name == "LSE":
+            load += f" * {LOG2E!r}"  # in base 2, as the scores
+        variable = into or f"x_{name}"
         self.emit(f"{variable} = {load}")
         return variable
 
     def store(self, name: str, axes: tuple[str, ...], value: str) -> None:
         """Stores a tile in the output's dtype."""
         pointer, mask = self.address(name, axes)
-        self.emit(f"tl.store({pointer}, {value}.to({self.pointer(name)}.dtype.element_ty), mask={mask})")
+        self.emit(f"tl.store({pointer}, ({value}).to({self.pointer(name)}.dtype.element_ty), mask={mask})")
 
     # --- structure shared by the kernels -----------------------------------------------------------------------
 
     def _prologue(self) -> None:
         chain, plan = self.chain, self.plan
         extent = chain.output.extent
-        own_tiles = plan.tiles(plan.own_axis)
+        own_tiles = plan.tiles(self.own)
         if own_tiles > 1:
             self.emit(f"item = tl.program_id(0) // {own_tiles}")
-            self.emit(f"tile = tl.program_id(0) % {own_tiles}  # which {plan.own_axis} tile of the block")
+            self.emit(f"tile = tl.program_id(0) % {own_tiles}  # which {self.own} tile of the block")
         else:
             self.emit("item = tl.program_id(0)")
         self.emit("glin = tl.program_id(1)  # the grid variables' flat index")
         rest = "glin"
-        for v in reversed(chain.grid):
+        for v in reversed(plan.grid_vars):
             self.emit(f"v_{v} = {rest} % {extent[v]}")
             rest = f"({rest} // {extent[v]})"
             self.env[v] = _Bound(f"v_{v}")
         self._axis("d", "0", plan.block_d, chain.operand["Q"].shape[-1])
         self._axis("e", "0", plan.block_e, chain.operand["V"].shape[-1])
+        r = chain.roles
         if self.dot:
-            start = f"tile * {self._block(plan.own_axis)}" if own_tiles > 1 else "0"
-            self._axis(plan.own_axis, start, self._block(plan.own_axis), self._size(plan.own_axis))
+            start = f"tile * {self._block(self.own)}" if own_tiles > 1 else "0"
+            self._axis(self.own, start, self._block(self.own), self._size(self.own))
             inner = self._inner_axis
             if plan.tiles(inner) == 1:  # one tile per block: set up once
                 self._axis(inner, "0", self._block(inner), self._size(inner))
-        r = chain.roles
+        else:
+            self._axis("h", "0", plan.block_h, extent[r.head])
         roles = {r.query_offset: "m", r.key_offset: "k", r.contract: "d", r.feature: "e"}
+        if not self.dot:
+            roles[r.head] = "h"
         for var, axis in roles.items():
             if var is not None:
                 self.env[var] = _Bound(f"v_{axis}", axis)
-        if self.plan.kind not in SUMS:
+        if plan.kind not in SUMS:
             if chain.dropout:
                 self.emit("seed = tl.load(p_seed)")
             self.emit("segment = tl.load(p_items + item * 5)  # a row (a key for dkdv), or -1: no work")
@@ -213,13 +227,15 @@ class _Writer:
 
     @property
     def _inner_axis(self) -> str:
-        """The block axis a program walks in tiles for each of its entries (the other side of `own_axis`)."""
-        return "m" if self.plan.own_axis == "k" else "k"
+        """The block axis a dot program walks in tiles for each of its entries (the other side of `own`)."""
+        return "m" if self.own == "k" else "k"
 
     def _block(self, axis: str) -> int:
-        return self.plan.block_m if axis == "m" else self.plan.block_k
+        return {"m": self.plan.block_m, "k": self.plan.block_k, "h": self.plan.block_h}[axis]
 
     def _size(self, axis: str) -> int:
+        if axis == "h":
+            return self.chain.output.extent[self.chain.roles.head]
         return self.chain.block[0 if axis == "m" else 1]
 
     def _axis(self, axis: str, start: str, block: int, size: int) -> None:
@@ -228,12 +244,49 @@ class _Writer:
         self.emit(f"mk_{axis} = v_{axis} < {size}")
         self.axis_masks[axis] = f"mk_{axis}"
 
-    def _entry(self, entry: str, axis: str | None) -> None:
-        """Binds the group and slot of the stored entry (entries) `entry`: `g = entry // P`, `p = entry % P`."""
+    def _entries_loop(self):
+        """The loop over the item's entries: one per iteration (dot; times the tiles of the other block axis, as
+        one flat loop so that it pipelines) or a tile of `entries` (lanes)."""
+        plan = self.plan
+        stages = plan.config.num_stages
+        if not self.dot:
+            return self.indented(f"for j in tl.range(begin, end, {plan.config.entries}, num_stages={stages}):")
+        tiles = plan.tiles(self._inner_axis)
+        if tiles == 1:
+            return self.indented(f"for j in tl.range(begin, end, num_stages={stages}):")
+        return self.indented(f"for step in tl.range(begin * {tiles}, end * {tiles}, num_stages={stages}):")
+
+    def _bind_entries(self, permutation: str | None) -> str:
+        """Inside the entries loop: the entry (or tile of entries, axis `j`) of this iteration, its group `g` and
+        slot `p`. `permutation`: entries come in that order (the transposed pattern)."""
         r, slots = self.chain.roles, self.chain.scores.extent[self.chain.roles.slot]
-        self.emit(f"v_g = {entry} // {slots}" if slots > 1 else f"v_g = {entry}")
-        self.emit(f"v_p = {entry} % {slots}" if slots > 1 else "v_p = 0")
+        if self.dot:
+            tiles = self.plan.tiles(self._inner_axis)
+            if tiles > 1:
+                inner = self._inner_axis
+                self.emit(f"j = step // {tiles}")
+                self._axis(inner, f"(step % {tiles}) * {self._block(inner)}", self._block(inner), self._size(inner))
+            self.emit(f"entry = tl.load({permutation} + j)" if permutation else "entry = j")
+            axis = None
+        else:
+            self._axis("j", "j", self.plan.config.entries, "end")
+            self.emit(f"entry = tl.load({permutation} + v_j, mask=mk_j, other=0)" if permutation else "entry = v_j")
+            axis = "j"
+        self.emit(f"v_g = entry // {slots}" if slots > 1 else "v_g = entry")
+        self.emit(f"v_p = entry % {slots}" if slots > 1 else "v_p = 0")
         self.env[r.group], self.env[r.slot] = _Bound("v_g", axis), _Bound("v_p", axis)
+        return "entry"
+
+    def _gather(self, tensor: str, name: str, extent: int) -> _Bound:
+        """`name` = the index array `tensor` at the current entry (tile of entries): a row or a key."""
+        if self.dot:
+            self.emit(f"{name} = tl.load(p_{tensor} + {'entry' if tensor == 'Ak' else 'v_g'})")
+            bound = _Bound(name, None, extent)
+        else:
+            self.emit(f"{name} = tl.load(p_{tensor} + {'entry' if tensor == 'Ak' else 'v_g'}, mask=mk_j, other=-1)")
+            bound = _Bound(name, "j", extent)
+        self.env["Ak[g,p]" if tensor == "Ak" else "Ai[g]"] = bound
+        return bound
 
     def _positions(self, row: _Bound, col: _Bound) -> tuple[str, str]:
         """The query and key positions (`q_idx`, `kv_idx`), as expressions that broadcast over the scores."""
@@ -242,28 +295,32 @@ class _Writer:
             self.emit(f"qpos = {row.expression} * {bm} + v_m")
             self.emit(f"kpos = {col.expression} * {bk} + v_k")
             return "qpos[:, None]", "kpos[None, :]"
-        return row.expression, col.expression
+        return (self.spread(row.expression, row.axis, self.score_axes),
+                self.spread(col.expression, col.axis, self.score_axes))
 
-    def _scores(self, q: str, k: str, row: _Bound, positions: tuple[str, str], *, slope: bool) -> str:
-        """`s = score_mod(scale * q . k) * log2(e)` (and the derivative `ds_ds` of `score_mod`); returns the
-        scores' variable."""
+    def _scores(self, q: str, k: str, positions: tuple[str, str], *, slope: bool, q_axes: tuple[str, ...],
+                k_axes: tuple[str, ...]) -> str:
+        """`s = score_mod(scale * q . k) * log2(e)` as a `score_axes` tile (and the derivative `ds_ds` of
+        `score_mod`); `q_axes` and `k_axes` are the tiles' axes."""
         if self.dot:
             self.emit(f"s = tl.dot({q}, tl.trans({k}){self._precision()}) * {self._score_scale!r}")
-        else:  # one side is the program's row (key), the other a tile of gathered entries
-            product = f"{q}[None, :] * {k}" if row.axis is None else f"{q} * {k}[None, :]"
-            self.emit(f"s = tl.sum({product}, 1) * {self._score_scale!r}")
+        else:  # lanes: multiply along the features, a tile [h, j, d] (or [h, 1, d] for a row with itself)
+            qs = self._to_scores(q, q_axes, "d")
+            ks = self._to_scores(k, k_axes, "d")
+            self.emit(f"s = tl.sum({qs} * {ks}, 2) * {self._score_scale!r}")
         self._transform(*positions, slope=slope)
         return "s"
+
+    def _to_scores(self, tile: str, axes: tuple[str, ...], feature: str) -> str:
+        """A lanes tile with `axes` among (h, j, feature) as a 3-D [h, j, feature] tile."""
+        full = ("h", "j", feature)
+        missing = [a for a in full if a not in axes]
+        return tile if not missing else f"{tile}[{', '.join('None' if a in missing else ':' for a in full)}]"
 
     @property
     def _score_scale(self) -> float:
         """What multiplies `q . k`: the scale, and log2(e) too when no `score_mod` stands between them."""
         return self.chain.scale * (LOG2E if self.chain.score_mod is None else 1.0)
-
-    def _self_scores(self, q: str, k: str, position: str, *, slope: bool) -> None:
-        """`s` (a `[1]` tile) for a row attending to itself (self loops)."""
-        self.emit(f"s = tl.zeros([1], {self.acc_type}) + tl.sum({q} * {k}, 0) * {self._score_scale!r}")
-        self._transform(position, position, slope=slope)
 
     def _transform(self, q_idx: str, kv_idx: str, *, slope: bool) -> None:
         """`s = score_mod(s, b, h, q_idx, kv_idx) * log2(e)`, and `ds_ds` the derivative of `score_mod` when
@@ -275,8 +332,9 @@ class _Writer:
             return
         r = self.chain.roles
         b = f"v_{r.batch_index}" if r.batch_index else "0"
-        lines, (value, derivative) = score_mod_lines(mod.value_and_slope.jaxpr,
-                                                     ["s", b, f"v_{r.head}", q_idx, kv_idx], "sm", self.acc_type)
+        head = f"v_{r.head}" if self.dot else self.spread("v_h", "h", self.score_axes)
+        lines, (value, derivative) = score_mod_lines(mod.value_and_slope.jaxpr, ["s", b, head, q_idx, kv_idx], "sm",
+                                                     self.acc_type)
         for line in lines:
             self.emit(line)
         self.emit(f"s = {value} * {LOG2E!r}")
@@ -291,176 +349,107 @@ class _Writer:
     def _allowed(self, row: _Bound, col: _Bound, positions: tuple[str, str], flag: str | None) -> str:
         """The attention mask of the current scores: tile edges, the pattern's values (a partial block only),
         the causal rule, the key mask and self-loop exclusion. Returns its variable."""
-        chain = self.chain
-        axes = ("m", "k") if self.dot else ("j",) if "j" in (row.axis, col.axis) else ()
+        chain, axes = self.chain, self.score_axes
         parts = [self.spread(self.axis_masks[a], a, axes) for a in axes]
         for bound in (row, col):
             if bound.check is not None:
                 self.helpers.add("in_range")
                 parts.append(f"in_range({self.spread(bound.expression, bound.axis, axes)}, {bound.check})")
-        self.emit(f"allowed = {' & '.join(parts) or 'True'}")
+        self.emit(f"allowed = {' & '.join(parts)}")
         causal = f"allowed = allowed & ({positions[0]} >= {positions[1]})"
         if self.dot:
             # The launcher classified each block: 2 = every element attends (nothing to read), 1 = partial.
             with self.indented(f"if {flag} != 2:  # a partial block: read its mask"):
-                pointer, mask = self.address("Av", axes)
+                pointer, _ = self.address("Av", axes)
                 self.emit(f"allowed = allowed & (tl.load({pointer}, mask=allowed, other=0) != 0)")
                 if chain.causal:
                     self.emit(causal)
         else:
-            pointer, mask = self.address("Av", axes)
+            pointer, _ = self.address("Av", axes)
             self.emit(f"allowed = allowed & (tl.load({pointer}, mask=allowed, other=0) != 0)")
             if chain.causal:
                 self.emit(causal)
-        if chain.key_mask is not None:
-            key_axes = ("k",) if self.dot else ("j",) if col.axis == "j" else ()
-            pointer, mask = self.address("KM", key_axes)
-            keys = f"(tl.load({pointer}, mask={mask}, other=0) != 0)" if mask else f"(tl.load({pointer}) != 0)"
-            self.emit(f"allowed = allowed & {self.spread(keys, 'k', axes) if self.dot else keys}")
+        if chain.key_mask is not None:  # (one key for all the tile: a scalar)
+            pointer, mask = self.address("KM", () if not self.dot and col.axis is None else axes)
+            keys = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
+            self.emit(f"allowed = allowed & ({keys} != 0)")
         if chain.self_loops:
-            self.emit(f"allowed = allowed & ({row.expression} != {col.expression})")
+            self.emit(f"allowed = allowed & ({positions[0]} != {positions[1]})")
         return "allowed"
 
     def _keep(self, entry: str) -> str:
         """`z`: the dropout factor of each weight (0 or 1 / (1 - rate)), drawn from (seed, counter)."""
         chain = self.chain
         entries = chain.entries + (chain.rows if chain.self_loops else 0)
-        counter = f"(glin.to(tl.int64) * {entries} + {entry})"
         if self.dot:
             bm, bk = chain.block
-            counter = f"({counter} * {bm * bk} + v_m[:, None] * {bk} + v_k[None, :])"
+            counter = f"((glin.to(tl.int64) * {entries} + {entry}) * {bm * bk} + v_m[:, None] * {bk} + v_k[None, :])"
+        else:  # the grid index runs over (batch..., head): heads are a tile axis here
+            heads = chain.output.extent[chain.roles.head]
+            counter = f"((glin.to(tl.int64) * {heads} + v_h[:, None]) * {entries} + {entry})"
         self.emit(f"bits = tl.randint(seed, {counter}.to(tl.uint32))")
         self.emit(f"z = tl.where((bits >> 8).to(tl.int32) >= {threshold(chain.dropout)}, "
                   f"{1 / (1 - chain.dropout)!r}, 0.0)")
         return "z"
 
-    def _online_softmax(self, s: str, allowed: str | None, value: str, entry: str) -> None:
-        """One step of the online softmax over the masked scores `s`, accumulating `value` (FlashAttention)."""
-        axis = 1 if self.dot else 0
-        row = "[:, None]" if self.dot else ""
+    def _weighted(self, w: str, tile: str, axes: tuple[str, ...]) -> str:
+        """`sum_inner w[own, inner] * tile[inner, feature]`: `[own, feature]` (`tile` for lanes is [h, j, f])."""
+        if self.dot:
+            return f"tl.dot({w}.to({tile}.dtype), {tile}{self._precision()})"
+        return f"tl.sum({w}[:, :, None] * {self._to_scores(tile, axes, axes[-1])}, 1)"
+
+    def _online_softmax(self, allowed: str | None, value: str, value_axes: tuple[str, ...], entry: str) -> None:
+        """One step of the online softmax over the scores `s` (masked by `allowed`), accumulating `value`."""
         if allowed is not None:
-            self.emit(f"s = tl.where({allowed}, {s}, {_NEG_INF})")
-        self.emit(f"m_new = tl.maximum(m_i, tl.max(s, {axis}))")
-        self.emit(f"m_use = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # a row masked so far: no shift")
+            self.emit(f"s = tl.where({allowed}, s, {_NEG_INF})")
+        self.emit("m_new = tl.maximum(m_i, tl.max(s, 1))")
+        self.emit(f"m_use = tl.where(m_new == {_NEG_INF}, 0.0, m_new)  # masked so far: no shift")
         self.emit("alpha = tl.exp2(m_i - m_use)")
-        self.emit(f"w = tl.exp2(s - m_use{row})")
-        self.emit(f"l_i = l_i * alpha + tl.sum(w, {axis})")
+        self.emit("w = tl.exp2(s - m_use[:, None])")
+        self.emit("l_i = l_i * alpha + tl.sum(w, 1)")
         if self.chain.dropout:
             self.emit(f"w = w * {self._keep(entry)}")
-        if self.dot:
-            self.emit(f"acc = acc * alpha[:, None] + tl.dot(w.to({value}.dtype), {value}{self._precision()})")
-        else:
-            self.emit(f"acc = acc * alpha + tl.sum(w[:, None] * {value}, 0)")
+        self.emit(f"acc = acc * alpha[:, None] + {self._weighted('w', value, value_axes)}")
         self.emit("m_i = m_new")
 
-    def _finish(self, row: str) -> None:
-        """Stores the normalised output and the log-sum-exp of the program's row."""
-        o_axes, l_axes = (("m", "e"), ("m",)) if self.dot else (("e",), ())
+    def _row_statistics(self) -> None:
+        block = self._block(self.own)
+        self.emit(f"m_i = tl.full([{block}], {_NEG_INF}, {self.acc_type})  # running maximum (base 2)")
+        self.emit(f"l_i = tl.zeros([{block}], {self.acc_type})  # running sum of exp2(s - m_i)")
+        self.emit(f"acc = tl.zeros([{block}, {self.plan.block_e}], {self.acc_type})")
+
+    def _finish(self) -> None:
+        """Stores the normalised output and the log-sum-exp (natural) of the program's row."""
+        own = self.own
         self.emit("safe = tl.where(l_i > 0, l_i, 1.0)")
         self.emit(f"lse = tl.where(l_i > 0, (tl.where(m_i == {_NEG_INF}, 0.0, m_i) + tl.log2(safe)) * {LN2!r}, "
                   f"{_INF})")
-        self.store("O", o_axes, f"(acc / safe{'[:, None]' if self.dot else ''})")
-        self._store_row("LSE", l_axes, "lse")
+        self.store("O", (own, "e"), "acc / safe[:, None]")
+        self.store("LSE", (own,), "lse")
 
-    def _store_row(self, name: str, axes: tuple[str, ...], value: str) -> None:
-        """Stores per-row statistics: `[BLOCK_M]` for blocks, one element (a `[1]` tile) for entries."""
-        pointer, mask = self.address(name, axes)
-        if not self.dot:
-            pointer, mask = f"{pointer} + tl.arange(0, 1)", None
+    def _part_pointer(self, name: str, slot: str = "part") -> tuple[str, str]:
+        """`(pointer, mask)` of the scratch tile of a piece's partial result for `name` (`O`: the forward's
+        accumulator; `m`, `l`: its statistics), along the kernel's own axis."""
+        own = self.own
+        base = f"({slot} * {self.plan.grid_size} + glin) * {self._size(own)} + v_{own}"
+        if name in ("m", "l"):
+            return f"{self.pointer('part_' + name)} + {base}", f"mk_{own}"
+        width = "e" if name in ("O", "dV") else "d"
+        size = self.chain.operand["V" if width == "e" else "Q"].shape[-1]
+        part = "part_acc" if name == "O" else f"part_{name.lower()}"
+        return (f"{self.pointer(part)} + ({base})[:, None] * {size} + v_{width}[None, :]",
+                f"mk_{own}[:, None] & mk_{width}[None, :]")
+
+    def _keep_piece(self, name: str, value: str) -> None:
+        pointer, mask = self._part_pointer(name)
         self.emit(f"tl.store({pointer}, {value}, mask={mask})")
 
-    def _load_row(self, name: str, axes: tuple[str, ...], other: str) -> str:
-        """Loads per-row statistics (a `[1]` tile for one row of entries); the log-sum-exp in base 2."""
-        pointer, mask = self.address(name, axes)
-        if not self.dot and not axes:
-            pointer = f"{pointer} + tl.arange(0, 1)"
-        load = f"tl.load({pointer}, mask={mask}, other={other})" if mask else f"tl.load({pointer})"
-        self.emit(f"x_{name} = {load}{f' * {LOG2E!r}' if name == 'LSE' else ''}")
-        return f"x_{name}"
-
-    def _row_statistics(self) -> None:
-        shape = f"[{self.plan.block_m}]" if self.dot else "[1]"
-        self.emit(f"m_i = tl.full({shape}, {_NEG_INF}, {self.acc_type})  # running maximum")
-        self.emit(f"l_i = tl.zeros({shape}, {self.acc_type})  # running sum of exp(s - m_i)")
-        acc = f"[{self.plan.block_m}, {self.plan.block_e}]" if self.dot else f"[{self.plan.block_e}]"
-        self.emit(f"acc = tl.zeros({acc}, {self.acc_type})")
-
-    def _entries_loop(self):
-        """The loop over the item's entries: one per iteration (dot; times the tiles of the other block axis, as
-        one flat loop so that it pipelines) or a tile of `entries` (lanes)."""
-        plan = self.plan
-        stages = plan.config.num_stages
-        if not self.dot:
-            return self.indented(f"for j in tl.range(begin, end, {plan.config.entries}, num_stages={stages}):")
-        tiles = plan.tiles(self._inner_axis)
-        if tiles == 1:
-            return self.indented(f"for j in tl.range(begin, end, num_stages={stages}):")
-        return self.indented(f"for step in tl.range(begin * {tiles}, end * {tiles}, num_stages={stages}):")
-
-    def _bind_entries(self, source: str | None) -> str:
-        """Inside the entries loop: the entry (entries) of this iteration, and its group and slot."""
-        if self.dot:
-            tiles = self.plan.tiles(self._inner_axis)
-            if tiles > 1:
-                inner = self._inner_axis
-                self.emit(f"j = step // {tiles}")
-                self._axis(inner, f"(step % {tiles}) * {self._block(inner)}", self._block(inner), self._size(inner))
-            self.emit(f"entry = tl.load({source} + j)" if source else "entry = j")
-            self._entry("entry", None)
-            return "entry"
-        self.emit(f"v_j = j + tl.arange(0, {self.plan.config.entries})")
-        self.emit("mk_j = v_j < end")
-        self.axis_masks["j"] = "mk_j"
-        self.emit(f"entry = tl.load({source} + v_j, mask=mk_j, other=0)" if source else "entry = v_j")
-        self._entry("entry", "j")
-        return "entry"
-
-    # --- the kernels -------------------------------------------------------------------------------------------
-
-    def _forward(self) -> None:
-        chain = self.chain
-        row = _Bound("segment")
-        self.env["Ai[g]"] = row
-        with self.indented("if segment >= 0:"):
-            q = self.load("Q", ("m", "d") if self.dot else ("d",), native=self.dot)
-            self._row_statistics()
-            if chain.self_loops:
-                with self.indented("if piece == 0:  # the row attends to itself first"):
-                    self._self_entry_forward(q, row)
-            with self._entries_loop():
-                entry = self._bind_entries(None)
-                col = self._column()
-                positions = self._positions(row, col)
-                allowed = self._allowed(row, col, positions, self._flag(entry))
-                k = self.load("K", ("k", "d") if self.dot else ("j", "d"), native=self.dot,
-                              mask=None if self.dot else "allowed[:, None]")
-                v = self.load("V", ("k", "e") if self.dot else ("j", "e"), native=self.dot,
-                              mask=None if self.dot else "allowed[:, None]")
-                s = self._scores(q, k, row, positions, slope=False)
-                self._online_softmax(s, allowed, v, entry)
-            with self.indented("if part < 0:  # the whole row: finish it"):
-                self._finish("segment")
-            with self.indented("else:  # a piece of a long row: keep (max, sum, accumulator) for the combine"):
-                self._store_partials()
-
-    def _self_entry_forward(self, q: str, row: _Bound) -> None:
-        self.env["Ak[g,p]"] = row
-        k = self.load("K", ("d",))
-        v = self.load("V", ("e",))
-        self._self_scores(q, k, row.expression, slope=False)
-        self._online_softmax("s", None, f"{v}[None, :]", f"{self.chain.entries} + segment")
-
-    def _column(self) -> _Bound:
-        """Loads the key block / keys of the current entry (entries) from `Ak`."""
-        keys = self.chain.keys
-        if self.dot:
-            self.emit("col = tl.load(p_Ak + entry)")
-            bound = _Bound("col", None, keys)
-        else:
-            self.emit("cols = tl.load(p_Ak + entry, mask=mk_j, other=-1)")
-            bound = _Bound("cols", "j", keys)
-        self.env["Ak[g,p]"] = bound
-        return bound
+    def _store_or_keep(self, name: str, axes: tuple[str, ...], value: str) -> None:
+        """Stores a gradient tile of a whole segment; a piece of a long segment keeps it in scratch instead."""
+        with self.indented("if part < 0:"):
+            self.store(name, axes, value)
+        with self.indented("else:  # a piece of a long segment: its sum kernel adds the pieces up"):
+            self._keep_piece(name, value)
 
     def _flag(self, entry: str) -> str | None:
         if not self.dot:
@@ -468,212 +457,208 @@ class _Writer:
         self.emit(f"flag = tl.load(p_flags + {entry})")
         return "flag"
 
-    def _store_partials(self) -> None:
-        rows = (self.chain.block or (1, 1))[0]
-        self.emit(f"slot = (part * {self.plan.grid_size} + glin) * {rows}")
-        lanes = "v_m" if self.dot else "tl.arange(0, 1)"
-        mask = "mk_m" if self.dot else "None"
-        self.emit(f"tl.store(o_part_m + slot + {lanes}, m_i, mask={mask})")
-        self.emit(f"tl.store(o_part_l + slot + {lanes}, l_i, mask={mask})")
-        self.emit(f"tl.store({self._part_pointer('O')}, acc, mask={self._part_mask('O')})")
+    def _ds(self, w: str, dp: str, drow: str, allowed: str | None) -> None:
+        """`ds = P * (dP - D) * score_mod'(s) * scale` (`dP` already times dropout's factor)."""
+        ds = f"{w} * ({dp} - {drow}) * ds_ds"
+        self.emit(f"ds = {f'tl.where({allowed}, {ds}, 0.0)' if allowed else ds} * {self.chain.scale!r}")
+
+    # --- the kernels -------------------------------------------------------------------------------------------
+    # Tile axes of each tensor, by template: the program's side (own) and the walked side (inner).
+
+    def _side(self, *names: str) -> dict[str, tuple[str, ...]]:
+        dot = {"Q": ("m", "d"), "K": ("k", "d"), "V": ("k", "e"), "Vt": ("e", "k"), "O": ("m", "e"),
+               "dO": ("m", "e"), "LSE": ("m",), "Drow": ("m",), "dQ": ("m", "d"), "dK": ("k", "d"),
+               "dV": ("k", "e")}
+        rows = self.plan.kind != "dkdv"  # the program owns a row (its queries) rather than a key
+        lanes = {"Q": ("h", "d") if rows else ("h", "j", "d"), "K": ("h", "j", "d") if rows else ("h", "d"),
+                 "V": ("h", "j", "e") if rows else ("h", "e"), "O": ("h", "e"),
+                 "dO": ("h", "e") if rows else ("h", "j", "e"), "LSE": ("h",) if rows else ("h", "j"),
+                 "Drow": ("h",) if rows else ("h", "j"), "dQ": ("h", "d"), "dK": ("h", "d"), "dV": ("h", "e")}
+        table = dot if self.dot else lanes
+        return {n: table[n] for n in names}
+
+    def _forward(self) -> None:
+        chain, axes = self.chain, self._side("Q", "K", "V")
+        row = _Bound("segment")
+        self.env["Ai[g]"] = row
+        with self.indented("if segment >= 0:"):
+            q = self.load("Q", axes["Q"], native=self.dot)
+            self._row_statistics()
+            if chain.self_loops:
+                with self.indented("if piece == 0:  # the row attends to itself first"):
+                    self.env["Ak[g,p]"] = row
+                    k, v = self.load("K", ("h", "d")), self.load("V", ("h", "e"))
+                    self._scores(q, k, ("segment", "segment"), slope=False, q_axes=("h", "d"), k_axes=("h", "d"))
+                    self._online_softmax(None, v, ("h", "e"), f"{chain.entries} + segment")
+            with self._entries_loop():
+                entry = self._bind_entries(None)
+                col = self._gather("Ak", "col", chain.keys)
+                positions = self._positions(row, col)
+                allowed = self._allowed(row, col, positions, self._flag(entry))
+                mask = None if self.dot else "allowed[:, :, None]"
+                k = self.load("K", axes["K"], native=self.dot, mask=mask)
+                v = self.load("V", axes["V"], native=self.dot, mask=mask)
+                self._scores(q, k, positions, slope=False, q_axes=axes["Q"], k_axes=axes["K"])
+                self._online_softmax(allowed, v, axes["V"], entry if self.dot else "entry[None, :]")
+            with self.indented("if part < 0:  # the whole row: finish it"):
+                self._finish()
+            with self.indented("else:  # a piece of a long row: keep (max, sum, accumulator) for the combine"):
+                for name, value in (("m", "m_i"), ("l", "l_i"), ("O", "acc")):
+                    self._keep_piece(name, value)
 
     def _combine(self) -> None:
-        rows = (self.chain.block or (1, 1))[0]
+        """Merges the pieces of each long row: their (max, sum, accumulator) as one more online softmax."""
         self.env["Ai[g]"] = _Bound("segment")
-        self.emit("segment = tl.load(p_combine + item * 3)  # a row cut into pieces, or -1")
-        self.emit("first = tl.load(p_combine + item * 3 + 1)  # its pieces' scratch slots [first, last)")
-        self.emit("last = tl.load(p_combine + item * 3 + 2)")
+        self._segment_of_sum()
         with self.indented("if segment >= 0:"):
             self._row_statistics()
             with self.indented("for part in tl.range(first, last):"):
-                self.emit(f"slot = (part * {self.plan.grid_size} + glin) * {rows}")
-                if self.dot:
-                    self.emit(f"m_c = tl.load(p_part_m + slot + v_m, mask=mk_m, other={_NEG_INF})")
-                    self.emit("l_c = tl.load(p_part_l + slot + v_m, mask=mk_m, other=0.0)")
-                else:
-                    self.emit("m_c = tl.load(p_part_m + slot + tl.arange(0, 1))")
-                    self.emit("l_c = tl.load(p_part_l + slot + tl.arange(0, 1))")
-                self.emit(f"acc_c = tl.load({self._part_pointer('O')}, mask={self._part_mask('O')}, other=0.0)")
+                (m, m_mask), (l, _), (acc, acc_mask) = (self._part_pointer(n) for n in ("m", "l", "O"))
+                self.emit(f"m_c = tl.load({m}, mask={m_mask}, other={_NEG_INF})")
+                self.emit(f"l_c = tl.load({l}, mask={m_mask}, other=0.0)")
+                self.emit(f"acc_c = tl.load({acc}, mask={acc_mask}, other=0.0)")
                 self.emit("m_new = tl.maximum(m_i, m_c)")
                 self.emit(f"m_use = tl.where(m_new == {_NEG_INF}, 0.0, m_new)")
                 self.emit("alpha = tl.exp2(m_i - m_use)")
                 self.emit("beta = tl.exp2(m_c - m_use)")
                 self.emit("l_i = l_i * alpha + l_c * beta")
-                row = "[:, None]" if self.dot else ""
-                self.emit(f"acc = acc * alpha{row} + acc_c * beta{row}")
+                self.emit("acc = acc * alpha[:, None] + acc_c * beta[:, None]")
                 self.emit("m_i = m_new")
-            self._finish("segment")
+            self._finish()
 
-    def _dq(self) -> None:
-        row = _Bound("segment")
-        self.env["Ai[g]"] = row
-        axes_q, axes_o = (("m", "d"), ("m", "e")) if self.dot else (("d",), ("e",))
-        with self.indented("if segment >= 0:"):
-            q = self.load("Q", axes_q, native=self.dot)
-            do = self.load("dO", axes_o, native=self.dot)
-            lse = self._load_row("LSE", ("m",) if self.dot else (), "0.0")
-            drow = self._load_row("Drow", ("m",) if self.dot else (), "0.0")
-            self.emit(f"dq = tl.zeros([{self.plan.block_m}, {self.plan.block_d}], {self.acc_type})" if self.dot else
-                      f"dq = tl.zeros([{self.plan.block_d}], {self.acc_type})")
-            if self.chain.self_loops:
-                with self.indented("if piece == 0:  # the row's weight on itself"):
-                    self.env["Ak[g,p]"] = row
-                    k = self.load("K", ("d",))
-                    v = self.load("V", ("e",))
-                    self._self_scores(q, k, row.expression, slope=True)
-                    self.emit(f"w = tl.exp2(s - {lse})")
-                    self.emit(f"dp = tl.sum({do} * {v}, 0)")
-                    self._gradient_of_scores("w", "dp", drow, f"{self.chain.entries} + segment", None)
-                    self.emit(f"dq += ds * {k}")
-            with self._entries_loop():
-                entry = self._bind_entries(None)
-                col = self._column()
-                positions = self._positions(row, col)
-                allowed = self._allowed(row, col, positions, self._flag(entry))
-                if self.dot:
-                    k = self.load("K", ("k", "d"), native=True)
-                    vt = self.load("V", ("e", "k"), native=True)
-                    s = self._scores(q, k, row, positions, slope=True)
-                    self.emit(f"w = tl.where({allowed}, tl.exp2({s} - {lse}[:, None]), 0.0)")
-                    self.emit(f"dp = tl.dot({do}, {vt}{self._precision()})")
-                    self._gradient_of_scores("w", "dp", f"{drow}[:, None]", entry, allowed)
-                    self.emit(f"dq += tl.dot(ds.to({k}.dtype), {k}{self._precision()})")
-                else:
-                    k = self.load("K", ("j", "d"), mask="allowed[:, None]")
-                    v = self.load("V", ("j", "e"), mask="allowed[:, None]")
-                    s = self._scores(q, k, row, positions, slope=True)
-                    self.emit(f"w = tl.where({allowed}, tl.exp2({s} - {lse}), 0.0)")
-                    self.emit(f"dp = tl.sum({do}[None, :] * {v}, 1)")
-                    self._gradient_of_scores("w", "dp", drow, entry, allowed)
-                    self.emit(f"dq += tl.sum(ds[:, None] * {k}, 0)")
-            self._store_or_keep("dQ", axes_q, "dq")
-
-    def _gradient_of_scores(self, w: str, dp: str, drow: str, entry: str, allowed: str | None) -> None:
-        """`ds = P * (dP - D) * score_mod'(s) * scale`, with dropout's factor on `dP` (as on `P` forward)."""
-        if self.chain.dropout:
-            self.emit(f"{dp} = {dp} * {self._keep(entry)}")
-        self._ds(w, dp, drow, allowed)
-
-    def _ds(self, w: str, dp: str, drow: str, allowed: str | None) -> None:
-        ds = f"{w} * ({dp} - {drow}) * ds_ds"
-        self.emit(f"ds = {f'tl.where({allowed}, {ds}, 0.0)' if allowed else ds} * {self.chain.scale!r}")
-
-    def _dkdv(self) -> None:
-        col = _Bound("segment")
-        self.env["Ak[g,p]"] = col
-        axes_k, axes_v = (("k", "d"), ("k", "e")) if self.dot else (("d",), ("e",))
-        with self.indented("if segment >= 0:"):
-            k = self.load("K", axes_k, native=self.dot)
-            v = self.load("V", axes_v, native=self.dot)
-            shape_k, shape_v = ((f"[{self.plan.block_k}, {self.plan.block_d}]", f"[{self.plan.block_k}, "
-                                 f"{self.plan.block_e}]") if self.dot else
-                                (f"[{self.plan.block_d}]", f"[{self.plan.block_e}]"))
-            self.emit(f"dk = tl.zeros({shape_k}, {self.acc_type})")
-            self.emit(f"dv = tl.zeros({shape_v}, {self.acc_type})")
-            if self.chain.self_loops:
-                with self.indented("if piece == 0:  # the key's own row attends to it"):
-                    self.env["Ai[g]"] = col
-                    q = self.load("Q", ("d",))
-                    do = self.load("dO", ("e",))
-                    lse = self._load_row("LSE", (), "0.0")
-                    drow = self._load_row("Drow", (), "0.0")
-                    self._self_scores(q, k, col.expression, slope=True)
-                    self.emit(f"w = tl.exp2(s - {lse})")
-                    self.emit(f"dp = tl.sum({do} * {v}, 0)")
-                    self._weights_and_scores_gradient("w", "dp", drow, f"{self.chain.entries} + segment", None)
-                    self.emit(f"dv += wz * {do}")
-                    self.emit(f"dk += ds * {q}")
-            with self._entries_loop():
-                entry = self._bind_entries("p_perm")
-                if self.dot:
-                    self.emit("row = tl.load(p_Ai + v_g)")
-                    row = _Bound("row", None, self.chain.rows)
-                else:
-                    self.emit("rows = tl.load(p_Ai + v_g, mask=mk_j, other=-1)")
-                    row = _Bound("rows", "j", self.chain.rows)
-                self.env["Ai[g]"] = row
-                positions = self._positions(row, col)
-                allowed = self._allowed(row, col, positions, self._flag(entry))
-                if self.dot:
-                    q = self.load("Q", ("m", "d"), native=True)
-                    do = self.load("dO", ("m", "e"), native=True)
-                    lse = self._load_row("LSE", ("m",), "0.0")
-                    drow = self._load_row("Drow", ("m",), "0.0")
-                    s = self._scores(q, k, row, positions, slope=True)
-                    self.emit(f"w = tl.where({allowed}, tl.exp2({s} - {lse}[:, None]), 0.0)")
-                    self.emit(f"dp = tl.dot({do}, tl.trans({v}){self._precision()})")
-                    self._weights_and_scores_gradient("w", "dp", f"{drow}[:, None]", entry, allowed)
-                    self.emit(f"dv += tl.dot(tl.trans(wz.to({do}.dtype)), {do}{self._precision()})")
-                    self.emit(f"dk += tl.dot(tl.trans(ds.to({q}.dtype)), {q}{self._precision()})")
-                else:
-                    q = self.load("Q", ("j", "d"), mask="allowed[:, None]")
-                    do = self.load("dO", ("j", "e"), mask="allowed[:, None]")
-                    lse = self.load("LSE", ("j",), mask="allowed")
-                    self.emit(f"{lse} = {lse} * {LOG2E!r}  # in base 2")
-                    drow = self.load("Drow", ("j",), mask="allowed")
-                    s = self._scores(q, k, row, positions, slope=True)
-                    self.emit(f"w = tl.where({allowed}, tl.exp2({s} - {lse}), 0.0)")
-                    self.emit(f"dp = tl.sum({do} * {v}[None, :], 1)")
-                    self._weights_and_scores_gradient("w", "dp", drow, entry, allowed)
-                    self.emit(f"dv += tl.sum(wz[:, None] * {do}, 0)")
-                    self.emit(f"dk += tl.sum(ds[:, None] * {q}, 0)")
-            self._store_or_keep("dK", axes_k, "dk")
-            self._store_or_keep("dV", axes_v, "dv")
-
-    def _store_or_keep(self, name: str, axes: tuple[str, ...], value: str) -> None:
-        """Stores a gradient tile of a whole segment; a piece of a long segment keeps it in scratch instead."""
-        with self.indented("if part < 0:"):
-            self.store(name, axes, value)
-        with self.indented("else:  # a piece of a long segment: its sum kernel adds the pieces up"):
-            self.emit(f"tl.store({self._part_pointer(name)}, {value}, mask={self._part_mask(name)})")
-
-    def _part_pointer(self, name: str, slot: str = "part") -> str:
-        """The scratch tile of a piece's partial result for `name` (`O` for the forward's accumulator)."""
-        own, width = self.plan.own_axis, "e" if name in ("O", "dV") else "d"
-        rows = self._size(own) if self.dot else 1
-        size = self.chain.operand["V" if width == "e" else "Q"].shape[-1]
-        part = {"O": "part_acc"}.get(name, f"part_{name.lower()}")
-        base = f"({slot} * {self.plan.grid_size} + glin) * {rows}"
-        if self.dot:
-            return f"{self.pointer(part)} + ({base} + v_{own}[:, None]) * {size} + v_{width}[None, :]"
-        return f"{self.pointer(part)} + {base} * {size} + v_{width}"
-
-    def _part_mask(self, name: str) -> str:
-        width = "e" if name in ("O", "dV") else "d"
-        return f"mk_{self.plan.own_axis}[:, None] & mk_{width}[None, :]" if self.dot else f"mk_{width}"
-
-    def _dq_sum(self) -> None:
-        self._sum(("dQ",), "dq")
-
-    def _dkdv_sum(self) -> None:
-        self._sum(("dK", "dV"), "dkdv")
-
-    def _sum(self, names: tuple[str, ...], kind: str) -> None:
-        """Adds up the partial gradients of each long segment's pieces and stores them."""
-        own = self.plan.own_axis
-        self.env["Ai[g]" if own == "m" else "Ak[g,p]"] = _Bound("segment")
+    def _segment_of_sum(self) -> None:
         self.emit("segment = tl.load(p_combine + item * 3)  # a segment cut into pieces, or -1")
         self.emit("first = tl.load(p_combine + item * 3 + 1)  # its pieces' scratch slots [first, last)")
         self.emit("last = tl.load(p_combine + item * 3 + 2)")
-        with self.indented("if segment >= 0:"):
-            widths = {n: ("e" if n == "dV" else "d") for n in names}
-            for n in names:
-                block = self.plan.block_e if widths[n] == "e" else self.plan.block_d
-                shape = f"[{self._block(own)}, {block}]" if self.dot else f"[{block}]"
-                self.emit(f"sum_{n} = tl.zeros({shape}, {self.acc_type})")
-            with self.indented("for part in tl.range(first, last):"):
-                for n in names:
-                    self.emit(f"sum_{n} += tl.load({self._part_pointer(n)}, mask={self._part_mask(n)}, other=0.0)")
-            axes = {n: ((own, widths[n]) if self.dot else (widths[n],)) for n in names}
-            for n in names:
-                self.store(n, axes[n], f"sum_{n}")
 
-    def _weights_and_scores_gradient(self, w: str, dp: str, drow: str, entry: str, allowed: str | None) -> None:
-        """`wz` (the weights after dropout, for dV) and `ds` (for dK)."""
+    def _dq(self) -> None:
+        chain = self.chain
+        axes = self._side("Q", "K", "V", "dO", "LSE", "Drow", "dQ")
+        row = _Bound("segment")
+        self.env["Ai[g]"] = row
+        with self.indented("if segment >= 0:"):
+            q = self.load("Q", axes["Q"], native=self.dot)
+            do = self.load("dO", axes["dO"], native=self.dot)
+            lse, drow = self.load("LSE", axes["LSE"]), self.load("Drow", axes["Drow"])
+            block = self._block(self.own)
+            self.emit(f"dq = tl.zeros([{block}, {self.plan.block_d}], {self.acc_type})")
+            if chain.self_loops:
+                with self.indented("if piece == 0:  # the row's weight on itself"):
+                    self.env["Ak[g,p]"] = row
+                    k, v = self.load("K", ("h", "d")), self.load("V", ("h", "e"))
+                    self._scores(q, k, ("segment", "segment"), slope=True, q_axes=("h", "d"), k_axes=("h", "d"))
+                    self.emit(f"w = tl.exp2(s - {lse}[:, None])")
+                    self.emit(f"dp = tl.sum({do} * {v}, 1)[:, None]")
+                    self._dropout_on("dp", f"{chain.entries} + segment")
+                    self._ds("w", "dp", f"{drow}[:, None]", None)
+                    self.emit(f"dq += tl.sum(ds[:, :, None] * {k}[:, None, :], 1)")
+            with self._entries_loop():
+                entry = self._bind_entries(None)
+                col = self._gather("Ak", "col", chain.keys)
+                positions = self._positions(row, col)
+                allowed = self._allowed(row, col, positions, self._flag(entry))
+                if self.dot:
+                    k = self.load("K", axes["K"], native=True)
+                    vt = self.load("V", self._side("Vt")["Vt"], native=True)
+                    dp = f"tl.dot({do}, {vt}{self._precision()})"
+                else:
+                    k = self.load("K", axes["K"], mask="allowed[:, :, None]")
+                    v = self.load("V", axes["V"], mask="allowed[:, :, None]")
+                    dp = f"tl.sum({do}[:, None, :] * {v}, 2)"
+                self._scores(q, k, positions, slope=True, q_axes=axes["Q"], k_axes=axes["K"])
+                self.emit(f"w = tl.where({allowed}, tl.exp2(s - {lse}[:, None]), 0.0)")
+                self.emit(f"dp = {dp}")
+                self._dropout_on("dp", entry if self.dot else "entry[None, :]")
+                self._ds("w", "dp", f"{drow}[:, None]", allowed)
+                update = (f"tl.dot(ds.to({k}.dtype), {k}{self._precision()})" if self.dot else
+                          f"tl.sum(ds[:, :, None] * {k}, 1)")
+                self.emit(f"dq += {update}")
+            self._store_or_keep("dQ", axes["dQ"], "dq")
+
+    def _dropout_on(self, dp: str, entry: str) -> None:
+        """Dropout's factor on `dP` (the weights it scaled forward): `dP = z * dO . V`."""
+        if self.chain.dropout:
+            self.emit(f"{dp} = {dp} * {self._keep(entry)}")
+
+    def _dkdv(self) -> None:
+        chain = self.chain
+        axes = self._side("Q", "K", "V", "dO", "LSE", "Drow", "dK", "dV")
+        col = _Bound("segment")
+        self.env["Ak[g,p]"] = col
+        with self.indented("if segment >= 0:"):
+            k = self.load("K", axes["K"], native=self.dot)
+            v = self.load("V", axes["V"], native=self.dot)
+            block = self._block(self.own)
+            self.emit(f"dk = tl.zeros([{block}, {self.plan.block_d}], {self.acc_type})")
+            self.emit(f"dv = tl.zeros([{block}, {self.plan.block_e}], {self.acc_type})")
+            if chain.self_loops:
+                with self.indented("if piece == 0:  # the key's own row attends to it"):
+                    self.env["Ai[g]"] = col
+                    q, do = self.load("Q", ("h", "d")), self.load("dO", ("h", "e"))
+                    lse, drow = self.load("LSE", ("h",)), self.load("Drow", ("h",))
+                    self._scores(q, k, ("segment", "segment"), slope=True, q_axes=("h", "d"), k_axes=("h", "d"))
+                    self.emit(f"w = tl.exp2(s - {lse}[:, None])")
+                    self.emit(f"dp = tl.sum({do} * {v}, 1)[:, None]")
+                    self._weights_and_scores_gradient(f"{chain.entries} + segment", f"{drow}[:, None]", None)
+                    self.emit(f"dv += tl.sum(wz[:, :, None] * {do}[:, None, :], 1)")
+                    self.emit(f"dk += tl.sum(ds[:, :, None] * {q}[:, None, :], 1)")
+            with self._entries_loop():
+                entry = self._bind_entries("p_perm")
+                row = self._gather("Ai", "row", chain.rows)
+                positions = self._positions(row, col)
+                allowed = self._allowed(row, col, positions, self._flag(entry))
+                if self.dot:
+                    q, do = self.load("Q", axes["Q"], native=True), self.load("dO", axes["dO"], native=True)
+                    lse, drow = self.load("LSE", axes["LSE"]), self.load("Drow", axes["Drow"])
+                    lse, drow = f"{lse}[:, None]", f"{drow}[:, None]"
+                    dp = f"tl.dot({do}, tl.trans({v}){self._precision()})"
+                else:
+                    q = self.load("Q", axes["Q"], mask="allowed[:, :, None]")
+                    do = self.load("dO", axes["dO"], mask="allowed[:, :, None]")
+                    lse = self.load("LSE", axes["LSE"], mask="allowed")
+                    drow = self.load("Drow", axes["Drow"], mask="allowed")
+                    dp = f"tl.sum({do} * {v}[:, None, :], 2)"
+                self._scores(q, k, positions, slope=True, q_axes=axes["Q"], k_axes=axes["K"])
+                self.emit(f"w = tl.where({allowed}, tl.exp2(s - {lse}), 0.0)")
+                self.emit(f"dp = {dp}")
+                self._weights_and_scores_gradient(entry if self.dot else "entry[None, :]", drow, allowed)
+                if self.dot:
+                    self.emit(f"dv += tl.dot(tl.trans(wz.to({do}.dtype)), {do}{self._precision()})")
+                    self.emit(f"dk += tl.dot(tl.trans(ds.to({q}.dtype)), {q}{self._precision()})")
+                else:
+                    self.emit(f"dv += tl.sum(wz[:, :, None] * {do}, 1)")
+                    self.emit(f"dk += tl.sum(ds[:, :, None] * {q}, 1)")
+            self._store_or_keep("dK", axes["dK"], "dk")
+            self._store_or_keep("dV", axes["dV"], "dv")
+
+    def _weights_and_scores_gradient(self, entry: str, drow: str, allowed: str | None) -> None:
+        """`wz` (the weights after dropout, for dV) and `ds` (for dK), from `w` and `dp`."""
         if self.chain.dropout:
             z = self._keep(entry)
-            self.emit(f"wz = {w} * {z}")
-            self.emit(f"{dp} = {dp} * {z}")
+            self.emit(f"wz = w * {z}")
+            self.emit(f"dp = dp * {z}")
         else:
-            self.emit(f"wz = {w}")
-        self._ds(w, dp, drow, allowed)
+            self.emit("wz = w")
+        self._ds("w", "dp", drow, allowed)
+
+    def _dq_sum(self) -> None:
+        self._sum(("dQ",))
+
+    def _dkdv_sum(self) -> None:
+        self._sum(("dK", "dV"))
+
+    def _sum(self, names: tuple[str, ...]) -> None:
+        """Adds up the partial gradients of each long segment's pieces and stores them."""
+        own = self.own
+        self.env["Ak[g,p]" if self.plan.kind.startswith("dkdv") else "Ai[g]"] = _Bound("segment")
+        self._segment_of_sum()
+        with self.indented("if segment >= 0:"):
+            for n in names:
+                width = self.plan.block_e if n == "dV" else self.plan.block_d
+                self.emit(f"sum_{n} = tl.zeros([{self._block(own)}, {width}], {self.acc_type})")
+            with self.indented("for part in tl.range(first, last):"):
+                for n in names:
+                    pointer, mask = self._part_pointer(n)
+                    self.emit(f"sum_{n} += tl.load({pointer}, mask={mask}, other=0.0)")
+            for n in names:
+                self.store(n, (own, "e" if n == "dV" else "d"), f"sum_{n}")
