@@ -513,9 +513,9 @@ class _Writer:
         with self.indented("if segment >= 0:"):
             self._row_statistics()
             with self.indented("for part in tl.range(first, last):"):
-                (m, m_mask), (l, _), (acc, acc_mask) = (self._part_pointer(n) for n in ("m", "l", "O"))
+                (m, m_mask), (total, _), (acc, acc_mask) = (self._part_pointer(n) for n in ("m", "l", "O"))
                 self.emit(f"m_c = tl.load({m}, mask={m_mask}, other={_NEG_INF})")
-                self.emit(f"l_c = tl.load({l}, mask={m_mask}, other=0.0)")
+                self.emit(f"l_c = tl.load({total}, mask={m_mask}, other=0.0)")
                 self.emit(f"acc_c = tl.load({acc}, mask={acc_mask}, other=0.0)")
                 self.emit("m_new = tl.maximum(m_i, m_c)")
                 self.emit(f"m_use = tl.where(m_new == {_NEG_INF}, 0.0, m_new)")
