@@ -13,8 +13,9 @@
    TFLOP/s count the stored blocks only (4 * pairs * D * H forward; 3.5x that forward+backward).
 2. GAT training step (2 layers: 4 heads x 64, then 1 head; forward, backward and Adam; dropout 0.6) on an
    R-MAT graph made undirected (scale 17: 131k nodes, ~3.7M edges), 128 synthetic input features, 40 classes:
-   jinsum `GATConv` (fused), the same model with gathers and `jax.ops.segment_*` (examples/gat), and PyG's
-   `GATConv` where torch_geometric is installed.
+   jinsum `GATConv` (fused), the same layer unfused (`JINSUM_FUSE=0`: the chain's statements as separate
+   kernels), the same model with gathers and `jax.ops.segment_*` (examples/gat), and PyG's `GATConv` where
+   torch_geometric is installed.
 
 Every system is timed the same way (`jinsum.timing.time_calls`: warm-up, back-to-back calls, one
 synchronisation, median of rounds). Results go to `--out` as `attention_<device>.{md,csv}`.
@@ -233,12 +234,16 @@ def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
         compiled = jax.jit(step).lower(state, x, y, graph).compile()
         return lambda: compiled(state, x, y, graph)
 
-    systems = {"jinsum GATConv (fused)": (jnn.GATConv, jnn.adjacency(edge_index, nodes)),
+    adjacency = jnn.adjacency(edge_index, nodes)
+    systems = {"jinsum GATConv (fused)": (jnn.GATConv, adjacency),
+               "jinsum GATConv unfused (JINSUM_FUSE=0)": (jnn.GATConv, adjacency),
                "gathers + jax.ops.segment_*": (example.SegmentGATConv,
                                                example.edges_with_self_loops(edge_index, nodes))}
     for system, (conv, graph) in systems.items():
         model = example.GAT(conv, 128, 40, heads=4, hidden=64, dropout=0.6, rngs=nnx.Rngs(0))
-        run = step_of(model, graph)
+        os.environ["JINSUM_FUSE"] = "0" if "unfused" in system else "1"
+        run = step_of(model, graph)  # (compiles now, so the switch applies)
+        os.environ.pop("JINSUM_FUSE")
         seconds = attempt(name, system, lambda run=run: time_calls(run, calls=calls))
         if seconds is not None:
             record(name, system, 1e3 * seconds)
@@ -340,7 +345,7 @@ def main() -> None:
     for length in args.lengths:
         block_attention(length, args.calls)
     if args.gat_scale:
-        sweep = [ChainConfig(entries=e, num_warps=w) for e, w in ((8, 2), (16, 2), (16, 8), (32, 4))]
+        sweep = [ChainConfig(entries=e, num_warps=w) for e, w in ((8, 2), (32, 2))]
         gat_step(args.gat_scale, args.calls, sweep if args.sweep else [])
     write(args.out, started)
 

@@ -28,7 +28,7 @@ from jinsum._lower_triton import FallbackWarning, _jax_triton, from_torch, row_s
 from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_config, chain_inputs, chain_outputs,
                             generate_chain, load_kernel, make_chain_plan, scratch_shapes)
 
-SCHEDULE = ("row_items", "row_combine", "flags", "perm", "key_items", "key_combine")
+SCHEDULE = ("row_items", "row_combine", "flags", "perm", "key_rows", "key_items", "key_combine")
 FORWARD, BACKWARD = ("forward", "combine"), ("dq", "dq_sum", "dkdv", "dkdv_sum")
 
 
@@ -36,8 +36,9 @@ def plans(chain: Chain, kinds, config: ChainConfig | None = None) -> dict[str, C
     """The plans of the chain's `kinds` of kernels (with `config`, else `chain_config()`), or the first
     `Fallback`."""
     config = config or chain_config()
-    if os.environ.get("JINSUM_TRITON", "1") == "0":
-        return Fallback("JINSUM_TRITON=0")
+    for switch in ("JINSUM_TRITON", "JINSUM_FUSE"):  # (JINSUM_FUSE=0: statements in kernels, chains unfused)
+        if os.environ.get(switch, "1") == "0":
+            return Fallback(f"{switch}=0")
     if chain.entries == 0 or chain.rows == 0 or chain.keys == 0:
         return Fallback("an empty pattern")
     found = {}
@@ -55,7 +56,7 @@ def plans(chain: Chain, kinds, config: ChainConfig | None = None) -> dict[str, C
 
 
 def _fallback(chain: Chain, plan: Fallback) -> None:
-    if plan.reason != "JINSUM_TRITON=0":
+    if not plan.reason.endswith("=0"):  # an explicit switch: no warning
         warnings.warn(f"jinsum: {chain!r} runs unfused: {plan.reason}", FallbackWarning, stacklevel=3)
 
 
@@ -90,6 +91,7 @@ def schedule(chain: Chain, arrays: dict, config: ChainConfig | None = None) -> d
     rows, keys = make_chain_plan(chain, "forward", config), make_chain_plan(chain, "dkdv", config)
     empty = {"row_items": np.zeros((0, 5), np.int32), "row_combine": np.zeros((0, 3), np.int32),
              "flags": np.zeros((0,), np.int8), "perm": np.zeros((0,), np.int32),
+             "key_rows": np.zeros((0,), np.int32),
              "key_items": np.zeros((0, 5), np.int32), "key_combine": np.zeros((0, 3), np.int32)}
     if isinstance(rows, Fallback) or isinstance(keys, Fallback) or 0 in (chain.entries, chain.rows, chain.keys):
         return empty
@@ -101,6 +103,8 @@ def schedule(chain: Chain, arrays: dict, config: ChainConfig | None = None) -> d
     found["flags"] = block_flags(chain, pattern, xp) if rows.template == "dot" else empty["flags"]
     perm, starts = transposed_entries(keys, {**pattern, "flags": found["flags"]}, xp)
     found["perm"] = perm
+    # Each transposed entry's row, so that the backward over keys reads it without a dependent gather.
+    found["key_rows"] = pattern["Ai"][perm // chain.scores.extent[chain.roles.slot]].astype(xp.int32)
     found["key_items"], found["key_combine"] = work_items(starts, keys, xp)
     return found
 
@@ -201,15 +205,21 @@ def run_backward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
     drow = (env["dO"].astype(stats) * env["O"].astype(stats)).sum(-1) - env["dLSE"]
     inputs = {**env, "Drow": drow.astype(stats)}
     grads = {}
-    for kernel, items, combine, outputs in (("dq", "row_items", "row_combine", ("dQ",)),
-                                            ("dkdv", "key_items", "key_combine", ("dK", "dV"))):
+    dq_in_dkdv = found["dkdv"].dq_in_dkdv
+    kernels = (("dkdv", "key_items", "key_combine", ("dK", "dV")),)
+    if not dq_in_dkdv:
+        kernels = (("dq", "row_items", "row_combine", ("dQ",)),) + kernels
+    for kernel, items, combine, outputs in kernels:
         plan = found[kernel]
         shapes = scratch_shapes(plan)
         structs = {g: _struct(chain, g[1]) for g in outputs}
         parts = {f"part_{g.lower()}": (shapes[f"part_{g.lower()}"], stats) for g in outputs}
-        out = launch(plan, {**inputs, "items": env[items]}, {**structs, **parts})
+        extra = {"dQ": (chain.operand["Q"].shape, stats)} if kernel == "dkdv" and dq_in_dkdv else {}
+        out = launch(plan, {**inputs, "items": env[items]}, {**structs, **parts, **extra}, zeroed=tuple(extra))
         grads.update(launch(found[f"{kernel}_sum"], {**out, "combine": env[combine]}, structs,
                             aliases={g: g for g in outputs}))
+        if extra:
+            grads["dQ"] = out["dQ"].astype(chain.operand["Q"].dtype)
     return [grads["dQ"], grads["dK"], grads["dV"]]
 
 

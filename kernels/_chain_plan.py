@@ -89,6 +89,13 @@ class ChainPlan:
         return -(-size // block)
 
     @property
+    def dq_in_dkdv(self) -> bool:
+        """The dkdv kernel also adds each entry's `dS K` into dQ atomically, and no dq kernel runs: for entries
+        with narrow heads (GAT's scores are rank 2), a few atomics per entry cost less than gathering the values
+        again over the rows (FlashAttention-2's own dQ scheme)."""
+        return self.template == "lanes" and self.block_d <= 4
+
+    @property
     def grid_vars(self) -> tuple[str, ...]:
         """The variables decoded from `program_id(1)`: batch and head (dot), batch only (lanes: heads are a tile
         axis)."""
@@ -131,8 +138,11 @@ def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()
     """The plan of one of the chain's kernels, or a `Fallback` saying why the chain stays unfused."""
     if kind not in KINDS:
         raise ValueError(f"jinsum: unknown chain kernel {kind!r}; expected one of {KINDS}")
-    if kind in SUMS:  # whole blocks (its programs are few); only the work list's chunk is shared
-        config = ChainConfig(chunk=config.chunk)
+    if kind in SUMS:  # whole blocks (its programs are few); the work lists (chunk) are those of the main kernel
+        main = make_chain_plan(chain, {"combine": "forward", "dq_sum": "dq", "dkdv_sum": "dkdv"}[kind], config)
+        if isinstance(main, Fallback):
+            return main
+        config = ChainConfig(chunk=main.config.chunk)
     operand = chain.operand
     head_dim, value_dim = operand["Q"].shape[-1], operand["V"].shape[-1]
     if max(head_dim, value_dim) > MAX_WIDTH:
@@ -170,11 +180,13 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
         changes["chunk"] = config.chunk or 16  # blocks per work item (a BigBird row holds ~7)
         changes["num_warps"] = config.num_warps or (8 if changes["block_m"] * changes["block_k"] > 128 * 64 else 4)
         changes["num_stages"] = config.num_stages or (3 if kind == "forward" else 2)
-    else:  # tiles of heads x entries x features of about 4096 elements
+    else:  # tiles of heads x entries x features of about 4096 elements, two warps: many programs in flight hide
+        #    the latency of the gathers (GAT on R-MAT 17, H100: 16 entries and 2 warps 9.0 ms a training step;
+        #    4 warps 11.9, 8 warps 21.2; 8 entries 9.7)
         width = plan.block_h * max(plan.block_d, plan.block_e)
         changes["entries"] = config.entries or _pow2(4096 // width, 8, 128)
         changes["chunk"] = config.chunk or 8 * changes["entries"]
-        changes["num_warps"] = config.num_warps or max(1, min(4, changes["entries"] * width // 1024))
+        changes["num_warps"] = config.num_warps or max(1, min(2, changes["entries"] * width // 2048))
         changes["num_stages"] = config.num_stages or 1
         changes["block_m"] = changes["block_k"] = 1
     return dataclasses.replace(config, **changes)

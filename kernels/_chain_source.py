@@ -38,13 +38,14 @@ def chain_inputs(plan: ChainPlan) -> tuple[str, ...]:
             "combine": ("O", "LSE", "combine", "part_m", "part_l", "part_acc"),
             "dq": ("Ak", *pattern, "items", "LSE", "Drow", "dO"),
             "dq_sum": ("dQ", "combine", "part_dq"),
-            "dkdv": ("Ai", *pattern, "perm", "items", "LSE", "Drow", "dO"),
+            "dkdv": (*pattern, "perm", "key_rows", "items", "LSE", "Drow", "dO"),
             "dkdv_sum": ("dK", "dV", "combine", "part_dk", "part_dv")}[kind]
 
 
 def chain_outputs(plan: ChainPlan) -> tuple[str, ...]:
+    dq = ("dQ",) if plan.kind == "dkdv" and plan.dq_in_dkdv else ()
     return {"forward": ("O", "LSE", "part_m", "part_l", "part_acc"), "combine": ("O", "LSE"),
-            "dq": ("dQ", "part_dq"), "dq_sum": ("dQ",), "dkdv": ("dK", "dV", "part_dk", "part_dv"),
+            "dq": ("dQ", "part_dq"), "dq_sum": ("dQ",), "dkdv": ("dK", "dV", "part_dk", "part_dv", *dq),
             "dkdv_sum": ("dK", "dV")}[plan.kind]
 
 
@@ -277,15 +278,16 @@ class _Writer:
         self.env[r.group], self.env[r.slot] = _Bound("v_g", axis), _Bound("v_p", axis)
         return "entry"
 
-    def _gather(self, tensor: str, name: str, extent: int) -> _Bound:
-        """`name` = the index array `tensor` at the current entry (tile of entries): a row or a key."""
+    def _gather(self, access: str, name: str, source: str, extent: int) -> _Bound:
+        """`name` = the index `access` (`Ak[g,p]`: a key, `Ai[g]`: a row) of the current entry (tile of
+        entries), read from `source` at the loop position (`p_Ak` in entry order, `p_key_rows` in key order)."""
         if self.dot:
-            self.emit(f"{name} = tl.load(p_{tensor} + {'entry' if tensor == 'Ak' else 'v_g'})")
+            self.emit(f"{name} = tl.load({source} + j)")
             bound = _Bound(name, None, extent)
         else:
-            self.emit(f"{name} = tl.load(p_{tensor} + {'entry' if tensor == 'Ak' else 'v_g'}, mask=mk_j, other=-1)")
+            self.emit(f"{name} = tl.load({source} + v_j, mask=mk_j, other=-1)")
             bound = _Bound(name, "j", extent)
-        self.env["Ak[g,p]" if tensor == "Ak" else "Ai[g]"] = bound
+        self.env[access] = bound
         return bound
 
     def _positions(self, row: _Bound, col: _Bound) -> tuple[str, str]:
@@ -492,7 +494,7 @@ class _Writer:
                     self._online_softmax(None, v, ("h", "e"), f"{chain.entries} + segment")
             with self._entries_loop():
                 entry = self._bind_entries(None)
-                col = self._gather("Ak", "col", chain.keys)
+                col = self._gather("Ak[g,p]", "col", "p_Ak", chain.keys)
                 positions = self._positions(row, col)
                 allowed = self._allowed(row, col, positions, self._flag(entry))
                 mask = None if self.dot else "allowed[:, :, None]"
@@ -554,7 +556,7 @@ class _Writer:
                     self.emit(f"dq += tl.sum(ds[:, :, None] * {k}[:, None, :], 1)")
             with self._entries_loop():
                 entry = self._bind_entries(None)
-                col = self._gather("Ak", "col", chain.keys)
+                col = self._gather("Ak[g,p]", "col", "p_Ak", chain.keys)
                 positions = self._positions(row, col)
                 allowed = self._allowed(row, col, positions, self._flag(entry))
                 if self.dot:
@@ -602,9 +604,10 @@ class _Writer:
                     self._weights_and_scores_gradient(f"{chain.entries} + segment", f"{drow}[:, None]", None)
                     self.emit(f"dv += tl.sum(wz[:, :, None] * {do}[:, None, :], 1)")
                     self.emit(f"dk += tl.sum(ds[:, :, None] * {q}[:, None, :], 1)")
+                    self._add_to_dq(f"ds * {k}", ("h", "d"), None)
             with self._entries_loop():
                 entry = self._bind_entries("p_perm")
-                row = self._gather("Ai", "row", chain.rows)
+                row = self._gather("Ai[g]", "row", "p_key_rows", chain.rows)
                 positions = self._positions(row, col)
                 allowed = self._allowed(row, col, positions, self._flag(entry))
                 if self.dot:
@@ -628,8 +631,18 @@ class _Writer:
                 else:
                     self.emit(f"dv += tl.sum(wz[:, :, None] * {do}, 1)")
                     self.emit(f"dk += tl.sum(ds[:, :, None] * {q}, 1)")
+                    self._add_to_dq(f"ds[:, :, None] * {k}[:, None, :]", ("h", "j", "d"), "allowed[:, :, None]")
             self._store_or_keep("dK", axes["dK"], "dk")
             self._store_or_keep("dV", axes["dV"], "dv")
+
+    def _add_to_dq(self, value: str, axes: tuple[str, ...], mask: str | None) -> None:
+        """`dQ[row] += dS K` (`value`) for the entries of this tile, atomically (see `ChainPlan.dq_in_dkdv`)."""
+        if not self.plan.dq_in_dkdv:
+            return
+        pointer, address_mask = self.address("dQ", axes, covered=mask is not None)
+        self.helpers.add("atomic_update")
+        masks = " & ".join(m for m in (address_mask, mask) if m)
+        self.emit(f"atomic_update({pointer}, {value}, {masks})")
 
     def _weights_and_scores_gradient(self, entry: str, drow: str, allowed: str | None) -> None:
         """`wz` (the weights after dropout, for dV) and `ds` (for dK), from `w` and `dp`."""

@@ -151,7 +151,7 @@ def _case(rng, fmt, case, dtype=np.float32):
         square = case.get("self_loops")
         pattern, allowed = graph_pattern(rng, 40, None if square else 33, heads=heads)
         length, keys = pattern.shape[:2]
-    q, k, v = _qkv(rng, length, keys, batch=batch, dtype=dtype)
+    q, k, v = _qkv(rng, length, keys, batch=batch, dim=case.get("dim", 16), dtype=dtype)
     key_mask = None
     if case.get("key_mask"):
         key_mask = rng.random((batch, keys) if batch else (keys,)) < 0.8
@@ -274,6 +274,8 @@ KERNEL_CASES = [
     ("graph", dict(score_mod=leaky, self_loops=True, dropout=0.3), ChainConfig(entries=8, chunk=8)),
     ("graph", dict(heads_in_pattern=True, causal=True, batch=2), ChainConfig()),
     ("graph", dict(key_mask=True, score_mod=softcap), ChainConfig(entries=16, chunk=16)),
+    # GAT's rank-2 scores: dQ is added atomically by the dkdv kernel
+    ("graph", dict(dim=2, score_mod=leaky, self_loops=True, dropout=0.2, batch=2), ChainConfig(entries=8, chunk=8)),
 ]
 
 
@@ -357,6 +359,18 @@ def test_chain_plans_split_long_rows_only(rng):
     plan = make_chain_plan(chain, "forward", ChainConfig(chunk=2))
     assert plan.template == "dot" and plan.items == chain.rows + chain.entries // 2
     assert plan.grid_shape == (plan.items, 2)
+
+
+@pytest.mark.parametrize("config", [ChainConfig(), ChainConfig(entries=32), ChainConfig(entries=8, chunk=40)], ids=_id)
+def test_sum_kernels_share_the_main_kernels_work_lists(config, rng):
+    """The combine and sum kernels read the scratch the main kernels write: same pieces, slots and chunk, also
+    when a configuration is forced (a mismatch wrote out of bounds on a GPU)."""
+    pattern, _ = graph_pattern(rng)
+    chain, _, _ = _attention.build_chain(*_qkv(rng, *pattern.shape[:2], dim=2), pattern)
+    for main, merge in (("forward", "combine"), ("dq", "dq_sum"), ("dkdv", "dkdv_sum")):
+        a, b = make_chain_plan(chain, main, config), make_chain_plan(chain, merge, config)
+        assert (a.parts, a.split_segments, a.config.chunk) == (b.parts, b.split_segments, b.config.chunk)
+    assert make_chain_plan(chain, "dkdv", config).dq_in_dkdv  # rank-2 scores: no dq kernel
 
 
 # --- errors -------------------------------------------------------------------------------------------------------
