@@ -6,8 +6,9 @@ a sequence of `--seq-len` positions (4,096 by default; up to 16,384, where dense
 needs about 17 GB: add `--passes forward` on a smaller machine). Random queries, keys and values, `--heads`
 heads of `--head-dim`:
 
-- jinsum: `jinsum.nn.block_sparse_attention(q, k, v, pattern)`: a block SDDMM for the scores, a softmax over the
-  stored blocks, a block SpMM for the output; only the stored blocks are computed.
+- jinsum: `jinsum.nn.block_sparse_attention(q, k, v, pattern)`: one fused chain (`jinsum.attention`): on a GPU one
+  generated kernel walks each query block's stored key blocks with an online softmax (and the backward is the
+  FlashAttention-2 recomputation); elsewhere the chain's statements run unfused. Only the stored blocks are computed.
 - dense: `jax.nn.dot_product_attention(q, k, v, mask=...)` with the same pattern as a boolean (L, L) mask: all L^2
   scores are computed and the masked ones dropped.
 

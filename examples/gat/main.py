@@ -8,8 +8,8 @@ best validation accuracy (the paper reports 83.0% on Cora).
 
 The same run trains the same model twice from the same initial parameters:
 
-- jinsum: `jinsum.nn.GATConv` on `jinsum.nn.adjacency`: the edge scores are one SDDMM, the softmax a segment
-  max and a segment sum over the stored groups, the aggregation one multi-head SpMM;
+- jinsum: `jinsum.nn.GATConv` on `jinsum.nn.adjacency`: scores, edge softmax, attention dropout and aggregation
+  are one fused `jinsum.attention` chain (one generated kernel on a GPU, the unfused statements elsewhere);
 - segment ops: the same layer on edge arrays (self loops added, sorted by destination): scores and messages
   by gathers, the softmax by `jax.ops.segment_max` / `segment_sum`, the aggregation by `jax.ops.segment_sum`.
   jax.experimental.sparse has no per-row softmax over a BCOO's entries, hence the edge arrays.
