@@ -59,7 +59,7 @@ def _names(primitive: Primitive, chain: Chain) -> tuple[str, ...]:
 
 
 def _aval(chain: Chain, name: str) -> jax.core.ShapedArray:
-    source = {"O": "O", "LSE": "LSE", "dO": "O", "dLSE": "LSE", "tQ": "Q", "tK": "K", "tV": "V"}.get(name, name)
+    source = {"dO": "O", "dLSE": "LSE", "tQ": "Q", "tK": "K", "tV": "V"}.get(name, name)
     operand = chain.operand[source]
     return jax.core.ShapedArray(operand.shape, operand.dtype)
 

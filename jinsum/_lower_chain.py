@@ -30,6 +30,7 @@ from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_config, chai
 
 SCHEDULE = ("row_items", "row_combine", "flags", "perm", "key_rows", "key_items", "key_combine")
 FORWARD, BACKWARD = ("forward", "combine"), ("dq", "dq_sum", "dkdv", "dkdv_sum")
+_EMPTY = "an empty pattern"
 
 
 def plans(chain: Chain, kinds, config: ChainConfig | None = None) -> dict[str, ChainPlan] | Fallback:
@@ -40,7 +41,7 @@ def plans(chain: Chain, kinds, config: ChainConfig | None = None) -> dict[str, C
         if os.environ.get(switch, "1") == "0":
             return Fallback(f"{switch}=0")
     if chain.entries == 0 or chain.rows == 0 or chain.keys == 0:
-        return Fallback("an empty pattern")
+        return Fallback(_EMPTY)
     found = {}
     for kind in kinds:
         plan = make_chain_plan(chain, kind, config)
@@ -56,7 +57,7 @@ def plans(chain: Chain, kinds, config: ChainConfig | None = None) -> dict[str, C
 
 
 def _fallback(chain: Chain, plan: Fallback) -> None:
-    if not plan.reason.endswith("=0"):  # an explicit switch: no warning
+    if not plan.reason.endswith("=0") and plan.reason != _EMPTY:  # a switch, or no work: nothing to warn of
         warnings.warn(f"jinsum: {chain!r} runs unfused: {plan.reason}", FallbackWarning, stacklevel=3)
 
 

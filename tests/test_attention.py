@@ -162,19 +162,11 @@ def _case(rng, fmt, case, dtype=np.float32):
     return (q, k, v, pattern), kwargs, expected
 
 
-@pytest.mark.parametrize("case", BLOCK_CASES, ids=_id)
-def test_block_attention_matches_dense_float64(case, rng):
+@pytest.mark.parametrize("fmt,case", [("block", c) for c in BLOCK_CASES] + [("graph", c) for c in GRAPH_CASES],
+                         ids=_id)
+def test_attention_matches_dense_float64(fmt, case, rng):
     with jax.enable_x64(True):
-        (q, k, v, pattern), kwargs, (out, lse) = _case(rng, "block", case, np.float64)
-        actual, actual_lse = jinsum.attention(q, k, v, pattern, return_lse=True, **kwargs)
-    assert_allclose(actual, out, np.float64)
-    np.testing.assert_allclose(actual_lse, lse, rtol=1e-12)
-
-
-@pytest.mark.parametrize("case", GRAPH_CASES, ids=_id)
-def test_graph_attention_matches_dense_float64(case, rng):
-    with jax.enable_x64(True):
-        (q, k, v, pattern), kwargs, (out, lse) = _case(rng, "graph", case, np.float64)
+        (q, k, v, pattern), kwargs, (out, lse) = _case(rng, fmt, case, np.float64)
         actual, actual_lse = jinsum.attention(q, k, v, pattern, return_lse=True, **kwargs)
     assert_allclose(actual, out, np.float64)
     np.testing.assert_allclose(actual_lse, lse, rtol=1e-12)
