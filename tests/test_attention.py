@@ -404,3 +404,18 @@ def test_no_warning_on_the_reference_path(rng):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jax.block_until_ready(jinsum.attention(q, k, v, pattern))
+
+
+def test_block_sparse_attention_layer_with_batch_causal_and_key_padding(rng):
+    from flax import nnx  # noqa: PLC0415
+
+    import jinsum.nn  # noqa: PLC0415
+
+    pattern = jinsum.nn.block_pattern(64, 16, local_blocks=1, global_blocks=1, random_blocks=1, causal=True)
+    layer = jinsum.nn.BlockSparseAttention(12, num_heads=2, head_dim=8, causal=True, rngs=nnx.Rngs(0))
+    x = rng.standard_normal((3, 64, 12)).astype(np.float32)
+    keep = rng.random((3, 64)) < 0.8
+    out = nnx.jit(lambda layer, x, keep: layer(x, pattern, key_padding_mask=keep))(layer, x, keep)
+    q, k, v = np.split(np.asarray(layer.qkv(x)).reshape(3, 64, 6, 8), 3, axis=2)
+    heads = dense_attention(q, k, v, np.asarray(pattern.todense()) != 0, causal=True, key_mask=keep)[0]
+    assert_allclose(out, np.asarray(layer.out(heads.reshape(3, 64, 16).astype(np.float32)), np.float64), np.float32)
