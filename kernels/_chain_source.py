@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -65,8 +66,10 @@ def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
             "part_dv": (*slots, cols, value)}
 
 
+@functools.lru_cache(maxsize=512)
 def generate_chain(plan: ChainPlan) -> str:
-    """The Python source of a module defining the kernel `jinsum_attention_<kind>` for one kernel of a chain."""
+    """The Python source of a module defining the kernel `jinsum_attention_<kind>` for one kernel of a chain
+    (cached: the lowering validates a plan by generating it, then launches it)."""
     return _Writer(plan).module()
 
 
