@@ -128,6 +128,8 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, causal=False, k
                   scale=float(1 / math.sqrt(head_dim) if scale is None else scale),
                   score_mod=None if score_mod is None else _score_mod.trace(score_mod), causal=bool(causal),
                   dropout=float(dropout), self_loops=bool(self_loops), allow_tf32=bool(allow_tf32)).check()
+    if isinstance(pattern, GroupCOO) and pattern.transposed is not None:
+        arrays["transposed"] = pattern.transposed  # the keys' entries, for the schedule (not an operand)
     return chain, arrays, unpad
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from jinsum import _chain_reference
 from jinsum._lang._chain import Chain
-from jinsum._lower_triton import FallbackWarning, _jax_triton, from_torch, row_starts, to_torch
+from jinsum._lower_triton import FallbackWarning, _jax_triton, count_below, from_torch, row_starts, to_torch
 from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_config, chain_inputs, chain_outputs,
                             generate_chain, load_kernel, make_chain_plan, scratch_shapes)
 
@@ -97,12 +97,18 @@ def schedule(chain: Chain, arrays: dict, config: ChainConfig | None = None) -> d
     if isinstance(rows, Fallback) or isinstance(keys, Fallback) or 0 in (chain.entries, chain.rows, chain.keys):
         return empty
     pattern = {n: arrays[n] for n in ("Ai", "Ak", "Av")}
+    if arrays.get("transposed") is not None:  # a GroupCOO's entries in column order, built on the host
+        pattern["perm"], pattern["starts"] = arrays["transposed"]
     concrete = not any(isinstance(x, jax.core.Tracer) for x in pattern.values())
     xp = np if concrete else jnp
     pattern = {n: np.asarray(x) if concrete else x for n, x in pattern.items()}
     found = dict(zip(("row_items", "row_combine"), row_items(rows, pattern, xp)))
     found["flags"] = block_flags(chain, pattern, xp) if rows.template == "dot" else empty["flags"]
-    perm, starts = transposed_entries(keys, {**pattern, "flags": found["flags"]}, xp)
+    if "perm" in pattern:
+        # Its entries include stored self loops and entries masked per head, which the kernel masks itself.
+        perm, starts = pattern["perm"].astype(xp.int32), pattern["starts"].astype(xp.int32)
+    else:
+        perm, starts = transposed_entries(keys, {**pattern, "flags": found["flags"]}, xp)
     found["perm"] = perm
     # Each transposed entry's row, so that the backward over keys reads it without a dependent gather.
     found["key_rows"] = pattern["Ai"][perm // chain.scores.extent[chain.roles.slot]].astype(xp.int32)
@@ -129,7 +135,7 @@ def work_items(starts, plan: ChainPlan, xp):
     pieces = xp.maximum(1, (starts[1:] - starts[:-1] + chunk - 1) // chunk)
     ends = xp.cumsum(pieces)
     item = xp.arange(count)
-    segment = xp.searchsorted(ends, item, side="right")
+    segment = count_below(ends - 1, count, xp)  # the segment of each item: the ends at or below it
     valid = segment < segments
     segment = xp.minimum(segment, segments - 1)
     piece = item - (ends[segment] - pieces[segment])
@@ -182,8 +188,7 @@ def transposed_entries(plan: ChainPlan, env: dict, xp):
         active = active & (keys != xp.repeat(env["Ai"], slots))
     key = xp.where(active, keys, chain.keys).astype(xp.int32)
     perm = xp.argsort(key, kind="stable") if xp is np else jnp.argsort(key, stable=True)
-    starts = xp.searchsorted(key[perm], xp.arange(chain.keys + 1), side="left")
-    return perm.astype(xp.int32), starts.astype(xp.int32)
+    return perm.astype(xp.int32), count_below(key[perm], chain.keys + 1, xp)
 
 
 # --- the launches ---------------------------------------------------------------------------------------------------
@@ -278,5 +283,5 @@ def _interpret(chain, arrays, config, kinds, run):
     found = plans(chain, kinds, config)
     if isinstance(found, Fallback):
         raise ValueError(f"jinsum: no fused kernels for {chain!r}: {found.reason}")
-    env = {n: np.asarray(a) for n, a in arrays.items()}
+    env = {n: a if n == "transposed" else np.asarray(a) for n, a in arrays.items()}
     return run(found, {**env, **schedule(chain, env, config)}, np, _interpret_launch)

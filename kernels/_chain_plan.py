@@ -182,11 +182,14 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
         changes["num_stages"] = config.num_stages or (3 if kind == "forward" else 2)
     else:  # tiles of heads x entries x features of about 4096 elements, two warps: many programs in flight hide
         #    the latency of the gathers (GAT on R-MAT 17, H100: 16 entries and 2 warps 9.0 ms a training step;
-        #    4 warps 11.9, 8 warps 21.2; 8 entries 9.7)
+        #    4 warps 11.9, 8 warps 21.2; 8 entries 9.7). The dkdv kernel also reduces along the features (dP) and
+        #    adds to dQ: 8 entries and one warp (its two layers: 2.11 ms; 16 entries, 2 warps 2.40; 16 and 1 2.28;
+        #    4 and 1 2.39; 32 and 2 2.96).
         width = plan.block_h * max(plan.block_d, plan.block_e)
-        changes["entries"] = config.entries or _pow2(4096 // width, 8, 128)
+        dkdv = plan.kind.startswith("dkdv")
+        changes["entries"] = config.entries or (8 if dkdv else _pow2(4096 // width, 8, 128))
         changes["chunk"] = config.chunk or 8 * changes["entries"]
-        changes["num_warps"] = config.num_warps or max(1, min(2, changes["entries"] * width // 2048))
+        changes["num_warps"] = config.num_warps or (1 if dkdv else max(1, min(2, changes["entries"] * width // 2048)))
         changes["num_stages"] = config.num_stages or 1
         changes["block_m"] = changes["block_k"] = 1
     return dataclasses.replace(config, **changes)

@@ -12,7 +12,7 @@ import scipy.sparse as sp
 from jax.test_util import check_grads
 
 import jinsum
-from jinsum import _attention, _chain_reference, _lower_chain
+from jinsum import _attention, _chain_reference, _lower_chain, _lower_triton
 from jinsum.kernels import ChainConfig, make_chain_plan
 from jinsum.testing import assert_allclose
 
@@ -150,6 +150,8 @@ def _case(rng, fmt, case, dtype=np.float32):
         heads = 2 if case.get("heads_in_pattern") else None
         square = case.get("self_loops")
         pattern, allowed = graph_pattern(rng, 40, None if square else 33, heads=heads)
+        if case.get("transposed"):  # the keys' entries built on the host: the schedule sorts nothing
+            pattern = pattern.with_transpose()
         length, keys = pattern.shape[:2]
     q, k, v = _qkv(rng, length, keys, batch=batch, dim=case.get("dim", 16), dtype=dtype)
     key_mask = None
@@ -254,6 +256,32 @@ def test_dropout_keeps_the_expected_fraction_and_is_reproducible(rng):
     assert_allclose(f(1, 0.0), jinsum.attention(q, k, v, pattern), np.float32)
 
 
+# --- the schedule: work lists from the pattern ------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,case", [("block", dict(causal=True)), ("graph", dict(self_loops=True)),
+                                      ("graph", dict(self_loops=True, transposed=True))], ids=_id)
+def test_traced_schedule_equals_the_host_schedule(fmt, case, rng):
+    """A pattern passed to a jitted function gets its work lists from XLA ops; they must equal NumPy's."""
+    (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case)
+    config = ChainConfig(entries=4, chunk=3)  # several pieces per long row and key
+    host = _lower_chain.schedule(*_attention.build_chain(q, k, v, pattern, **kwargs)[:2], config)
+    traced = jax.jit(lambda pattern: _lower_chain.schedule(
+        *_attention.build_chain(q, k, v, pattern, **kwargs)[:2], config))(pattern)
+    assert host.keys() == traced.keys()
+    for name in host:
+        np.testing.assert_array_equal(np.asarray(traced[name]), host[name], err_msg=name)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_count_below_matches_searchsorted(seed):
+    rng = np.random.default_rng(seed)
+    values = np.sort(rng.integers(-3, 40, rng.integers(0, 60))).astype(np.int32)
+    n = int(rng.integers(1, 50))
+    expected = np.searchsorted(values, np.arange(n), side="left")
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: _lower_triton.count_below(v, n, jnp))(values)),
+                                  expected)
+
+
 # --- the generated kernels, in Triton's interpreter ------------------------------------------------------------
 
 interpreted = pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GPU is (test_gpu.py covers GPUs)")
@@ -268,6 +296,9 @@ KERNEL_CASES = [
     ("graph", dict(key_mask=True, score_mod=softcap), ChainConfig(entries=16, chunk=16)),
     # GAT's rank-2 scores: dQ is added atomically by the dkdv kernel
     ("graph", dict(dim=2, score_mod=leaky, self_loops=True, dropout=0.2, batch=2), ChainConfig(entries=8, chunk=8)),
+    # a pattern carrying its transposed index: stored self loops and per-head zeros are masked by the kernel
+    ("graph", dict(dim=2, score_mod=leaky, self_loops=True, heads_in_pattern=True, transposed=True),
+     ChainConfig(entries=4, chunk=4)),
 ]
 
 

@@ -342,6 +342,35 @@ def test_pytree_flatten_unflatten_and_jit():
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda A: A.todense())(A)), x)
 
 
+def test_transposed_index_lists_the_nonzero_entries_by_column():
+    rng = np.random.default_rng(3)
+    dense = (rng.random((30, 17, 2)) < 0.2) * rng.integers(1, 4, (30, 17, 2))
+    dense[:, 5] = 0  # an empty column
+    dense[4, :, 0] = 0  # entries nonzero in one dense dimension only
+    A = GroupCOO.from_dense(dense, group_size=3)
+    A = A.with_values(A.Av.at[0, 0].set(0.0))  # a stored zero: not listed
+    assert A.transposed is None
+    T = A.with_transpose()
+    assert "transposed" in repr(T) and T.transposed.perm.dtype == A.index_dtype
+    perm, starts = map(np.asarray, T.transposed)
+    rows = np.repeat(np.asarray(A.Ai), A.group_size)[perm]
+    cols = np.asarray(A.Ak).reshape(-1)[perm]
+    values = np.asarray(A.Av).reshape(-1, 2)
+    np.testing.assert_array_equal(np.sort(perm), np.flatnonzero((values != 0).any(axis=1)))
+    assert starts.shape == (18,) and starts[0] == 0 and starts[-1] == perm.size
+    for k in range(17):  # column k's entries, by row
+        segment = slice(starts[k], starts[k + 1])
+        assert np.all(cols[segment] == k) and np.all(np.diff(rows[segment]) >= 0)
+    # A pytree leaf pair: through jit and tree_map; new values drop it (their zeros may differ).
+    leaves = jax.tree_util.tree_leaves(T)
+    assert len(leaves) == 5 and leaves[3] is T.transposed.perm
+    same = jax.jit(lambda A: A)(T)
+    np.testing.assert_array_equal(np.asarray(same.transposed.starts), starts)
+    assert T.with_values(T.Av * 2).transposed is None
+    with pytest.raises(TypeError, match="with_transpose runs on the host"):
+        jax.jit(lambda A: A.with_transpose())(A)
+
+
 def test_repr_and_properties():
     A, _ = small_group_coo()
     assert repr(A) == "GroupCOO(float64[3, 4], nnz=5, groups=3 x 2)"

@@ -90,3 +90,25 @@ def test_graph_attention_with_hub_rows_at_scale(rng):
     fused, reference = _fused_and_reference(q, k, v, A, kwargs, d_out)
     for name, a, b in zip(["out", "dq", "dk", "dv"], fused, reference):
         assert_allclose(a, np.asarray(b, np.float64), np.float32, err_msg=name)
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "sorted-in-step"])
+def test_graph_attention_with_the_pattern_as_an_argument(transposed, rng):
+    """A pattern passed to the jitted function: its schedule is XLA ops (with the transposed index: no sort)."""
+    rows = np.minimum(rng.zipf(1.6, 20_000), 1000) - 1
+    A = jnn.adjacency(np.stack([rng.integers(0, 1000, 20_000), rows]), 1000)
+    if not transposed:
+        A = A.with_values(A.Av)
+    q, k, v = (rng.standard_normal((1000, 4, s)).astype(np.float32) for s in (2, 2, 64))
+    d_out = rng.standard_normal((1000, 4, 64)).astype(np.float32)
+    kwargs = dict(score_mod=leaky, self_loops=True)
+    _, reference = _fused_and_reference(q, k, v, A, kwargs, d_out)
+
+    @jax.jit
+    def fused(A, q, k, v, t):
+        out, vjp = jax.vjp(lambda q, k, v: jinsum.attention(q, k, v, A, **kwargs), q, k, v)
+        return (out, *vjp(t))
+
+    assert "triton_kernel_call" in jax.jit(fused).lower(A, q, k, v, d_out).as_text()
+    for name, a, b in zip(["out", "dq", "dk", "dv"], fused(A, q, k, v, d_out), reference):
+        assert_allclose(a, np.asarray(b, np.float64), np.float32, err_msg=name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,23 @@ from jinsum.formats._convert import (
 )
 
 _FMT = "GroupCOO"
+
+
+class TransposedIndex(NamedTuple):
+    """A `GroupCOO`'s stored entries in column order: the row-grouped index of its transpose.
+
+    Work that runs over the columns (the backward of attention over its keys) needs the entries sorted by
+    column; built once on the host by :meth:`GroupCOO.with_transpose`, it costs no sort in every call of a
+    jitted step that takes the matrix as an argument (an argsort of a graph's millions of edges each step).
+
+    Attributes:
+      perm: int ``(T,)``, the flat slots ``g * P + p`` of the entries whose value was nonzero (anywhere in its
+        dense dimensions) when the index was built, sorted by column (stably: by row within a column).
+      starts: int ``(K + 1,)``: column ``k``'s entries are ``perm[starts[k]:starts[k + 1]]``.
+    """
+
+    perm: jax.Array
+    starts: jax.Array
 
 
 def _check_values(Av, groups: tuple[int, int]) -> None:
@@ -58,12 +77,15 @@ class GroupCOO(GroupedFormat):
         ``2**31 - 1``).
       Av: floating ``(G, P, *dense_shape)``, the value of each slot.
 
-    The class is a pytree with children ``(Ai, Ak, Av)`` and static ``(shape, nnz)``, so it passes through
-    ``jit``, ``grad`` and ``vmap``. Build it from other formats with :meth:`from_scipy`, :meth:`from_dense`,
+      transposed: a :class:`TransposedIndex` of the entries in column order, or None: built on request by
+        :meth:`with_transpose` (``jinsum.nn.adjacency`` does) and dropped by :meth:`with_values`.
+
+    The class is a pytree with children ``(Ai, Ak, Av, transposed)`` and static ``(shape, nnz)``, so it passes
+    through ``jit``, ``grad`` and ``vmap``. Build it from other formats with :meth:`from_scipy`, :meth:`from_dense`,
     :meth:`from_bcoo` or :meth:`from_edge_index`; they pick ``P`` with :func:`default_group_size` unless told.
     """
 
-    __slots__ = ("Ai", "Ak", "Av", "_shape", "_nnz")
+    __slots__ = ("Ai", "Ak", "Av", "transposed", "_shape", "_nnz")
 
     def __init__(self, Ai, Ak, Av, shape, *, nnz: int | None = None):
         """Builds a GroupCOO from its arrays, validating them.
@@ -90,15 +112,15 @@ class GroupCOO(GroupedFormat):
                 f"{_FMT}: shape must be (M, K, *dense_shape) with dense_shape = Av.shape[2:] = {Av.shape[2:]}, "
                 f"got {shape}"
             )
-        self._set(Ai, Ak, Av, shape, check_nnz(_FMT, nnz, Ak.size, "entries"))
+        self._set(Ai, Ak, Av, None, shape, check_nnz(_FMT, nnz, Ak.size, "entries"))
 
-    def _set(self, Ai, Ak, Av, shape, nnz) -> None:
-        self.Ai, self.Ak, self.Av, self._shape, self._nnz = Ai, Ak, Av, shape, nnz
+    def _set(self, Ai, Ak, Av, transposed, shape, nnz) -> None:
+        self.Ai, self.Ak, self.Av, self.transposed, self._shape, self._nnz = Ai, Ak, Av, transposed, shape, nnz
 
     # -- pytree ------------------------------------------------------------------------------------------
 
     def tree_flatten(self):
-        return (self.Ai, self.Ak, self.Av), (self._shape, self._nnz)
+        return (self.Ai, self.Ak, self.Av, self.transposed), (self._shape, self._nnz)
 
     # -- properties --------------------------------------------------------------------------------------
 
@@ -110,9 +132,10 @@ class GroupCOO(GroupedFormat):
     def __repr__(self) -> str:
         # Only static information, so it also works on tracers.
         dims = ", ".join(map(str, self._shape))
+        transposed = ", transposed" if self.transposed is not None else ""
         return (
             f"{_FMT}({jnp.dtype(self.dtype).name}[{dims}], nnz={self._nnz}, "
-            f"groups={self.num_groups} x {self.group_size})"
+            f"groups={self.num_groups} x {self.group_size}{transposed})"
         )
 
     # -- construction from other formats (host side, NumPy) ----------------------------------------------
@@ -237,8 +260,31 @@ class GroupCOO(GroupedFormat):
 
         Returns:
           A GroupCOO sharing ``Ai``, ``Ak`` and ``nnz``, with shape ``(M, K, *Av.shape[2:])``. Only shapes
-          are checked, so this is cheap and works under ``jit``.
+          are checked, so this is cheap and works under ``jit``. The transposed index is dropped: it lists the
+          entries that were nonzero, and the new values may differ in that.
         """
         Av = as_jax_array(Av)
         _check_values(Av, self.Ak.shape)
-        return self.tree_unflatten((self._shape[:2] + Av.shape[2:], self._nnz), (self.Ai, self.Ak, Av))
+        return self.tree_unflatten((self._shape[:2] + Av.shape[2:], self._nnz), (self.Ai, self.Ak, Av, None))
+
+    def with_transpose(self) -> GroupCOO:
+        """The same matrix carrying a :class:`TransposedIndex` (its entries in column order), built here on the
+        host; needs concrete arrays, so call it outside ``jit``, once per matrix.
+
+        The index lists the entries whose value is nonzero now (group padding is left out); it stays valid while
+        the values keep their zeros, so :meth:`with_values` drops it.
+
+        Example:
+          >>> A = jinsum.GroupCOO.from_edge_index(edge_index, num_nodes=N).with_transpose()
+          >>> jinsum.attention(q, k, v, A)   # its backward over the keys reads A.transposed: no sort per call
+        """
+        where = f"{_FMT}.with_transpose"
+        columns = host_array(where, self.Ak).reshape(-1)
+        values = host_array(where, self.Av)
+        nonzero = (values != 0).reshape(columns.size, -1).any(axis=1)
+        slots = np.flatnonzero(nonzero)
+        order = slots[np.argsort(columns[slots], kind="stable")]
+        starts = np.searchsorted(columns[order], np.arange(self._shape[1] + 1), side="left")
+        dtype = self.index_dtype
+        transposed = TransposedIndex(jnp.asarray(order, dtype), jnp.asarray(starts, dtype))
+        return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed))

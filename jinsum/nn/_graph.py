@@ -32,18 +32,19 @@ def adjacency(edge_index, num_nodes: int, *, values=None, group_size: int | None
         their own self loops by default, without this.
 
     Returns:
-      A `GroupCOO` with `A[dst, src] = weight`.
+      A `GroupCOO` with `A[dst, src] = weight`, carrying its entries in column order (`A.with_transpose()`), so
+      that the backward of `GATConv`'s attention over each node's out-edges sorts nothing in a jitted step.
 
     Example:
       >>> A = jinsum.nn.adjacency(np.array([[0, 1, 1], [1, 2, 0]]), num_nodes=3)
       >>> A.todense()   # A[1, 0], A[2, 1], A[0, 1] are 1
     """
     A = GroupCOO.from_edge_index(edge_index, values, num_nodes=num_nodes, group_size=group_size)
-    if not self_loops:
-        return A
-    csr = A.to_scipy()
-    missing = (csr.diagonal() == 0).astype(csr.dtype)
-    return GroupCOO.from_scipy(csr + sp.diags(missing), group_size=group_size, dtype=A.dtype)
+    if self_loops:
+        csr = A.to_scipy()
+        missing = (csr.diagonal() == 0).astype(csr.dtype)
+        A = GroupCOO.from_scipy(csr + sp.diags(missing), group_size=group_size, dtype=A.dtype)
+    return A.with_transpose()
 
 
 def expect_adjacency(layer: str, A, x, formats=(GroupCOO,)) -> None:
