@@ -9,6 +9,7 @@ from jinsum._attention import attention as attention
 from jinsum._autotune import autotune as autotune
 from jinsum._einsum import einsum as einsum
 from jinsum._inspect import triton_source as triton_source
+from jinsum._kernel_cache import kernel_cache_info as kernel_cache_info
 from jinsum._lang import ExpressionError as ExpressionError
 from jinsum._lang import Spec as Spec
 from jinsum._lower_triton import FallbackWarning as FallbackWarning

@@ -99,3 +99,27 @@ def test_autotune_stores_and_reuses_a_config(rng, tmp_path, monkeypatch):
     assert (tmp_path / "autotune.json").exists() and str(config.window) in (tmp_path / "autotune.json").read_text()
     out = jinsum.einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", sorted_indices=("Ai",), **operands)
     assert_allclose(out, reference("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", **operands), np.float32)
+
+
+def test_a_second_process_loads_the_compiled_kernels(tmp_path):
+    """jinsum's persistent kernel cache: a new process compiles nothing that an earlier one compiled (counted)."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    script = (
+        "import json, jax, jax.numpy as jnp, numpy as np, scipy.sparse as sp, jinsum\n"
+        "A = jinsum.GroupCOO.from_scipy(sp.random(300, 200, 0.05, random_state=0, dtype=np.float32))\n"
+        "B = jnp.ones((200, 24), jnp.float32)\n"
+        "y, vjp = jax.vjp(lambda B: A @ B, B)\n"
+        "jax.block_until_ready(vjp(y))\n"
+        "print(json.dumps(jinsum.kernel_cache_info()))\n")
+    env = {**os.environ, "JINSUM_CACHE_DIR": str(tmp_path), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    counts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        counts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert counts[0]["compiled"] >= 2 and counts[0]["loaded"] == 0  # the product and its transpose
+    assert counts[1]["compiled"] == 0 and counts[1]["loaded"] == counts[0]["compiled"]

@@ -1,0 +1,243 @@
+"""First calls: how long a new process takes to run its first jitted training step, cold and with a warm cache.
+
+    python benchmarks/first_call.py [--scale 17] [--out benchmarks/results]
+
+Models: GCN (128 -> 256 -> 40) and GAT (4 heads x 64, then 1 head) on an R-MAT graph made undirected (scale 17:
+131k nodes, 3.7M edges), a full-batch training step (forward, backward, Adam). Systems: jinsum's layers, and the
+same models on gathers + `jax.ops.segment_sum` (GCN, GAT: `examples/gat`) or a `jax.experimental.sparse` BCOO
+(GCN). Each run is a new Python process that reports wall-clock seconds for:
+
+- `import`: jax, flax, optax and jinsum; `context`: the first GPU array (CUDA context);
+- `lower`: tracing and lowering, where jax-triton compiles every generated kernel (Triton's front end, then
+  Triton's compiler down to PTX: both also reported on their own, by wrapping jax-triton's functions);
+- `compile`: XLA; `first run`: the first call, where jaxlib assembles each new kernel's PTX (ptxas);
+- `first step` = lower + compile + first run (the issue's measure; the graph is built on the host before it);
+- `new statement`: one more SpMM with a feature width the step did not use (lower, compile, first run).
+
+jinsum runs twice with one `JINSUM_CACHE_DIR` that starts empty: `cold` and then `second process`, which loads the
+compiled kernels from jinsum's persistent cache. Kernels compiled and loaded are counted
+(`jinsum.kernel_cache_info()`). Results go to `--out` as `first_call_<device>.{md,csv}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+STAGES = ("import", "context", "lower", "front end", "Triton compiler", "compile", "first run", "first step",
+          "new statement")
+
+
+def child(model_name: str, system: str, scale: int) -> dict:
+    """One measurement, in this (new) process."""
+    started = time.perf_counter()
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    import jinsum  # noqa: PLC0415
+    import jinsum.nn as jnn  # noqa: PLC0415
+    from jinsum.datasets import rmat  # noqa: PLC0415
+
+    times = {"import": time.perf_counter() - started}
+    clock = time.perf_counter()
+    jnp.zeros(1).block_until_ready()
+    times["context"] = time.perf_counter() - clock
+
+    nodes = 1 << scale
+    src, dst = rmat(scale, seed=0)
+    keep = src != dst
+    src, dst = src[keep].astype(np.int64), dst[keep].astype(np.int64)
+    pairs = np.unique(np.concatenate([src * nodes + dst, dst * nodes + src]))
+    edge_index = np.stack([pairs // nodes, pairs % nodes]).astype(np.int32)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((nodes, 128)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 40, nodes).astype(np.int32))
+    model, graph = _model(model_name, system, edge_index, nodes, nnx, jnp, np, jnn)
+
+    front, back = _instrument() if system == "jinsum" and jax.devices()[0].platform == "gpu" else ({}, {})
+    optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+    model.train()
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, x, y, graph):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x, graph), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    clock = time.perf_counter()
+    lowered = jax.jit(step).lower(state, x, y, graph)
+    times["lower"] = time.perf_counter() - clock
+    times["front end"], times["Triton compiler"] = front.get("seconds"), back.get("seconds")
+    clock = time.perf_counter()
+    compiled = lowered.compile()
+    times["compile"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    jax.block_until_ready(compiled(state, x, y, graph))
+    times["first run"] = time.perf_counter() - clock
+    times["first step"] = times["lower"] + times["compile"] + times["first run"]
+    clock = time.perf_counter()
+    jax.block_until_ready(compiled(state, x, y, graph))
+    second = time.perf_counter() - clock
+    result = dict(times=times, second_run=second)
+    if system == "jinsum":
+        result["kernels"] = {k: v for k, v in jinsum.kernel_cache_info().items() if k in ("compiled", "loaded")}
+        features = jnp.ones((nodes, 48), jnp.float32)
+        clock = time.perf_counter()
+        jax.block_until_ready(jax.jit(lambda A, B: A @ B)(graph, features))
+        times["new statement"] = time.perf_counter() - clock
+    return result
+
+
+def _model(model_name, system, edge_index, nodes, nnx, jnp, np, jnn):
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    if model_name == "GAT":
+        import importlib.util  # noqa: PLC0415
+
+        spec = importlib.util.spec_from_file_location("gat_example", HERE.parent / "examples" / "gat" / "main.py")
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        conv = jnn.GATConv if system == "jinsum" else example.SegmentGATConv
+        graph = (jnn.adjacency(edge_index, nodes) if system == "jinsum"
+                 else example.edges_with_self_loops(edge_index, nodes))
+        return example.GAT(conv, 128, 40, heads=4, hidden=64, dropout=0.6, rngs=nnx.Rngs(0)), graph
+    from gcn.main import GCN, BCOOGCNConv  # noqa: PLC0415
+
+    if system == "jinsum":
+        return GCN(jnn.GCNConv, 128, 256, 40, dropout=0.5, rngs=nnx.Rngs(0)), jnn.adjacency(edge_index, nodes)
+    loops = np.arange(nodes, dtype=np.int32)
+    src, dst = np.concatenate([edge_index, np.stack([loops, loops])], axis=1)
+    order = np.lexsort((src, dst))
+    src, dst = src[order], dst[order]
+    degree = np.bincount(dst, minlength=nodes).astype(np.float32)
+    weight = (degree[src] * degree[dst]) ** -0.5
+    if system == "BCOO":
+        from jax.experimental import sparse  # noqa: PLC0415
+
+        A_hat = sparse.BCOO((jnp.asarray(weight), jnp.asarray(np.stack([dst, src], 1))), shape=(nodes, nodes))
+        return GCN(BCOOGCNConv, 128, 256, 40, dropout=0.5, rngs=nnx.Rngs(0)), A_hat
+
+    class SegmentGCNConv(nnx.Module):
+        """`GCNConv` on edge arrays: a gather of the sources, weighted, and a sorted segment sum."""
+
+        def __init__(self, in_features, out_features, *, rngs):
+            self.linear = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
+            self.bias = nnx.Param(jnp.zeros((out_features,)))
+
+        def __call__(self, x, graph):
+            import jax  # noqa: PLC0415
+
+            src, dst, weight = graph
+            h = self.linear(x)
+            return jax.ops.segment_sum(weight[:, None] * h[src], dst, num_segments=x.shape[0],
+                                       indices_are_sorted=True) + self.bias[...]
+
+    graph = (jnp.asarray(src), jnp.asarray(dst), jnp.asarray(weight))
+    return GCN(SegmentGCNConv, 128, 256, 40, dropout=0.5, rngs=nnx.Rngs(0)), graph
+
+
+def _instrument():
+    """Seconds in Triton's front end and in Triton's compiler (or jinsum's cache in front of it), by wrapping
+    the functions jax-triton calls."""
+    from jinsum._lower_triton import _jax_triton  # noqa: PLC0415
+
+    triton_lib = _jax_triton().triton_lib
+    totals = ({"seconds": 0.0}, {"seconds": 0.0})
+    for owner, name, total in ((triton_lib.code_gen, "ast_to_ttir", totals[0]),
+                               (triton_lib, "compile_ttir_inplace", totals[1])):
+        original = getattr(owner, name)
+
+        def timed(*args, original=original, total=total, **kwargs):
+            clock = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                total["seconds"] += time.perf_counter() - clock
+
+        setattr(owner, name, timed)
+    return totals
+
+
+def run_child(model: str, system: str, scale: int, cache: str) -> dict | None:
+    env = {**os.environ, "JINSUM_CACHE_DIR": cache}
+    clock = time.perf_counter()
+    done = subprocess.run([sys.executable, __file__, "--child", model, system, "--scale", str(scale)], env=env,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - clock
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
+        return None
+    return {**json.loads(lines[-1]), "process": wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", type=int, default=17)
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "SYSTEM"), help=argparse.SUPPRESS)
+    p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child, args.scale)))
+        return
+    import jax  # noqa: PLC0415
+
+    rows = []
+    for model, systems in (("GCN", ("segment ops", "BCOO")), ("GAT", ("segment ops",))):
+        with tempfile.TemporaryDirectory() as cache:  # empty for each model's cold run
+            for system, when in (("jinsum", "cold"), ("jinsum", "second process"), *((s, "") for s in systems)):
+                result = run_child(model, system, args.scale, cache)
+                row = dict(model=model, system=f"{system} ({when})" if when else system)
+                if result:
+                    row.update(result["times"], process=result["process"], second_run=result["second_run"],
+                               **{f"kernels {k}": v for k, v in result.get("kernels", {}).items()})
+                rows.append(row)
+                print(row, flush=True)
+    write(rows, args.out, jax.devices()[0].device_kind, args.scale)
+
+
+def write(rows: list[dict], out: pathlib.Path, device: str, scale: int) -> None:
+    import importlib  # noqa: PLC0415
+
+    versions = []
+    for module in ("jax", "jaxlib", "triton", "jax_triton"):
+        try:
+            versions.append(f"{module} {importlib.import_module(module).__version__}")
+        except Exception:  # noqa: BLE001
+            pass
+    columns = ["process", *STAGES, "second_run", "kernels compiled", "kernels loaded"]
+    stem = out / f"first_call_{device.replace(' ', '_')}"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["model", "system", *columns], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"# First calls on {device}", "",
+             f"{', '.join(versions)}; R-MAT scale {scale} made undirected; `python benchmarks/first_call.py`. "
+             "Seconds of wall clock, each row a new process (see the script's docstring).", "",
+             "| model | system | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
+    for row in rows:
+        cells = [("" if row.get(c) is None else f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]))
+                 for c in columns]
+        lines.append(f"| {row['model']} | {row['system']} | " + " | ".join(cells) + " |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""A persistent cache of compiled kernels: what Triton makes of a kernel, on disk, shared by processes.
+
+A generated kernel reaches the GPU in three steps. In the lowering, jax-triton runs Triton's front end (the Python
+source to TTIR) and Triton's compiler (TTIR -> TTGIR -> LLVM IR -> PTX, the slow part); at its first launch,
+jaxlib assembles the PTX into machine code (ptxas). jax-triton 0.3.1 keeps its compiled kernels in a per-process
+dict and sets `TRITON_CACHE_DIR=""` on import, so every process paid every step again.
+
+jaxlib's Triton custom call takes PTX and runs ptxas itself (there is no way to hand it a cubin), so the PTX is
+what can persist: `install` wraps jax-triton's one compile function, `compile_ttir_inplace`, with a lookup keyed
+by everything that changes its output (the TTIR text, which holds the source, the constexprs and the argument
+specialisation; Triton's compile options, num_warps and num_stages among them; the GPU's compute capability; the
+Triton, jax-triton and jaxlib versions). That is the one place jinsum reaches into jax-triton, which offers no hook.
+
+Entries are files `<key>.json` (kernel name, shared memory, PTX and its SHA-256) in `$JINSUM_CACHE_DIR/compiled`
+(default `~/.cache/jinsum/kernels/compiled`), written to a temporary file and renamed, so concurrent processes
+never read half an entry; an entry that does not parse or whose digest does not match is ignored and rewritten.
+The folder is kept under `$JINSUM_KERNEL_CACHE_MB` (default 1024) megabytes by deleting the least recently used
+entries. `JINSUM_KERNEL_CACHE=0` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+from collections.abc import Callable
+
+from jinsum.kernels import cache_dir
+
+_DEFAULT_MB = 1024
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """What this process's kernel compiles did: `compiled` ran Triton's compiler, `loaded` read a cached entry
+    (`rejected`: a corrupt entry that was compiled again)."""
+
+    compiled: int = 0
+    loaded: int = 0
+    rejected: int = 0
+
+
+STATS = CacheStats()
+
+
+def directory() -> pathlib.Path:
+    """Where compiled kernels are kept."""
+    return cache_dir() / "compiled"
+
+
+def enabled() -> bool:
+    return os.environ.get("JINSUM_KERNEL_CACHE", "1") != "0"
+
+
+def max_bytes() -> int:
+    return int(float(os.environ.get("JINSUM_KERNEL_CACHE_MB", _DEFAULT_MB)) * 2**20)
+
+
+def kernel_cache_info() -> dict:
+    """This process's compiled-kernel counts (`compiled`, `loaded` from the cache, `rejected` corrupt entries),
+    and the cache's `directory`, `entries`, `bytes` and whether it is `enabled`."""
+    files = list(directory().glob("*.json")) if directory().exists() else []
+    return dict(dataclasses.asdict(STATS), directory=str(directory()), entries=len(files),
+                bytes=sum(_size(f) for f in files), enabled=enabled())
+
+
+def read(key: str) -> dict | None:
+    """The entry stored under `key`, or None (absent, unreadable, or corrupt: counted in `STATS.rejected`)."""
+    path = directory() / f"{key}.json"
+    try:
+        entry = json.loads(path.read_text())
+        valid = hashlib.sha256(entry["binary"].encode()).hexdigest() == entry["sha256"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        valid = False
+    if not valid:
+        STATS.rejected += 1
+        return None
+    try:
+        os.utime(path)  # recently used: the size bound deletes the oldest entries first
+    except OSError:
+        pass
+    return entry
+
+
+def write(key: str, name: str, shared_mem_bytes: int, binary: str) -> None:
+    """Stores an entry (write-then-rename), then deletes the least recently used entries over the size bound."""
+    folder = directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    entry = dict(name=name, shared_mem_bytes=shared_mem_bytes, binary=binary,
+                 sha256=hashlib.sha256(binary.encode()).hexdigest())
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+        json.dump(entry, f)
+    os.replace(f.name, folder / f"{key}.json")
+    _bound(folder, max_bytes())
+
+
+def _bound(folder: pathlib.Path, limit: int) -> None:
+    entries = []
+    for path in folder.glob("*.json"):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # deleted by another process meanwhile
+            continue
+        entries.append((stat.st_mtime, stat.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        path.unlink(missing_ok=True)
+        total -= size
+
+
+def _size(path: pathlib.Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def entry_key(ttir: str, options, compute_capability, platform: str, versions: tuple[str, ...]) -> str:
+    """The cache key of one compile: a SHA-256 over everything that changes the PTX."""
+    parts = (ttir, repr(options), str(compute_capability), platform, *versions)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
+
+
+def caching(compile_ttir: Callable, result_type: Callable, versions: tuple[str, ...]) -> Callable:
+    """`compile_ttir(ttir, backend, options, compute_capability, platform)` (jax-triton's signature, returning a
+    `result_type(binary, name, shared_mem_bytes, ttgir, llir)`) with the on-disk cache in front of it (CUDA only:
+    on ROCm the binary is a path to a file that jaxlib deletes after reading)."""
+
+    @functools.wraps(compile_ttir)
+    def compile_with_cache(ttir, backend, options, compute_capability, platform):
+        if platform != "cuda" or not enabled():
+            STATS.compiled += 1
+            return compile_ttir(ttir, backend, options, compute_capability, platform)
+        key = entry_key(str(ttir), options, compute_capability, platform, versions)
+        entry = read(key)
+        if entry is not None:
+            STATS.loaded += 1
+            return result_type(binary=entry["binary"], name=entry["name"],
+                               shared_mem_bytes=entry["shared_mem_bytes"], ttgir=None, llir=None)
+        result = compile_ttir(ttir, backend, options, compute_capability, platform)
+        STATS.compiled += 1
+        try:
+            write(key, result.name, result.shared_mem_bytes, result.binary)
+        except OSError:  # a read-only or full disk costs the cache, not the compile
+            pass
+        return result
+
+    compile_with_cache.jinsum_kernel_cache = True
+    return compile_with_cache
+
+
+def install(triton_lib) -> None:
+    """Puts the cache in front of `jax_triton.triton_lib.compile_ttir_inplace` (once per process)."""
+    if getattr(triton_lib.compile_ttir_inplace, "jinsum_kernel_cache", False):
+        return
+    import jax_triton  # noqa: PLC0415
+    import jaxlib  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+
+    versions = (f"triton {triton.__version__}", f"jax-triton {jax_triton.__version__}",
+                f"jaxlib {jaxlib.__version__}")
+    triton_lib.compile_ttir_inplace = caching(triton_lib.compile_ttir_inplace, triton_lib.CompilationResult,
+                                              versions)

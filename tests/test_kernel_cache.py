@@ -1,0 +1,168 @@
+"""First calls: the persistent cache of compiled kernels (`jinsum._kernel_cache`) with a fake compiler (keys,
+hits, corrupt entries, the size bound, the off switch, two processes writing at once), and Triton started without
+torch. (A GPU test in test_gpu.py checks that a second process loads the first one's kernels through jax-triton.)"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jinsum import _kernel_cache
+
+
+@dataclasses.dataclass
+class Result:  # jax-triton's CompilationResult
+    binary: str
+    name: str
+    shared_mem_bytes: int
+    ttgir: str | None
+    llir: str | None
+
+
+class FakeCompiler:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, ttir, backend, options, compute_capability, platform):
+        self.calls.append(str(ttir))
+        return Result(binary=f"// ptx of {ttir} with {options}\n" + "x" * 400, name=f"kernel_{len(self.calls)}",
+                      shared_mem_bytes=128 * len(self.calls), ttgir="ttgir", llir="llir")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A cached fake compiler over an empty cache folder, with fresh counters."""
+    monkeypatch.setenv("JINSUM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("JINSUM_KERNEL_CACHE", raising=False)
+    monkeypatch.delenv("JINSUM_KERNEL_CACHE_MB", raising=False)
+    monkeypatch.setattr(_kernel_cache, "STATS", _kernel_cache.CacheStats())
+    compiler = FakeCompiler()
+    return compiler, _kernel_cache.caching(compiler, Result, ("triton 0", "jax-triton 0", "jaxlib 0"))
+
+
+def _entries():
+    return sorted(_kernel_cache.directory().glob("*.json"))
+
+
+def test_a_second_compile_of_the_same_kernel_loads_it(cache):
+    compiler, compile_ttir = cache
+    first = compile_ttir("module @a", None, "warps=4", 90, "cuda")
+    again = compile_ttir("module @a", None, "warps=4", 90, "cuda")
+    assert len(compiler.calls) == 1 and len(_entries()) == 1
+    assert (again.binary, again.name, again.shared_mem_bytes) == (first.binary, first.name, first.shared_mem_bytes)
+    info = _kernel_cache.kernel_cache_info()
+    assert (info["compiled"], info["loaded"], info["entries"]) == (1, 1, 1) and info["bytes"] > 400
+
+
+def test_everything_that_changes_the_binary_is_in_the_key(cache):
+    compiler, compile_ttir = cache
+    for ttir, options, capability in [("module @a", "warps=4", 90), ("module @b", "warps=4", 90),
+                                      ("module @a", "warps=8", 90), ("module @a", "warps=4", 80)]:
+        compile_ttir(ttir, None, options, capability, "cuda")
+    assert len(compiler.calls) == 4 and len(_entries()) == 4
+    other_versions = _kernel_cache.caching(compiler, Result, ("triton 1", "jax-triton 0", "jaxlib 0"))
+    other_versions("module @a", None, "warps=4", 90, "cuda")
+    assert len(compiler.calls) == 5
+
+
+@pytest.mark.parametrize("damage", ["truncated", "digest", "not json"])
+def test_a_corrupt_entry_is_ignored_and_rewritten(cache, damage):
+    compiler, compile_ttir = cache
+    compile_ttir("module @a", None, "", 90, "cuda")
+    [path] = _entries()
+    text = path.read_text()
+    if damage == "truncated":
+        path.write_text(text[: len(text) // 2])
+    elif damage == "digest":
+        entry = json.loads(text)
+        path.write_text(json.dumps({**entry, "binary": entry["binary"].replace("x", "y")}))
+    else:
+        path.write_bytes(b"\x00\xff")
+    result = compile_ttir("module @a", None, "", 90, "cuda")
+    assert len(compiler.calls) == 2 and "x" * 400 in result.binary
+    assert _kernel_cache.STATS.rejected == 1
+    compile_ttir("module @a", None, "", 90, "cuda")  # rewritten: loads now
+    assert len(compiler.calls) == 2 and _kernel_cache.STATS.loaded == 1
+
+
+def test_the_size_bound_deletes_the_least_recently_used_entries(cache, monkeypatch):
+    compiler, compile_ttir = cache
+    monkeypatch.setenv("JINSUM_KERNEL_CACHE_MB", str(1500 / 2**20))  # room for two entries of ~560 bytes
+    for i, name in enumerate("abc"):
+        compile_ttir(f"module @{name}", None, "", 90, "cuda")
+        for path in _entries():  # distinct modification times, oldest first, whatever the file system's clock
+            if f"@{name}" in path.read_text():
+                os.utime(path, (1000 + i, 1000 + i))
+    assert len(_entries()) == 2
+    compile_ttir("module @b", None, "", 90, "cuda")  # b is loaded, so it becomes the most recently used
+    compile_ttir("module @d", None, "", 90, "cuda")
+    texts = " ".join(p.read_text() for p in _entries())
+    assert "@b" in texts and "@d" in texts and "@c" not in texts and "@a" not in texts
+    assert len(compiler.calls) == 4
+
+
+def test_the_off_switch_and_other_platforms_compile_every_time(cache, monkeypatch):
+    compiler, compile_ttir = cache
+    compile_ttir("module @a", None, "", 90, "rocm")
+    compile_ttir("module @a", None, "", 90, "rocm")
+    monkeypatch.setenv("JINSUM_KERNEL_CACHE", "0")
+    compile_ttir("module @a", None, "", 90, "cuda")
+    compile_ttir("module @a", None, "", 90, "cuda")
+    assert len(compiler.calls) == 4 and not _entries()
+    assert not _kernel_cache.kernel_cache_info()["enabled"]
+
+
+def test_two_processes_writing_the_same_entries(tmp_path):
+    script = textwrap.dedent("""
+        import dataclasses, sys
+        from jinsum import _kernel_cache
+
+        @dataclasses.dataclass
+        class Result:
+            binary: str
+            name: str
+            shared_mem_bytes: int
+            ttgir: object
+            llir: object
+
+        def compile_ttir(ttir, backend, options, capability, platform):
+            return Result("ptx " + ttir * 2000, "k", 0, None, None)
+
+        cached = _kernel_cache.caching(compile_ttir, Result, ("v",))
+        for round in range(3):
+            for i in range(40):
+                assert cached(f"module @{i}", None, "", 90, "cuda").binary == "ptx " + f"module @{i}" * 2000
+        print(_kernel_cache.STATS.rejected)
+    """)
+    env = {**os.environ, "JINSUM_CACHE_DIR": str(tmp_path)}
+    processes = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0]
+    assert [int(out) for out in outputs] == [0, 0]  # neither ever read a partial entry
+    folder = tmp_path / "compiled"
+    assert len(list(folder.glob("*.json"))) == 40 and not list(folder.glob("*.tmp"))
+
+
+def test_the_triton_specializer_starts_without_importing_torch():
+    """Triton's specializer imports torch on its first call (seconds per process); jinsum starts it with torch
+    hidden. Torch tensors passed later still specialise (the `data_ptr` path)."""
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    script = textwrap.dedent("""
+        import sys
+        from jinsum._lower_triton import _start_triton_specializer_without_torch
+        _start_triton_specializer_without_torch()
+        assert "torch" not in sys.modules
+        import torch
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.nvidia.compiler import CUDABackend
+        print(native_specialize_impl(CUDABackend, torch.zeros(4), False, True, True))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "('*fp32', 'D')"
