@@ -153,19 +153,22 @@ def caching(compile_ttir: Callable, result_type: Callable, versions: tuple[str, 
             pass
         return result
 
-    compile_with_cache.jinsum_kernel_cache = True
     return compile_with_cache
 
 
-def install(triton_lib) -> None:
-    """Puts the cache in front of `jax_triton.triton_lib.compile_ttir_inplace` (once per process)."""
-    if getattr(triton_lib.compile_ttir_inplace, "jinsum_kernel_cache", False):
+def install(triton_lib, versions: tuple[str, ...] | None = None) -> None:
+    """Puts the cache in front of `jax_triton.triton_lib.compile_ttir_inplace`, once per process (a mark on the
+    module, not on the function: whoever wraps the function after us must not get a second cache around it).
+    `versions` default to those of Triton, jax-triton and jaxlib."""
+    if getattr(triton_lib, "_jinsum_kernel_cache", False):
         return
-    import jax_triton  # noqa: PLC0415
-    import jaxlib  # noqa: PLC0415
-    import triton  # noqa: PLC0415
+    if versions is None:
+        import jax_triton  # noqa: PLC0415
+        import jaxlib  # noqa: PLC0415
+        import triton  # noqa: PLC0415
 
-    versions = (f"triton {triton.__version__}", f"jax-triton {jax_triton.__version__}",
-                f"jaxlib {jaxlib.__version__}")
+        versions = (f"triton {triton.__version__}", f"jax-triton {jax_triton.__version__}",
+                    f"jaxlib {jaxlib.__version__}")
     triton_lib.compile_ttir_inplace = caching(triton_lib.compile_ttir_inplace, triton_lib.CompilationResult,
                                               versions)
+    triton_lib._jinsum_kernel_cache = True

@@ -116,6 +116,22 @@ def test_the_off_switch_and_other_platforms_compile_every_time(cache, monkeypatc
     assert not _kernel_cache.kernel_cache_info()["enabled"]
 
 
+def test_install_wraps_jax_tritons_compiler_once(cache):
+    """A second `install` (every lowering calls it) adds no second cache, even after someone else wrapped the
+    compiler (a profiler): one compile is counted once."""
+    import types  # noqa: PLC0415
+
+    compiler, _ = cache
+    triton_lib = types.SimpleNamespace(compile_ttir_inplace=compiler, CompilationResult=Result)
+    _kernel_cache.install(triton_lib, versions=("v",))
+    cached = triton_lib.compile_ttir_inplace
+    triton_lib.compile_ttir_inplace = lambda *args: cached(*args)  # a timing wrapper, say
+    _kernel_cache.install(triton_lib, versions=("v",))
+    triton_lib.compile_ttir_inplace("module @a", None, "", 90, "cuda")
+    triton_lib.compile_ttir_inplace("module @a", None, "", 90, "cuda")
+    assert len(compiler.calls) == 1 and (_kernel_cache.STATS.compiled, _kernel_cache.STATS.loaded) == (1, 1)
+
+
 def test_two_processes_writing_the_same_entries(tmp_path):
     script = textwrap.dedent("""
         import dataclasses, sys
