@@ -45,6 +45,8 @@ from jinsum.datasets import rmat  # noqa: E402
 from jinsum.kernels import ChainConfig, forced_config  # noqa: E402
 from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
+from _training import train_step  # noqa: E402 (benchmarks/, this script's folder)
+
 try:
     import torch
 except ImportError:
@@ -200,16 +202,11 @@ def _gat_example():
 
 
 def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
-    import optax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
     example = _gat_example()
     nodes = 1 << scale
-    src, dst = rmat(scale, seed=0)
-    keep = src != dst
-    src, dst = src[keep].astype(np.int64), dst[keep].astype(np.int64)
-    pairs = np.unique(np.concatenate([src * nodes + dst, dst * nodes + src]))
-    edge_index = np.stack([pairs // nodes, pairs % nodes]).astype(np.int32)
+    edge_index = rmat(scale, seed=0, undirected=True)
     name = f"GAT training step, R-MAT {scale} undirected ({edge_index.shape[1] / 1e6:.2f}M edges)"
     print(f"\n{name}")
     rng = np.random.default_rng(0)
@@ -217,20 +214,7 @@ def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
     y = jnp.asarray(rng.integers(0, 40, nodes).astype(np.int32))
 
     def step_of(model, graph):
-        optimizer = nnx.Optimizer(model, optax.adam(0.005), wrt=nnx.Param)
-        model.train()
-        graphdef, state = nnx.split((model, optimizer))
-
-        def step(state, x, y, graph):
-            model, optimizer = nnx.merge(graphdef, state)
-
-            def loss_fn(model):
-                return optax.softmax_cross_entropy_with_integer_labels(model(x, graph), y).mean()
-
-            loss, grads = nnx.value_and_grad(loss_fn)(model)
-            optimizer.update(model, grads)
-            return nnx.state((model, optimizer)), loss
-
+        step, state = train_step(model, 0.005)
         compiled = jax.jit(step).lower(state, x, y, graph).compile()
         return lambda: compiled(state, x, y, graph)
 

@@ -100,6 +100,21 @@ def test_rmat_basic_properties():
     assert not np.array_equal(rmat(scale, 16, seed=2), edges)
 
 
+def test_rmat_undirected_is_the_symmetric_closure_without_self_loops():
+    scale = 7
+    n = 1 << scale
+    directed = rmat(scale, seed=3)
+    edges = rmat(scale, seed=3, undirected=True)
+    assert edges.dtype == np.int32 and np.all(edges[0] != edges[1])
+    keys = edge_keys(edges, n)
+    assert np.all(np.diff(keys) > 0), "sorted, each edge once"
+    np.testing.assert_array_equal(np.sort(edge_keys(edges[::-1], n)), keys)  # symmetric
+    dense = np.zeros((n, n), bool)
+    dense[directed[0], directed[1]] = True
+    dense = (dense | dense.T) & ~np.eye(n, dtype=bool)
+    np.testing.assert_array_equal(np.stack(np.nonzero(dense)), edges)
+
+
 @pytest.mark.parametrize("a, b, c", [(0.57, 0.19, 0.19), (0.45, 0.25, 0.15)])
 def test_rmat_matches_the_expected_distinct_edge_counts(a, b, c):
     scale, edge_factor = 8, 16
