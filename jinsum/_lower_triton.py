@@ -59,6 +59,7 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         inputs.append(row_starts(env[spec.lhs_sorted_index], plan.row_count, jnp))
     out = _jax_triton().triton_call(
         *inputs,
+        *plan.sizes.values(),
         kernel=load_kernel(generate(plan)),
         out_shape=jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype),
         grid=plan.grid_shape,
@@ -143,8 +144,8 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
         out.zero_()  # as the launcher's zeroed output: the kernel must not rely on the left-hand side's values
     if plan.reads_lhs:
         inputs.insert(0, out)  # aliased: the kernel reads and writes the output buffer only
-    load_kernel(generate(plan))[plan.grid_shape](*inputs, out, num_warps=plan.config.num_warps,
-                                                 **_metaparameters(plan))
+    load_kernel(generate(plan))[plan.grid_shape](*inputs, *plan.sizes.values(), out,
+                                                 num_warps=plan.config.num_warps, **_metaparameters(plan))
     return from_torch(out).astype(spec.lhs.dtype)
 
 

@@ -144,6 +144,25 @@ class KernelPlan:
             return self.row_count
         return -(-self.spec.extent[self.window] // self.config.window) if self.window else 1
 
+    @functools.cached_property
+    def sizes(self) -> dict[str, int]:
+        """The sizes the kernel takes as runtime arguments, by parameter name, in order: `programs` along the
+        window variable, the window variable's extent (`size_<var>`: a pattern's number of groups), and the
+        leading dimension of every array that an index array addresses (`rows_<array>`, the bound of its range
+        check). So a pattern with another number of groups, or operands with another number of rows, reuse the
+        compiled kernel: these only bound loops and masks (strides never involve a leading dimension). Tiles,
+        strides and feature widths stay in the source, where they make vector loads and unrolled loops."""
+        sizes = {}
+        if self.window or self.row_programs:
+            sizes["programs"] = self.windows
+        if self.window:
+            sizes[f"size_{self.window}"] = self.spec.extent[self.window]
+        statement = self.spec.statement
+        for node in (n for access in statement.accesses for n in walk(access)):
+            if node.indices and isinstance(node.indices[0], Access):
+                sizes[f"rows_{node.tensor}"] = self.spec.operand[node.tensor].shape[0]
+        return {name: int(size) for name, size in sizes.items()}  # (Python ints: jax-triton's scalar arguments)
+
     @property
     def grid_shape(self) -> tuple[int, int]:
         """(programs over the grid variables and windows, programs over output tiles)."""

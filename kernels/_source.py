@@ -97,7 +97,8 @@ class _Writer:
 
     def _kernel(self) -> list[str]:
         plan, spec = self.plan, self.spec
-        params = [f"p_{n}" for n in kernel_inputs(plan)] + ["p_row_starts"] * plan.row_programs + ["p_out"]
+        params = [f"p_{n}" for n in kernel_inputs(plan)] + ["p_row_starts"] * plan.row_programs + [*plan.sizes]
+        params += ["p_out"]
         params += ["BLOCK_ROWS: tl.constexpr", "BLOCK: tl.constexpr"] if plan.template == "lanes" else \
             ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr"]
         params += ["WINDOW: tl.constexpr", "NUM_STAGES: tl.constexpr"]
@@ -122,14 +123,14 @@ class _Writer:
         self.emit("pid = tl.program_id(0)")
         rest = "pid"
         if plan.row_programs:
-            self.emit(f"row = pid % {plan.windows}")
+            self.emit("row = pid % programs")
             self.emit("begin = tl.load(p_row_starts + row)")
             self.emit("end = tl.load(p_row_starts + row + 1)")
-            rest = f"(pid // {plan.windows})"
+            rest = "(pid // programs)"
         elif plan.window:
-            self.emit(f"start = (pid % {plan.windows}) * WINDOW")
-            self.emit(f"stop = tl.minimum(start + WINDOW, {extent[plan.window]})")
-            rest = f"(pid // {plan.windows})"
+            self.emit("start = (pid % programs) * WINDOW")
+            self.emit(f"stop = tl.minimum(start + WINDOW, size_{plan.window})")
+            rest = "(pid // programs)"
         for v in reversed(plan.grid):
             self.emit(f"v_{v} = {rest} % {extent[v]}")
             rest = f"({rest} // {extent[v]})"
@@ -198,8 +199,8 @@ class _Writer:
 
     def _segmented_body(self) -> None:
         """Runs of equal rows (the window variable's sorted index) accumulate in registers and are written once."""
-        plan, extent = self.plan, self.spec.extent
-        g, size = plan.window, extent[plan.window]
+        plan = self.plan
+        g, size = plan.window, f"size_{plan.window}"
         rows = f"p_{self.spec.lhs_sorted_index}"
         schedule = plan.config.schedule
         if schedule == "rows":
@@ -386,7 +387,7 @@ class _Writer:
                     masks.append(self._tile_axis(role, index.name).replace("v_", "m_", 1))
             else:
                 value = self.loaded[self._key(index, role)]
-                masks.append(f"in_range({value}, {shape[d]})")
+                masks.append(f"in_range({value}, {f'rows_{node.tensor}' if d == 0 else shape[d]})")
                 self.helpers.add("in_range")
             positions.append(value)
         return f"p_{node.tensor} + {offset(shape, positions)}", " & ".join(masks)

@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.sparse as sp
 import pytest
 
 import jinsum
@@ -198,3 +199,26 @@ LAYER_SPECS = _layer_specs()
 def test_layer_statements_and_their_gradients_run_in_generated_kernels(spec, rng):
     operands = random_operands(spec, rng)
     assert_allclose(interpret(spec, operands), reference(str(spec.statement), **operands), np.float32)
+
+
+@pytest.mark.parametrize("config", [KernelConfig(), KernelConfig(schedule="owned", window=2),
+                                    KernelConfig(schedule="rows")], ids=["default", "owned", "rows"])
+@pytest.mark.parametrize("expression", ["C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]",  # SpMM
+                                        "B[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]"])  # its transpose (a scatter)
+def test_a_pattern_of_another_size_runs_the_same_kernel(expression, config):
+    """Group, row and column counts are runtime arguments (`KernelPlan.sizes`): patterns of other sizes with the
+    same feature width generate one source, which is right on each."""
+    sources = set()
+    for seed, (rows, cols, density) in enumerate([(300, 200, 0.05), (57, 410, 0.1), (5, 3, 0.5)]):
+        rng = np.random.default_rng(seed)
+        A = jinsum.GroupCOO.from_scipy(sp.random(rows, cols, density, random_state=seed, dtype=np.float32),
+                                       group_size=4)
+        operands = dict(Ai=np.asarray(A.Ai), Ak=np.asarray(A.Ak), Av=np.asarray(A.Av),
+                        B=rng.standard_normal((cols, 24)).astype(np.float32),
+                        C=rng.standard_normal((rows, 24)).astype(np.float32))
+        spec = _spec(expression, operands)
+        plan = make_plan(spec, config)
+        sources.add(generate(plan))
+        assert_allclose(interpret(spec, operands, config), reference(expression, **operands), np.float32,
+                        err_msg=f"{rows} x {cols}")
+    assert len(sources) == 1
