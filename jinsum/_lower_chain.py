@@ -26,7 +26,7 @@ from jinsum import _chain_reference
 from jinsum._lang._chain import Chain
 from jinsum._lower_triton import FallbackWarning, _jax_triton, count_below, from_torch, row_starts, to_torch
 from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_config, chain_inputs, chain_outputs,
-                            generate_chain, load_kernel, make_chain_plan, scratch_shapes)
+                            chain_sizes, generate_chain, load_kernel, make_chain_plan, scratch_shapes)
 
 SCHEDULE = ("row_items", "row_combine", "flags", "perm", "key_rows", "key_items", "key_combine")
 FORWARD, BACKWARD = ("forward", "combine"), ("dq", "dq_sum", "dkdv", "dkdv_sum")
@@ -239,6 +239,7 @@ def _triton_launch(plan: ChainPlan, inputs: dict, outputs: dict, *, zeroed=(), a
     names_in, names_out = chain_inputs(plan), chain_outputs(plan)
     results = _jax_triton().triton_call(
         *(inputs[n] for n in names_in),
+        *chain_sizes(plan).values(),
         kernel=load_kernel(generate_chain(plan)),
         out_shape=[jax.ShapeDtypeStruct(*outputs[n]) for n in names_out],
         grid=plan.grid_shape,
@@ -265,7 +266,8 @@ def _interpret_launch(plan: ChainPlan, inputs: dict, outputs: dict, *, zeroed=()
             buffer = to_torch(np.zeros(shape, dtype))
             outs.append(buffer if name in zeroed else buffer.fill_(float("nan")) if buffer.is_floating_point()
                         else buffer.fill_(-7))  # unwritten elements must show
-    load_kernel(generate_chain(plan))[plan.grid_shape](*ins, *outs, num_warps=plan.config.num_warps)
+    load_kernel(generate_chain(plan))[plan.grid_shape](*ins, *chain_sizes(plan).values(), *outs,
+                                                       num_warps=plan.config.num_warps)
     return {n: from_torch(t) for n, t in zip(names_out, outs)}
 
 

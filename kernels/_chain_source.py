@@ -43,6 +43,16 @@ def chain_inputs(plan: ChainPlan) -> tuple[str, ...]:
             "dkdv_sum": ("dK", "dV", "combine", "part_dk", "part_dv")}[kind]
 
 
+def chain_sizes(plan: ChainPlan) -> dict[str, int]:
+    """The sizes a main kernel takes as runtime arguments, after its inputs: the numbers of rows and keys (bounds
+    of the range checks) and of stored entries (dropout's counters). A pattern of another size with the same
+    heads and widths runs the same compiled kernels; strides and tiles stay in the source."""
+    chain = plan.chain
+    if plan.kind in SUMS:
+        return {}
+    return {"rows": int(chain.rows), "keys": int(chain.keys), "entries": int(chain.entries)}
+
+
 def chain_outputs(plan: ChainPlan) -> tuple[str, ...]:
     dq = ("dQ",) if plan.kind == "dkdv" and plan.dq_in_dkdv else ()
     return {"forward": ("O", "LSE", "part_m", "part_l", "part_acc"), "combine": ("O", "LSE"),
@@ -122,7 +132,7 @@ class _Writer:
 
     def _kernel(self) -> list[str]:
         plan, chain = self.plan, self.chain
-        params = [f"p_{n}" for n in self.inputs] + [f"o_{n}" for n in self.outputs]
+        params = [f"p_{n}" for n in self.inputs] + [*chain_sizes(plan)] + [f"o_{n}" for n in self.outputs]
         self._prologue()
         getattr(self, f"_{plan.kind}")()
         config = plan.config
@@ -281,7 +291,7 @@ class _Writer:
         self.env[r.group], self.env[r.slot] = _Bound("v_g", axis), _Bound("v_p", axis)
         return "entry"
 
-    def _gather(self, access: str, name: str, source: str, extent: int) -> _Bound:
+    def _gather(self, access: str, name: str, source: str, extent: str) -> _Bound:
         """`name` = the index `access` (`Ak[g,p]`: a key, `Ai[g]`: a row) of the current entry (tile of
         entries), read from `source` at the loop position (`p_Ak` in entry order, `p_key_rows` in key order)."""
         if self.dot:
@@ -385,7 +395,7 @@ class _Writer:
     def _keep(self, entry: str) -> str:
         """`z`: the dropout factor of each weight (0 or 1 / (1 - rate)), drawn from (seed, counter)."""
         chain = self.chain
-        entries = chain.entries + (chain.rows if chain.self_loops else 0)
+        entries = "(entries + rows)" if chain.self_loops else "entries"  # (a self loop's counter follows them)
         if self.dot:
             bm, bk = chain.block
             counter = f"((glin.to(tl.int64) * {entries} + {entry}) * {bm * bk} + v_m[:, None] * {bk} + v_k[None, :])"
@@ -494,10 +504,10 @@ class _Writer:
                     self.env["Ak[g,p]"] = row
                     k, v = self.load("K", ("h", "d")), self.load("V", ("h", "e"))
                     self._scores(q, k, ("segment", "segment"), slope=False, q_axes=("h", "d"), k_axes=("h", "d"))
-                    self._online_softmax(None, v, ("h", "e"), f"{chain.entries} + segment")
+                    self._online_softmax(None, v, ("h", "e"), "entries + segment")
             with self._entries_loop():
                 entry = self._bind_entries(None)
-                col = self._gather("Ak[g,p]", "col", "p_Ak", chain.keys)
+                col = self._gather("Ak[g,p]", "col", "p_Ak", "keys")
                 positions = self._positions(row, col)
                 allowed = self._allowed(row, col, positions, self._flag(entry))
                 mask = None if self.dot else "allowed[:, :, None]"
@@ -554,12 +564,12 @@ class _Writer:
                     self._scores(q, k, ("segment", "segment"), slope=True, q_axes=("h", "d"), k_axes=("h", "d"))
                     self.emit(f"w = tl.exp2(s - {lse}[:, None])")
                     self.emit(f"dp = tl.sum({do} * {v}, 1)[:, None]")
-                    self._dropout_on("dp", f"{chain.entries} + segment")
+                    self._dropout_on("dp", "entries + segment")
                     self._ds("w", "dp", f"{drow}[:, None]", None)
                     self.emit(f"dq += tl.sum(ds[:, :, None] * {k}[:, None, :], 1)")
             with self._entries_loop():
                 entry = self._bind_entries(None)
-                col = self._gather("Ak[g,p]", "col", "p_Ak", chain.keys)
+                col = self._gather("Ak[g,p]", "col", "p_Ak", "keys")
                 positions = self._positions(row, col)
                 allowed = self._allowed(row, col, positions, self._flag(entry))
                 if self.dot:
@@ -604,13 +614,13 @@ class _Writer:
                     self._scores(q, k, ("segment", "segment"), slope=True, q_axes=("h", "d"), k_axes=("h", "d"))
                     self.emit(f"w = tl.exp2(s - {lse}[:, None])")
                     self.emit(f"dp = tl.sum({do} * {v}, 1)[:, None]")
-                    self._weights_and_scores_gradient(f"{chain.entries} + segment", f"{drow}[:, None]", None)
+                    self._weights_and_scores_gradient("entries + segment", f"{drow}[:, None]", None)
                     self.emit(f"dv += tl.sum(wz[:, :, None] * {do}[:, None, :], 1)")
                     self.emit(f"dk += tl.sum(ds[:, :, None] * {q}[:, None, :], 1)")
                     self._add_to_dq(f"ds * {k}", ("h", "d"), None)
             with self._entries_loop():
                 entry = self._bind_entries("p_perm")
-                row = self._gather("Ai[g]", "row", "p_key_rows", chain.rows)
+                row = self._gather("Ai[g]", "row", "p_key_rows", "rows")
                 positions = self._positions(row, col)
                 allowed = self._allowed(row, col, positions, self._flag(entry))
                 if self.dot:

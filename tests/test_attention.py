@@ -354,6 +354,26 @@ def test_block_kernels_use_tensor_cores_and_skip_the_mask_of_full_blocks(rng):
     assert "# ---- dq" in backward and "# ---- dkdv" in backward and "p_perm" in backward
 
 
+@pytest.mark.parametrize("fmt", ["block", "graph"])
+def test_patterns_of_other_sizes_run_the_same_kernels(fmt, rng):
+    """Row, key and entry counts are runtime arguments (`chain_sizes`): a pattern of another size with the same
+    heads and widths generates the same kernels, forward and backward."""
+    sources = set()
+    for size in (40, 67):
+        if fmt == "block":
+            pattern = block_pattern(rng, length=size * 2, keys=size + 9)
+        else:
+            pattern, _ = graph_pattern(rng, size)
+        q, k, v = _qkv(rng, *pattern.shape[:2])
+
+        def loss(q, pattern=pattern, k=k, v=v):
+            out = jinsum.attention(q, k, v, pattern, score_mod=leaky, self_loops=fmt == "graph", dropout=0.2, seed=1)
+            return jnp.sum(out)
+
+        sources.add(jinsum.triton_source(jax.grad(loss), q))
+    assert len(sources) == 1
+
+
 def test_graph_kernels_gather_rows_and_need_no_scores_buffer(rng):
     pattern, _ = graph_pattern(rng)
     q, k, v = _qkv(rng, *pattern.shape[:2])
