@@ -9,8 +9,9 @@ checks every generated chain kernel.
 The schedule (`schedule`: work items, block flags, the transposed order) depends on the pattern only. It is
 computed before the primitive is bound, once for the forward and the backward: on the host with NumPy when the
 pattern is concrete (a pattern closed over by a jitted function costs nothing per call), else as XLA ops in the
-traced program (where layers sharing one adjacency share them). A segment (row or key) of `L` entries is
-`max(1, ceil(L / chunk))` work items.
+traced program (where layers sharing one adjacency share them): then the transposed order is the argsort of the
+keys, unless the `GroupCOO` carries it (`GroupCOO.with_transpose`, built on the host by `jinsum.nn.adjacency`).
+A segment (row or key) of `L` entries is `max(1, ceil(L / chunk))` work items.
 """
 
 from __future__ import annotations
