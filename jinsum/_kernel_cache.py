@@ -57,7 +57,15 @@ def enabled() -> bool:
 
 
 def max_bytes() -> int:
-    return int(float(os.environ.get("JINSUM_KERNEL_CACHE_MB", _DEFAULT_MB)) * 2**20)
+    setting = os.environ.get("JINSUM_KERNEL_CACHE_MB", str(_DEFAULT_MB))
+    try:
+        megabytes = float(setting)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:
+        raise ValueError(f"jinsum: JINSUM_KERNEL_CACHE_MB must be a size in megabytes (a number >= 0), got "
+                         f"{setting!r}; unset it for the default {_DEFAULT_MB}, or set JINSUM_KERNEL_CACHE=0")
+    return int(megabytes * 2**20)
 
 
 def kernel_cache_info() -> dict:

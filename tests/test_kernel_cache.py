@@ -116,6 +116,25 @@ def test_the_off_switch_and_other_platforms_compile_every_time(cache, monkeypatc
     assert not _kernel_cache.kernel_cache_info()["enabled"]
 
 
+def test_a_cache_that_cannot_be_written_costs_the_cache_not_the_compile(cache, monkeypatch):
+    compiler, compile_ttir = cache
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_kernel_cache, "write", full_disk)
+    assert "x" * 400 in compile_ttir("module @a", None, "", 90, "cuda").binary
+    assert len(compiler.calls) == 1 and not _entries()
+
+
+@pytest.mark.parametrize("setting", ["lots", "-5", "nan"])
+def test_a_bad_size_bound_is_named(cache, monkeypatch, setting):
+    _, compile_ttir = cache
+    monkeypatch.setenv("JINSUM_KERNEL_CACHE_MB", setting)
+    with pytest.raises(ValueError, match=f"JINSUM_KERNEL_CACHE_MB must be a size in megabytes .* got '{setting}'"):
+        compile_ttir("module @a", None, "", 90, "cuda")
+
+
 def test_install_wraps_jax_tritons_compiler_once(cache):
     """A second `install` (every lowering calls it) adds no second cache, even after someone else wrapped the
     compiler (a profiler): one compile is counted once."""
