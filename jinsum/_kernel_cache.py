@@ -9,7 +9,11 @@ jaxlib's Triton custom call takes PTX and runs ptxas itself (there is no way to 
 what can persist: `install` wraps jax-triton's one compile function, `compile_ttir_inplace`, with a lookup keyed
 by everything that changes its output (the TTIR text, which holds the source, the constexprs and the argument
 specialisation; Triton's compile options, num_warps and num_stages among them; the GPU's compute capability; the
-Triton, jax-triton and jaxlib versions). That is the one place jinsum reaches into jax-triton, which offers no hook.
+Triton, jax-triton and jaxlib versions). For jinsum's own kernels it also keeps the front end's output (the TTIR
+text, `<key>.ttir`), keyed by the generated module, the helpers it imports, the signature, constexprs,
+specialisation, options and versions: a later process parses it (milliseconds) instead of running Triton's front
+end (0.1 s a kernel), and the parsed module prints to the same text, so the PTX lookup hits. These two wrappers, on
+jax-triton's module, are the one place jinsum reaches into jax-triton, which offers no hook.
 
 Entries are files `<key>.json` (kernel name, shared memory, PTX and its SHA-256) in `$JINSUM_CACHE_DIR/compiled`
 (default `~/.cache/jinsum/kernels/compiled`), written to a temporary file and renamed, so concurrent processes
@@ -29,6 +33,7 @@ import pathlib
 import tempfile
 from collections.abc import Callable
 
+from jinsum import kernels
 from jinsum.kernels import cache_dir
 
 _DEFAULT_MB = 1024
@@ -37,11 +42,13 @@ _DEFAULT_MB = 1024
 @dataclasses.dataclass
 class CacheStats:
     """What this process's kernel compiles did: `compiled` ran Triton's compiler, `loaded` read a cached entry
-    (`rejected`: a corrupt entry that was compiled again)."""
+    (`rejected`: a corrupt entry that was compiled again); `parsed` front ends read from the cache instead of
+    running."""
 
     compiled: int = 0
     loaded: int = 0
     rejected: int = 0
+    parsed: int = 0
 
 
 STATS = CacheStats()
@@ -71,7 +78,7 @@ def max_bytes() -> int:
 def kernel_cache_info() -> dict:
     """This process's compiled-kernel counts (`compiled`, `loaded` from the cache, `rejected` corrupt entries),
     and the cache's `directory`, `entries`, `bytes` and whether it is `enabled`."""
-    files = list(directory().glob("*.json")) if directory().exists() else []
+    files = _entries(directory())
     return dict(dataclasses.asdict(STATS), directory=str(directory()), entries=len(files),
                 bytes=sum(_size(f) for f in files), enabled=enabled())
 
@@ -98,19 +105,27 @@ def read(key: str) -> dict | None:
 
 def write(key: str, name: str, shared_mem_bytes: int, binary: str) -> None:
     """Stores an entry (write-then-rename), then deletes the least recently used entries over the size bound."""
-    folder = directory()
-    folder.mkdir(parents=True, exist_ok=True)
     entry = dict(name=name, shared_mem_bytes=shared_mem_bytes, binary=binary,
                  sha256=hashlib.sha256(binary.encode()).hexdigest())
-    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-        json.dump(entry, f)
-    os.replace(f.name, folder / f"{key}.json")
-    _bound(folder, max_bytes())
+    _write_text(directory() / f"{key}.json", json.dumps(entry))
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+        f.write(text)
+    os.replace(f.name, path)
+    _bound(path.parent, max_bytes())
+
+
+def _entries(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The cache's files: compiled kernels (`.json`) and front ends (`.ttir`)."""
+    return [p for p in folder.glob("*") if p.suffix in (".json", ".ttir")] if folder.exists() else []
 
 
 def _bound(folder: pathlib.Path, limit: int) -> None:
     entries = []
-    for path in folder.glob("*.json"):
+    for path in _entries(folder):
         try:
             stat = path.stat()
         except FileNotFoundError:  # deleted by another process meanwhile
@@ -164,10 +179,74 @@ def caching(compile_ttir: Callable, result_type: Callable, versions: tuple[str, 
     return compile_with_cache
 
 
+class FrontEnd:
+    """Triton's code generator as jax-triton sees it (its module global `code_gen`), with the TTIR of jinsum's
+    generated kernels (`jinsum_generated_*` modules) kept on disk; everything else goes to Triton unchanged."""
+
+    def __init__(self, code_gen, ir, versions: tuple[str, ...]):
+        self._code_gen, self._ir, self._versions = code_gen, ir, versions
+
+    def __getattr__(self, name):
+        return getattr(self._code_gen, name)
+
+    def ast_to_ttir(self, fn, src, *args, context, options, **kwargs):
+        generated = getattr(getattr(fn, "fn", None), "__module__", "").startswith("jinsum_generated_")
+        if not generated or not enabled() or args:
+            return self._code_gen.ast_to_ttir(fn, src, *args, context=context, options=options, **kwargs)
+        key = self._key(fn, src, options)
+        path = directory() / f"{key}.ttir"
+        module = self._parse(path, context)
+        if module is not None:
+            STATS.parsed += 1
+            return module
+        module = self._code_gen.ast_to_ttir(fn, src, context=context, options=options, **kwargs)
+        try:
+            _write_text(path, _sealed(str(module)))
+        except OSError:
+            pass
+        return module
+
+    def _key(self, fn, src, options) -> str:
+        module = pathlib.Path(fn.fn.__code__.co_filename).read_text()  # the generated module: source and imports
+        helpers = pathlib.Path(kernels.__file__).with_name("helpers.py").read_text()  # (inlined by the front end)
+        parts = (module, helpers, *(repr(sorted(items.items())) for items in (src.signature, src.constants, src.attrs)),
+                 repr(options), *self._versions)
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
+
+    def _parse(self, path: pathlib.Path, context):
+        """The module stored at `path`, or None (absent, or corrupt: counted in `STATS.rejected`)."""
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            text = ""
+        body, _, seal = text.rpartition("\n// sha256 ")
+        if seal.strip() != hashlib.sha256(body.encode()).hexdigest():
+            STATS.rejected += 1
+            return None
+        try:
+            module = self._ir.parse_mlir_module(str(path), context)
+        except Exception:  # noqa: BLE001 (an entry Triton cannot read is compiled again, like a corrupt one)
+            STATS.rejected += 1
+            return None
+        module.context = context  # as Triton's own `parse` does: its passes read it, and it keeps the context alive
+        try:
+            os.utime(path)  # recently used (the size bound)
+        except OSError:
+            pass
+        return module
+
+
+def _sealed(text: str) -> str:
+    """`text` with its SHA-256 as a last comment line (MLIR comments: the file still parses)."""
+    return f"{text}\n// sha256 {hashlib.sha256(text.encode()).hexdigest()}\n"
+
+
 def install(triton_lib, versions: tuple[str, ...] | None = None) -> None:
-    """Puts the cache in front of `jax_triton.triton_lib.compile_ttir_inplace`, once per process (a mark on the
-    module, not on the function: whoever wraps the function after us must not get a second cache around it).
-    `versions` default to those of Triton, jax-triton and jaxlib."""
+    """Puts the cache in front of `jax_triton.triton_lib.compile_ttir_inplace` and of its `code_gen.ast_to_ttir`,
+    once per process (a mark on the module, not on the functions: whoever wraps one after us must not get a second
+    cache around it). `versions` default to those of Triton, jax-triton and jaxlib."""
     if getattr(triton_lib, "_jinsum_kernel_cache", False):
         return
     if versions is None:
@@ -179,4 +258,5 @@ def install(triton_lib, versions: tuple[str, ...] | None = None) -> None:
                     f"jaxlib {jaxlib.__version__}")
     triton_lib.compile_ttir_inplace = caching(triton_lib.compile_ttir_inplace, triton_lib.CompilationResult,
                                               versions)
+    triton_lib.code_gen = FrontEnd(triton_lib.code_gen, triton_lib._triton.ir, versions)
     triton_lib._jinsum_kernel_cache = True

@@ -141,7 +141,8 @@ def test_install_wraps_jax_tritons_compiler_once(cache):
     import types  # noqa: PLC0415
 
     compiler, _ = cache
-    triton_lib = types.SimpleNamespace(compile_ttir_inplace=compiler, CompilationResult=Result)
+    triton_lib = types.SimpleNamespace(compile_ttir_inplace=compiler, CompilationResult=Result, code_gen=None,
+                                       _triton=types.SimpleNamespace(ir=None))
     _kernel_cache.install(triton_lib, versions=("v",))
     cached = triton_lib.compile_ttir_inplace
     triton_lib.compile_ttir_inplace = lambda *args: cached(*args)  # a timing wrapper, say
@@ -201,3 +202,93 @@ def test_the_triton_specializer_starts_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "('*fp32', 'D')"
+
+
+def _front_end_inputs(triton, rows: int = 300):
+    """What jax-triton hands Triton's front end for one of jinsum's generated kernels (an SpMM), on CPU."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import scipy.sparse as sp  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.backends.nvidia.compiler import CUDABackend  # noqa: PLC0415
+
+    import jinsum  # noqa: PLC0415
+    from jinsum import _einsum, _primitive  # noqa: PLC0415
+    from jinsum.kernels import KernelConfig, generate, load_kernel, make_plan  # noqa: PLC0415
+
+    A = jinsum.GroupCOO.from_scipy(sp.random(rows, 200, 0.05, random_state=0, dtype=np.float32))
+    statement, arrays, flags = _einsum.prepare("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]",
+                                               dict(A=A, B=jnp.ones((200, 64)), C=jnp.zeros((rows, 64))),
+                                               sorted_indices=("Ai",))
+    plan = make_plan(_primitive.make_spec(statement, arrays, **flags), KernelConfig())
+    fn = load_kernel(generate(plan))
+    constants = dict(BLOCK_ROWS=plan.config.block_rows, BLOCK=plan.config.block, WINDOW=plan.config.window,
+                     NUM_STAGES=plan.config.num_stages)
+    signature = {n: "constexpr" if n in constants else ("*i32" if n in ("p_Ai", "p_Ak") else "*fp32")
+                 if n.startswith("p_") else "i32" for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.startswith("p_")}
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    options = backend.parse_options(dict(num_warps=4, num_stages=3, num_ctas=1, debug=False))
+    return backend, options, fn, constants, signature, attrs
+
+
+def check_front_end_cache() -> None:
+    """The body of the test below, in a process without Triton's interpreter (its front end needs real kernels)."""
+    import types  # noqa: PLC0415
+
+    import triton  # noqa: PLC0415
+    from triton._C.libtriton import ir  # noqa: PLC0415
+    from triton.compiler import code_generator, compiler  # noqa: PLC0415
+
+    backend, options, fn, constants, signature, attrs = _front_end_inputs(triton)
+    runs = []
+
+    def ast_to_ttir(*args, **kwargs):
+        runs.append(args[0])
+        return code_generator.ast_to_ttir(*args, **kwargs)
+
+    front = _kernel_cache.FrontEnd(types.SimpleNamespace(ast_to_ttir=ast_to_ttir), ir, ("v",))
+
+    def lower(kernel=fn, source=None):  # as jax-triton's get_or_create_triton_kernel does it, in a fresh context
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        source = source or compiler.ASTSource(kernel, constexprs=constants, signature=signature, attrs=attrs)
+        return front.ast_to_ttir(kernel, source, options=options, context=context,
+                                 codegen_fns=backend.get_codegen_implementation(options),
+                                 module_map=backend.get_module_map())
+
+    def ptx(module):
+        metadata = {}
+        for stage in (backend.make_ttir, backend.make_ttgir, backend.make_llir, backend.make_ptx):
+            module = stage(module, metadata, options, 90)
+        return module
+
+    text = str(lower())
+    again = lower()
+    assert len(runs) == 1 and _kernel_cache.STATS.parsed == 1, (runs, _kernel_cache.STATS)
+    assert str(again) == text  # so the compiled kernel's key (the TTIR text) is the same
+    assert ptx(again) == ptx(lower())
+    [entry] = _kernel_cache.directory().glob("*.ttir")
+    entry.write_text(entry.read_text()[:-200])
+    assert str(lower()) == text and len(runs) == 2 and _kernel_cache.STATS.rejected == 1
+
+    @triton.jit
+    def other(p_x):
+        pass
+
+    lower(other, compiler.ASTSource(other, signature={"p_x": "*fp32"}))
+    assert runs[-1] is other and len(list(_kernel_cache.directory().glob("*.ttir"))) == 1
+    print("ok")
+
+
+def test_the_front_end_of_a_generated_kernel_is_parsed_in_a_later_process(tmp_path):
+    """The TTIR of jinsum's kernels is kept: a later lowering parses it, prints the same text (so the compiled
+    kernel's lookup hits) and compiles to the same PTX; a corrupt entry runs the front end again; other kernels
+    are left alone."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(JINSUM_CACHE_DIR=str(tmp_path), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", "import test_kernel_cache as t; t.check_front_end_cache()"],
+                          cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
