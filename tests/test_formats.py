@@ -371,6 +371,22 @@ def test_transposed_index_lists_the_nonzero_entries_by_column():
         jax.jit(lambda A: A.with_transpose())(A)
 
 
+@settings(max_examples=60, deadline=None)
+@given(coo_entries(), st.integers(1, 5))
+def test_transposed_index_is_the_csc_order_of_the_nonzero_entries(entries, group_size):
+    """Any matrix (empty rows and columns, duplicates, explicit zeros, 0-sized): walking the transposed index gives
+    the nonzero entries column by column, each once, as SciPy's CSC of the same matrix."""
+    shape, rows, cols, vals = entries
+    A = GroupCOO.from_scipy(sp.coo_matrix((vals, (rows, cols)), shape=shape), group_size=group_size)
+    perm, starts = map(np.asarray, A.with_transpose().transposed)
+    values = np.asarray(A.Av).reshape(-1)[perm]
+    expected = reference_csr(shape, rows, cols, vals).tocsc()
+    expected.eliminate_zeros()
+    np.testing.assert_array_equal(starts, expected.indptr)
+    np.testing.assert_array_equal(np.repeat(np.asarray(A.Ai), A.group_size)[perm], expected.indices)
+    np.testing.assert_allclose(values, expected.data)
+
+
 def test_repr_and_properties():
     A, _ = small_group_coo()
     assert repr(A) == "GroupCOO(float64[3, 4], nnz=5, groups=3 x 2)"

@@ -281,7 +281,7 @@ class GroupCOO(GroupedFormat):
         where = f"{_FMT}.with_transpose"
         columns = host_array(where, self.Ak).reshape(-1)
         values = host_array(where, self.Av)
-        nonzero = (values != 0).reshape(columns.size, -1).any(axis=1)
+        nonzero = (values != 0).reshape(columns.size, int(np.prod(self.dense_shape))).any(axis=1)
         slots = np.flatnonzero(nonzero)
         order = slots[np.argsort(columns[slots], kind="stable")]
         starts = np.searchsorted(columns[order], np.arange(self._shape[1] + 1), side="left")
