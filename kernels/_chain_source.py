@@ -270,9 +270,12 @@ class _Writer:
             return self.indented(f"for j in tl.range(begin, end, num_stages={stages}):")
         return self.indented(f"for step in tl.range(begin * {tiles}, end * {tiles}, num_stages={stages}):")
 
-    def _bind_entries(self, permutation: str | None) -> str:
+    def _bind_entries(self, own: _Bound, *, by_key: bool = False) -> tuple[str, tuple[str, str], str]:
         """Inside the entries loop: the entry (or tile of entries, axis `j`) of this iteration, its group `g` and
-        slot `p`. `permutation`: entries come in that order (the transposed pattern)."""
+        slot `p`, the other side's index (a row's keys; a key's rows when the entries come `by_key`, in the
+        transposed order), the query and key positions and the attention mask. `own` is the program's row (key).
+        Returns (entry, positions, allowed)."""
+        permutation = "p_perm" if by_key else None
         r, slots = self.chain.roles, self.chain.scores.extent[self.chain.roles.slot]
         if self.dot:
             tiles = self.plan.tiles(self._inner_axis)
@@ -289,7 +292,12 @@ class _Writer:
         self.emit(f"v_g = entry // {slots}" if slots > 1 else "v_g = entry")
         self.emit(f"v_p = entry % {slots}" if slots > 1 else "v_p = 0")
         self.env[r.group], self.env[r.slot] = _Bound("v_g", axis), _Bound("v_p", axis)
-        return "entry"
+        if by_key:
+            row, col = self._gather("Ai[g]", "row", "p_key_rows", "rows"), own
+        else:
+            row, col = own, self._gather("Ak[g,p]", "col", "p_Ak", "keys")
+        positions = self._positions(row, col)
+        return "entry", positions, self._allowed(row, col, positions, self._flag("entry"))
 
     def _gather(self, access: str, name: str, source: str, extent: str) -> _Bound:
         """`name` = the index `access` (`Ak[g,p]`: a key, `Ai[g]`: a row) of the current entry (tile of
@@ -506,10 +514,7 @@ class _Writer:
                     self._scores(q, k, ("segment", "segment"), slope=False, q_axes=("h", "d"), k_axes=("h", "d"))
                     self._online_softmax(None, v, ("h", "e"), "entries + segment")
             with self._entries_loop():
-                entry = self._bind_entries(None)
-                col = self._gather("Ak[g,p]", "col", "p_Ak", "keys")
-                positions = self._positions(row, col)
-                allowed = self._allowed(row, col, positions, self._flag(entry))
+                entry, positions, allowed = self._bind_entries(row)
                 mask = None if self.dot else "allowed[:, :, None]"
                 k = self.load("K", axes["K"], native=self.dot, mask=mask)
                 v = self.load("V", axes["V"], native=self.dot, mask=mask)
@@ -568,10 +573,7 @@ class _Writer:
                     self._ds("w", "dp", f"{drow}[:, None]", None)
                     self.emit(f"dq += tl.sum(ds[:, :, None] * {k}[:, None, :], 1)")
             with self._entries_loop():
-                entry = self._bind_entries(None)
-                col = self._gather("Ak[g,p]", "col", "p_Ak", "keys")
-                positions = self._positions(row, col)
-                allowed = self._allowed(row, col, positions, self._flag(entry))
+                entry, positions, allowed = self._bind_entries(row)
                 if self.dot:
                     k = self.load("K", axes["K"], native=True)
                     vt = self.load("V", self._side("Vt")["Vt"], native=True)
@@ -619,10 +621,7 @@ class _Writer:
                     self.emit(f"dk += tl.sum(ds[:, :, None] * {q}[:, None, :], 1)")
                     self._add_to_dq(f"ds * {k}", ("h", "d"), None)
             with self._entries_loop():
-                entry = self._bind_entries("p_perm")
-                row = self._gather("Ai[g]", "row", "p_key_rows", "rows")
-                positions = self._positions(row, col)
-                allowed = self._allowed(row, col, positions, self._flag(entry))
+                entry, positions, allowed = self._bind_entries(col, by_key=True)
                 if self.dot:
                     q, do = self.load("Q", axes["Q"], native=True), self.load("dO", axes["dO"], native=True)
                     lse, drow = self.load("LSE", axes["LSE"]), self.load("Drow", axes["Drow"])
