@@ -15,9 +15,10 @@ specialisation, options and versions: a later process parses it (milliseconds) i
 end (0.1 s a kernel), and the parsed module prints to the same text, so the PTX lookup hits. These two wrappers, on
 jax-triton's module, are the one place jinsum reaches into jax-triton, which offers no hook.
 
-Entries are files `<key>.json` (kernel name, shared memory, PTX and its SHA-256) in `$JINSUM_CACHE_DIR/compiled`
-(default `~/.cache/jinsum/kernels/compiled`), written to a temporary file and renamed, so concurrent processes
-never read half an entry; an entry that does not parse or whose digest does not match is ignored and rewritten.
+Entries are files `<key>.json` (kernel name, shared memory, PTX) and `<key>.ttir` in `$JINSUM_CACHE_DIR/compiled`
+(default `~/.cache/jinsum/kernels/compiled`), each sealed with the SHA-256 of its text as a last line, written to a
+temporary file and renamed, so concurrent processes never read half an entry; an entry whose seal does not match
+is ignored and rewritten.
 The folder is kept under `$JINSUM_KERNEL_CACHE_MB` (default 1024) megabytes by deleting the least recently used
 entries. `JINSUM_KERNEL_CACHE=0` turns the cache off.
 """
@@ -84,38 +85,46 @@ def kernel_cache_info() -> dict:
 
 
 def read(key: str) -> dict | None:
-    """The entry stored under `key`, or None (absent, unreadable, or corrupt: counted in `STATS.rejected`)."""
-    path = directory() / f"{key}.json"
-    try:
-        entry = json.loads(path.read_text())
-        valid = hashlib.sha256(entry["binary"].encode()).hexdigest() == entry["sha256"]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        valid = False
-    if not valid:
-        STATS.rejected += 1
-        return None
-    try:
-        os.utime(path)  # recently used: the size bound deletes the oldest entries first
-    except OSError:
-        pass
-    return entry
+    """The entry stored under `key`, or None (absent, or corrupt: counted in `STATS.rejected`)."""
+    text = _read_sealed(directory() / f"{key}.json")
+    return None if text is None else json.loads(text)
 
 
 def write(key: str, name: str, shared_mem_bytes: int, binary: str) -> None:
     """Stores an entry (write-then-rename), then deletes the least recently used entries over the size bound."""
-    entry = dict(name=name, shared_mem_bytes=shared_mem_bytes, binary=binary,
-                 sha256=hashlib.sha256(binary.encode()).hexdigest())
-    _write_text(directory() / f"{key}.json", json.dumps(entry))
+    _write_sealed(directory() / f"{key}.json", json.dumps(dict(name=name, shared_mem_bytes=shared_mem_bytes,
+                                                                 binary=binary)))
 
 
-def _write_text(path: pathlib.Path, text: str) -> None:
+_SEAL = "\n// sha256 "  # the last line of every entry: the SHA-256 of the text before it (an MLIR comment too)
+
+
+def _write_sealed(path: pathlib.Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        f.write(text)
+        f.write(f"{text}{_SEAL}{hashlib.sha256(text.encode()).hexdigest()}\n")
     os.replace(f.name, path)
     _bound(path.parent, max_bytes())
+
+
+def _read_sealed(path: pathlib.Path) -> str | None:
+    """The text stored at `path` if its seal matches; None if absent, or corrupt (counted in `STATS.rejected`).
+    Marks it recently used: the size bound deletes the oldest entries first."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):  # (ValueError: not even text)
+        text = ""
+    body, _, seal = text.rpartition(_SEAL)
+    if seal.strip() != hashlib.sha256(body.encode()).hexdigest():
+        STATS.rejected += 1
+        return None
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+    return body
 
 
 def _entries(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -201,7 +210,7 @@ class FrontEnd:
             return module
         module = self._code_gen.ast_to_ttir(fn, src, context=context, options=options, **kwargs)
         try:
-            _write_text(path, _sealed(str(module)))
+            _write_sealed(path, str(module))
         except OSError:
             pass
         return module
@@ -215,15 +224,7 @@ class FrontEnd:
 
     def _parse(self, path: pathlib.Path, context):
         """The module stored at `path`, or None (absent, or corrupt: counted in `STATS.rejected`)."""
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            return None
-        except OSError:
-            text = ""
-        body, _, seal = text.rpartition("\n// sha256 ")
-        if seal.strip() != hashlib.sha256(body.encode()).hexdigest():
-            STATS.rejected += 1
+        if _read_sealed(path) is None:
             return None
         try:
             module = self._ir.parse_mlir_module(str(path), context)
@@ -231,16 +232,7 @@ class FrontEnd:
             STATS.rejected += 1
             return None
         module.context = context  # as Triton's own `parse` does: its passes read it, and it keeps the context alive
-        try:
-            os.utime(path)  # recently used (the size bound)
-        except OSError:
-            pass
         return module
-
-
-def _sealed(text: str) -> str:
-    """`text` with its SHA-256 as a last comment line (MLIR comments: the file still parses)."""
-    return f"{text}\n// sha256 {hashlib.sha256(text.encode()).hexdigest()}\n"
 
 
 def install(triton_lib, versions: tuple[str, ...] | None = None) -> None:
