@@ -12,7 +12,8 @@ specialisation; Triton's compile options, num_warps and num_stages among them; t
 Triton, jax-triton and jaxlib versions). For jinsum's own kernels it also keeps the front end's output (the TTIR
 text, `<key>.ttir`), keyed by the generated module, the helpers it imports, the signature, constexprs,
 specialisation, options and versions: a later process parses it (milliseconds) instead of running Triton's front
-end (0.1 s a kernel), and the parsed module prints to the same text, so the PTX lookup hits. These two wrappers, on
+end (0.1 s a kernel). The process that runs the front end goes on with the module parsed from the stored text
+too, so every process hands Triton's compiler the same text and the PTX lookup hits. These two wrappers, on
 jax-triton's module, are the one place jinsum reaches into jax-triton, which offers no hook.
 
 Entries are files `<key>.json` (kernel name, shared memory, PTX) and `<key>.ttir` in `$JINSUM_CACHE_DIR/compiled`
@@ -212,8 +213,11 @@ class FrontEnd:
         try:
             _write_sealed(path, str(module))
         except OSError:
-            pass
-        return module
+            return module
+        # Go on with the module parsed from what was stored, as every later process will: the front end's own module
+        # can print differently from its parsed text (on an H100 it did for most chain kernels), and the compiled
+        # kernel's key is that text, so a later process would miss every PTX entry the first one wrote.
+        return self._parse(path, context) or module
 
     def _key(self, fn, src, options) -> str:
         module = pathlib.Path(fn.fn.__code__.co_filename).read_text()  # the generated module: source and imports

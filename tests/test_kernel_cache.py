@@ -218,8 +218,10 @@ def _front_end_inputs(triton, rows: int = 300):
     statement, arrays, flags = _einsum.prepare("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]",
                                                dict(A=A, B=jnp.ones((200, 64)), C=jnp.zeros((rows, 64))),
                                                sorted_indices=("Ai",))
-    plan = make_plan(_primitive.make_spec(statement, arrays, **flags), KernelConfig())
-    fn = load_kernel(generate(plan))
+    plan = make_plan(_primitive.make_spec(statement, arrays, **flags), KernelConfig(schedule="split"))
+    source = generate(plan)
+    assert "tl.range(" in source  # a loop: its variables are named after the source's in the front end's TTIR only
+    fn = load_kernel(source)
     constants = dict(BLOCK_ROWS=plan.config.block_rows, BLOCK=plan.config.block, WINDOW=plan.config.window,
                      NUM_STAGES=plan.config.num_stages)
     signature = {n: "constexpr" if n in constants else ("*i32" if n in ("p_Ai", "p_Ak") else "*fp32")
@@ -265,7 +267,7 @@ def check_front_end_cache() -> None:
     text = str(lower())
     again = lower()
     assert len(runs) == 1 and _kernel_cache.STATS.parsed == 1, (runs, _kernel_cache.STATS)
-    assert str(again) == text  # so the compiled kernel's key (the TTIR text) is the same
+    assert str(again) == text  # so the compiled kernel's key (the TTIR text) is the same in both processes
     assert ptx(again) == ptx(lower())
     [entry] = _kernel_cache.directory().glob("*.ttir")
     entry.write_text(entry.read_text()[:-200])
