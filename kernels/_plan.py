@@ -151,7 +151,9 @@ class KernelPlan:
         leading dimension of every array that an index array addresses (`rows_<array>`, the bound of its range
         check). So a pattern with another number of groups, or operands with another number of rows, reuse the
         compiled kernel: these only bound loops and masks (strides never involve a leading dimension). Tiles,
-        strides and feature widths stay in the source, where they make vector loads and unrolled loops."""
+        strides and feature widths stay in the source, where they make vector loads and unrolled loops (measured on
+        an H100, SpMM over R-MAT 17: a width passed at run time took 2.0x as long at 32 features, 2.7x at 40, 1.03x
+        at 128)."""
         sizes = {}
         if self.window or self.row_programs:
             sizes["programs"] = self.windows
