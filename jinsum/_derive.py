@@ -4,7 +4,9 @@ The family of indirect Einsums is closed under what JAX needs (see DESIGN.md):
 - a JVP term is the statement with one factor replaced by its tangent;
 - the transpose with respect to a factor swaps that factor with the left-hand side:
   `C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]` gives `dB[Ak[g,p],n] += Av[g,p] * ct[Ai[g],n]`;
-- vmap adds an index variable to the batched operands and to the output.
+- vmap adds an index variable to the batched operands and to the output;
+- a transpose that scatters into a format's columns can run over its entries in column order instead
+  (`by_columns`), so that each column is written once.
 These are pure functions on syntax; the primitive binds their results with arrays.
 """
 
@@ -13,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping
 
-from jinsum._lang import Access, Statement, Var, map_statement, statement_variables, variables
+from jinsum._lang import (Access, ColumnOrder, Statement, Var, map_statement, statement_variables, tensor_names,
+                          variables)
 
 
 def fresh_name(base: str, taken: Collection[str]) -> str:
@@ -41,6 +44,71 @@ def transpose(statement: Statement, factor: int) -> Statement:
     """
     others = statement.factors[:factor] + statement.factors[factor + 1:]
     return Statement(statement.factors[factor], True, (*others, statement.lhs))
+
+
+@dataclasses.dataclass(frozen=True)
+class AtEntries:
+    """An operand of a `by_columns` statement: `source` read at the entries in column order, through their flat
+    slots `g * P + p` (`by_slot`: `source.reshape(G * P, ...)[slots]`) or their groups (`source[slots // P]`);
+    zero at padding."""
+
+    name: str
+    source: str
+    by_slot: bool
+
+
+def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tuple[AtEntries, ...]] | None:
+    """A transpose that scatters into the format's columns, over its entries in column order instead.
+
+    `dB[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]` becomes `dB[A_columns[h],n] += Av_t[h,q] * C[A_rows[h,q],n]`: the
+    entries in groups of one column each (`h`, slot `q`), so the left-hand side is a sorted segment reduction (each
+    row of `dB` accumulated in registers and written once), the forward SpMM's form, instead of an atomic addition
+    per entry. The order's columns and rows replace `Ak[g,p]` and `Ai[g]`; every other operand that `g` and `p`
+    address is read at the entries (`AtEntries`, gathered by the caller).
+
+    Returns None where it does not apply: the left-hand side is not written through `Ak[g,p]`; `g` or `p` is used
+    other than as an access's leading indices; or the format's values are not a factor (the order lists the
+    entries whose value was nonzero when it was built, so the others must contribute nothing).
+    """
+    through = [i for i in statement.lhs.indices if isinstance(i, Access) and i.tensor == order.columns_index]
+    if len(through) != 1 or not all(isinstance(i, Var) for i in through[0].indices):
+        return None
+    group, slot = (i.name for i in through[0].indices)
+    if not any(f.tensor == order.values and [i.name for i in f.indices[:2] if isinstance(i, Var)] == [group, slot]
+               for f in statement.factors):
+        return None
+    taken_variables = set(statement_variables(statement))
+    group_var = Var(fresh_name("h", taken_variables))
+    slot_var = Var(fresh_name("q", taken_variables | {group_var.name}))
+    taken = set(tensor_names(statement)) | {o.name for o in order.operands}
+    gathers: dict[tuple[str, bool], AtEntries] = {}
+
+    def at_entries(node: Access) -> Access:
+        names = [i.name if isinstance(i, Var) else None for i in node.indices]
+        if node.tensor == order.columns_index and names == [group, slot]:
+            return Access(order.columns.name, (group_var,))
+        if node.tensor == order.rows_index and names == [group]:
+            return Access(order.rows.name, (group_var, slot_var))
+        lead = 2 if names[:2] == [group, slot] else 1 if names[:1] == [group] else 0
+        if {group, slot} & set(names[lead:]):
+            raise _NotByColumns
+        if lead == 0:
+            return node
+        key = (node.tensor, lead == 2)
+        if key not in gathers:
+            gathers[key] = AtEntries(fresh_name(f"{node.tensor}_t", taken), node.tensor, lead == 2)
+            taken.add(gathers[key].name)
+        return Access(gathers[key].name, (group_var, slot_var, *node.indices[lead:]))
+
+    try:
+        rewritten = map_statement(statement, at_entries)
+    except _NotByColumns:
+        return None
+    return dataclasses.replace(rewritten, source=""), tuple(gathers.values())
+
+
+class _NotByColumns(Exception):
+    """`by_columns` does not apply (raised from inside the rewrite, caught by it)."""
 
 
 def unwritten_mask(statement: Statement, zeros: str) -> Statement:

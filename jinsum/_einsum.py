@@ -69,7 +69,7 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
     Returns `(statement, arrays, flags)` ready for `_primitive.bind(statement, arrays, **flags)`.
     """
     statement = parse(expression)
-    arrays, checked, row_indices = _expand_formats(named)
+    arrays, checked, row_indices, orders = _expand_formats(named)
     lhs = statement.lhs.tensor
     zero_lhs = lhs not in arrays or isinstance(arrays[lhs], jax.ShapeDtypeStruct)
     if lhs not in arrays:
@@ -79,17 +79,19 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
     arrays = {name: jnp.asarray(value) for name, value in arrays.items()}
     _check_index_values(statement, arrays, skip=checked)
     _check_sorted(sorted_indices, arrays)
+    # A format's entries in column order serve the derivatives (one format's: the primitive takes one order).
     return statement, arrays, dict(sorted_indices=frozenset(sorted_indices) | row_indices, allow_tf32=allow_tf32,
-                                   zero_lhs=zero_lhs)
+                                   zero_lhs=zero_lhs, column_order=orders[0] if len(orders) == 1 else None)
 
 
-def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str]]:
-    """Replaces each format operand `A` by `Ai`, `Ak`, `Av`.
+def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str], list]:
+    """Replaces each format operand `A` by `Ai`, `Ak`, `Av` (and `A_columns`, `A_rows`, `A_slots` where it carries
+    its entries in column order).
 
-    Returns the arrays, the names whose values the format constructor already validated, and the names of row
-    index arrays (sorted by the format's definition).
+    Returns the arrays, the names whose values the format constructor already validated, the names of row
+    index arrays (sorted by the format's definition) and the column orders of the formats that carry one.
     """
-    arrays, checked, rows = {}, set(), set()
+    arrays, checked, rows, orders = {}, set(), set(), []
     for name, value in named.items():
         if not isinstance(value, SPARSE_FORMATS):
             arrays[name] = value
@@ -102,7 +104,12 @@ def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str]]:
         arrays.update(parts)
         checked.update((name + "i", name + "k"))
         rows.add(name + "i")
-    return arrays, checked, rows
+        if getattr(value, "transposed", None) is not None:
+            order, entries = _format_rewrite.column_order(value, name)
+            if not set(entries) & set(named):  # (names the user took: the derivatives do without the order)
+                arrays.update(entries)
+                orders.append(order)
+    return arrays, checked, rows, orders
 
 
 def _zeros_lhs(statement: Statement, arrays: Mapping) -> jax.Array:

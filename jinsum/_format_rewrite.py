@@ -19,7 +19,7 @@ from jax import lax
 import numpy as np
 
 from jinsum import _primitive
-from jinsum._lang import parse
+from jinsum._lang import ColumnOrder, parse
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.formats._base import GroupedFormat
 
@@ -65,21 +65,39 @@ def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
     if output == inputs[s]:  # the output takes the sparse operand's structure
         lhs = values.replace("Av", "Out", 1)
         arrays["Out"] = jnp.zeros(A.Av.shape, dtype)
-        result = _primitive.bind(parse(f"{lhs} = {' * '.join(factors)}"), _expand(arrays),
-                                 sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32, zero_lhs=True)
+        expanded, order = _expand(arrays)
+        result = _primitive.bind(parse(f"{lhs} = {' * '.join(factors)}"), expanded, sorted_indices=frozenset({"Ai"}),
+                                 allow_tf32=allow_tf32, zero_lhs=True, column_order=order)
         return A.with_values(result)
 
     out_shape = [d for letter in output for d in _split_shape(letter, sizes[letter], split)]
     arrays["Out"] = jnp.zeros(out_shape, dtype)
     statement = parse(f"{access('Out', output)} += {' * '.join(factors)}")
-    out = _primitive.bind(statement, _expand(arrays), sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32,
-                          zero_lhs=True)
+    expanded, order = _expand(arrays)
+    out = _primitive.bind(statement, expanded, sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32,
+                          zero_lhs=True, column_order=order)
     return _merge_axes(out, output, split)
 
 
-def _expand(arrays: dict) -> dict:
+def _expand(arrays: dict) -> tuple[dict, ColumnOrder | None]:
+    """The format `A` among `arrays` replaced by `Ai`, `Ak` and `Av` (and its entries in column order, if it
+    carries them)."""
     A = arrays.pop("A")
-    return {**arrays, "Ai": A.Ai, "Ak": A.Ak, "Av": A.Av}
+    expanded = {**arrays, "Ai": A.Ai, "Ak": A.Ak, "Av": A.Av}
+    order = None
+    if getattr(A, "transposed", None) is not None:
+        order, entries = column_order(A, "A")
+        expanded.update(entries)
+    return expanded, order
+
+
+def column_order(A: GroupCOO, name: str) -> tuple[ColumnOrder, dict]:
+    """`A.transposed` as the primitive's column order for a statement that names `A`'s arrays `{name}i`, `{name}k`
+    and `{name}v`: the order and its operands by name."""
+    entries = {f"{name}_{field}": getattr(A.transposed, field) for field in ("columns", "rows", "slots")}
+    order = ColumnOrder(f"{name}v", f"{name}i", f"{name}k",
+                        *(_primitive.operand(n, x) for n, x in entries.items()))
+    return order, entries
 
 
 def _split_subscripts(subscripts: str, count: int) -> tuple[list[str], str]:

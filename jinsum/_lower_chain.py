@@ -99,7 +99,7 @@ def schedule(chain: Chain, arrays: dict, config: ChainConfig | None = None) -> d
         return empty
     pattern = {n: arrays[n] for n in ("Ai", "Ak", "Av")}
     if arrays.get("transposed") is not None:  # a GroupCOO's entries in column order, built on the host
-        pattern["perm"], pattern["starts"] = arrays["transposed"]
+        pattern["perm"], pattern["starts"] = arrays["transposed"].perm, arrays["transposed"].starts
     concrete = not any(isinstance(x, jax.core.Tracer) for x in pattern.values())
     xp = np if concrete else jnp
     pattern = {n: np.asarray(x) if concrete else x for n, x in pattern.items()}

@@ -17,22 +17,28 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jinsum import _derive, _lower_triton, _lower_xla
-from jinsum._lang import Operand, Spec, Statement, check, tensor_names
+from jinsum._lang import ColumnOrder, Operand, Spec, Statement, check, tensor_names
 
 
 def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
-              sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False, zero_lhs: bool = False) -> Spec:
+              sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False, zero_lhs: bool = False,
+              column_order: ColumnOrder | None = None) -> Spec:
     """Checks `statement` against `arrays` (name -> array; extra names ignored): the primitive's parameter.
-    `zero_lhs` promises that the left-hand side array is all zeros (see `Spec`)."""
+    `zero_lhs` promises that the left-hand side array is all zeros; `column_order` names a format's entries in
+    column order among `arrays` (see `Spec`)."""
     names = tensor_names(statement)
-    operands = tuple(Operand(n, tuple(np.shape(arrays[n])), np.dtype(arrays[n].dtype)) for n in names)
-    return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs)
+    operands = tuple(operand(n, arrays[n]) for n in names)
+    return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs, column_order)
+
+
+def operand(name: str, array) -> Operand:
+    return Operand(name, tuple(np.shape(array)), np.dtype(array.dtype))
 
 
 def bind(statement: Statement, arrays: Mapping[str, jax.Array], **flags) -> jax.Array:
     """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags)."""
     spec = make_spec(statement, arrays, **flags)
-    return jinsum_p.bind(*(arrays[n] for n in spec.names), spec=spec)
+    return jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
 
 
 jinsum_p = Primitive("jinsum")
@@ -51,15 +57,17 @@ def _impl(*arrays, spec: Spec):
 
 
 def _abstract_eval(*avals, spec: Spec):
-    for aval, operand in zip(avals, spec.operands):
-        if aval.shape != operand.shape or aval.dtype != operand.dtype:
-            raise TypeError(f"jinsum: operand {operand.name} is {aval.str_short()}, but {spec!r} was checked for "
-                            f"{operand.dtype}{list(operand.shape)}")
+    order = () if spec.column_order is None else spec.column_order.operands
+    for aval, expected in zip(avals, spec.operands + order, strict=True):
+        if aval.shape != expected.shape or aval.dtype != expected.dtype:
+            raise TypeError(f"jinsum: operand {expected.name} is {aval.str_short()}, but {spec!r} was checked for "
+                            f"{expected.dtype}{list(expected.shape)}")
     return jax.core.ShapedArray(spec.lhs.shape, spec.lhs.dtype)
 
 
 jinsum_p.def_impl(_impl)
 jinsum_p.def_abstract_eval(_abstract_eval)
+# (Both lowerings read the statement's operands, `spec.names`; the column order's come after them.)
 mlir.register_lowering(jinsum_p, mlir.lower_fun(_lower_xla.evaluate, multiple_results=False))
 mlir.register_lowering(jinsum_p, mlir.lower_fun(_lower_triton.evaluate, multiple_results=False), platform="cuda")
 
@@ -72,7 +80,7 @@ mlir.register_lowering(jinsum_p, mlir.lower_fun(_lower_triton.evaluate, multiple
 def _jvp(primals, tangents, *, spec: Spec):
     out = jinsum_p.bind(*primals, spec=spec)
     statement = spec.statement
-    env = dict(zip(spec.names, primals))
+    env = dict(zip(spec.arguments, primals))
     tangent_of = dict(zip(spec.names, tangents))
     for name in spec.index_tensors:
         if type(tangent_of[name]) is not ad.Zero and tangent_of[name].dtype != jax.dtypes.float0:
@@ -93,7 +101,7 @@ def _jvp(primals, tangents, *, spec: Spec):
         term = _derive.replace_factor(statement, i, name, accumulate=statement.accumulate or k > 0)
         arrays = {**env, statement.lhs.tensor: tangent, name: ad.instantiate_zeros(tangent_of[factor.tensor])}
         tangent = bind(term, arrays, sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32,
-                       zero_lhs=k == 0 and type(lhs_tangent) is ad.Zero)
+                       zero_lhs=k == 0 and type(lhs_tangent) is ad.Zero, column_order=spec.column_order)
     return out, tangent
 
 
@@ -103,14 +111,15 @@ ad.primitive_jvps[jinsum_p] = _jvp
 # --- transposition ----------------------------------------------------------------------------------------------
 # Linear operands are the left-hand side and at most one factor tensor (occurring once); index arrays and the
 # other factors are constants. The cotangent of a factor is the transposed statement (the factor and the output
-# swap places); that of the left-hand side is the output cotangent, minus the elements `=` overwrote.
+# swap places); that of the left-hand side is the output cotangent, minus the elements `=` overwrote. A cotangent
+# that scatters into a format's columns runs over its entries in column order when the format carries them.
 
 def _transpose(cotangent, *args, spec: Spec):
     statement = spec.statement
     linear = [name for name, a in zip(spec.names, args) if ad.is_undefined_primal(a)]
     if type(cotangent) is ad.Zero:
         return [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None for a in args]
-    env = {name: a for name, a in zip(spec.names, args) if not ad.is_undefined_primal(a)}
+    env = {name: a for name, a in zip(spec.arguments, args) if not ad.is_undefined_primal(a)}
     env[statement.lhs.tensor] = cotangent
     if len([name for name in linear if name != statement.lhs.tensor]) > 1:
         raise NotImplementedError(f"jinsum: {spec!r} is not linear in {linear}; cannot transpose")
@@ -123,10 +132,27 @@ def _transpose(cotangent, *args, spec: Spec):
         occurrences = [i for i, f in enumerate(statement.factors) if f.tensor == name]
         if len(occurrences) != 1:
             raise NotImplementedError(f"jinsum: {spec!r} is not linear in {name}; cannot transpose")
-        zeros = jnp.zeros(aval.shape, aval.dtype)
-        results[name] = bind(_derive.transpose(statement, occurrences[0]), {**env, name: zeros},
-                             sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32, zero_lhs=True)
-    return [results.get(name) for name in spec.names]
+        derived, arrays, sorted_indices = _derive.transpose(statement, occurrences[0]), env, spec.sorted_indices
+        by_columns = spec.column_order and _derive.by_columns(derived, spec.column_order)
+        if by_columns:
+            derived, gathers = by_columns
+            arrays = {**env, **_at_entries(env, gathers, spec.column_order)}
+            sorted_indices = frozenset({spec.column_order.columns.name})
+        results[name] = bind(derived, {**arrays, name: jnp.zeros(aval.shape, aval.dtype)},
+                             sorted_indices=sorted_indices, allow_tf32=spec.allow_tf32, zero_lhs=True)
+    return [results.get(name) for name in spec.arguments]
+
+
+def _at_entries(env, gathers, order: ColumnOrder) -> dict:
+    """The operands of a `by_columns` statement read at the entries in column order (zero at padding)."""
+    slots, group_size = env[order.slots.name], env[order.columns_index].shape[1]
+    valid, slots = slots >= 0, jnp.maximum(slots, 0)
+    arrays = {}
+    for g in gathers:
+        source = env[g.source]
+        read = source.reshape(-1, *source.shape[2:])[slots] if g.by_slot else source[slots // group_size]
+        arrays[g.name] = jnp.where(valid.reshape(valid.shape + (1,) * (read.ndim - 2)), read, 0).astype(read.dtype)
+    return arrays
 
 
 def _unwritten(cotangent, env, spec: Spec):
@@ -152,14 +178,18 @@ def _batch(args, dims, *, spec: Spec):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     lhs_name = spec.lhs.name
     batched = {name: d for name, d in zip(spec.names, dims) if d is not None and name != lhs_name}
-    env = dict(zip(spec.names, args))
+    env = dict(zip(spec.arguments, args))
+    order = spec.column_order
+    if order is not None and (set(batched) & {order.values, order.rows_index, order.columns_index}
+                              or any(d is not None for d in dims[len(spec.names):])):
+        order = None  # a batch of patterns or values: entries in another order, or another set of them
     lhs_axis = dict(zip(spec.names, dims))[lhs_name]
     if lhs_axis is None:
         lhs_axis = len(spec.lhs.shape)
         env[lhs_name] = jnp.broadcast_to(env[lhs_name][..., None], (*spec.lhs.shape, size))
     statement, _ = _derive.batch(spec.statement, batched, lhs_axis)
     out = bind(statement, env, sorted_indices=spec.sorted_indices - set(batched), allow_tf32=spec.allow_tf32,
-               zero_lhs=spec.zero_lhs)  # zeros, broadcast or batched, are zeros
+               zero_lhs=spec.zero_lhs, column_order=order)  # zeros, broadcast or batched, are zeros
     return out, lhs_axis
 
 

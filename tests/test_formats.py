@@ -352,7 +352,7 @@ def test_transposed_index_lists_the_nonzero_entries_by_column():
     assert A.transposed is None
     T = A.with_transpose()
     assert "transposed" in repr(T) and T.transposed.perm.dtype == A.index_dtype
-    perm, starts = map(np.asarray, T.transposed)
+    perm, starts = np.asarray(T.transposed.perm), np.asarray(T.transposed.starts)
     rows = np.repeat(np.asarray(A.Ai), A.group_size)[perm]
     cols = np.asarray(A.Ak).reshape(-1)[perm]
     values = np.asarray(A.Av).reshape(-1, 2)
@@ -363,7 +363,7 @@ def test_transposed_index_lists_the_nonzero_entries_by_column():
         assert np.all(cols[segment] == k) and np.all(np.diff(rows[segment]) >= 0)
     # A pytree leaf pair: through jit and tree_map; new values drop it (their zeros may differ).
     leaves = jax.tree_util.tree_leaves(T)
-    assert len(leaves) == 5 and leaves[3] is T.transposed.perm
+    assert len(leaves) == 8 and leaves[3] is T.transposed.perm
     same = jax.jit(lambda A: A)(T)
     np.testing.assert_array_equal(np.asarray(same.transposed.starts), starts)
     assert T.with_values(T.Av * 2).transposed is None
@@ -378,12 +378,19 @@ def test_transposed_index_is_the_csc_order_of_the_nonzero_entries(entries, group
     the nonzero entries column by column, each once, as SciPy's CSC of the same matrix."""
     shape, rows, cols, vals = entries
     A = GroupCOO.from_scipy(sp.coo_matrix((vals, (rows, cols)), shape=shape), group_size=group_size)
-    perm, starts = map(np.asarray, A.with_transpose().transposed)
+    T = A.with_transpose().transposed
+    perm, starts = np.asarray(T.perm), np.asarray(T.starts)
     values = np.asarray(A.Av).reshape(-1)[perm]
     expected = reference_csr(shape, rows, cols, vals).tocsc()
     expected.eliminate_zeros()
     np.testing.assert_array_equal(starts, expected.indptr)
     np.testing.assert_array_equal(np.repeat(np.asarray(A.Ai), A.group_size)[perm], expected.indices)
+    # The grouped transpose holds the same entries: as a GroupCOO of A^T with slots for values, it is CSC's.
+    slots = np.asarray(T.slots)
+    grouped = GroupCOO(T.columns, T.rows, np.where(slots >= 0, np.asarray(A.Av).reshape(-1)[slots], 0),
+                       (shape[1], shape[0]))
+    np.testing.assert_allclose(grouped.to_scipy().toarray(), expected.T.toarray())
+    assert np.all(np.diff(np.asarray(T.columns)) >= 0) and np.all(np.asarray(T.rows)[slots < 0] == 0)
     np.testing.assert_allclose(values, expected.data)
 
 

@@ -13,6 +13,12 @@ from jinsum._lang._ast import (
     variables as variables,
     walk as walk,
 )
-from jinsum._lang._check import VALUE_DTYPES as VALUE_DTYPES, Operand as Operand, Spec as Spec, check as check
+from jinsum._lang._check import (
+    VALUE_DTYPES as VALUE_DTYPES,
+    ColumnOrder as ColumnOrder,
+    Operand as Operand,
+    Spec as Spec,
+    check as check,
+)
 from jinsum._lang._errors import ExpressionError as ExpressionError
 from jinsum._lang._parse import parse as parse

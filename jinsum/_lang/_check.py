@@ -38,6 +38,31 @@ class Operand:
 
 
 @dataclasses.dataclass(frozen=True)
+class ColumnOrder:
+    """A format's stored entries in column order (a `GroupCOO.transposed`), passed to the primitive after the
+    statement's operands: a transpose that scatters into the format's columns uses it to write each column once
+    (`_derive.by_columns`) instead of adding every entry atomically.
+
+    Attributes:
+      values, rows_index, columns_index: the format's arrays in the statement (`Av[g,p,...]`, `Ai[g]`, `Ak[g,p]`).
+      columns, rows, slots: the grouped transpose of a `TransposedIndex`, integer operands `(H,)`, `(H, Q)` and
+        `(H, Q)`: group `h` of column `columns[h]` holds the entries of rows `rows[h]` at flat slots `slots[h]`
+        (`g * P + p`; -1 for padding).
+    """
+
+    values: str
+    rows_index: str
+    columns_index: str
+    columns: Operand
+    rows: Operand
+    slots: Operand
+
+    @property
+    def operands(self) -> tuple[Operand, Operand, Operand]:
+        return self.columns, self.rows, self.slots
+
+
+@dataclasses.dataclass(frozen=True)
 class Spec:
     """A checked indirect Einsum: the statement, its operands in primitive order, and every index extent.
 
@@ -50,6 +75,8 @@ class Spec:
       allow_tf32: float32 contractions may use TensorFloat-32 (faster on GPUs, ~1e-3 relative error).
       zero_lhs: the left-hand side operand is all zeros (jinsum made it: an omitted left-hand side, a format's
         product, a cotangent), so a kernel need not read it.
+      column_order: the entries of the statement's format in column order, as three more operands (`arguments`),
+        or None. Only the derivative rules read them.
     """
 
     statement: Statement
@@ -58,6 +85,7 @@ class Spec:
     sorted_indices: frozenset[str] = frozenset()
     allow_tf32: bool = False
     zero_lhs: bool = False
+    column_order: ColumnOrder | None = None
 
     def __repr__(self) -> str:  # short: this is what a printed jaxpr shows for the primitive's parameter
         return f"Spec({str(self.statement)!r})"
@@ -73,6 +101,12 @@ class Spec:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.operands)
+
+    @property
+    def arguments(self) -> tuple[str, ...]:
+        """The primitive's operands: the statement's (`names`), then those of `column_order`."""
+        order = () if self.column_order is None else tuple(o.name for o in self.column_order.operands)
+        return self.names + order
 
     @property
     def lhs(self) -> Operand:
@@ -118,13 +152,13 @@ def _describe(operand: Operand) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: frozenset[str] = frozenset(),
-          allow_tf32: bool = False, zero_lhs: bool = False) -> Spec:
+          allow_tf32: bool = False, zero_lhs: bool = False, column_order: ColumnOrder | None = None) -> Spec:
     """Binds operands to a statement and validates everything that can be known before tracing.
 
     Args:
       statement: a parsed statement.
       operands: the arrays bound to the statement's tensor names, in any order.
-      sorted_indices, allow_tf32, zero_lhs: see `Spec`.
+      sorted_indices, allow_tf32, zero_lhs, column_order: see `Spec`.
 
     Raises:
       ExpressionError: an unknown or unused operand, a wrong rank, a non-integer index array, a non-floating value
@@ -190,4 +224,18 @@ def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: f
     ordered_extents = tuple((v, extents[v][0]) for v in statement_variables(statement))
     # Only 1-D index arrays of this statement can be sorted; dropping the rest keeps equal Specs equal.
     sorted_indices = frozenset(n for n in sorted_indices if n in index_tensors and len(by_name[n].shape) == 1)
-    return Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs))
+    return Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs),
+                _column_order(column_order, by_name, index_tensors))
+
+
+def _column_order(order: ColumnOrder | None, by_name: dict, index_tensors) -> ColumnOrder | None:
+    """`order` if the statement reads its format through the column index, else None (equal Specs stay equal)."""
+    if order is None or order.columns_index not in index_tensors:
+        return None
+    clash = {o.name for o in order.operands} & set(by_name)
+    groups = order.columns.shape
+    if clash or len(groups) != 1 or order.rows.shape != order.slots.shape or order.rows.shape[:1] != groups or len(
+            order.rows.shape) != 2 or not all(np.issubdtype(o.dtype, np.integer) for o in order.operands):
+        raise ValueError(f"jinsum: a column order's operands must be integer arrays (H,), (H, Q), (H, Q) whose names "
+                         f"are not the statement's, got {order.operands}")
+    return order

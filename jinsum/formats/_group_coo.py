@@ -22,6 +22,7 @@ from jinsum.formats._convert import (
     csr_from_coo,
     csr_from_dense,
     csr_from_scipy,
+    default_group_size,
     groups_from_csr,
     host_array,
     to_scipy_csr,
@@ -32,20 +33,28 @@ _FMT = "GroupCOO"
 
 
 class TransposedIndex(NamedTuple):
-    """A `GroupCOO`'s stored entries in column order: the row-grouped index of its transpose.
+    """A `GroupCOO`'s stored entries in column order, and the row-grouped index of its transpose.
 
-    Work that runs over the columns (the backward of attention over its keys) needs the entries sorted by
-    column; built once on the host by :meth:`GroupCOO.with_transpose`, it costs no sort in every call of a
-    jitted step that takes the matrix as an argument (an argsort of a graph's millions of edges each step).
+    Work that runs over the columns needs the entries sorted by column: the backward of an SpMM with respect to
+    its dense operand (`dB = A^T dC`, which then writes each row of `dB` once, accumulated in registers, instead of
+    adding every entry's product atomically) and the backward of attention over its keys. Built once on the host
+    by :meth:`GroupCOO.with_transpose`, it costs no sort in every call of a jitted step that takes the matrix as an
+    argument (an argsort of a graph's millions of edges each step).
 
     Attributes:
       perm: int ``(T,)``, the flat slots ``g * P + p`` of the entries whose value was nonzero (anywhere in its
         dense dimensions) when the index was built, sorted by column (stably: by row within a column).
       starts: int ``(K + 1,)``: column ``k``'s entries are ``perm[starts[k]:starts[k + 1]]``.
+      columns, rows, slots: the same entries grouped as a `GroupCOO` of the transpose would be: group ``h`` of
+        column ``columns[h]`` (``(H,)``, non-decreasing) holds ``Q`` entries, of rows ``rows[h]`` and flat slots
+        ``slots[h]`` (``(H, Q)``), ``Q`` picked like a format's group size; padding has slot ``-1`` (and row 0).
     """
 
     perm: jax.Array
     starts: jax.Array
+    columns: jax.Array
+    rows: jax.Array
+    slots: jax.Array
 
 
 def _check_values(Av, groups: tuple[int, int]) -> None:
@@ -276,6 +285,7 @@ class GroupCOO(GroupedFormat):
 
         Example:
           >>> A = jinsum.GroupCOO.from_edge_index(edge_index, num_nodes=N).with_transpose()
+          >>> jax.grad(lambda B: (A @ B).sum())(B)   # A^T dC over A.transposed: each row of dB written once
           >>> jinsum.attention(q, k, v, A)   # its backward over the keys reads A.transposed: no sort per call
         """
         where = f"{_FMT}.with_transpose"
@@ -285,6 +295,10 @@ class GroupCOO(GroupedFormat):
         slots = np.flatnonzero(nonzero)
         order = slots[np.argsort(columns[slots], kind="stable")]
         starts = np.searchsorted(columns[order], np.arange(self._shape[1] + 1), side="left")
-        dtype = self.index_dtype
-        transposed = TransposedIndex(jnp.asarray(order, dtype), jnp.asarray(starts, dtype))
+        rows = host_array(where, self.Ai)[order // self.group_size]
+        # The transpose in groups: the entries' rows as its columns, their slots (+ 1: padding becomes -1) as values.
+        grouped = groups_from_csr(starts, rows, order + 1, default_group_size(np.diff(starts)), np.int64,
+                                  self._shape[0])
+        transposed = TransposedIndex(*(jnp.asarray(x, self.index_dtype) for x in (
+            order, starts, grouped[0], grouped[1], grouped[2] - 1)))
         return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed))

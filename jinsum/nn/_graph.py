@@ -33,7 +33,8 @@ def adjacency(edge_index, num_nodes: int, *, values=None, group_size: int | None
 
     Returns:
       A `GroupCOO` with `A[dst, src] = weight`, carrying its entries in column order (`A.with_transpose()`), so
-      that the backward of `GATConv`'s attention over each node's out-edges sorts nothing in a jitted step.
+      that the gradients of the aggregations with respect to node features write each node once (no atomics) and
+      the backward of `GATConv`'s attention over each node's out-edges sorts nothing in a jitted step.
 
     Example:
       >>> A = jinsum.nn.adjacency(np.array([[0, 1, 1], [1, 2, 0]]), num_nodes=3)
@@ -82,5 +83,11 @@ def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
 
 
 def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
-    """`A @ h` (SpMM over the stored entries), with `A`'s values in `h`'s dtype: `(M, F)` from `h` `(K, F)`."""
-    return jinsum.einsum("ik,kn->in", A.with_values(A.Av.astype(h.dtype)), h)
+    """`A @ h` (SpMM over the stored entries), with `A`'s values in `h`'s dtype: `(M, F)` from `h` `(K, F)`.
+
+    An adjacency that carries its entries in column order (`jinsum.nn.adjacency` builds it so) keeps them where no
+    cast is needed: the gradient with respect to `h` then writes each row once instead of adding every edge's
+    product atomically."""
+    if A.dtype != h.dtype:
+        A = A.with_values(A.Av.astype(h.dtype))
+    return jinsum.einsum("ik,kn->in", A, h)
