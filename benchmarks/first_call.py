@@ -62,7 +62,7 @@ def child(model_name: str, system: str, scale: int) -> dict:
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((nodes, 128)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, 40, nodes).astype(np.int32))
-    model, graph = _model(model_name, system, edge_index, nodes, nnx, jnp, np, jnn)
+    model, graph = _model(model_name, system, edge_index, nodes, nnx, jnp, jnn)
 
     front, back = _instrument() if system == "jinsum" and jax.devices()[0].platform == "gpu" else ({}, {})
     step, state = train_step(model, 0.01)
@@ -92,7 +92,7 @@ def child(model_name: str, system: str, scale: int) -> dict:
     return result
 
 
-def _model(model_name, system, edge_index, nodes, nnx, jnp, np, jnn):
+def _model(model_name, system, edge_index, nodes, nnx, jnp, jnn):
     sys.path.insert(0, str(HERE.parent / "examples"))
     if model_name == "GAT":
         import importlib.util  # noqa: PLC0415
@@ -108,34 +108,16 @@ def _model(model_name, system, edge_index, nodes, nnx, jnp, np, jnn):
 
     if system == "jinsum":
         return GCN(jnn.GCNConv, 128, 256, 40, dropout=0.5, rngs=nnx.Rngs(0)), jnn.adjacency(edge_index, nodes)
-    loops = np.arange(nodes, dtype=np.int32)
-    src, dst = np.concatenate([edge_index, np.stack([loops, loops])], axis=1)
-    order = np.lexsort((src, dst))
-    src, dst = src[order], dst[order]
-    degree = np.bincount(dst, minlength=nodes).astype(np.float32)
-    weight = (degree[src] * degree[dst]) ** -0.5
+    from _training import segment_convs, segment_graph  # noqa: PLC0415
+
+    graph = segment_graph(edge_index, nodes, self_loops=True)
     if system == "BCOO":
         from jax.experimental import sparse  # noqa: PLC0415
 
-        A_hat = sparse.BCOO((jnp.asarray(weight), jnp.asarray(np.stack([dst, src], 1))), shape=(nodes, nodes))
+        src, dst, weight = graph
+        A_hat = sparse.BCOO((weight, jnp.stack([dst, src], 1)), shape=(nodes, nodes))
         return GCN(BCOOGCNConv, 128, 256, 40, dropout=0.5, rngs=nnx.Rngs(0)), A_hat
-
-    class SegmentGCNConv(nnx.Module):
-        """`GCNConv` on edge arrays: a gather of the sources, weighted, and a sorted segment sum."""
-
-        def __init__(self, in_features, out_features, *, rngs):
-            self.linear = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
-            self.bias = nnx.Param(jnp.zeros((out_features,)))
-
-        def __call__(self, x, graph):
-            import jax  # noqa: PLC0415
-
-            src, dst, weight = graph
-            h = self.linear(x)
-            return jax.ops.segment_sum(weight[:, None] * h[src], dst, num_segments=x.shape[0],
-                                       indices_are_sorted=True) + self.bias[...]
-
-    graph = (jnp.asarray(src), jnp.asarray(dst), jnp.asarray(weight))
+    SegmentGCNConv, _ = segment_convs()
     return GCN(SegmentGCNConv, 128, 256, 40, dropout=0.5, rngs=nnx.Rngs(0)), graph
 
 

@@ -35,13 +35,13 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
     - `triton_source(fn, *args)`: every generated kernel that `fn(*args)` lowers to, in order (statements and
       fused attention chains; `jax.grad` of `fn` shows the backward kernels), each under a comment naming it.
     """
-    from jinsum import _lower_chain, kernels  # noqa: PLC0415 (the code generator is only needed here and on CUDA)
+    from jinsum import _lower_chain, _lower_triton, kernels  # noqa: PLC0415 (the code generator: here and on CUDA)
 
     if callable(target):
         sources = []
         for eqn in equations(target, *args):
             if eqn.primitive is _primitive.jinsum_p:
-                plan = kernels.make_plan(eqn.params["spec"], config or kernels.KernelConfig())
+                plan = _lower_triton.plan_for(eqn.params["spec"], config)
                 found = plan if isinstance(plan, kernels.Fallback) else {"statement": plan}
                 name = str(eqn.params["spec"].statement)
             elif eqn.primitive in (_attention_primitive.attention_p, _attention_primitive.attention_backward_p):
@@ -54,11 +54,20 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
                 sources.append(f"# {name}: no generated kernel ({found.reason}); it runs on XLA\n")
                 continue
             for kind, plan in found.items():
-                source = kernels.generate(plan) if kind == "statement" else kernels.generate_chain(plan)
+                source = (_legend(eqn.params["spec"]) + kernels.generate(plan) if kind == "statement"
+                          else kernels.generate_chain(plan))
                 sources.append(f"# ---- {kind}: {name}\n{source}")
         return "\n".join(sources)
     statement, arrays, flags = _einsum.prepare(target, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
-    plan = kernels.make_plan(_primitive.make_spec(statement, arrays, **flags), config or kernels.KernelConfig())
+    spec = _primitive.make_spec(statement, arrays, **flags)
+    plan = _lower_triton.plan_for(spec, config)
     if isinstance(plan, kernels.Fallback):
         raise ValueError(f"jinsum: {statement} has no generated kernel: {plan.reason}")
-    return kernels.generate(plan)
+    return f"# {statement}\n{_legend(spec)}{kernels.generate(plan)}"
+
+
+def _legend(spec) -> str:
+    """A comment naming what the kernel's canonical names stand for (`jinsum.kernels.canonical`)."""
+    tensors = ", ".join(f"T{k} = {name}" for k, name in enumerate(spec.names))
+    variables = ", ".join(f"i{k} = {v}" for k, (v, _) in enumerate(spec.extents))
+    return f"# {tensors}; {variables}\n"

@@ -17,17 +17,19 @@ import numpy as np
 
 from jinsum import _kernel_cache, _lower_xla
 from jinsum._lang import Spec
-from jinsum.kernels import (Fallback, KernelConfig, KernelPlan, generate, kernel_inputs, load_kernel, make_plan,
-                            tuned_config)
+from jinsum.kernels import (Fallback, KernelConfig, KernelPlan, canonical, generate, kernel_inputs, load_kernel,
+                            make_plan, tuned_config)
 
 
 class FallbackWarning(UserWarning):
     """A statement runs on the XLA lowering instead of a generated Triton kernel."""
 
 
-def plan_for(spec: Spec) -> KernelPlan | Fallback:
-    """The plan the CUDA lowering uses for `spec`: with the tuned configuration if `jinsum.autotune` stored one."""
-    return make_plan(spec, tuned_config(spec) or KernelConfig())
+def plan_for(spec: Spec, config: KernelConfig | None = None) -> KernelPlan | Fallback:
+    """The plan the CUDA lowering uses for `spec`: of its canonical form (so statements that differ in names share
+    a kernel; `plan.spec` names the operands `T0, T1, ...` in `spec.names` order), with `config`, else the tuned
+    configuration if `jinsum.autotune` stored one, else the defaults."""
+    return make_plan(canonical(spec), config or tuned_config(spec) or KernelConfig())
 
 
 def _metaparameters(plan: KernelPlan) -> dict[str, int]:
@@ -49,14 +51,15 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
             warnings.warn(f"jinsum: {spec.statement} runs on the XLA lowering: {plan.reason}", FallbackWarning,
                           stacklevel=2)
         return _lower_xla.evaluate(*arrays, spec=spec)
-    env = dict(zip(spec.names, arrays))
-    lhs = env[spec.lhs.name]
+    kernel_spec = plan.spec
+    env = dict(zip(kernel_spec.names, arrays))
+    lhs = env[kernel_spec.lhs.name]
     if not _has_work(plan):
         return lhs
-    env[spec.lhs.name] = lhs.astype(plan.out_dtype)
+    env[kernel_spec.lhs.name] = lhs.astype(plan.out_dtype)
     inputs = [env[n] for n in kernel_inputs(plan)]
     if plan.row_programs:
-        inputs.append(row_starts(env[spec.lhs_sorted_index], plan.row_count, jnp))
+        inputs.append(row_starts(env[kernel_spec.lhs_sorted_index], plan.row_count, jnp))
     out = _jax_triton().triton_call(
         *inputs,
         *plan.sizes.values(),
@@ -130,15 +133,16 @@ def _start_triton_specializer_without_torch() -> None:
 def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = KernelConfig()) -> np.ndarray:
     """Runs the generated kernel for `spec` in Triton's interpreter on CPU (needs `TRITON_INTERPRET=1` set before
     Triton kernels are first defined, and torch). For tests: the same plan, source and arguments as on a GPU."""
-    plan = make_plan(spec, config)
+    plan = plan_for(spec, config)
     if isinstance(plan, Fallback):
         raise ValueError(f"jinsum: no kernel for {spec.statement}: {plan.reason}")
-    lhs = np.asarray(arrays[spec.lhs.name])
+    arrays = {kernel_name: arrays[name] for kernel_name, name in zip(plan.spec.names, spec.names)}
+    lhs = np.asarray(arrays[plan.spec.lhs.name])
     if not _has_work(plan):
         return lhs
-    inputs = [to_torch(np.asarray(arrays[n])) for n in kernel_inputs(plan) if n != spec.lhs.name]
+    inputs = [to_torch(np.asarray(arrays[n])) for n in kernel_inputs(plan) if n != plan.spec.lhs.name]
     if plan.row_programs:
-        inputs.append(to_torch(row_starts(np.asarray(arrays[spec.lhs_sorted_index]), plan.row_count, np)))
+        inputs.append(to_torch(row_starts(np.asarray(arrays[plan.spec.lhs_sorted_index]), plan.row_count, np)))
     out = to_torch(lhs.astype(plan.out_dtype)).clone()
     if plan.zeroes_output:
         out.zero_()  # as the launcher's zeroed output: the kernel must not rely on the left-hand side's values

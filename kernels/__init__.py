@@ -18,6 +18,7 @@ from jinsum.kernels._plan import DotRoles as DotRoles
 from jinsum.kernels._plan import Fallback as Fallback
 from jinsum.kernels._plan import KernelConfig as KernelConfig
 from jinsum.kernels._plan import KernelPlan as KernelPlan
+from jinsum.kernels._plan import canonical as canonical
 from jinsum.kernels._plan import make_plan as make_plan
 from jinsum.kernels._source import generate as generate
 from jinsum.kernels._source import kernel_inputs as kernel_inputs

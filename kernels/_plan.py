@@ -42,7 +42,7 @@ import functools
 
 import numpy as np
 
-from jinsum._lang import Access, Spec, Var, variables, walk
+from jinsum._lang import Access, Spec, Var, map_statement, variables, walk
 
 # Operand element counts at or above this need 64-bit offsets.
 INT32_LIMIT = 2**31 - 1
@@ -192,6 +192,25 @@ def _ceil(a: int, b: int) -> int:
 
 def _pow2(x: int, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, 1 << max(0, int(x) - 1).bit_length())))
+
+
+def canonical(spec: Spec) -> Spec:
+    """`spec` with its tensors renamed `T0, T1, ...` (the output first) and its index variables `i0, i1, ...`, in
+    order of first appearance: statements that differ in names only (a forward SpMM and its transpose over the
+    entries in column order; the same layer applied twice) generate one source, hence share one compiled kernel.
+    The lowerings plan this form; the column order, which only the derivative rules read, is dropped."""
+    tensors = {name: f"T{k}" for k, name in enumerate(spec.names)}
+    names = {v: f"i{k}" for k, (v, _) in enumerate(spec.extents)}
+
+    def rename(node: Access) -> Access:
+        indices = tuple(Var(names[i.name]) if isinstance(i, Var) else i for i in node.indices)
+        return Access(tensors[node.tensor], indices)
+
+    return dataclasses.replace(
+        spec, statement=dataclasses.replace(map_statement(spec.statement, rename), source=""),
+        operands=tuple(dataclasses.replace(o, name=tensors[o.name]) for o in spec.operands),
+        extents=tuple((names[v], e) for v, e in spec.extents),
+        sorted_indices=frozenset(tensors[n] for n in spec.sorted_indices), column_order=None)
 
 
 def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan | Fallback:

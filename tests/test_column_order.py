@@ -137,3 +137,23 @@ def test_the_column_order_kernel_runs_in_the_interpreter(rng):
     for spec in _column_order_specs(jax.grad(lambda B: jnp.sum((A @ B) ** 2)), B):
         operands = random_operands(spec, rng)
         assert_allclose(interpret(spec, operands), reference(str(spec.statement), **operands), np.float32)
+
+
+def test_a_gcn_step_shares_each_forward_kernel_with_its_backward():
+    """The transpose over the column order is the forward SpMM up to names: on an undirected graph (the transpose's
+    groups as long as the rows') it runs the same compiled kernel. A two-layer GCN's gradient binds six statements
+    (each layer's row sums, two SpMMs, their two transposes) and compiles three kernels."""
+    from flax import nnx  # noqa: PLC0415
+
+    import jinsum.nn as jnn  # noqa: PLC0415
+    from jinsum._lower_triton import _metaparameters, plan_for  # noqa: PLC0415
+    from jinsum.datasets import rmat  # noqa: PLC0415
+    from jinsum.kernels import generate  # noqa: PLC0415
+
+    A = jnn.adjacency(rmat(9, seed=0, undirected=True), 512)
+    x = jnp.ones((512, 16))
+    convs = (jnn.GCNConv(16, 32, rngs=nnx.Rngs(0)), jnn.GCNConv(32, 8, rngs=nnx.Rngs(1)))
+    loss = lambda x: jnp.sum(convs[1](jax.nn.relu(convs[0](x, A)), A))  # noqa: E731
+    plans = [plan_for(spec) for spec in specs_in(jax.grad(loss), x)]
+    kernels = {(generate(p), tuple(_metaparameters(p).items()), p.config.num_warps) for p in plans}
+    assert len(plans) == 6 and len(kernels) == 3

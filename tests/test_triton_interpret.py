@@ -134,8 +134,10 @@ def test_spmm_transpose_loops_slots_inside_and_skips_padding(rng):
     plan = make_plan(_spec(expression, transpose))
     assert plan.write == "atomic" and plan.write_loops == ("p",) and plan.grid == ()
     source = jinsum.triton_source(expression, **transpose)
-    # C[Ai[g],:] is loaded once per group, outside the slot loop; a zero value Av[g,p] skips its atomics.
-    assert source.index("# C[Ai[g],n]") < source.index("tl.static_range(")
+    # C[Ai[g],:] (T3[T4[i0],i2] in the kernel's names) is loaded once per group, outside the slot loop; a zero
+    # value Av[g,p] skips its atomics.
+    assert "T3 = C, T4 = Ai; i0 = g, i1 = p, i2 = n" in source
+    assert source.index("# T3[T4[i0],i2]") < source.index("tl.static_range(")
     assert "!= 0, " in source.split("atomic_update(")[-1]
 
 

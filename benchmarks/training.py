@@ -1,0 +1,221 @@
+"""GNN training steps: GCN and GraphSAGE, full batch, against plain JAX, BCOO and PyG, every system timed the same way.
+
+    python benchmarks/training.py [--scale 17] [--graphs rmat uniform pubmed] [--calls 20] [--out benchmarks/results]
+
+Graphs: an R-MAT graph made undirected (scale 17: 131k nodes, 3.7M edges, hubs of 10^4 edges), a uniform random
+graph of the same size (no hubs) and PubMed (the real graph, shipped; random features). Models: 128 -> 256 -> 40
+(PubMed: 128 -> 256 -> 3), ReLU, dropout 0.5; one step is forward, backward and an Adam update
+(`_training.train_step`). Systems:
+
+- jinsum's `GCNConv` / `SAGEConv` on `jinsum.nn.adjacency` (which carries the entries in column order, so the
+  gradient with respect to node features is an owned-row SpMM), and the same without the column order (that
+  gradient adds every edge's product atomically);
+- the same models on gathers and a sorted `jax.ops.segment_sum` (`_training.segment_convs`), and GCN on a
+  `jax.experimental.sparse` BCOO;
+- PyG's `GCNConv` / `SAGEConv` (where torch_geometric is installed) on a CSR `adj_t` (`torch.sparse_csr_tensor`),
+  with GCN's normalisation cached.
+
+Timing: `jinsum.timing.time_calls` (back-to-back steps, one sync per round, median of rounds) for every system,
+and each jinsum step's device time by kernel. Results go to `--out` as `training_<device>.{md,csv}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jinsum.nn as jnn  # noqa: E402
+from jinsum.datasets import load_planetoid, rmat  # noqa: E402
+from jinsum.timing import kernel_times, time_calls  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
+from _training import segment_convs, segment_graph, train_step  # noqa: E402
+from gcn.main import GCN, BCOOGCNConv  # noqa: E402
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+ROWS: list[dict] = []
+
+
+def record(workload: str, system: str, ms: float | None, note: str = "") -> None:
+    ROWS.append(dict(workload=workload, system=system, ms=ms, note=note))
+    shown = "failed" if ms is None else f"{ms:.3f} ms"
+    print(f"  {workload:<44} {system:<40} {shown}  {note}", flush=True)
+
+
+def attempt(workload: str, system: str, run) -> None:
+    """Times `run() -> (seconds, note)`; a system that cannot run is recorded with its reason, not fatal."""
+    try:
+        seconds, note = run()
+    except Exception as error:  # noqa: BLE001
+        traceback.print_exc(limit=2)
+        record(workload, system, None, f"{type(error).__name__}: {str(error)[:100]}")
+        return
+    record(workload, system, 1e3 * seconds, note)
+
+
+def graphs(scale: int, chosen: list[str]):
+    """(name, edge_index, nodes, x, y) for each graph in `chosen` (of "rmat", "uniform", "pubmed")."""
+    rng = np.random.default_rng(0)
+    nodes = 1 << scale
+    skewed = rmat(scale, seed=0, undirected=True)
+    edges = skewed.shape[1] // 2
+    src, dst = rng.integers(0, nodes, (2, edges))
+    keep = src != dst
+    pairs = np.unique(np.stack([np.concatenate([src[keep], dst[keep]]), np.concatenate([dst[keep], src[keep]])]),
+                      axis=1)
+    features = jnp.asarray(rng.standard_normal((nodes, 128)).astype(np.float32))
+    labels = jnp.asarray(rng.integers(0, 40, nodes).astype(np.int32))
+    if "rmat" in chosen:
+        yield f"R-MAT {scale} undirected ({skewed.shape[1] / 1e6:.2f}M edges)", skewed, nodes, features, labels
+    if "uniform" in chosen:
+        yield f"uniform random ({pairs.shape[1] / 1e6:.2f}M edges)", pairs, nodes, features, labels
+    if "pubmed" not in chosen:
+        return
+    pubmed = load_planetoid("pubmed")  # (the graph only: random features and labels, as for the others)
+    n = pubmed.num_nodes
+    yield (f"PubMed ({pubmed.edge_index.shape[1] / 1e3:.0f}k edges)", pubmed.edge_index, n,
+           jnp.asarray(rng.standard_normal((n, 128)).astype(np.float32)), jnp.asarray(rng.integers(0, 3, n)))
+
+
+def jax_step(model, x, y, graph, calls: int, kernels: bool) -> tuple[float, str]:
+    step, state = train_step(model, 0.01)
+    compiled = jax.jit(step).lower(state, x, y, graph).compile()
+    seconds = time_calls(lambda: compiled(state, x, y, graph), calls=calls)
+    if not kernels:
+        return seconds, ""
+    times = kernel_times(lambda: compiled(state, x, y, graph), calls=10)
+    if not times:  # (no GPU trace)
+        return seconds, ""
+    jinsum = sum(t for name, t in times.items() if name.startswith("jinsum"))
+    return seconds, f"device {1e3 * sum(times.values()):.3f} ms, of which jinsum kernels {1e3 * jinsum:.3f}"
+
+
+def run_graph(name, edge_index, nodes, x, y, calls: int) -> None:
+    classes = int(y.max()) + 1
+    adjacency = jnn.adjacency(edge_index, nodes)
+    SegmentGCNConv, SegmentSAGEConv = segment_convs()
+    with_loops, without_loops = (segment_graph(edge_index, nodes, self_loops=s) for s in (True, False))
+    for model_name, jinsum_conv, segment_conv, segment_edges in (("GCN", jnn.GCNConv, SegmentGCNConv, with_loops),
+                                                                  ("GraphSAGE", jnn.SAGEConv, SegmentSAGEConv,
+                                                                   without_loops)):
+        workload = f"{model_name} step, {name}"
+        print(f"\n{workload}")
+
+        def model(conv):
+            return GCN(conv, x.shape[1], 256, classes, dropout=0.5, rngs=nnx.Rngs(0))
+
+        systems = {"jinsum": (jinsum_conv, adjacency, True),
+                   "jinsum, no column order (atomic transpose)": (jinsum_conv, adjacency.with_values(adjacency.Av),
+                                                                  True),
+                   "gathers + segment_sum": (segment_conv, segment_edges, False)}
+        if model_name == "GCN":
+            from jax.experimental import sparse  # noqa: PLC0415
+
+            src, dst, weight = with_loops
+            systems["BCOO"] = (BCOOGCNConv, sparse.BCOO((weight, jnp.stack([dst, src], 1)), shape=(nodes, nodes)),
+                               False)
+        for system, (conv, graph, kernels) in systems.items():
+            attempt(workload, system, lambda conv=conv, graph=graph, k=kernels: jax_step(model(conv), x, y, graph,
+                                                                                         calls, k))
+        if torch is not None:
+            attempt(workload, f"PyG {model_name} (CSR adj_t)",
+                    lambda m=model_name: pyg_step(m, edge_index, nodes, x, y, classes, calls))
+
+
+def pyg_step(model_name, edge_index, nodes, x, y, classes, calls) -> tuple[float, str]:
+    from torch_geometric.nn import GCNConv, SAGEConv  # noqa: PLC0415
+
+    conv = (lambda i, o: GCNConv(i, o, cached=True)) if model_name == "GCN" else SAGEConv
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = conv(x.shape[1], 256), conv(256, classes)
+
+        def forward(self, x, adj_t):
+            x = torch.nn.functional.dropout(x, 0.5, self.training)
+            x = torch.relu(self.conv1(x, adj_t))
+            x = torch.nn.functional.dropout(x, 0.5, self.training)
+            return self.conv2(x, adj_t)
+
+    model = Model().cuda().train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    src, dst = (torch.from_numpy(np.asarray(e, np.int64)) for e in edge_index)
+    adj_t = torch.sparse_coo_tensor(torch.stack([dst, src]), torch.ones(src.numel()), (nodes, nodes)).coalesce()
+    adj_t = adj_t.to_sparse_csr().cuda()
+    xt, yt = torch.from_numpy(np.asarray(x)).cuda(), torch.from_numpy(np.asarray(y)).long().cuda()
+
+    def step():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xt, adj_t), yt)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return time_calls(step, calls=calls, sync=lambda _: torch.cuda.synchronize()), ""
+
+
+def write(out: pathlib.Path, started: float) -> None:
+    device = jax.devices()[0].device_kind
+    versions = {"jax": jax.__version__}
+    for module in ("triton", "jax_triton", "torch", "torch_geometric"):
+        try:
+            versions[module] = importlib.import_module(module).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    for row in ROWS:
+        first = next((r for r in ROWS if r["workload"] == row["workload"] and r["system"] == "jinsum" and r["ms"]),
+                     None)
+        row["vs_jinsum"] = row["ms"] / first["ms"] if first and row["ms"] else None
+    stem = out / f"training_{device.replace(' ', '_')}"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["workload", "system", "ms", "vs_jinsum", "note"])
+        writer.writeheader()
+        writer.writerows(ROWS)
+    lines = [f"# GNN training steps on {device}", "",
+             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/training.py` "
+             f"({time.time() - started:.0f} s). ms: median over rounds of back-to-back steps "
+             "(`jinsum.timing.time_calls`); x jinsum: the system's time over jinsum's (above 1: jinsum is faster).",
+             "", "| workload | system | ms | x jinsum | note |", "|---|---|---:|---:|---|"]
+    for row in ROWS:
+        ms = f"{row['ms']:.3f}" if row["ms"] is not None else "failed"
+        ratio = f"{row['vs_jinsum']:.2f}" if row["vs_jinsum"] is not None else ""
+        lines.append(f"| {row['workload']} | {row['system']} | {ms} | {ratio} | {row['note']} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", type=int, default=17)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--graphs", nargs="*", choices=["rmat", "uniform", "pubmed"], default=["rmat", "uniform", "pubmed"])
+    p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    args = p.parse_args()
+    started = time.time()
+    for graph in graphs(args.scale, args.graphs):
+        run_graph(*graph, args.calls)
+        write(args.out, started)  # (after each graph: a run cut short keeps what it measured)
+
+
+if __name__ == "__main__":
+    main()
