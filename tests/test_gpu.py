@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.sparse as sp
 from jax.test_util import check_grads
 
 import jinsum
@@ -89,6 +90,23 @@ def test_large_group_spmm_with_hub_rows(rng):
     dense = np.zeros((5000, 7000))
     np.add.at(dense, (np.repeat(rows, 8), operands["Ak"].reshape(-1)), operands["Av"].reshape(-1))
     assert_allclose(out, dense @ operands["B"], np.float32)
+
+
+@pytest.mark.parametrize("features", [8, 40, 256])
+def test_spmm_gradient_over_the_column_order_with_hub_columns(rng, features):
+    """dB = A^T dC over the entries in column order (narrow: tiles; wide: segmented rows split across programs)
+    on a power-law matrix whose hub columns hold thousands of entries, against float64 and the atomic transpose."""
+    rows = np.minimum(rng.zipf(1.5, 60_000), 3000) - 1
+    cols = np.minimum(rng.zipf(1.4, 60_000), 2000) - 1
+    csr = sp.csr_matrix((rng.standard_normal(60_000).astype(np.float32), (rows, cols)), shape=(3000, 2000))
+    A = jinsum.GroupCOO.from_scipy(csr)
+    T = A.with_transpose()
+    W = rng.standard_normal((3000, features)).astype(np.float32)
+    B = jnp.asarray(rng.standard_normal((2000, features)).astype(np.float32))
+    grad = jax.jit(lambda A, B: jax.grad(lambda B: jnp.sum((A @ B) * W))(B))
+    expected = csr.toarray().astype(np.float64).T @ W
+    assert_allclose(grad(T, B), expected, np.float32)
+    assert_allclose(grad(A, B), expected, np.float32)
 
 
 def test_autotune_stores_and_reuses_a_config(rng, tmp_path, monkeypatch):
