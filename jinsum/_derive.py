@@ -61,9 +61,8 @@ def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tup
     """A transpose that scatters into the format's columns, over its entries in column order instead.
 
     `dB[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]` becomes `dB[A_columns[h],n] += Av_t[h,q] * C[A_rows[h,q],n]`: the
-    entries in groups of one column each (`h`, slot `q`), so the left-hand side is a sorted segment reduction (each
-    row of `dB` accumulated in registers and written once), the forward SpMM's form, instead of an atomic addition
-    per entry. The order's columns and rows replace `Ak[g,p]` and `Ai[g]`; every other operand that `g` and `p`
+    entries in groups of one column each (`h`, slot `q`), so the left-hand side is a sorted segment reduction (rows
+    accumulated in registers), the forward SpMM's form, instead of an atomic addition per entry. The order's columns and rows replace `Ak[g,p]` and `Ai[g]`; every other operand that `g` and `p`
     address is read at the entries (`AtEntries`, gathered by the caller).
 
     Returns None where it does not apply: the left-hand side is not written through `Ak[g,p]`; `g` or `p` is used

@@ -157,3 +157,12 @@ def test_a_gcn_step_shares_each_forward_kernel_with_its_backward():
     plans = [plan_for(spec) for spec in specs_in(jax.grad(loss), x)]
     kernels = {(generate(p), tuple(_metaparameters(p).items()), p.config.num_warps) for p in plans}
     assert len(plans) == 6 and len(kernels) == 3
+
+
+def test_the_layers_keep_the_order_through_a_cast_of_the_values(rng):
+    import jinsum.nn as jnn  # noqa: PLC0415
+    from jinsum.nn._graph import aggregate  # noqa: PLC0415
+
+    A = jnn.adjacency(np.stack([rng.integers(0, 30, 90), rng.integers(0, 30, 90)]), 30)
+    h = jnp.asarray(rng.standard_normal((30, 8)), jnp.bfloat16)
+    assert _column_order_specs(jax.grad(lambda h: jnp.sum(aggregate(A, h).astype(jnp.float32))), h)

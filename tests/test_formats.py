@@ -367,6 +367,8 @@ def test_transposed_index_lists_the_nonzero_entries_by_column():
     same = jax.jit(lambda A: A)(T)
     np.testing.assert_array_equal(np.asarray(same.transposed.starts), starts)
     assert T.with_values(T.Av * 2).transposed is None
+    half = T.astype(jnp.float16)  # a cast keeps zeros zero: the index stays
+    assert half.dtype == jnp.float16 and half.transposed is T.transposed
     with pytest.raises(TypeError, match="with_transpose runs on the host"):
         jax.jit(lambda A: A.with_transpose())(A)
 

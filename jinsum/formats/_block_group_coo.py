@@ -213,6 +213,10 @@ class BlockGroupCOO(GroupedFormat):
         inside = (rows < self._shape[0]) & (cols < self._shape[1])
         return to_scipy_csr(rows[inside], cols[inside], host_array(where, self.Av)[inside], self._shape)
 
+    def astype(self, dtype) -> BlockGroupCOO:
+        """The same matrix with its blocks cast to the floating ``dtype``."""
+        return self.with_values(self.Av.astype(dtype))
+
     def with_values(self, Av) -> BlockGroupCOO:
         """The same block structure with new blocks ``Av`` of shape ``(G, bm, bk, P)``, any floating dtype.
 

@@ -36,7 +36,7 @@ class TransposedIndex(NamedTuple):
     """A `GroupCOO`'s stored entries in column order, and the row-grouped index of its transpose.
 
     Work that runs over the columns needs the entries sorted by column: the backward of an SpMM with respect to
-    its dense operand (`dB = A^T dC`, which then writes each row of `dB` once, accumulated in registers, instead of
+    its dense operand (`dB = A^T dC`, which then runs as the forward SpMM's kernel over the transpose instead of
     adding every entry's product atomically) and the backward of attention over its keys. Built once on the host
     by :meth:`GroupCOO.with_transpose`, it costs no sort in every call of a jitted step that takes the matrix as an
     argument (an argsort of a graph's millions of edges each step).
@@ -270,11 +270,18 @@ class GroupCOO(GroupedFormat):
         Returns:
           A GroupCOO sharing ``Ai``, ``Ak`` and ``nnz``, with shape ``(M, K, *Av.shape[2:])``. Only shapes
           are checked, so this is cheap and works under ``jit``. The transposed index is dropped: it lists the
-          entries that were nonzero, and the new values may differ in that.
+          entries that were nonzero, and the new values may differ in that (:meth:`astype` keeps it).
         """
         Av = as_jax_array(Av)
         _check_values(Av, self.Ak.shape)
         return self.tree_unflatten((self._shape[:2] + Av.shape[2:], self._nnz), (self.Ai, self.Ak, Av, None))
+
+    def astype(self, dtype) -> GroupCOO:
+        """The same matrix with its values cast to the floating ``dtype``. A cast keeps zeros zero, so the transposed
+        index stays (unlike :meth:`with_values`)."""
+        Av = self.Av.astype(dtype)
+        check_floating(_FMT, Av)
+        return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed))
 
     def with_transpose(self) -> GroupCOO:
         """The same matrix carrying a :class:`TransposedIndex` (its entries in column order), built here on the

@@ -33,8 +33,9 @@ def adjacency(edge_index, num_nodes: int, *, values=None, group_size: int | None
 
     Returns:
       A `GroupCOO` with `A[dst, src] = weight`, carrying its entries in column order (`A.with_transpose()`), so
-      that the gradients of the aggregations with respect to node features write each node once (no atomics) and
-      the backward of `GATConv`'s attention over each node's out-edges sorts nothing in a jitted step.
+      that the gradients of the aggregations with respect to node features run the forward SpMM's kernel over the
+      transpose (no atomic addition per edge) and the backward of `GATConv`'s attention over each node's out-edges
+      sorts nothing in a jitted step.
 
     Example:
       >>> A = jinsum.nn.adjacency(np.array([[0, 1, 1], [1, 2, 0]]), num_nodes=3)
@@ -72,7 +73,7 @@ def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
     Example:
       >>> deg = row_sums(A)            # in-degrees (weighted) of an adjacency A[dst, src]
     """
-    A = A.with_values(A.Av.astype(A.dtype if dtype is None else dtype))
+    A = A.astype(A.dtype if dtype is None else dtype)
     if isinstance(A, BlockGroupCOO):
         (bm, _), rows = A.block_shape, A.num_block_rows
         sums = jinsum.einsum("D[Ai[g],m] += Av[g,m,k,p]", D=jax.ShapeDtypeStruct((rows, bm), A.dtype), A=A)
@@ -85,9 +86,7 @@ def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
 def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
     """`A @ h` (SpMM over the stored entries), with `A`'s values in `h`'s dtype: `(M, F)` from `h` `(K, F)`.
 
-    An adjacency that carries its entries in column order (`jinsum.nn.adjacency` builds it so) keeps them where no
-    cast is needed: the gradient with respect to `h` then writes each row once instead of adding every edge's
-    product atomically."""
-    if A.dtype != h.dtype:
-        A = A.with_values(A.Av.astype(h.dtype))
-    return jinsum.einsum("ik,kn->in", A, h)
+    An adjacency that carries its entries in column order (`jinsum.nn.adjacency` builds it so) keeps them through
+    the cast: the gradient with respect to `h` is then the forward SpMM's kernel over the transpose instead of an
+    atomic addition per edge."""
+    return jinsum.einsum("ik,kn->in", A.astype(h.dtype), h)
