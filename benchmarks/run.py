@@ -2,9 +2,10 @@
 
     python benchmarks/run.py [--quick] [--out benchmarks/results]
 
-Workloads: SpMM fp32 and SDDMM fp32 on PubMed (real, shipped) and R-MAT graphs (a=0.57, b=c=0.19, edge factor 16,
-scales 17 and 20, deduplicated) for F = 32 and 128; block SpMM fp16 with M=K=N=4096, 32x32 blocks at 5% and 20%
-block density. Peers in the same run: jax.experimental.sparse (BCOO), the sorted segment_sum idiom (gather idiom
+Workloads: SpMM fp32, its transpose (A^T dC, the gradient with respect to the dense operand) and SDDMM fp32 on
+PubMed (real, shipped), R-MAT graphs (a=0.57, b=c=0.19, edge factor 16, scales 17 and 20, deduplicated) and a
+uniform random graph of R-MAT 17's size (no hubs), for F = 32, 128 and 256 (--quick: 32 and 128, no R-MAT 20);
+block SpMM fp16 with M=K=N=4096, 32x32 blocks at 5% and 20% block density. Peers in the same run: jax.experimental.sparse (BCOO), the sorted segment_sum idiom (gather idiom
 for SDDMM), dense matmul where it fits, and, where PyTorch is installed, cuSPARSE CSR (torch.sparse),
 torch.sparse._triton_ops.bsr_dense_mm and torch.sparse.sampled_addmm.
 
@@ -130,6 +131,9 @@ def _graph(name: str) -> tuple[np.ndarray, int]:
     if name == "pubmed":
         data = load_planetoid("pubmed")
         return data.edge_index, data.num_nodes
+    if name.startswith("uniform"):  # the R-MAT graph's size, its edges spread evenly: no hubs
+        edges, n = _graph(name.replace("uniform", "rmat"))
+        return np.random.default_rng(2).integers(0, n, edges.shape, dtype=np.int32), n
     scale = int(name.removeprefix("rmat"))
     return rmat(scale, 16), 1 << scale
 
@@ -139,6 +143,7 @@ def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
     rng = np.random.default_rng(0)
     values = rng.random(edges.shape[1], dtype=np.float32)
     A = jinsum.GroupCOO.from_edge_index(edges, values, num_nodes=n)
+    A_transposed = A.with_transpose()
     csr = sp.csr_matrix((values, (edges[1], edges[0])), shape=(n, n))
     csr.sum_duplicates()
     csr.sort_indices()
@@ -172,6 +177,30 @@ def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
         compulsory = nnz * 8 + (n + 1) * 4 + 2 * n * f * 4
         print(f" SpMM fp32 {graph} F={f}", flush=True)
         suite.run(f"SpMM fp32 {graph} F={f}", systems, compulsory)
+        del systems
+
+        # The SpMM's gradient with respect to B: dB = A^T dC. jinsum's transpose rule runs it over the entries in
+        # column order when the format carries them (`with_transpose`), else as an atomic scatter; the peer is a
+        # sorted segment_sum over the transpose's arrays, sorted on the host as well.
+        csc = csr.tocsc()
+        t_rows = jnp.asarray(np.repeat(np.arange(n, dtype=np.int32), np.diff(csc.indptr)))
+        t_cols, t_vals = jnp.asarray(csc.indices), jnp.asarray(csc.data)
+
+        def transpose(A, C, f=f):
+            return jax.linear_transpose(lambda B: A @ B, jax.ShapeDtypeStruct((n, f), jnp.float32))(C)[0]
+
+        systems = {
+            "segment_sum over A^T (sorted)": (jax.jit(lambda vals, cols, rows, C: jax.ops.segment_sum(
+                vals[:, None] * C[cols], rows, num_segments=n, indices_are_sorted=True)), (t_vals, t_cols, t_rows, B),
+                jax.block_until_ready),
+            "jinsum": (jax.jit(transpose), (A_transposed, B), jax.block_until_ready),
+            "jinsum, atomic scatter (no column order)": (jax.jit(transpose), (A, B), jax.block_until_ready),
+        }
+        if torch_csr is not None:
+            torch_csr_t = torch_csr.t().to_sparse_csr()
+            systems["cuSPARSE CSR of A^T (torch.sparse)"] = (lambda C: torch_csr_t @ C, (tB,), _torch_sync)
+        print(f" SpMM transpose fp32 {graph} F={f}", flush=True)
+        suite.run(f"SpMM transpose (A^T dC) fp32 {graph} F={f}", systems, compulsory)
         del systems
 
         X = jnp.asarray(rng.standard_normal((n, f), dtype=np.float32))
@@ -274,8 +303,8 @@ def main() -> None:
     started = time.time()
     suite = Suite(args.calls)
     print(f"{suite.device}: copy {suite.copy_gbps:.0f} GB/s, fp16 matmul {suite.matmul_tflops:.0f} TFLOP/s")
-    for graph in ["pubmed", "rmat17"] + ([] if args.quick else ["rmat20"]):
-        spmm_and_sddmm(suite, graph, [32, 128])
+    for graph in ["pubmed", "rmat17", "uniform17"] + ([] if args.quick else ["rmat20"]):
+        spmm_and_sddmm(suite, graph, [32, 128] if args.quick else [32, 128, 256])
     block_spmm(suite, [0.05] if args.quick else [0.05, 0.20])
     write(suite, args.out, started)
 
