@@ -79,3 +79,18 @@ def segment_convs():
             return mean + self.lin_root(x) + self.bias[...]
 
     return SegmentGCNConv, SegmentSAGEConv
+
+
+def package_versions(modules=("triton", "jax_triton", "torch", "torch_geometric")) -> dict[str, str]:
+    """jax's version, and those of `modules` where they import: for the headers of the results."""
+    import importlib  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    versions = {"jax": jax.__version__}
+    for module in modules:
+        try:
+            versions[module] = importlib.import_module(module).__version__
+        except Exception:  # noqa: BLE001 (a missing or broken peer is left out of the header)
+            pass
+    return versions

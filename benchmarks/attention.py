@@ -45,7 +45,7 @@ from jinsum.datasets import rmat  # noqa: E402
 from jinsum.kernels import ChainConfig, forced_config  # noqa: E402
 from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
-from _training import train_step  # noqa: E402 (benchmarks/, this script's folder)
+from _training import package_versions, train_step  # noqa: E402 (benchmarks/, this script's folder)
 
 try:
     import torch
@@ -281,12 +281,7 @@ def _pyg_gat_step(name, edge_index, nodes, x, y, calls) -> float:
 
 def write(out: pathlib.Path, started: float) -> None:
     device = jax.devices()[0].device_kind
-    versions = {"jax": jax.__version__}
-    for module in ("triton", "jax_triton", "torch", "torch_geometric"):
-        try:
-            versions[module] = importlib.import_module(module).__version__
-        except Exception:  # noqa: BLE001
-            pass
+    versions = package_versions()
     stem = out / f"attention_{device.replace(' ', '_')}"
     out.mkdir(parents=True, exist_ok=True)
     fields = ["workload", "system", "ms", "tflops", "vs_jinsum", "max_abs_diff_vs_flex", "note"]

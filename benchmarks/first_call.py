@@ -197,14 +197,9 @@ def main() -> None:
 
 
 def write(rows: list[dict], out: pathlib.Path, device: str, scale: int) -> None:
-    import importlib  # noqa: PLC0415
+    from _training import package_versions  # noqa: PLC0415
 
-    versions = []
-    for module in ("jax", "jaxlib", "triton", "jax_triton"):
-        try:
-            versions.append(f"{module} {importlib.import_module(module).__version__}")
-        except Exception:  # noqa: BLE001
-            pass
+    versions = [f"{name} {version}" for name, version in package_versions(("jaxlib", "triton", "jax_triton")).items()]
     columns = ["process", *STAGES, "second_run", "kernels compiled", "kernels loaded", "kernels parsed"]
     stem = out / f"first_call_{device.replace(' ', '_')}"
     out.mkdir(parents=True, exist_ok=True)

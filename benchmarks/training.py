@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
 import os
 import pathlib
 import sys
@@ -43,7 +42,7 @@ from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-from _training import segment_convs, segment_graph, train_step  # noqa: E402
+from _training import package_versions, segment_convs, segment_graph, train_step  # noqa: E402
 from gcn.main import GCN, BCOOGCNConv  # noqa: E402
 
 try:
@@ -175,12 +174,7 @@ def pyg_step(model_name, edge_index, nodes, x, y, classes, calls) -> tuple[float
 
 def write(out: pathlib.Path, started: float) -> None:
     device = jax.devices()[0].device_kind
-    versions = {"jax": jax.__version__}
-    for module in ("triton", "jax_triton", "torch", "torch_geometric"):
-        try:
-            versions[module] = importlib.import_module(module).__version__
-        except Exception:  # noqa: BLE001
-            pass
+    versions = package_versions()
     for row in ROWS:
         first = next((r for r in ROWS if r["workload"] == row["workload"] and r["system"] == "jinsum" and r["ms"]),
                      None)
