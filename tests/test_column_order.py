@@ -166,3 +166,19 @@ def test_the_layers_keep_the_order_through_a_cast_of_the_values(rng):
     A = jnn.adjacency(np.stack([rng.integers(0, 30, 90), rng.integers(0, 30, 90)]), 30)
     h = jnp.asarray(rng.standard_normal((30, 8)), jnp.bfloat16)
     assert _column_order_specs(jax.grad(lambda h: jnp.sum(aggregate(A, h).astype(jnp.float32))), h)
+
+
+def test_a_malformed_column_order_is_refused_and_an_unused_one_dropped():
+    from jinsum._lang import check  # noqa: PLC0415
+
+    statement = parse("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]")
+    operands = tuple(Operand(n, s, np.dtype(d)) for n, s, d in (
+        ("C", (4, 3), np.float32), ("Ai", (9,), np.int32), ("Av", (9, 2), np.float32), ("B", (5, 3), np.float32),
+        ("Ak", (9, 2), np.int32)))
+    assert check(statement, operands, column_order=ORDER).column_order == ORDER
+    bad = ColumnOrder("Av", "Ai", "Ak", ORDER.columns, ORDER.rows, Operand("A_slots", (9, 3), np.dtype(np.int32)))
+    with pytest.raises(ValueError, match=r"\(H,\), \(H, Q\), \(H, Q\)"):
+        check(statement, operands, column_order=bad)
+    row_sums = parse("D[Ai[g]] += Av[g,p]")  # reads no column: the order is of no use, and equal Specs stay equal
+    assert check(row_sums, (Operand("D", (4,), np.dtype(np.float32)), *operands[1:3]), column_order=ORDER
+                 ).column_order is None

@@ -233,9 +233,10 @@ def _column_order(order: ColumnOrder | None, by_name: dict, index_tensors) -> Co
     if order is None or order.columns_index not in index_tensors:
         return None
     clash = {o.name for o in order.operands} & set(by_name)
-    groups = order.columns.shape
-    if clash or len(groups) != 1 or order.rows.shape != order.slots.shape or order.rows.shape[:1] != groups or len(
-            order.rows.shape) != 2 or not all(np.issubdtype(o.dtype, np.integer) for o in order.operands):
+    shapes_fit = (len(order.columns.shape) == 1 and len(order.rows.shape) == 2 and order.rows.shape == order.slots.shape
+                  and order.rows.shape[0] == order.columns.shape[0])
+    integers = all(np.issubdtype(o.dtype, np.integer) for o in order.operands)
+    if clash or not shapes_fit or not integers:
         raise ValueError(f"jinsum: a column order's operands must be integer arrays (H,), (H, Q), (H, Q) whose names "
                          f"are not the statement's, got {order.operands}")
     return order
