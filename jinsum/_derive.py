@@ -49,12 +49,12 @@ def transpose(statement: Statement, factor: int) -> Statement:
 @dataclasses.dataclass(frozen=True)
 class AtEntries:
     """An operand of a `by_columns` statement: `source` read at the entries in column order, through their flat
-    slots `g * P + p` (`by_slot`: `source.reshape(G * P, ...)[slots]`) or their groups (`source[slots // P]`);
-    zero at padding."""
+    slots `g * P + p` when it has the slot axis (`slot_axis`: `source` with that axis moved next to the group
+    axis, `.reshape(G * P, ...)[slots]`), else through their groups (`source[slots // P]`); zero at padding."""
 
     name: str
     source: str
-    by_slot: bool
+    slot_axis: int | None
 
 
 def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tuple[AtEntries, ...]] | None:
@@ -73,14 +73,14 @@ def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tup
     if len(through) != 1 or not all(isinstance(i, Var) for i in through[0].indices):
         return None
     group, slot = (i.name for i in through[0].indices)
-    if not any(f.tensor == order.values and [i.name for i in f.indices[:2] if isinstance(i, Var)] == [group, slot]
+    if not any(f.tensor == order.values and f.indices[:1] == (Var(group),) and Var(slot) in f.indices
                for f in statement.factors):
         return None
     taken_variables = set(statement_variables(statement))
     group_var = Var(fresh_name("h", taken_variables))
     slot_var = Var(fresh_name("q", taken_variables | {group_var.name}))
     taken = set(tensor_names(statement)) | {o.name for o in order.operands}
-    gathers: dict[tuple[str, bool], AtEntries] = {}
+    gathers: dict[tuple[str, int | None], AtEntries] = {}
 
     def at_entries(node: Access) -> Access:
         names = [i.name if isinstance(i, Var) else None for i in node.indices]
@@ -88,16 +88,18 @@ def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tup
             return Access(order.columns.name, (group_var,))
         if node.tensor == order.rows_index and names == [group]:
             return Access(order.rows.name, (group_var, slot_var))
-        lead = 2 if names[:2] == [group, slot] else 1 if names[:1] == [group] else 0
-        if {group, slot} & set(names[lead:]):
-            raise _NotByColumns
-        if lead == 0:
+        if group not in names and slot not in names:
             return node
-        key = (node.tensor, lead == 2)
+        # Addressed by the group first, and by the slot at most once anywhere (a block's slot axis comes last).
+        slot_axis = names.index(slot) if slot in names else None
+        rest = [i for d, i in enumerate(node.indices) if d not in (0, slot_axis)]
+        if names[0] != group or names.count(slot) > 1 or {group, slot} & {i.name for i in rest if isinstance(i, Var)}:
+            raise _NotByColumns
+        key = (node.tensor, slot_axis)
         if key not in gathers:
-            gathers[key] = AtEntries(fresh_name(f"{node.tensor}_t", taken), node.tensor, lead == 2)
+            gathers[key] = AtEntries(fresh_name(f"{node.tensor}_t", taken), node.tensor, slot_axis)
             taken.add(gathers[key].name)
-        return Access(gathers[key].name, (group_var, slot_var, *node.indices[lead:]))
+        return Access(gathers[key].name, (group_var, slot_var, *rest))
 
     try:
         rewritten = map_statement(statement, at_entries)

@@ -150,7 +150,11 @@ def _at_entries(env, gathers, order: ColumnOrder) -> dict:
     arrays = {}
     for g in gathers:
         source = env[g.source]
-        read = source.reshape(-1, *source.shape[2:])[slots] if g.by_slot else source[slots // group_size]
+        if g.slot_axis is None:
+            read = source[slots // group_size]
+        else:
+            source = jnp.moveaxis(source, g.slot_axis, 1)
+            read = source.reshape(-1, *source.shape[2:])[slots]
         arrays[g.name] = jnp.where(valid.reshape(valid.shape + (1,) * (read.ndim - 2)), read, 0).astype(read.dtype)
     return arrays
 

@@ -182,3 +182,47 @@ def test_a_malformed_column_order_is_refused_and_an_unused_one_dropped():
     row_sums = parse("D[Ai[g]] += Av[g,p]")  # reads no column: the order is of no use, and equal Specs stay equal
     assert check(row_sums, (Operand("D", (4,), np.dtype(np.float32)), *operands[1:3]), column_order=ORDER
                  ).column_order is None
+
+
+def _block_matrix(rng, dtype=np.float64):
+    """75 x 60 in 16 x 16 blocks (edge blocks overhang), with an empty block row and block column."""
+    mask = rng.random((5, 4)) < 0.5
+    mask[2], mask[:, 1] = False, False
+    dense = (np.kron(mask, np.ones((16, 16))) * rng.standard_normal((80, 64)))[:75, :60]
+    return jinsum.BlockGroupCOO.from_dense(dense, block_shape=(16, 16), dtype=dtype), dense
+
+
+def test_block_spmm_gradient_runs_over_the_block_columns(rng):
+    """The block transpose over the column order is the forward's owned-row Tensor Core plan: fp16 stays fp16, no
+    atomics (without the order: atomic, accumulated in fp32)."""
+    with jax.enable_x64(True):
+        A, dense = _block_matrix(rng)
+        T = A.with_transpose()
+        B = jnp.asarray(rng.standard_normal((60, 20)))
+        W = rng.standard_normal((75, 20))
+        loss = lambda A, B: jnp.sum((A @ B) * W)  # noqa: E731
+        for matrix in (T, A):
+            np.testing.assert_allclose(jax.grad(loss, argnums=1)(matrix, B), dense.T @ W, rtol=1e-12, atol=1e-12)
+        [spec] = _column_order_specs(jax.grad(loss, argnums=1), T, B)
+        assert str(spec.statement) == "dX1[A_columns[h],_k,n] += Av_t[h,q,_m,_k] * Out[A_rows[h,q],_m,n]"
+        check_grads(lambda B: T @ B, (B,), order=2, modes=("fwd", "rev"))
+    from jinsum._lower_triton import plan_for  # noqa: PLC0415
+
+    half = jinsum.BlockGroupCOO.from_dense(np.kron(rng.random((8, 8)) < 0.3, np.ones((32, 32))), block_shape=(32, 32),
+                                           dtype=jnp.float16)
+    B = jnp.ones((256, 64), jnp.float16)
+    grad = jax.grad(lambda B, A: jnp.sum((A @ B).astype(jnp.float32)))
+    [spec] = _column_order_specs(grad, B, half.with_transpose())
+    [atomic] = specs_in(grad, B, half)[1:]
+    assert [(p.template, p.write, p.out_dtype) for p in map(plan_for, (spec, atomic))] == [
+        ("dot", "segmented", np.float16), ("dot", "atomic", np.float32)]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GPU is")
+def test_the_block_column_order_kernel_runs_in_the_interpreter(rng):
+    A, _ = _block_matrix(rng, np.float32)
+    T = A.with_transpose()
+    B = jnp.asarray(rng.standard_normal((60, 20)).astype(np.float32))
+    [spec] = _column_order_specs(jax.grad(lambda B: jnp.sum((T @ B) ** 2)), B)
+    operands = random_operands(spec, rng)
+    assert_allclose(interpret(spec, operands), reference(str(spec.statement), **operands), np.float32)

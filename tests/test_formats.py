@@ -702,6 +702,13 @@ def test_block_jax_integration():
     leaves, treedef = jax.tree_util.tree_flatten(B)
     assert len(leaves) == 3
     assert repr(jax.tree_util.tree_unflatten(treedef, leaves)) == repr(B)
+    # The nonzero blocks in block-column order (a TransposedIndex, as GroupCOO's): a pytree child, kept by astype.
+    T = B.with_transpose()
+    assert "transposed" in repr(T) and len(jax.tree_util.tree_leaves(T)) == 8
+    assert T.astype(jnp.float16).transposed is T.transposed and T.with_values(T.Av).transposed is None
+    nonzero = np.flatnonzero(np.asarray(B.Av != 0).any(axis=(1, 2)).reshape(-1))
+    assert sorted(np.asarray(T.transposed.perm)) == list(nonzero)
+    assert np.all(np.diff(np.asarray(B.Ak).reshape(-1)[np.asarray(T.transposed.perm)]) >= 0)
     assert jax.tree_util.tree_map(lambda _: object(), B).block_shape == (3, 2)
     seen = []
     dense = jax.jit(lambda B: seen.append(repr(B)) or B.todense())(B)

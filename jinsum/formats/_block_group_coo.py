@@ -26,6 +26,7 @@ from jinsum.formats._convert import (
     to_scipy_csr,
     value_dtype,
 )
+from jinsum.formats._group_coo import transposed_index
 
 _FMT = "BlockGroupCOO"
 
@@ -72,11 +73,14 @@ class BlockGroupCOO(GroupedFormat):
       Ak: int ``(G, P)`` block column of each slot (same dtype as ``Ai``).
       Av: floating ``(G, bm, bk, P)`` the blocks.
 
-    A pytree with children ``(Ai, Ak, Av)`` and static ``(shape, block_shape, nnz)``, where ``nnz`` counts the
-    stored blocks excluding padding.
+      transposed: a :class:`TransposedIndex` of the nonzero blocks in block-column order, or None: built on request
+        by :meth:`with_transpose`, dropped by :meth:`with_values`.
+
+    A pytree with children ``(Ai, Ak, Av, transposed)`` and static ``(shape, block_shape, nnz)``, where ``nnz``
+    counts the stored blocks excluding padding.
     """
 
-    __slots__ = ("Ai", "Ak", "Av", "_shape", "_block_shape", "_nnz")
+    __slots__ = ("Ai", "Ak", "Av", "transposed", "_shape", "_block_shape", "_nnz")
 
     def __init__(self, Ai, Ak, Av, shape, *, nnz: int | None = None):
         """Builds a BlockGroupCOO from its arrays, validating them.
@@ -101,16 +105,16 @@ class BlockGroupCOO(GroupedFormat):
         block_shape = Av.shape[1:3]
         Ai, Ak = check_group_indices(_FMT, Ai, Ak, block_grid(shape, block_shape), ("block rows", "block columns"))
         _check_values(Av, Ak.shape, block_shape)
-        self._set(Ai, Ak, Av, shape, block_shape, check_nnz(_FMT, nnz, Ak.size, "blocks"))
+        self._set(Ai, Ak, Av, None, shape, block_shape, check_nnz(_FMT, nnz, Ak.size, "blocks"))
 
-    def _set(self, Ai, Ak, Av, shape, block_shape, nnz) -> None:
-        self.Ai, self.Ak, self.Av = Ai, Ak, Av
+    def _set(self, Ai, Ak, Av, transposed, shape, block_shape, nnz) -> None:
+        self.Ai, self.Ak, self.Av, self.transposed = Ai, Ak, Av, transposed
         self._shape, self._block_shape, self._nnz = shape, block_shape, nnz
 
     # -- pytree ------------------------------------------------------------------------------------------
 
     def tree_flatten(self):
-        return (self.Ai, self.Ak, self.Av), (self._shape, self._block_shape, self._nnz)
+        return (self.Ai, self.Ak, self.Av, self.transposed), (self._shape, self._block_shape, self._nnz)
 
     # -- properties --------------------------------------------------------------------------------------
 
@@ -127,9 +131,10 @@ class BlockGroupCOO(GroupedFormat):
     def __repr__(self) -> str:
         # Only static information, so it also works on tracers.
         (m, k), (bm, bk) = self._shape, self._block_shape
+        transposed = ", transposed" if self.transposed is not None else ""
         return (
             f"{_FMT}({jnp.dtype(self.dtype).name}[{m}, {k}], blocks={bm} x {bk}, nnz={self._nnz} blocks, "
-            f"groups={self.num_groups} x {self.group_size})"
+            f"groups={self.num_groups} x {self.group_size}{transposed})"
         )
 
     # -- construction from other formats (host side, NumPy) ----------------------------------------------
@@ -214,15 +219,30 @@ class BlockGroupCOO(GroupedFormat):
         return to_scipy_csr(rows[inside], cols[inside], host_array(where, self.Av)[inside], self._shape)
 
     def astype(self, dtype) -> BlockGroupCOO:
-        """The same matrix with its blocks cast to the floating ``dtype``."""
-        return self.with_values(self.Av.astype(dtype))
+        """The same matrix with its blocks cast to the floating ``dtype``. A cast keeps zeros zero, so the
+        transposed index stays (unlike :meth:`with_values`)."""
+        Av = self.Av.astype(dtype)
+        check_floating(_FMT, Av)
+        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed))
 
     def with_values(self, Av) -> BlockGroupCOO:
         """The same block structure with new blocks ``Av`` of shape ``(G, bm, bk, P)``, any floating dtype.
 
-        Only shapes are checked, so this is cheap and works under ``jit``.
+        Only shapes are checked, so this is cheap and works under ``jit``. The transposed index is dropped (it lists
+        the blocks that were nonzero).
         """
         Av = as_jax_array(Av)
         _check_values(Av, self.Ak.shape, self._block_shape)
-        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, Av))
+        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, Av, None))
+
+    def with_transpose(self) -> BlockGroupCOO:
+        """The same matrix carrying a :class:`TransposedIndex` of its nonzero blocks in block-column order, built
+        here on the host (call it outside ``jit``, once per matrix): the gradient of ``A @ B`` with respect to
+        ``B`` then runs as the forward block SpMM over the transpose (each block row of ``dB`` owned by one
+        program, no atomics) instead of adding every block's product atomically."""
+        where = f"{_FMT}.with_transpose"
+        nonzero = (host_array(where, self.Av) != 0).any(axis=(1, 2)).reshape(-1)
+        transposed = transposed_index(where, self.Ai, self.Ak, nonzero, block_grid(self._shape, self._block_shape),
+                                      self.index_dtype)
+        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed))
 

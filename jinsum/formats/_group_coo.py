@@ -57,6 +57,19 @@ class TransposedIndex(NamedTuple):
     slots: jax.Array
 
 
+def transposed_index(where: str, Ai, Ak, nonzero: np.ndarray, shape: tuple[int, int], dtype) -> TransposedIndex:
+    """The slots of a grouped format (`Ai (G,)`, `Ak (G, P)`) where `nonzero` (bool `(G * P,)`) in column order, and
+    grouped as the transpose of a `(rows, columns) = shape` grid; built on the host (`with_transpose`)."""
+    columns = host_array(where, Ak).reshape(-1)
+    slots = np.flatnonzero(nonzero)
+    order = slots[np.argsort(columns[slots], kind="stable")]
+    starts = np.searchsorted(columns[order], np.arange(shape[1] + 1), side="left")
+    rows = host_array(where, Ai)[order // Ak.shape[1]]
+    # The transpose in groups: the entries' rows as its columns, their slots (+ 1: padding becomes -1) as values.
+    grouped = groups_from_csr(starts, rows, order + 1, default_group_size(np.diff(starts)), np.int64, shape[0])
+    return TransposedIndex(*(jnp.asarray(x, dtype) for x in (order, starts, grouped[0], grouped[1], grouped[2] - 1)))
+
+
 def _check_values(Av, groups: tuple[int, int]) -> None:
     """Static checks on ``Av`` against ``(G, P)``; shared by the constructor and :meth:`GroupCOO.with_values`."""
     check_floating(_FMT, Av)
@@ -296,16 +309,7 @@ class GroupCOO(GroupedFormat):
           >>> jinsum.attention(q, k, v, A)   # its backward over the keys reads A.transposed: no sort per call
         """
         where = f"{_FMT}.with_transpose"
-        columns = host_array(where, self.Ak).reshape(-1)
         values = host_array(where, self.Av)
-        nonzero = (values != 0).reshape(columns.size, int(np.prod(self.dense_shape))).any(axis=1)
-        slots = np.flatnonzero(nonzero)
-        order = slots[np.argsort(columns[slots], kind="stable")]
-        starts = np.searchsorted(columns[order], np.arange(self._shape[1] + 1), side="left")
-        rows = host_array(where, self.Ai)[order // self.group_size]
-        # The transpose in groups: the entries' rows as its columns, their slots (+ 1: padding becomes -1) as values.
-        grouped = groups_from_csr(starts, rows, order + 1, default_group_size(np.diff(starts)), np.int64,
-                                  self._shape[0])
-        transposed = TransposedIndex(*(jnp.asarray(x, self.index_dtype) for x in (
-            order, starts, grouped[0], grouped[1], grouped[2] - 1)))
+        nonzero = (values != 0).reshape(self.Ak.size, int(np.prod(self.dense_shape))).any(axis=1)
+        transposed = transposed_index(where, self.Ai, self.Ak, nonzero, self._shape[:2], self.index_dtype)
         return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed))
