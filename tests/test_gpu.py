@@ -109,6 +109,19 @@ def test_spmm_gradient_over_the_column_order_with_hub_columns(rng, features):
     assert_allclose(grad(A, B), expected, np.float32)
 
 
+def test_block_spmm_gradient_over_the_block_columns_fp16(rng):
+    """The block transpose over the column order: Tensor Core tiles, owned rows, an fp16 output."""
+    mask = rng.random((32, 32)) < 0.1
+    dense = np.kron(mask, np.ones((32, 32))) * rng.standard_normal((1024, 1024))
+    A = jinsum.BlockGroupCOO.from_dense(dense.astype(np.float32), block_shape=(32, 32), dtype=jnp.float16)
+    W = jnp.asarray(rng.standard_normal((1024, 128)), jnp.float16)
+    B = jnp.asarray(rng.standard_normal((1024, 128)), jnp.float16)
+    grad = jax.jit(lambda A, B: jax.grad(lambda B: jnp.sum((A @ B).astype(jnp.float32) * W))(B))
+    expected = np.asarray(A.todense(), np.float64).T @ np.asarray(W, np.float64)
+    assert_allclose(grad(A.with_transpose(), B), expected, np.float16)
+    assert_allclose(grad(A, B), expected, np.float16)
+
+
 def test_autotune_stores_and_reuses_a_config(rng, tmp_path, monkeypatch):
     monkeypatch.setenv("JINSUM_CACHE_DIR", str(tmp_path / "kernels"))
     operands = group_spmm(rng, np.float32, M=300, K=200, N=64, G=900, P=4)
