@@ -40,7 +40,7 @@ def autotune(expression: str, /, *, configs: Sequence[KernelConfig] | None = Non
     spec = _primitive.make_spec(statement, arrays, **flags)
     if jax.devices()[0].platform != "gpu":
         raise RuntimeError("jinsum.autotune times generated Triton kernels: it needs a CUDA GPU")
-    args = [arrays[n] for n in spec.names]
+    args = [arrays[n] for n in spec.arguments]  # (a format's column order too, where it carries one)
     timings = {}
     for config in configs or candidate_configs(spec):
         with forced_config(config):  # the lowering runs now, inside compile()

@@ -130,6 +130,9 @@ def test_autotune_stores_and_reuses_a_config(rng, tmp_path, monkeypatch):
     assert (tmp_path / "autotune.json").exists() and str(config.window) in (tmp_path / "autotune.json").read_text()
     out = jinsum.einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", sorted_indices=("Ai",), **operands)
     assert_allclose(out, reference("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", **operands), np.float32)
+    # A format operand that carries its column order: the primitive takes three more operands.
+    A = jinsum.GroupCOO(operands["Ai"], operands["Ak"], operands["Av"], (300, 200)).with_transpose()
+    jinsum.autotune("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", C=operands["C"], A=A, B=operands["B"])
 
 
 def test_a_second_process_loads_the_compiled_kernels(tmp_path):
