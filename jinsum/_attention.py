@@ -19,7 +19,6 @@ import numpy as np
 from jinsum import _attention_primitive, _primitive, _score_mod
 from jinsum._lang import Access, Var, parse
 from jinsum._lang._chain import Chain, Roles
-from jinsum._lang._check import Operand
 from jinsum.formats import BlockGroupCOO, GroupCOO
 
 
@@ -106,12 +105,12 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, causal=False, k
             return x
     roles = dataclasses.replace(roles, batch=("b",) * batched, batch_index="b" if batched else None)
     arrays.update(Ai=pattern.Ai, Ak=pattern.Ak, Av=pattern.Av, seed=_seed(seed, dropout))
-    extra = [Operand("Av", tuple(pattern.Av.shape), np.dtype(pattern.Av.dtype))]
+    extra = [_primitive.operand("Av", pattern.Av)]
     key_mask = None
     if key_padding_mask is not None:
         arrays["KM"] = _key_mask(key_padding_mask, q, keys, lead, pattern)
         key_mask = Access("KM", key_mask_indices)
-        extra.append(Operand("KM", tuple(arrays["KM"].shape), np.dtype(arrays["KM"].dtype)))
+        extra.append(_primitive.operand("KM", arrays["KM"]))
 
     value_dtype = jnp.result_type(q, k, v)
     score_dtype = jnp.float64 if value_dtype == jnp.float64 else jnp.float32
