@@ -19,8 +19,8 @@ def candidate_configs(spec: Spec) -> list[KernelConfig]:
     plan = make_plan(spec)
     if getattr(plan, "template", None) == "dot":
         return [KernelConfig(block_n=bn, num_warps=w, num_stages=s, schedule=schedule)
-                for bn, w, s, schedule in [(0, 0, 1, ""), (128, 4, 3, "rows"), (256, 8, 3, "rows"),
-                                           (256, 4, 2, "rows"), (256, 8, 1, "split"), (128, 4, 1, "split")]]
+                for bn, w, s, schedule in [(0, 0, 0, ""), (128, 4, 2, "rows"), (256, 8, 3, "rows"),
+                                           (128, 4, 2, "owned"), (256, 8, 1, "split"), (128, 4, 1, "split")]]
     return [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, schedule=schedule)
             for b, win, w, s, schedule in [(0, 0, 0, 0, ""), (0, 4, 0, 1, "split"), (0, 8, 0, 1, "split"),
                                            (0, 16, 0, 1, "split"), (0, 4, 0, 1, "owned"), (0, 1, 0, 2, "rows"),

@@ -25,8 +25,8 @@ Write modes:
   accumulate in registers and are written once. Three schedules (`KernelConfig.schedule`):
   `split`: windows of `window` groups; rows that continue into a neighbouring window are added atomically
   (balanced even with hub rows; the default for lanes plans). `owned`: a program finishes every row that starts
-  in its window (no atomics; the default for dot plans). `rows`: one program per row, its groups found through
-  row pointers computed by the launcher (no atomics and no branch in the loop).
+  in its window (no atomics). `rows`: one program per row, its groups found through row pointers computed by the
+  launcher (no atomics and no branch in the loop; the default for dot plans).
 - `atomic` (`+=` through other indirections): `tl.atomic_add`.
 
 The `tile` schedule (lanes plans without a row tile) makes the window variable the row axis of the tile instead of
@@ -50,6 +50,13 @@ INT32_LIMIT = 2**31 - 1
 # is replaced by the window when it would have this few rows.
 TILE_LANES = 64
 SHORT_ROWS = 4
+# Parallel lanes (an SpMM's features) wider than this are split across programs, one warp each: SpMM F=256 on an
+# H100 (kernel time, benchmarks/results), 256 lanes and 2 warps -> 2 x 128 lanes and 1 warp: R-MAT 17 0.252 ->
+# 0.232 ms, a uniform graph of its size 0.617 -> about 0.48 ms. The tiles are the slow grid axis, so programs running at
+# once gather from one feature slice of the dense operand (better L2 reuse); 64-wide slices are faster still where
+# the gathers have no locality (uniform F=128/256: 0.209/0.395 ms) but slower on power-law graphs, whose hubs are
+# cached anyway (they read the index once per slice): that choice is `jinsum.autotune`'s.
+WIDE_LANES = 128
 # Loops this short are unrolled (`tl.static_range`), so all their loads are in flight at once.
 UNROLL_LIMIT = 16
 # At most this many copies of the innermost body once write loops are unrolled too.
@@ -286,12 +293,15 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
     #   PubMed 10.3 -> 9.5 us, R-MAT20 1228 -> 1212 us);
     # - narrow gathers (<= TILE_LANES lanes): a tile of 16 gathered rows, <= 4 warps (SpMM F=32: PubMed 9.6 -> 4.3 us,
     #   R-MAT17 71 -> 37 us; SDDMM PubMed F=32 9.9 -> 3.8 us; at F=128 the loop is as fast or faster);
-    # - tl.dot plans: programs that own their rows (no atomics, so 16-bit outputs stay 16-bit) over windows of 8
-    #   groups, two pipeline stages and 128-wide n tiles.
-    changes["schedule"] = config.schedule or ("owned" if dot else "split")
+    # - tl.dot plans: one program per row and n tile (the `rows` schedule: no atomics, so 16-bit outputs stay
+    #   16-bit, and no search for the row's end in the loop), two pipeline stages, n tiles of 256 over 32-row blocks
+    #   (block SpMM fp16 4096^3, 32x32 blocks, kernel time: `owned` over windows of 8 groups with 128-wide tiles ->
+    #   `rows` with 256-wide tiles, 5% 0.049 -> 0.048 ms, 20% 0.162 -> 0.143 ms; dense cuBLAS 0.157 ms). A row's
+    #   blocks are one program's work under either schedule, so a long row costs the same.
+    changes["schedule"] = config.schedule or ("rows" if dot else "split")
     if dot:
         changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 64)
-        changes["block_n"] = config.block_n or _pow2(extent[dot.n], 16, 128)
+        changes["block_n"] = config.block_n or _pow2(extent[dot.n], 16, 256 if changes["block_m"] <= 32 else 128)
         changes["block_k"] = config.block_k or _pow2(extent[dot.k], 16, 64)
         changes["num_warps"] = config.num_warps or 4
         changes["window"] = config.window or 8
@@ -315,9 +325,11 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
 
 
 def _lanes_block(spec: Spec, lanes: str, config: KernelConfig) -> int:
-    """Lanes per program: the configured block, else the lane variable's extent rounded up to a power of 2
-    (at most 256)."""
-    return config.block or _pow2(spec.extent[lanes], 1, 256)
+    """Lanes per program: the configured block, else the lane variable's extent rounded up to a power of 2, at
+    most 256 for a summed lane variable (looped inside in tiles) and at most WIDE_LANES for a parallel one (split
+    across programs)."""
+    widest = 256 if lanes in spec.summed_variables else WIDE_LANES
+    return config.block or _pow2(spec.extent[lanes], 1, widest)
 
 
 def _lane_variable(spec: Spec) -> str:
