@@ -67,7 +67,7 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         out_shape=jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype),
         grid=plan.grid_shape,
         input_output_aliases={0: 0} if plan.reads_lhs else {},
-        zeroed_outputs=(0,) if plan.zeroes_output else (),
+        zeroed_outputs=(0,) if plan.zeroes_output and not plan.covers_output else (),
         num_warps=plan.config.num_warps,
         num_stages=plan.config.num_stages,
         name="jinsum",
@@ -144,7 +144,9 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
     if plan.row_programs:
         inputs.append(to_torch(row_starts(np.asarray(arrays[plan.spec.lhs_sorted_index]), plan.row_count, np)))
     out = to_torch(lhs.astype(plan.out_dtype)).clone()
-    if plan.zeroes_output:
+    if plan.covers_output:
+        out.fill_(float("nan") if out.is_floating_point() else -1)  # as the launcher's unfilled output
+    elif plan.zeroes_output:
         out.zero_()  # as the launcher's zeroed output: the kernel must not rely on the left-hand side's values
     if plan.reads_lhs:
         inputs.insert(0, out)  # aliased: the kernel reads and writes the output buffer only

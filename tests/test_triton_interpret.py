@@ -126,6 +126,23 @@ def test_group_spmm_with_owned_rows_has_no_atomics(rng):
     assert "segment_update(" in split  # hub rows split across programs: atomics at window edges only
 
 
+def test_row_programs_into_zeros_write_every_row_without_a_zero_fill(rng):
+    """Row programs into zeros store empty rows' zeros themselves (the interpreter hands them a NaN-filled output,
+    as the launcher leaves it unfilled); into a given left-hand side they leave empty rows alone."""
+    operands = next(c for c in CATALOG if c.name == "block_spmm_tiles").make(rng, np.float32)
+    operands["Ai"] = np.where(operands["Ai"] == 1, 0, operands["Ai"]).astype(np.int32)  # row 1 empty (still sorted)
+    expression = "C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]"
+    statement, arrays, flags = _einsum.prepare(
+        expression, dict(operands, C=jax.ShapeDtypeStruct(operands["C"].shape, operands["C"].dtype)),
+        sorted_indices=("Ai",))
+    spec = _primitive.make_spec(statement, arrays, **flags)
+    assert make_plan(spec).row_programs and make_plan(spec).covers_output
+    assert not make_plan(_spec(expression, operands)).covers_output  # `+=` into a given C: read, not covered
+    out = interpret(spec, {name: np.asarray(a) for name, a in arrays.items()})
+    assert_allclose(out, reference(expression, **dict(operands, C=np.zeros_like(operands["C"]))), np.float32)
+    assert not np.isnan(out).any() and not out[1].any()
+
+
 def test_spmm_transpose_loops_slots_inside_and_skips_padding(rng):
     operands = group_spmm(rng, np.float32)
     transpose = dict(dB=np.zeros_like(operands["B"]), Ai=operands["Ai"], Ak=operands["Ak"], Av=operands["Av"],
