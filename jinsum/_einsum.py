@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum import _format_rewrite, _primitive
-from jinsum._lang import Access, ExpressionError, Statement, Var, parse, walk
+from jinsum._lang import Access, ExpressionError, Statement, Var, check_operand_names, parse, tensor_names, walk
 from jinsum.formats import BlockGroupCOO, GroupCOO
 
 SPARSE_FORMATS = (GroupCOO, BlockGroupCOO)
@@ -47,7 +47,9 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
       The new left-hand side array (or, for NumPy subscripts with sparse output, a format of the same structure).
 
     Raises:
-      ExpressionError: the expression or the operands are malformed (the message points into the expression).
+      ExpressionError: the expression or the operands are malformed (the message points into the expression): also
+        an operand the expression names but the call does not pass, one passed that the expression does not name
+        (a typo would otherwise drop an array silently), and a format passed where the expression reads an array.
       ValueError: a concrete index array holds an out-of-range index. Under `jit`, indices cannot be checked: an
         out-of-range read gives 0 and an out-of-range write is dropped.
     """
@@ -70,6 +72,7 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
     """
     statement = parse(expression)
     arrays, checked, row_indices, orders = _expand_formats(named)
+    _check_operand_names(statement, named, arrays)
     lhs = statement.lhs.tensor
     zero_lhs = lhs not in arrays or isinstance(arrays[lhs], jax.ShapeDtypeStruct)
     if lhs not in arrays:
@@ -110,6 +113,36 @@ def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str], list]:
                 arrays.update(entries)
                 orders.append(order)
     return arrays, checked, rows, orders
+
+
+def _check_operand_names(statement: Statement, named: Mapping, arrays: Mapping) -> None:
+    """Before anything is traced: every tensor of the statement is given (the left-hand side may be omitted), every
+    operand appears, and formats are passed under a name whose arrays (`Ai`, `Ak`, `Av`) the statement reads."""
+    names = tensor_names(statement)
+    formats = {name: value for name, value in named.items() if isinstance(value, SPARSE_FORMATS)}
+    for name, value in named.items():
+        if value is None:
+            raise ExpressionError(f"jinsum: operand {name}= is None; pass an array", statement.source)
+        if name in formats and name in names:
+            node = next(n for access in statement.accesses for n in walk(access) if n.tensor == name)
+            stem = name[:-1]
+            if {stem + "i", stem + "k", stem + "v"} & set(names) - {name}:
+                raise ExpressionError(
+                    f"jinsum: {name}= is a {type(value).__name__}, where the expression reads an array; pass the "
+                    f"format as {stem}=, which binds {stem}i, {stem}k and {stem}v (its row indices, column indices "
+                    "and values)", statement.source, node.span)
+            raise ExpressionError(
+                f"jinsum: {name}= is a {type(value).__name__}, which binds {name}i, {name}k and {name}v (its row "
+                f"indices, column indices and values): name those in the expression, as in "
+                f"C[{name}i[g],n] += {name}v[g,p] * B[{name}k[g,p],n], or use NumPy subscripts, "
+                f"einsum('ik,kn->in', {name}, B)", statement.source, node.span)
+    for name in formats:
+        if not {name + "i", name + "k", name + "v"} & set(names):
+            raise ExpressionError(f"jinsum: format operand {name}= binds {name}i, {name}k and {name}v, none of "
+                                  f"which appear in the expression, whose operands are {list(names)}",
+                                  statement.source)
+    parts = set(arrays) - set(named)  # a format's arrays: those the statement does not read are not typos
+    check_operand_names(statement, arrays, may_omit=(statement.lhs.tensor,), unused_ok=parts)
 
 
 def _zeros_lhs(statement: Statement, arrays: Mapping) -> jax.Array:

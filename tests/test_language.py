@@ -97,7 +97,7 @@ def test_parse_rejects_non_strings():
 
 @pytest.mark.parametrize("changes, message, caret", [
     (dict(B=None), r"unknown operand 'B': pass it by name", "B[Ak[g,p],n]"),
-    (dict(Z=((3,), "float32")), r"operands \['Z'\] do not appear", None),
+    (dict(Z=((3,), "float32")), r"operand\(s\) Z= do not appear in the expression", None),
     (dict(B=((9, 5, 2), "float32")), r"B \(shape \(9, 5, 2\), float32\) has 3 dimension\(s\) but B\[Ak\[g,p\],n\] "
      r"gives 2 index", "B[Ak[g,p],n]"),
     (dict(Ak=((4,), "int32")), r"Ak \(shape \(4,\), int32\) has 1 dimension\(s\) but Ak\[g,p\] gives 2", "Ak[g,p]"),

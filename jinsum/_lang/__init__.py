@@ -19,6 +19,7 @@ from jinsum._lang._check import (
     Operand as Operand,
     Spec as Spec,
     check as check,
+    check_operand_names as check_operand_names,
 )
 from jinsum._lang._errors import ExpressionError as ExpressionError
 from jinsum._lang._parse import parse as parse

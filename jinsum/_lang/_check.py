@@ -8,7 +8,9 @@ that calls `einsum` with the same expression and shapes pays for it once.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
+from collections.abc import Collection
 
 import numpy as np
 import jax.numpy as jnp
@@ -150,6 +152,41 @@ def _describe(operand: Operand) -> str:
     return f"{operand.name} (shape {operand.shape}, {operand.dtype})"
 
 
+def check_operand_names(statement: Statement, given: Collection[str], *, may_omit: Collection[str] = (),
+                        unused_ok: Collection[str] = ()) -> None:
+    """That every tensor of the statement is given and every given name is one of them.
+
+    `may_omit`: names the caller fills in itself (an omitted left-hand side); `unused_ok`: given names that need
+    not appear (a format's parts beyond those the statement reads). An unused name is an error, not a warning:
+    it is most often a typo (`b=` beside `B=`) whose array would be silently dropped.
+
+    Raises:
+      ExpressionError: naming the first missing tensor (caret under its first use) or the unused names, with the
+        closest name on the other side as a suggestion.
+    """
+    names = tensor_names(statement)
+    unused = sorted(set(given) - set(names) - set(unused_ok))
+    for access in statement.accesses:
+        for node in walk(access):
+            if node.tensor not in given and node.tensor not in may_omit:
+                hint = _closest(node.tensor, unused)
+                raise _fail(statement, f"unknown operand '{node.tensor}': pass it by name, e.g. "
+                            f"einsum(expr, {node.tensor}=...); got operands {sorted(given)}"
+                            + (f" (did you mean to pass {hint}= as {node.tensor}=?)" if hint else ""), node)
+    if unused:
+        hints = [f"{name}= (did you mean {hint}=?)" if (hint := _closest(name, names)) else f"{name}="
+                 for name in unused]
+        raise _fail(statement, f"operand(s) {', '.join(hints)} do not appear in the expression, whose operands are "
+                    f"{list(names)}; remove them or fix their names")
+
+
+def _closest(name: str, candidates: Collection[str]) -> str | None:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    if not match and name.lower() in {c.lower() for c in candidates}:
+        match = [c for c in candidates if c.lower() == name.lower()]
+    return match[0] if match else None
+
+
 @functools.lru_cache(maxsize=4096)
 def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: frozenset[str] = frozenset(),
           allow_tf32: bool = False, zero_lhs: bool = False, column_order: ColumnOrder | None = None) -> Spec:
@@ -166,15 +203,8 @@ def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: f
         tensor used on the right.
     """
     by_name = {o.name: o for o in operands}
+    check_operand_names(statement, by_name)
     names = tensor_names(statement)
-    for access in statement.accesses:
-        for node in walk(access):
-            if node.tensor not in by_name:
-                raise _fail(statement, f"unknown operand '{node.tensor}': pass it by name, e.g. "
-                            f"einsum(expr, {node.tensor}=...); got operands {sorted(by_name)}", node)
-    unused = sorted(set(by_name) - set(names))
-    if unused:
-        raise _fail(statement, f"operands {unused} do not appear in the expression")
 
     lhs = statement.lhs
     index_tensors = index_tensor_names(statement)
