@@ -5,9 +5,10 @@
 Workloads: SpMM fp32, its transpose (A^T dC, the gradient with respect to the dense operand) and SDDMM fp32 on
 PubMed (real, shipped), R-MAT graphs (a=0.57, b=c=0.19, edge factor 16, scales 17 and 20, deduplicated) and a
 uniform random graph of R-MAT 17's size (no hubs), for F = 32, 128 and 256 (--quick: 32 and 128, no R-MAT 20);
-block SpMM fp16 with M=K=N=4096, 32x32 blocks at 5% and 20% block density. Peers in the same run: jax.experimental.sparse (BCOO), the sorted segment_sum idiom (gather idiom
-for SDDMM), dense matmul where it fits, and, where PyTorch is installed, cuSPARSE CSR (torch.sparse),
-torch.sparse._triton_ops.bsr_dense_mm and torch.sparse.sampled_addmm.
+block SpMM fp16 with M=K=N=4096, 32x32 blocks at 5% and 20% block density. Peers in the same run:
+jax.experimental.sparse (BCOO), the sorted segment_sum idiom (gather idiom for SDDMM), dense matmul where it fits,
+and, where PyTorch is installed, cuSPARSE CSR (torch.sparse), torch.sparse._triton_ops.bsr_dense_mm and
+torch.sparse.sampled_addmm.
 
 Timing (jinsum.timing.time_calls): warm-up, then R back-to-back calls closed by one synchronisation, divided by R;
 the median of 5 rounds (a system whose first call takes over 0.5 s: R = 1, median of 3). Small workloads (PubMed)

@@ -62,8 +62,9 @@ def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tup
 
     `dB[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]` becomes `dB[A_columns[h],n] += Av_t[h,q] * C[A_rows[h,q],n]`: the
     entries in groups of one column each (`h`, slot `q`), so the left-hand side is a sorted segment reduction (rows
-    accumulated in registers), the forward SpMM's form, instead of an atomic addition per entry. The order's columns and rows replace `Ak[g,p]` and `Ai[g]`; every other operand that `g` and `p`
-    address is read at the entries (`AtEntries`, gathered by the caller).
+    accumulated in registers), the forward SpMM's form, instead of an atomic addition per entry. The order's
+    columns and rows replace `Ak[g,p]` and `Ai[g]`; every other operand that `g` and `p` address is read at the
+    entries (`AtEntries`, gathered by the caller).
 
     Returns None where it does not apply: the left-hand side is not written through `Ak[g,p]`; `g` or `p` is used
     other than as an access's leading indices; or the format's values are not a factor (the order lists the

@@ -50,12 +50,12 @@ INT32_LIMIT = 2**31 - 1
 # is replaced by the window when it would have this few rows.
 TILE_LANES = 64
 SHORT_ROWS = 4
-# Parallel lanes (an SpMM's features) wider than this are split across programs, one warp each: SpMM F=256 on an
-# H100 (kernel time, benchmarks/results), 256 lanes and 2 warps -> 2 x 128 lanes and 1 warp: R-MAT 17 0.252 ->
-# 0.232 ms, a uniform graph of its size 0.617 -> about 0.48 ms. The tiles are the slow grid axis, so programs running at
-# once gather from one feature slice of the dense operand (better L2 reuse); 64-wide slices are faster still where
-# the gathers have no locality (uniform F=128/256: 0.209/0.395 ms) but slower on power-law graphs, whose hubs are
-# cached anyway (they read the index once per slice): that choice is `jinsum.autotune`'s.
+# Parallel lanes (an SpMM's features) wider than this are split across programs, one warp each. SpMM F=256 on an
+# H100, kernel time under forced configurations, 256 lanes and 2 warps -> 2 x 128 lanes and 1 warp: R-MAT 17
+# 0.252 -> 0.232 ms, a uniform graph of its size 0.617 -> about 0.48 ms. The tiles are the slow grid axis, so
+# programs running at once gather from one feature slice of the dense operand (better L2 reuse). 64-wide slices
+# are faster still where the gathers have no locality (uniform F=128/256: 0.209/0.395 ms) but slower on power-law
+# graphs, whose hubs stay cached anyway and which then read the index once per slice: `jinsum.autotune` decides.
 WIDE_LANES = 128
 # Loops this short are unrolled (`tl.static_range`), so all their loads are in flight at once.
 UNROLL_LIMIT = 16

@@ -1,5 +1,5 @@
 """Operands that do not fit the statement are reported before anything is traced, with a caret into the expression
-where one token is to blame: missing, unused (typos), None, formats where arrays are read and the reverse."""
+where one token is to blame: missing, unused (typos), None, and formats passed where arrays are read."""
 
 import jax
 import jax.numpy as jnp
