@@ -2,8 +2,8 @@
 
     python benchmarks/run.py [--quick] [--out benchmarks/results]
 
-Workloads: SpMM fp32, its transpose (A^T dC, the gradient with respect to the dense operand) and SDDMM fp32 on
-PubMed (real, shipped), R-MAT graphs (a=0.57, b=c=0.19, edge factor 16, scales 17 and 20, deduplicated) and a
+Workloads: SpMM fp32 and its transpose (A^T dC, the gradient with respect to the dense operand), each with jinsum
+also in deterministic mode (`jinsum.deterministic`), and SDDMM fp32 on PubMed (real, shipped), R-MAT graphs (a=0.57, b=c=0.19, edge factor 16, scales 17 and 20, deduplicated) and a
 uniform random graph of R-MAT 17's size (no hubs), for F = 32, 128 and 256 (--quick: 32 and 128, no R-MAT 20);
 block SpMM fp16 with M=K=N=4096, 32x32 blocks at 5% and 20% block density. Peers in the same run:
 jax.experimental.sparse (BCOO), the sorted segment_sum idiom (gather idiom for SDDMM), dense matmul where it fits,
@@ -139,6 +139,14 @@ def _graph(name: str) -> tuple[np.ndarray, int]:
     return rmat(scale, 16), 1 << scale
 
 
+def deterministic(fn):
+    """`fn` called in jinsum's deterministic mode (traced in it, and looked up in jit's cache under it)."""
+    def call(*args):
+        with jinsum.deterministic(True):
+            return fn(*args)
+    return call
+
+
 def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
     edges, n = _graph(graph)
     rng = np.random.default_rng(0)
@@ -167,6 +175,7 @@ def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
                 vals[:, None] * B[cols], rows, num_segments=n, indices_are_sorted=True)), (vals, cols, rows, B),
                 jax.block_until_ready),
             "jinsum": (jax.jit(lambda A, B: A @ B), (A, B), jax.block_until_ready),
+            "jinsum, deterministic": (deterministic(jax.jit(lambda A, B: A @ B)), (A, B), jax.block_until_ready),
             "jax.experimental.sparse BCOO": (jax.jit(lambda M, B: M @ B), (bcoo, B), jax.block_until_ready),
         }
         if n * n * 4 < 8e9:
@@ -196,6 +205,9 @@ def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
                 jax.block_until_ready),
             "jinsum": (jax.jit(transpose), (A_transposed, B), jax.block_until_ready),
             "jinsum, atomic scatter (no column order)": (jax.jit(transpose), (A, B), jax.block_until_ready),
+            "jinsum, deterministic": (deterministic(jax.jit(transpose)), (A_transposed, B), jax.block_until_ready),
+            "jinsum, deterministic, sorted scatter (no column order)": (deterministic(jax.jit(transpose)), (A, B),
+                                                                         jax.block_until_ready),
         }
         if torch_csr is not None:
             torch_csr_t = torch_csr.t().to_sparse_csr()

@@ -9,7 +9,8 @@ graph of the same size (no hubs) and PubMed (the real graph, shipped; random fea
 
 - jinsum's `GCNConv` / `SAGEConv` on `jinsum.nn.adjacency` (which carries the entries in column order, so the
   gradient with respect to node features is an owned-row SpMM), and the same without the column order (that
-  gradient adds every edge's product atomically);
+  gradient adds every edge's product atomically); both again in deterministic mode (`jinsum.deterministic`: no
+  atomics; without the column order the gradient sorts the edges by column in every step);
 - the same models on gathers and a sorted `jax.ops.segment_sum` (`_training.segment_convs`), and GCN on a
   `jax.experimental.sparse` BCOO;
 - PyG's `GCNConv` / `SAGEConv` (where torch_geometric is installed) on a CSR `adj_t` (`torch.sparse_csr_tensor`),
@@ -36,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jinsum  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum.datasets import load_planetoid, rmat  # noqa: E402
 from jinsum.timing import kernel_times, time_calls  # noqa: E402
@@ -94,9 +96,10 @@ def graphs(scale: int, chosen: list[str]):
            jnp.asarray(rng.standard_normal((n, 128)).astype(np.float32)), jnp.asarray(rng.integers(0, 3, n)))
 
 
-def jax_step(model, x, y, graph, calls: int, kernels: bool) -> tuple[float, str]:
+def jax_step(model, x, y, graph, calls: int, kernels: bool, deterministic: bool = False) -> tuple[float, str]:
     step, state = train_step(model, 0.01)
-    compiled = jax.jit(step).lower(state, x, y, graph).compile()
+    with jinsum.deterministic(deterministic):  # (the mode is read while tracing: the executable keeps it)
+        compiled = jax.jit(step).lower(state, x, y, graph).compile()
     seconds = time_calls(lambda: compiled(state, x, y, graph), calls=calls)
     if not kernels:
         return seconds, ""
@@ -121,9 +124,11 @@ def run_graph(name, edge_index, nodes, x, y, calls: int) -> None:
         def model(conv):
             return GCN(conv, x.shape[1], 256, classes, dropout=0.5, rngs=nnx.Rngs(0))
 
+        unordered = adjacency.with_values(adjacency.Av)
         systems = {"jinsum": (jinsum_conv, adjacency, True),
-                   "jinsum, no column order (atomic transpose)": (jinsum_conv, adjacency.with_values(adjacency.Av),
-                                                                  True),
+                   "jinsum, no column order (atomic transpose)": (jinsum_conv, unordered, True),
+                   "jinsum, deterministic": (jinsum_conv, adjacency, True, True),
+                   "jinsum, deterministic, no column order (sorted scatter)": (jinsum_conv, unordered, True, True),
                    "gathers + segment_sum": (segment_conv, segment_edges, False)}
         if model_name == "GCN":
             from jax.experimental import sparse  # noqa: PLC0415
@@ -131,9 +136,9 @@ def run_graph(name, edge_index, nodes, x, y, calls: int) -> None:
             src, dst, weight = with_loops
             systems["BCOO"] = (BCOOGCNConv, sparse.BCOO((weight, jnp.stack([dst, src], 1)), shape=(nodes, nodes)),
                                False)
-        for system, (conv, graph, kernels) in systems.items():
-            attempt(workload, system, lambda conv=conv, graph=graph, k=kernels: jax_step(model(conv), x, y, graph,
-                                                                                         calls, k))
+        for system, (conv, graph, kernels, *deterministic) in systems.items():
+            attempt(workload, system, lambda conv=conv, graph=graph, k=kernels, d=deterministic: jax_step(
+                model(conv), x, y, graph, calls, k, *d))
         if torch is not None:
             attempt(workload, f"PyG {model_name} (CSR adj_t)",
                     lambda m=model_name: pyg_step(m, edge_index, nodes, x, y, classes, calls))

@@ -6,7 +6,9 @@ The family of indirect Einsums is closed under what JAX needs (see DESIGN.md):
   `C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]` gives `dB[Ak[g,p],n] += Av[g,p] * ct[Ai[g],n]`;
 - vmap adds an index variable to the batched operands and to the output;
 - a transpose that scatters into a format's columns can run over its entries in column order instead
-  (`by_columns`), so that each column is written once.
+  (`by_columns`), so that each column is written once;
+- any scatter through an unsorted index array can run over its entries sorted by target (`sorted_scatter`, the
+  deterministic mode's form), so that each target is written once.
 These are pure functions on syntax; the primitive binds their results with arrays.
 """
 
@@ -111,6 +113,59 @@ def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tup
 
 class _NotByColumns(Exception):
     """`by_columns` does not apply (raised from inside the rewrite, caught by it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SortedScatter:
+    """The operands a `sorted_scatter` statement adds: the values of the left-hand side's index access `target`
+    (over its `variables`, flattened) in stably sorted order, as `sorted_index`, and for each of those variables
+    the value it took at each sorted entry (`coordinates`: array names, in the order of `variables`)."""
+
+    target: Access
+    variables: tuple[str, ...]
+    sorted_index: str
+    coordinates: tuple[str, ...]
+
+
+def sorted_scatter(statement: Statement, sorted_indices: Collection[str]) -> tuple[Statement, SortedScatter] | None:
+    """A `+=` through an unsorted index array, over its entries sorted by target.
+
+    `O[R[e],f] += X[C[e],c] * W[T[e],c,f]` becomes `O[R_sorted[h],f] += X[C[e_at[h]],c] * W[T[e_at[h]],c,f]`,
+    where `R_sorted` holds `R`'s values in sorted order and `e_at` the entry each came from: the left-hand side is
+    then a sorted segment reduction (each target written by one program, its terms added in the entries' order)
+    instead of one atomic addition per entry. A multi-dimensional index (`dB[Ak[g,p],n]`) is flattened, a nested
+    one (`dB[Col[e_at[h]],n]`, the transpose of a sorted scatter) evaluated at its variables first.
+
+    Returns None where it does not apply: `=`, no or several indirections on the left, an index array that is
+    already sorted, or a variable of the index used elsewhere on the left (a batch axis: the targets would need a
+    composite sort key).
+    """
+    through = [i for i in statement.lhs.indices if isinstance(i, Access)]
+    if not statement.accumulate or len(through) != 1:
+        return None
+    [target] = through
+    scattered = tuple(dict.fromkeys(variables(target)))
+    if target.tensor in sorted_indices and all(isinstance(i, Var) for i in target.indices):
+        return None
+    if any(isinstance(i, Var) and i.name in scattered for i in statement.lhs.indices):
+        return None
+    entry = Var(fresh_name("h", set(statement_variables(statement))))
+    taken = set(tensor_names(statement))
+    names = []
+    for base in (f"{target.tensor}_sorted", *(f"{v}_at" for v in scattered)):
+        names.append(fresh_name(base, taken))
+        taken.add(names[-1])
+    sorted_index, *coordinates = names
+    at_entry = {v: Access(name, (entry,)) for v, name in zip(scattered, coordinates)}
+
+    def read_at_entries(node: Access) -> Access:
+        indices = tuple(at_entry[i.name] if isinstance(i, Var) and i.name in at_entry else i for i in node.indices)
+        return dataclasses.replace(node, indices=indices, span=None)
+
+    lhs = dataclasses.replace(statement.lhs, indices=tuple(
+        Access(sorted_index, (entry,)) if i is target else i for i in statement.lhs.indices))
+    rewritten = dataclasses.replace(map_statement(statement, read_at_entries), lhs=lhs, source="")
+    return rewritten, SortedScatter(target, scattered, sorted_index, tuple(coordinates))
 
 
 def unwritten_mask(statement: Statement, zeros: str) -> Statement:

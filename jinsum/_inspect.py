@@ -31,7 +31,8 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
 
     - `triton_source(expression, **operands)`: the kernel of one indirect Einsum, with `einsum`'s arguments
       (plus an optional `jinsum.kernels.KernelConfig`). Raises `ValueError` with the reason when the statement
-      would stay on the XLA lowering.
+      would stay on the XLA lowering. In deterministic mode, a scatter shows the kernels of the statements it is
+      rewritten into.
     - `triton_source(fn, *args)`: every generated kernel that `fn(*args)` lowers to, in order (statements and
       fused attention chains; `jax.grad` of `fn` shows the backward kernels), each under a comment naming it.
     """
@@ -60,6 +61,8 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
         return "\n".join(sources)
     statement, arrays, flags = _einsum.prepare(target, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
     spec = _primitive.make_spec(statement, arrays, **flags)
+    if not _primitive.binds_as_written(spec):  # deterministic mode: the statements it is rewritten into
+        return triton_source(lambda ops: _primitive.bind(statement, ops, **flags), arrays, config=config)
     plan = _lower_triton.plan_for(spec, config)
     if isinstance(plan, kernels.Fallback):
         raise ValueError(f"jinsum: {statement} has no generated kernel: {plan.reason}")

@@ -51,6 +51,12 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
             warnings.warn(f"jinsum: {spec.statement} runs on the XLA lowering: {plan.reason}", FallbackWarning,
                           stacklevel=2)
         return _lower_xla.evaluate(*arrays, spec=spec)
+    if spec.deterministic and plan.adds_atomically:
+        raise NotImplementedError(
+            f"jinsum: deterministic mode: {spec.statement} would add into its left-hand side atomically, and it "
+            "cannot be sorted by target (the left-hand side is written through several index arrays, through an "
+            "index array that is itself indexed, or through one batched by vmap). Turn deterministic mode off for "
+            "this call, or write the statement with one index array of plain variables on the left")
     kernel_spec = plan.spec
     env = dict(zip(kernel_spec.names, arrays))
     lhs = env[kernel_spec.lhs.name]

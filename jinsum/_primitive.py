@@ -7,6 +7,7 @@ the same primitive, so derivatives and batched versions are indirect Einsums too
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -16,19 +17,22 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jinsum import _derive, _lower_triton, _lower_xla
-from jinsum._lang import ColumnOrder, Operand, Spec, Statement, check, tensor_names
+from jinsum import _config, _derive, _lower_triton, _lower_xla
+from jinsum._lang import (Access, ColumnOrder, Operand, Spec, Statement, Var, check, statement_variables,
+                          tensor_names)
 
 
 def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
               sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False, zero_lhs: bool = False,
-              column_order: ColumnOrder | None = None) -> Spec:
+              column_order: ColumnOrder | None = None, deterministic: bool | None = None) -> Spec:
     """Checks `statement` against `arrays` (name -> array; extra names ignored): the primitive's parameter.
     `zero_lhs` promises that the left-hand side array is all zeros; `column_order` names a format's entries in
-    column order among `arrays` (see `Spec`)."""
+    column order among `arrays`; `deterministic` defaults to the `jinsum_deterministic` option (see `Spec`)."""
     names = tensor_names(statement)
     operands = tuple(operand(n, arrays[n]) for n in names)
-    return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs, column_order)
+    if deterministic is None:
+        deterministic = _config.deterministic.value
+    return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs, column_order, deterministic)
 
 
 def operand(name: str, array) -> Operand:
@@ -36,9 +40,86 @@ def operand(name: str, array) -> Operand:
 
 
 def bind(statement: Statement, arrays: Mapping[str, jax.Array], **flags) -> jax.Array:
-    """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags)."""
+    """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags). In deterministic mode a
+    `+=` through index arrays is bound in a form whose kernel adds nothing atomically (`_bind_deterministic`)."""
     spec = make_spec(statement, arrays, **flags)
+    if not binds_as_written(spec):
+        return _bind_deterministic(spec, arrays, {**flags, "deterministic": True})
     return jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
+
+
+def binds_as_written(spec: Spec) -> bool:
+    """False for a deterministic `+=` through index arrays, which `bind` rewrites (`_bind_deterministic`)."""
+    return not (spec.deterministic and spec.statement.accumulate
+                and any(isinstance(i, Access) for i in spec.statement.lhs.indices))
+
+
+def _bind_deterministic(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
+    """A `+=` through index arrays as a sorted segment reduction, each target written by one program.
+
+    Unsorted: over its entries sorted by target (`_derive.sorted_scatter`) where one index access addresses the
+    left-hand side; otherwise (several indirections, a batch axis beside one) the products first, into an array
+    over the loop variables, then those scattered into the left-hand side read as a vector, keyed by each target's
+    flat position. A left-hand side with no plain variable gets a unit axis: the kernel's lanes need a variable
+    other than the segments', or it would add the segments' entries atomically.
+    """
+    statement = spec.statement
+    if spec.lhs_sorted_index is None:
+        scatter = _derive.sorted_scatter(statement, spec.sorted_indices)
+        if scatter is None:
+            return _scatter_products(spec, arrays, flags)
+        statement, sorting = scatter
+        arrays = {**arrays, **_sort_entries(arrays, sorting, spec.extent)}
+        flags = {**flags, "sorted_indices": frozenset(spec.sorted_indices) | {sorting.sorted_index}}
+    lhs = statement.lhs
+    unit = not any(isinstance(i, Var) for i in lhs.indices)
+    if unit:
+        var = Var(_derive.fresh_name("u", set(statement_variables(statement))))
+        statement = dataclasses.replace(statement, lhs=dataclasses.replace(lhs, indices=(*lhs.indices, var)))
+        arrays = {**arrays, lhs.tensor: arrays[lhs.tensor][..., None]}
+    spec = make_spec(statement, arrays, **flags)
+    out = jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
+    return out[..., 0] if unit else out
+
+
+def _scatter_products(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
+    loop = spec.loop_variables
+    shape = tuple(spec.extent[v] for v in loop)
+    lhs, out = spec.statement.lhs, spec.lhs
+    products = _derive.fresh_name("products", set(spec.names))
+    products_dtype = jnp.promote_types(out.dtype, jnp.float32)  # (a 16-bit product array would round twice)
+    terms = bind(Statement(Access(products, tuple(Var(v) for v in loop)), True, spec.statement.factors),
+                 {**arrays, products: jnp.zeros(shape, products_dtype)},
+                 **{**flags, "zero_lhs": True, "column_order": None})
+    targets = [jnp.broadcast_to(_index_values(i, arrays, loop, shape), shape) for i in lhs.indices]
+    inside = functools.reduce(jnp.logical_and, [(t >= 0) & (t < n) for t, n in zip(targets, out.shape)])
+    key = jnp.where(inside, jnp.ravel_multi_index(tuple(targets), out.shape, mode="clip"), -1)
+    flat = bind(Statement(Access("L", (Access("K", (Var("e"),)),)), True, (Access("P", (Var("e"),)),)),
+                dict(L=arrays[lhs.tensor].reshape(-1), K=key.reshape(-1).astype(jnp.int32), P=terms.reshape(-1)),
+                deterministic=True, zero_lhs=spec.zero_lhs)
+    return flat.reshape(out.shape)
+
+
+def _sort_entries(arrays: Mapping[str, jax.Array], sorting: _derive.SortedScatter, extent: Mapping[str, int]
+                  ) -> dict[str, jax.Array]:
+    """The operands `sorted_scatter` adds: the target index's values over its variables, flattened and stably
+    sorted, and the variables' values at each sorted entry."""
+    shape = tuple(extent[v] for v in sorting.variables)
+    flat = jnp.broadcast_to(_index_values(sorting.target, arrays, sorting.variables, shape), shape).reshape(-1)
+    entries = jnp.argsort(flat, stable=True)
+    coordinates = jnp.unravel_index(entries, shape)
+    return {sorting.sorted_index: flat[entries],
+            **{name: c.astype(jnp.int32) for name, c in zip(sorting.coordinates, coordinates)}}
+
+
+def _index_values(index: Access | Var, arrays: Mapping[str, jax.Array], order: tuple[str, ...],
+                  shape: tuple[int, ...]) -> jax.Array:
+    """An index position's value at every assignment of the variables `order` (an array broadcastable to `shape`);
+    out-of-range reads give 0, as in the statement."""
+    if isinstance(index, Var):
+        return jnp.arange(shape[order.index(index.name)]).reshape([-1 if v == index.name else 1 for v in order])
+    positions = tuple(_index_values(i, arrays, order, shape) for i in index.indices)
+    return arrays[index.tensor].at[positions].get(mode="fill", fill_value=0)
 
 
 jinsum_p = Primitive("jinsum")
@@ -101,6 +182,7 @@ def _jvp(primals, tangents, *, spec: Spec):
         term = _derive.replace_factor(statement, i, name, accumulate=statement.accumulate or k > 0)
         arrays = {**env, statement.lhs.tensor: tangent, name: ad.instantiate_zeros(tangent_of[factor.tensor])}
         tangent = bind(term, arrays, sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32,
+                       deterministic=spec.deterministic,
                        zero_lhs=k == 0 and type(lhs_tangent) is ad.Zero, column_order=spec.column_order)
     return out, tangent
 
@@ -139,7 +221,8 @@ def _transpose(cotangent, *args, spec: Spec):
             arrays = {**env, **_at_entries(env, gathers, spec.column_order)}
             sorted_indices = frozenset({spec.column_order.columns.name})
         results[name] = bind(derived, {**arrays, name: jnp.zeros(aval.shape, aval.dtype)},
-                             sorted_indices=sorted_indices, allow_tf32=spec.allow_tf32, zero_lhs=True)
+                             sorted_indices=sorted_indices, allow_tf32=spec.allow_tf32, zero_lhs=True,
+                             deterministic=spec.deterministic)
     return [results.get(name) for name in spec.arguments]
 
 
@@ -168,7 +251,8 @@ def _unwritten(cotangent, env, spec: Spec):
     zeros_name = _derive.fresh_name("zeros", set(spec.names))
     mask = _derive.unwritten_mask(statement, zeros_name)
     zeros = jnp.zeros([spec.extent[v] for v in spec.loop_variables], spec.lhs.dtype)
-    return bind(mask, {**env, zeros_name: zeros}, sorted_indices=spec.sorted_indices)
+    return bind(mask, {**env, zeros_name: zeros}, sorted_indices=spec.sorted_indices,
+                deterministic=spec.deterministic)
 
 
 ad.primitive_transposes[jinsum_p] = _transpose
@@ -193,7 +277,8 @@ def _batch(args, dims, *, spec: Spec):
         env[lhs_name] = jnp.broadcast_to(env[lhs_name][..., None], (*spec.lhs.shape, size))
     statement, _ = _derive.batch(spec.statement, batched, lhs_axis)
     out = bind(statement, env, sorted_indices=spec.sorted_indices - set(batched), allow_tf32=spec.allow_tf32,
-               zero_lhs=spec.zero_lhs, column_order=order)  # zeros, broadcast or batched, are zeros
+               zero_lhs=spec.zero_lhs, column_order=order,  # zeros, broadcast or batched, are zeros
+               deterministic=spec.deterministic)
     return out, lhs_axis
 
 

@@ -92,8 +92,9 @@ class ChainPlan:
     def dq_in_dkdv(self) -> bool:
         """The dkdv kernel also adds each entry's `dS K` into dQ atomically, and no dq kernel runs: for entries
         with narrow heads (GAT's scores are rank 2), a few atomics per entry cost less than gathering the values
-        again over the rows (FlashAttention-2's own dQ scheme)."""
-        return self.template == "lanes" and self.block_d <= 4
+        again over the rows (FlashAttention-2's own dQ scheme). Not in deterministic mode: those adds are
+        float atomics."""
+        return self.template == "lanes" and self.block_d <= 4 and not self.chain.output.deterministic
 
     @property
     def grid_vars(self) -> tuple[str, ...]:

@@ -123,6 +123,12 @@ class KernelPlan:
         return self.starts_from_lhs and self.spec.zero_lhs
 
     @property
+    def adds_atomically(self) -> bool:
+        """Some outputs are float-added by several programs (`tl.atomic_add`): the order, hence the rounding, varies
+        from run to run."""
+        return _adds_atomically(self.write, self.config)
+
+    @property
     def covers_output(self) -> bool:
         """Row programs into zeros write every element of the output once: a program per row (empty rows too, which
         store zeros) and the output's other axes parallel variables. The launcher then leaves the output unfilled
@@ -232,6 +238,8 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     """The kernel plan for `spec`, or a `Fallback` saying why it stays on XLA."""
     statement = spec.statement
     dot = _dot_roles(spec)
+    if spec.deterministic and (config.schedule in ("split", "tile") or not (dot or config.schedule)):
+        config = dataclasses.replace(config, schedule="owned")  # every row written by one program: no atomics
     lanes = None if dot else _lane_variable(spec)
     rows = None if dot else _row_variable(spec, lanes)
     narrow = not dot and _lanes_block(spec, lanes, config) <= TILE_LANES
@@ -281,8 +289,7 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
 
     config = default_config(spec, dot, tiles, config)
     out_dtype = np.dtype(spec.lhs.dtype)
-    atomics = write == "atomic" or (write == "segmented" and config.schedule == "split")
-    if atomics and out_dtype.itemsize < 4:
+    if _adds_atomically(write, config) and out_dtype.itemsize < 4:
         out_dtype = np.dtype(np.float32)  # 16-bit atomics lose precision and are slow; the launcher casts back
     plan = KernelPlan(spec, "dot" if dot else "lanes", lanes, rows, dot, grid, window, write_loops, loops, write,
                       config, out_dtype)
@@ -290,6 +297,10 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     if programs > INT32_LIMIT or tile_programs > 65535:
         return Fallback(f"the grid ({programs} x {tile_programs} programs) exceeds CUDA's launch limits")
     return plan
+
+
+def _adds_atomically(write: str, config: KernelConfig) -> bool:
+    return write == "atomic" or (write == "segmented" and config.schedule == "split")
 
 
 def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], config: KernelConfig) -> KernelConfig:

@@ -1,6 +1,7 @@
 """Fused attention chains (`jinsum.attention`): the unfused reference lowering against dense float64 NumPy, its
 derivatives and batching, and every generated chain kernel in Triton's interpreter against that reference."""
 
+import importlib.util
 import re
 import warnings
 
@@ -13,7 +14,7 @@ from jax.test_util import check_grads
 
 import jinsum
 from jinsum import _attention, _chain_reference, _lower_chain, _lower_triton
-from jinsum.kernels import ChainConfig, make_chain_plan
+from jinsum.kernels import ChainConfig, generate_chain, make_chain_plan
 from jinsum.testing import assert_allclose
 
 from conftest import ON_GPU
@@ -414,6 +415,30 @@ def test_sum_kernels_share_the_main_kernels_work_lists(config, rng):
         a, b = make_chain_plan(chain, main, config), make_chain_plan(chain, merge, config)
         assert (a.parts, a.split_segments, a.config.chunk) == (b.parts, b.split_segments, b.config.chunk)
     assert make_chain_plan(chain, "dkdv", config).dq_in_dkdv  # rank-2 scores: no dq kernel
+
+
+# --- attention ------------------------------------------------------------------------------------------------------
+
+def test_attention_backward_adds_no_dq_atomically(rng):
+    """GAT's rank-2 scores add dQ inside the dkdv kernel atomically by default; deterministic mode runs the dq
+    kernel instead."""
+    pattern, _ = graph_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape[:2], dim=2)
+    default, _, _ = _attention.build_chain(q, k, v, pattern)
+    with jinsum.deterministic(True):
+        chain, arrays, _ = _attention.build_chain(q, k, v, pattern)
+    assert make_chain_plan(default, "dkdv").dq_in_dkdv
+    assert not make_chain_plan(chain, "dkdv").dq_in_dkdv
+    plans = _lower_chain.plans(chain, ("forward", "dq", "dkdv"))
+    assert not any("atomic" in generate_chain(p) for p in plans.values())
+    if not ON_GPU and importlib.util.find_spec("torch"):
+        out, lse = _chain_reference.forward(chain, arrays)
+        d_out = rng.standard_normal(out.shape).astype(np.float32)
+        d_lse = np.zeros(lse.shape, np.float32)
+        expected = _chain_reference.backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
+        fused = _lower_chain.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse})
+        for name, actual, want in zip("QKV", fused, expected):
+            assert_allclose(actual, np.asarray(want, np.float64), np.float32, err_msg=f"d{name}")
 
 
 # --- errors -------------------------------------------------------------------------------------------------------

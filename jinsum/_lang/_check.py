@@ -79,6 +79,7 @@ class Spec:
         product, a cotangent), so a kernel need not read it.
       column_order: the entries of the statement's format in column order, as three more operands (`arguments`),
         or None. Only the derivative rules read them.
+      deterministic: bitwise-reproducible kernels, with no float atomics (`jinsum.deterministic`).
     """
 
     statement: Statement
@@ -88,6 +89,7 @@ class Spec:
     allow_tf32: bool = False
     zero_lhs: bool = False
     column_order: ColumnOrder | None = None
+    deterministic: bool = False
 
     def __repr__(self) -> str:  # short: this is what a printed jaxpr shows for the primitive's parameter
         return f"Spec({str(self.statement)!r})"
@@ -189,13 +191,14 @@ def _closest(name: str, candidates: Collection[str]) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: frozenset[str] = frozenset(),
-          allow_tf32: bool = False, zero_lhs: bool = False, column_order: ColumnOrder | None = None) -> Spec:
+          allow_tf32: bool = False, zero_lhs: bool = False, column_order: ColumnOrder | None = None,
+          deterministic: bool = False) -> Spec:
     """Binds operands to a statement and validates everything that can be known before tracing.
 
     Args:
       statement: a parsed statement.
       operands: the arrays bound to the statement's tensor names, in any order.
-      sorted_indices, allow_tf32, zero_lhs, column_order: see `Spec`.
+      sorted_indices, allow_tf32, zero_lhs, column_order, deterministic: see `Spec`.
 
     Raises:
       ExpressionError: an unknown or unused operand, a wrong rank, a non-integer index array, a non-floating value
@@ -255,7 +258,7 @@ def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: f
     # Only 1-D index arrays of this statement can be sorted; dropping the rest keeps equal Specs equal.
     sorted_indices = frozenset(n for n in sorted_indices if n in index_tensors and len(by_name[n].shape) == 1)
     return Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs),
-                _column_order(column_order, by_name, index_tensors))
+                _column_order(column_order, by_name, index_tensors), bool(deterministic))
 
 
 def _column_order(order: ColumnOrder | None, by_name: dict, index_tensors) -> ColumnOrder | None:

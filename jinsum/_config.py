@@ -1,0 +1,22 @@
+"""jinsum's switches, registered as JAX configuration options: `jax.config.update("jinsum_deterministic", True)`,
+the environment variable `JINSUM_DETERMINISTIC=1`, or `with jinsum.deterministic(True): ...`.
+
+They are JAX options, not module globals, because then a jitted function's cache key includes them: toggling one
+makes the next call trace again instead of reusing an executable built under the other setting (both
+`include_in_jit_key` and `include_in_trace_context` are needed for that on JAX 0.10). The registry is JAX's own,
+`jax._src.config`, which defines every `jax_*` flag the same way.
+"""
+
+from __future__ import annotations
+
+from jax._src import config as _jax_config
+
+deterministic = _jax_config.bool_state(
+    name="jinsum_deterministic",
+    default=False,
+    help="jinsum: bitwise-reproducible results on a given GPU. Generated kernels use no float atomics: sorted "
+         "segment reductions run one program per row segment, and scatters through unsorted index arrays sort "
+         "their entries by target first (a stable sort, so equal targets add in the entries' order).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
