@@ -7,6 +7,7 @@
 
 from jinsum._attention import attention as attention
 from jinsum._autotune import autotune as autotune
+from jinsum._config import check_indices as check_indices
 from jinsum._config import deterministic as deterministic
 from jinsum._einsum import einsum as einsum
 from jinsum._inspect import triton_source as triton_source

@@ -20,3 +20,13 @@ deterministic = _jax_config.bool_state(
     include_in_jit_key=True,
     include_in_trace_context=True,
 )
+
+check_indices = _jax_config.bool_state(
+    name="jinsum_check_indices",
+    default=False,
+    help="jinsum: under jit, check every index array against the dimension it addresses (and declared-sorted ones "
+         "for order) with `jax.experimental.checkify` checks; run the function under `checkify.checkify` to get the "
+         "error, naming the array, the position and the bound. Off: out-of-range reads give 0, writes are dropped.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)

@@ -14,12 +14,13 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jinsum import _config, _derive, _lower_triton, _lower_xla
 from jinsum._lang import (Access, ColumnOrder, Operand, Spec, Statement, Var, check, statement_variables,
-                          tensor_names)
+                          tensor_names, walk)
 
 
 def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
@@ -43,9 +44,39 @@ def bind(statement: Statement, arrays: Mapping[str, jax.Array], **flags) -> jax.
     """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags). In deterministic mode a
     `+=` through index arrays is bound in a form whose kernel adds nothing atomically (`_bind_deterministic`)."""
     spec = make_spec(statement, arrays, **flags)
+    if _config.check_indices.value:
+        _check_indices(spec, arrays)
     if not binds_as_written(spec):
         return _bind_deterministic(spec, arrays, {**flags, "deterministic": True})
     return jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
+
+
+def _check_indices(spec: Spec, arrays: Mapping[str, jax.Array]) -> None:
+    """`checkify` checks that the traced index arrays lie in range of what they address, and that declared-sorted
+    ones do not decrease (`jinsum.check_indices`; concrete arrays are checked on the host, before tracing)."""
+    for access in spec.statement.accesses:
+        for node in walk(access):
+            for dim, index in enumerate(node.indices):
+                values = arrays[index.tensor] if isinstance(index, Access) else None
+                if not isinstance(values, jax.core.Tracer) or values.size == 0:
+                    continue
+                bound = spec.operand[node.tensor].shape[dim]
+                bad = ((values < 0) | (values >= bound)).reshape(-1)
+                first = jnp.argmax(bad)
+                where = jnp.unravel_index(first, values.shape)
+                checkify.check(
+                    ~bad.any(), f"jinsum: index array {index.tensor} holds {{value}} at position "
+                    f"({', '.join(f'{{p{d}}}' for d in range(values.ndim))}{',' * (values.ndim == 1)}), out of range "
+                    f"for dimension {dim} of {node.tensor} (shape {spec.operand[node.tensor].shape}) in {node}; every "
+                    f"index there must lie in [0, {bound})",
+                    value=values.reshape(-1)[first], **{f"p{d}": p for d, p in enumerate(where)})
+    for name in spec.sorted_indices:
+        values = arrays[name]
+        if isinstance(values, jax.core.Tracer) and values.size > 1:
+            falls = values[1:] < values[:-1]
+            first = jnp.argmax(falls)
+            checkify.check(~falls.any(), f"jinsum: {name} is declared sorted, but {name}[{{i}}] = {{a}} > "
+                           f"{name}[{{j}}] = {{b}}", i=first, a=values[first], j=first + 1, b=values[first + 1])
 
 
 def binds_as_written(spec: Spec) -> bool:
