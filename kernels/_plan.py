@@ -352,8 +352,14 @@ def _lanes_block(spec: Spec, lanes: str, config: KernelConfig) -> int:
 
 
 def _lane_variable(spec: Spec) -> str:
-    """The variable most top-level accesses read contiguously (last position), the left-hand side breaking ties."""
+    """The variable most top-level accesses read contiguously (last position), the left-hand side breaking ties.
+    In deterministic mode not the variable of a sorted segment write, if there is another: entries vectorised
+    across lanes would be added atomically."""
     statement = spec.statement
+    candidates = list(spec.extent)
+    if spec.deterministic and spec.lhs_sorted_index is not None and statement.accumulate:
+        [segment] = next(i for i in statement.lhs.indices if isinstance(i, Access)).indices
+        candidates = [v for v in candidates if v != segment.name] or candidates
 
     def last(access: Access) -> str | None:
         index = access.indices[-1]
@@ -363,7 +369,7 @@ def _lane_variable(spec: Spec) -> str:
         reads = sum(last(f) == v for f in statement.factors)
         return (2 * reads + (last(statement.lhs) == v), spec.extent[v], -list(spec.extent).index(v))
 
-    return max(spec.extent, key=score)
+    return max(candidates, key=score)
 
 
 def _row_variable(spec: Spec, lanes: str) -> str | None:

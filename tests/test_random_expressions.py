@@ -1,17 +1,24 @@
 """Property test: random well-formed indirect Einsums agree with the brute-force reference, and so do their grads.
 
-Each example draws a statement (1-3 factors of rank 1-3, indirections nested up to two deep, `+=` or `=` with
-unique targets), extents including 0 and 1, and in-range index arrays.
+Each example draws a statement (1-3 factors of rank 1-3, indirections nested up to two deep, `+=` (duplicate
+targets add) or `=` with unique targets), extents including 0 and 1, and in-range index arrays; it runs on the XLA
+lowering, in Triton's interpreter, in deterministic mode, under grad and vmap. Mutated statements must fail with
+`ExpressionError` only.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jinsum
-from jinsum.testing import assert_allclose, reference
+from jinsum import ExpressionError, _einsum, _lower_triton, _primitive
+from jinsum.kernels import Fallback, KernelConfig, make_plan
+from jinsum.testing import assert_allclose, check_vmap, reference, specs_in
+
+from conftest import ON_GPU
 
 
 class _Draw:
@@ -103,3 +110,76 @@ def test_random_statements_grad_matches_reference_vjp(seed):
                 expected[k] = np.vdot(weights, reference(expression, **{**operands, name: unit}) - base)
             assert_allclose(grads[name], expected.reshape(operands[name].shape), np.float64,
                             err_msg=f"d/d{name} of {expression}")
+
+
+def _spec(expression, operands):
+    statement, arrays, flags = _einsum.prepare(expression, operands)
+    return _primitive.make_spec(statement, arrays, **flags), arrays
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GPU is")
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_statements_in_the_triton_interpreter(seed):
+    """The generated kernel, default and stress configurations, against the float64 reference."""
+    pytest.importorskip("torch")
+    draw = _Draw(np.random.default_rng(seed))
+    expression = draw.statement(np.float32)
+    spec, arrays = _spec(expression, draw.operands)
+    if isinstance(make_plan(spec), Fallback):
+        return
+    for config in (KernelConfig(), KernelConfig(block=2, block_rows=2, window=3, num_stages=2)):
+        actual = _lower_triton.interpret(spec, {n: np.asarray(a) for n, a in arrays.items()}, config)
+        assert_allclose(actual, reference(expression, **draw.operands), np.float32, err_msg=f"{expression} {config}")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_statements_deterministic_and_vmapped(seed):
+    """Deterministic mode: the same values (XLA lowering), and no kernel of it or of its gradient adds atomically;
+    vmap over a value operand equals a loop."""
+    draw = _Draw(np.random.default_rng(seed))
+    expression = draw.statement(np.float32)
+    operands = draw.operands
+    values = [n for n, a in operands.items() if a.dtype == np.float32 and n != "Out"]
+    with jinsum.deterministic(True):
+        call = jax.jit(lambda ops: jinsum.einsum(expression, **ops))
+        assert_allclose(call(operands), reference(expression, **operands), np.float32, err_msg=expression)
+        loss = lambda vals: jnp.sum(jnp.sin(jinsum.einsum(expression, **{**operands, **vals})))  # noqa: E731
+        for spec in specs_in(jax.grad(loss), {n: operands[n] for n in values}):
+            plan = make_plan(spec)
+            assert isinstance(plan, Fallback) or not plan.adds_atomically, str(spec.statement)
+    name = values[-1]
+    batched = np.stack([operands[name], -operands[name], 2 * operands[name]])
+    check_vmap(jax.jit(lambda x: jinsum.einsum(expression, **{**operands, name: x})), (batched,), (0,))
+
+
+_MUTATION_ALPHABET = list("[],=+*-.0 ") + ["Out", "X0", "I1", "v0", "v1", "+=", "]]", "[["]
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), edits=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 200),
+                                                               st.sampled_from(_MUTATION_ALPHABET)), min_size=1,
+                                                     max_size=3))
+def test_mutated_statements_raise_expression_errors_only(seed, edits):
+    """A well-formed statement with a few characters deleted, inserted, replaced or swapped, and the original
+    operands: it either still runs, or raises `ExpressionError` (with a rendered message), or a `ValueError` for
+    an index out of range of what the mutation made it address — never another exception."""
+    draw = _Draw(np.random.default_rng(seed))
+    text = draw.statement(np.float32)
+    for kind, at, token in edits:
+        at = at % (len(text) + 1)
+        if kind == 0:
+            text = text[:at] + text[at + 1:]
+        elif kind == 1:
+            text = text[:at] + token + text[at:]
+        elif kind == 2:
+            text = text[:at] + token + text[at + len(token):]
+        elif at + 1 < len(text):
+            text = text[:at] + text[at + 1] + text[at] + text[at + 2:]
+    try:
+        jinsum.einsum(text, **draw.operands)
+    except ExpressionError as error:
+        assert str(error).startswith("jinsum: ") and error.message
+    except ValueError as error:
+        assert "out of range" in str(error), f"{text!r}: {error!r}"
