@@ -33,6 +33,7 @@ import json
 import os
 import pathlib
 import tempfile
+import warnings
 from collections.abc import Callable
 
 from jinsum import kernels
@@ -120,6 +121,8 @@ def _read_sealed(path: pathlib.Path) -> str | None:
     body, _, seal = text.rpartition(_SEAL)
     if seal.strip() != hashlib.sha256(body.encode()).hexdigest():
         STATS.rejected += 1
+        warnings.warn(f"jinsum: the kernel cache entry {path} is corrupt (its SHA-256 seal does not match); it is "
+                      "compiled again and rewritten", RuntimeWarning, stacklevel=2)
         return None
     try:
         os.utime(path)

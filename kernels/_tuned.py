@@ -6,10 +6,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import fcntl
 import functools
 import json
 import os
 import pathlib
+import threading
+import warnings
 
 import jax
 
@@ -55,8 +58,22 @@ def _path() -> pathlib.Path:
 
 @functools.lru_cache(maxsize=1)
 def _stored() -> dict:
-    path = _path()
-    return json.loads(path.read_text()) if path.exists() else {}
+    return _read_table(_path())
+
+
+def _read_table(path: pathlib.Path) -> dict:
+    """The stored table; empty, with a warning, if it cannot be read (the lowering then uses the defaults)."""
+    try:
+        table = json.loads(path.read_text())
+        if not isinstance(table, dict):
+            raise ValueError(f"a JSON {type(table).__name__}, not an object")
+        return table
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:  # (json.JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        warnings.warn(f"jinsum: the autotune table {path} cannot be read ({error}); it is ignored, and the next "
+                      "jinsum.autotune rewrites it", RuntimeWarning, stacklevel=3)
+        return {}
 
 
 def _key(spec: Spec) -> str:
@@ -67,11 +84,15 @@ def _key(spec: Spec) -> str:
 
 def store_tuned_config(spec: Spec, config: KernelConfig) -> None:
     """Records `config` as the one to lower `spec` with on this GPU."""
-    table = dict(_stored())
-    table[_key(spec)] = dataclasses.asdict(config)
     path = _path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(table, indent=1, sort_keys=True))
-    os.replace(temporary, path)
+    # Read, add, write under an exclusive lock: processes tuning at once each add their entry (none is lost), and
+    # a reader without the lock sees the old table or the new one (write, then rename), never half of one.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        table = _read_table(path)
+        table[_key(spec)] = dataclasses.asdict(config)
+        temporary = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        temporary.write_text(json.dumps(table, indent=1, sort_keys=True))
+        os.replace(temporary, path)
     _stored.cache_clear()

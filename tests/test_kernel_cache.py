@@ -1,13 +1,16 @@
 """First calls: the persistent cache of compiled kernels (`jinsum._kernel_cache`) with a fake compiler (keys,
-hits, corrupt entries, the size bound, the off switch, two processes writing at once), and Triton started without
-torch. (A GPU test in test_gpu.py checks that a second process loads the first one's kernels through jax-triton.)"""
+hits, corrupt entries, the size bound, the off switch, two processes writing at once), the autotune table under
+concurrent writers and corruption, and Triton started without torch. (A GPU test in test_gpu.py checks that a second process loads the first one's kernels through jax-triton.)"""
 
+import concurrent.futures
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from jinsum import _kernel_cache
@@ -80,7 +83,8 @@ def test_a_corrupt_entry_is_ignored_and_rewritten(cache, damage):
         path.write_text(text.replace("x", "y"))
     else:
         path.write_bytes(b"\x00\xff")
-    result = compile_ttir("module @a", None, "", 90, "cuda")
+    with pytest.warns(RuntimeWarning, match=r"kernel cache entry .* is corrupt .* compiled again and rewritten"):
+        result = compile_ttir("module @a", None, "", 90, "cuda")
     assert len(compiler.calls) == 2 and "x" * 400 in result.binary
     assert _kernel_cache.STATS.rejected == 1
     compile_ttir("module @a", None, "", 90, "cuda")  # rewritten: loads now
@@ -180,6 +184,55 @@ def test_two_processes_writing_the_same_entries(tmp_path):
     assert [int(out) for out in outputs] == [0, 0]  # neither ever read a partial entry
     folder = tmp_path / "compiled"
     assert len(list(folder.glob("*.json"))) == 40 and not list(folder.glob("*.tmp"))
+
+
+def test_threads_compiling_the_same_kernels_at_once(cache):
+    compiler, compile_ttir = cache
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: compile_ttir(f"module @{i % 10}", None, "", 90, "cuda").binary, range(120)))
+    assert all(f"module @{i % 10}" in binary for i, binary in enumerate(results))
+    assert _kernel_cache.STATS.rejected == 0 and len(_entries()) == 10
+    assert not list(_kernel_cache.directory().glob("*.tmp"))
+
+
+AUTOTUNE_WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from jinsum import _primitive
+    from jinsum._lang import parse
+    from jinsum.kernels import KernelConfig, store_tuned_config
+
+    for n in range(int(sys.argv[1]), int(sys.argv[1]) + 30):  # thirty statements of its own shapes
+        arrays = dict(C=np.zeros((n, 4), np.float32), A=np.zeros((n, 3), np.float32), B=np.zeros((3, 4), np.float32))
+        spec = _primitive.make_spec(parse("C[i,j] += A[i,k] * B[k,j]"), arrays)
+        store_tuned_config(spec, KernelConfig(block=n))
+""")
+
+
+def test_processes_storing_tuned_configs_at_once_lose_none(tmp_path):
+    env = {**os.environ, "JINSUM_CACHE_DIR": str(tmp_path / "kernels"), "JAX_PLATFORMS": "cpu"}
+    processes = [subprocess.Popen([sys.executable, "-c", AUTOTUNE_WRITER, str(100 * k)], env=env) for k in range(4)]
+    assert [p.wait(timeout=300) for p in processes] == [0] * 4
+    table = json.loads((tmp_path / "autotune.json").read_text())
+    assert sorted(config["block"] for config in table.values()) == [100 * k + n for k in range(4) for n in range(30)]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_unreadable_autotune_table_is_ignored_with_a_warning(tmp_path, monkeypatch):
+    from jinsum import _primitive  # noqa: PLC0415
+    from jinsum._lang import parse  # noqa: PLC0415
+    from jinsum.kernels import KernelConfig, _tuned, store_tuned_config, tuned_config  # noqa: PLC0415
+
+    monkeypatch.setenv("JINSUM_CACHE_DIR", str(tmp_path / "kernels"))
+    _tuned._stored.cache_clear()
+    (tmp_path / "autotune.json").write_text('{"half a table": ')
+    spec = _primitive.make_spec(parse("C[i] += A[i]"), dict(C=np.zeros(3, np.float32), A=np.ones(3, np.float32)))
+    with pytest.warns(RuntimeWarning, match=r"autotune table .* cannot be read .* the next jinsum.autotune rewrites"):
+        assert tuned_config(spec) is None
+    with pytest.warns(RuntimeWarning):  # (read again under the lock, still broken) ...
+        store_tuned_config(spec, KernelConfig(block=8))
+    assert tuned_config(spec) == KernelConfig(block=8)  # ... and replaced by a whole table
+    _tuned._stored.cache_clear()
 
 
 def test_the_triton_specializer_starts_without_importing_torch():
