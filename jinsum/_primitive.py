@@ -114,6 +114,8 @@ def _bind_deterministic(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict
 
 
 def _scatter_products(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
+    """`products[loop variables] += factors`, then `L[K[e]] += P[e]` over the left-hand side as a vector `L`, the
+    products as `P` and each one's flat target as `K` (-1, dropped, where a target is out of range)."""
     loop = spec.loop_variables
     shape = tuple(spec.extent[v] for v in loop)
     lhs, out = spec.statement.lhs, spec.lhs
