@@ -53,6 +53,8 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
       ValueError: a concrete index array holds an out-of-range index. Under `jit`, indices cannot be checked: an
         out-of-range read gives 0 and an out-of-range write is dropped.
     """
+    if not isinstance(expression, str):
+        raise TypeError(f"jinsum: the expression must be a string, got {type(expression).__name__}")
     if "[" not in expression:
         if named:
             raise TypeError(f"jinsum: NumPy-style subscripts {expression!r} take operands by position; got "

@@ -27,6 +27,12 @@ from jinsum.formats._base import GroupedFormat
 def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
     inputs, output = _split_subscripts(subscripts, len(operands))
     sparse = [k for k, x in enumerate(operands) if isinstance(x, (GroupCOO, BlockGroupCOO))]
+    # Dense operands as NumPy's matmul takes them: array-likes converted, integers and booleans promoted to the
+    # floating type of the product (the statement's value operands must be floating).
+    operands = [x if k in sparse else jnp.asarray(x) for k, x in enumerate(operands)]
+    floating = jnp.result_type(*(x.dtype for x in operands), jnp.float32 if not sparse else operands[sparse[0]].dtype)
+    operands = [x if k in sparse or jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(floating)
+                for k, x in enumerate(operands)]
     if not sparse:
         precision = lax.Precision.DEFAULT if allow_tf32 else lax.Precision.HIGHEST
         return jnp.einsum(subscripts, *operands, precision=precision)

@@ -84,3 +84,20 @@ def test_a_format_whose_statement_reads_some_of_its_arrays(A):
 def test_numpy_subscripts_take_operands_by_position():
     with pytest.raises(TypeError, match=r"take operands by position; got keyword operands \[.A.\]"):
         jinsum.einsum("ik,kn->in", A=jnp.ones((2, 2)))
+
+
+def test_the_expression_must_be_a_string(A):
+    with pytest.raises(TypeError, match="the expression must be a string, got int"):
+        jinsum.einsum(3, A=A)
+
+
+def test_matmul_takes_dense_operands_as_numpy_does(A):
+    """Array-likes are converted and integer operands promoted to the product's floating type, as in `jnp.matmul`
+    (they used to fail with an AttributeError and an error naming jinsum's internal operand `X1`)."""
+    dense = np.asarray(A.todense())
+    np.testing.assert_allclose(A @ ([[1.0, 2.0]] * 5), dense @ np.ones((5, 1)) @ [[1.0, 2.0]], rtol=1e-6)
+    B = np.arange(15).reshape(5, 3)
+    out = A @ B
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, dense @ B, rtol=1e-6)
+    np.testing.assert_allclose(np.arange(6) @ A, np.arange(6) @ dense, rtol=1e-6)
