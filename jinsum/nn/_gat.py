@@ -56,6 +56,9 @@ class GATConv(nnx.Module):
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
           rngs: initialises the parameters and seeds the dropout.
         """
+        if heads < 1 or out_features < 1:
+            raise ValueError(f"GATConv: heads and out_features must be >= 1, got heads={heads}, "
+                             f"out_features={out_features}")
         self.heads, self.out_features, self.concat = heads, out_features, concat
         self.negative_slope, self.add_self_loops = negative_slope, add_self_loops
         self.linear = nnx.Linear(in_features, heads * out_features, use_bias=False, param_dtype=param_dtype,
@@ -69,7 +72,7 @@ class GATConv(nnx.Module):
 
     def __call__(self, x: jax.Array, A: GroupCOO) -> jax.Array:
         """`x` `(N, in_features)`, `A` a `GroupCOO` `(N, N)` -> `(N, heads * out_features)` or `(N, out_features)`."""
-        expect_adjacency("GATConv", A, x)
+        expect_adjacency("GATConv", A, x, in_features=self.linear.in_features)
         n = x.shape[0]
         h = self.linear(x).reshape(n, self.heads, self.out_features)
         s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...])

@@ -47,7 +47,7 @@ class GCNConv(nnx.Module):
 
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
         """`x` `(N, in_features)`, `A` a `GroupCOO` or `BlockGroupCOO` `(N, N)` -> `(N, out_features)`."""
-        expect_adjacency("GCNConv", A, x, (GroupCOO, BlockGroupCOO))
+        expect_adjacency("GCNConv", A, x, (GroupCOO, BlockGroupCOO), self.linear.in_features)
         h = self.linear(x)
         if self.normalize:
             deg = row_sums(A, h.dtype) + (1 if self.add_self_loops else 0)

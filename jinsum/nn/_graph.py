@@ -49,8 +49,12 @@ def adjacency(edge_index, num_nodes: int, *, values=None, group_size: int | None
     return A.with_transpose()
 
 
-def expect_adjacency(layer: str, A, x, formats=(GroupCOO,)) -> None:
-    """Raises a clear error unless `A` is a square adjacency in one of `formats` over the `N` rows of `x`."""
+def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | None = None) -> None:
+    """Raises a clear error unless `A` is a square adjacency in one of `formats` over the `N` rows of `x`, and `x`
+    has `in_features` columns (where given)."""
+    if in_features is not None and (x.ndim != 2 or x.shape[1] != in_features):
+        raise ValueError(f"{layer}: expected node features of shape (N, {in_features}) (the layer's in_features), "
+                         f"got {tuple(x.shape)}")
     if not isinstance(A, formats):
         names = " or ".join(f"jinsum.{f.__name__}" for f in formats)
         got = (f"an array {jnp.dtype(A.dtype).name}{list(A.shape)}" if isinstance(A, (jax.Array, np.ndarray))

@@ -45,7 +45,7 @@ class SAGEConv(nnx.Module):
 
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
         """`x` `(N, in_features)`, `A` a `GroupCOO` or `BlockGroupCOO` `(N, N)` -> `(N, out_features)`."""
-        expect_adjacency("SAGEConv", A, x, (GroupCOO, BlockGroupCOO))
+        expect_adjacency("SAGEConv", A, x, (GroupCOO, BlockGroupCOO), self.lin_neighbors.in_features)
         deg = row_sums(A, x.dtype)[:, None]
         inv_deg = 1 / jnp.where(deg != 0, deg, 1)
         if self.lin_neighbors.out_features < self.lin_neighbors.in_features:
