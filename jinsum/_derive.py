@@ -168,6 +168,24 @@ def sorted_scatter(statement: Statement, sorted_indices: Collection[str]) -> tup
     return rewritten, SortedScatter(target, scattered, sorted_index, tuple(coordinates))
 
 
+def in_pieces(statement: Statement, pieces: str, partial: str, piece_rows: str) -> tuple[Statement, Statement]:
+    """A sorted segment reduction in two: each row's run of entries cut into pieces, summed per piece, then the
+    pieces summed per row.
+
+    `C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]` becomes `partial[pieces[g],n] += Av[g,p] * B[Ak[g,p],n]` (`pieces`
+    sorted, numbering the pieces) and `C[piece_rows[q],n] += partial[q,n]` (`piece_rows` sorted, each piece's row).
+    """
+    lhs = statement.lhs
+    [through] = [i for i in lhs.indices if isinstance(i, Access)]  # the sorted row index, `Ai[g]`
+    piece = Var(fresh_name("q", set(statement_variables(statement))))
+    first = dataclasses.replace(statement, lhs=Access(partial, tuple(
+        Access(pieces, through.indices) if i is through else i for i in lhs.indices)), source="")
+    second = Statement(dataclasses.replace(lhs, indices=tuple(
+        Access(piece_rows, (piece,)) if i is through else i for i in lhs.indices), span=None), True,
+        (Access(partial, tuple(piece if i is through else i for i in lhs.indices)),))
+    return first, second
+
+
 def unwritten_mask(statement: Statement, zeros: str) -> Statement:
     """`C[lhs indices] = zeros[loop variables]`: for `=`, what flows back to the initial left-hand side `C`.
 

@@ -102,6 +102,16 @@ def _bind_deterministic(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict
         statement, sorting = scatter
         arrays = {**arrays, **_sort_entries(arrays, sorting, spec.extent)}
         flags = {**flags, "sorted_indices": frozenset(spec.sorted_indices) | {sorting.sorted_index}}
+    spec = make_spec(statement, arrays, **flags)
+    [var] = next(i for i in statement.lhs.indices if isinstance(i, Access)).indices
+    if spec.extent[var.name] > PIECE_GROUPS:
+        return _bind_in_pieces(spec, arrays, flags)
+    return _bind_segments(statement, arrays, flags)
+
+
+def _bind_segments(statement: Statement, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
+    """A deterministic sorted segment reduction as it is (given a unit axis where the left-hand side has no plain
+    variable)."""
     lhs = statement.lhs
     unit = not any(isinstance(i, Var) for i in lhs.indices)
     if unit:
@@ -111,6 +121,49 @@ def _bind_deterministic(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict
     spec = make_spec(statement, arrays, **flags)
     out = jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
     return out[..., 0] if unit else out
+
+
+# In deterministic mode a row is summed by one program; a long row (a hub) is cut into pieces of at most this many
+# entries of the window variable (groups), summed per piece, then per row (`_bind_in_pieces`).
+PIECE_GROUPS = 32
+
+
+def _bind_in_pieces(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
+    """A sorted segment reduction in two sorted segment reductions (`_derive.in_pieces`), so that no program sums
+    more than `PIECE_GROUPS` groups of a hub row, nor more than its groups / `PIECE_GROUPS` pieces: the partial
+    sums cost a write and a read of an array about the size of the output (float32)."""
+    statement = spec.statement
+    position = next(d for d, i in enumerate(statement.lhs.indices) if isinstance(i, Access))
+    count = spec.lhs.shape[position]
+    # Out-of-range rows (dropped by the write) as -1 or `count`: at most count + 2 distinct rows, still sorted.
+    rows = jnp.clip(arrays[spec.lhs_sorted_index], -1, count)
+    groups = rows.shape[0]
+    # Each group's place in its row's run, its piece within the row, and the pieces numbered in order.
+    index = jnp.arange(groups)
+    starts = jnp.concatenate([jnp.ones(1, bool), rows[1:] != rows[:-1]])
+    run_start = jax.lax.cummax(jnp.where(starts, index, 0))
+    piece = (index - run_start) // PIECE_GROUPS
+    new_piece = starts | jnp.concatenate([jnp.ones(1, bool), piece[1:] != piece[:-1]])
+    pieces = (jnp.cumsum(new_piece) - 1).astype(jnp.int32)
+    # At most one short piece per row plus one per PIECE_GROUPS groups; unused pieces hold zeros and the row past
+    # the end (dropped), which keeps the pieces' rows sorted.
+    size = min(groups, count + 2 + groups // PIECE_GROUPS)
+    piece_rows = jnp.full(size, count, rows.dtype).at[pieces].set(rows)
+    taken, names = set(spec.names), []
+    for base in ("pieces", "partial", "piece_rows"):
+        names.append(_derive.fresh_name(base, taken))
+        taken.add(names[-1])
+    pieces_name, partial_name, piece_rows_name = names
+    first, second = _derive.in_pieces(statement, *names)
+    shape = list(spec.lhs.shape)
+    shape[position] = size
+    sorted_flags = {**flags, "sorted_indices": frozenset(spec.sorted_indices) | {pieces_name}}
+    partial = _bind_segments(first, {**arrays, pieces_name: pieces,
+                                     partial_name: jnp.zeros(shape, jnp.promote_types(spec.lhs.dtype, jnp.float32))},
+                             {**sorted_flags, "zero_lhs": True, "column_order": None})
+    return _bind_segments(second, {spec.lhs.name: arrays[spec.lhs.name], partial_name: partial,
+                                   piece_rows_name: piece_rows},
+                          {**flags, "sorted_indices": frozenset({piece_rows_name}), "column_order": None})
 
 
 def _scatter_products(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:

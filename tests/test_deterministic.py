@@ -147,7 +147,9 @@ DETERMINISTIC = _deterministic_specs()
 def test_the_catalog_sorts_its_scatters():
     statements = {str(s.statement) for s in DETERMINISTIC}
     assert "dB[Ak_sorted[h],n] += Av[g_at[h],p_at[h]] * C[Ai[g_at[h]],n]" in statements  # SpMM's transpose
-    assert "dW[Idx_sorted[h],d] += Wt[b_at[h],p_at[h]] * O[b_at[h],d]" in statements  # embedding bag's gradient
+    # the embedding bag's gradient: sorted by target, and (over 32 entries) summed in pieces, then per row
+    assert "partial[pieces[h],d] += Wt[b_at[h],p_at[h]] * O[b_at[h],d]" in statements
+    assert "dW[piece_rows[q],d] += partial[q,d]" in statements
     assert "O[R_sorted[h],f] += X[C[e_at[h]],c] * W[T[e_at[h]],c,f]" in statements  # RGCN: unsorted relations
     # ... whose gradients are the sorted forward's, sorted again by their own targets
     assert "dW[T_sorted[h_1],c,f] += X[C[e_at[h_at[h_1]]],c] * O[R_sorted[h_at[h_1]],f]" in statements
@@ -169,8 +171,10 @@ def test_deterministic_kernels_match_the_reference(spec, rng):
     assert_allclose(_lower_triton.interpret(spec, operands), reference(str(spec.statement), **operands), np.float32)
 
 
+@pytest.mark.parametrize("piece_groups", [2, _primitive.PIECE_GROUPS], ids=lambda p: f"pieces of {p}")
 @pytest.mark.parametrize("case", CATALOG, ids=repr)
-def test_deterministic_grads_equal_the_default_ones(case, rng):
+def test_deterministic_grads_equal_the_default_ones(case, piece_groups, rng, monkeypatch):
+    monkeypatch.setattr(_primitive, "PIECE_GROUPS", piece_groups)
     ops = case.make(rng, np.float32)
     rows = ("Ai",) if "Ai" in ops else ()
 
@@ -182,7 +186,26 @@ def test_deterministic_grads_equal_the_default_ones(case, rng):
     with jinsum.deterministic(True):
         actual = jax.jit(jax.grad(loss))(values)
     for name in values:
-        np.testing.assert_allclose(actual[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert_allclose(actual[name], np.asarray(expected[name], np.float64), np.float32, err_msg=name)
+
+
+def test_long_rows_are_summed_in_pieces_then_per_row(rng):
+    """A hub row of 301 groups, empty rows, and rows out of range under jit (dropped): the pieces hold at most
+    PIECE_GROUPS groups, the second statement sums at most ceil(301 / PIECE_GROUPS) pieces per row."""
+    rows = np.sort(np.concatenate([np.full(301, 3), rng.integers(0, 9, 60), [-1, -1, 9, 12]])).astype(np.int32)
+    Ak = rng.integers(0, 7, (len(rows), 2)).astype(np.int32)
+    Av = rng.standard_normal((len(rows), 2)).astype(np.float32)
+    B = rng.standard_normal((7, 5)).astype(np.float32)
+    spmm = jax.jit(lambda Ai: jinsum.einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", C=jnp.zeros((9, 5)), Ai=Ai,
+                                            Ak=Ak, Av=Av, B=B, sorted_indices=("Ai",)))
+    expected = np.zeros((9, 5))
+    for g, r in enumerate(rows):
+        if 0 <= r < 9:
+            expected[r] += Av[g] @ B[Ak[g]]
+    with jinsum.deterministic(True):
+        statements = [str(s.statement) for s in specs_in(spmm, rows)]
+        np.testing.assert_allclose(spmm(rows), expected, rtol=2e-5, atol=2e-5)
+    assert statements == ["partial[pieces[g],n] += Av[g,p] * B[Ak[g,p],n]", "C[piece_rows[q],n] += partial[q,n]"]
 
 
 def test_out_of_range_targets_are_dropped_as_before(rng):
@@ -209,6 +232,7 @@ def test_triton_source_shows_the_statements_a_scatter_becomes(rng):
     ops = case.make(rng, np.float32)
     with jinsum.deterministic(True):
         source = jinsum.triton_source(case.expression, **ops)
-    assert "# ---- statement: B[Ak_sorted[h],n] += Av[g_at[h],p_at[h]] * C[Ai[g_at[h]],n]" in source
+    assert "# ---- statement: partial[pieces[h],n] += Av[g_at[h],p_at[h]] * C[Ai[g_at[h]],n]" in source
+    assert "# ---- statement: B[piece_rows[q],n] += partial[q,n]" in source
     assert "atomic" not in source
     assert "atomic" in jinsum.triton_source(case.expression, **ops)
