@@ -3,6 +3,7 @@
 One primitive, `jinsum_p`, parameterised by a checked `Spec`; its operands are the arrays of the statement in
 `spec.names` order (the left-hand side first). Every rule derives new statements (see `_derive`) and binds them to
 the same primitive, so derivatives and batched versions are indirect Einsums too and reach the same lowerings.
+In deterministic mode `bind` rewrites `+=` through index arrays into sorted segment reductions first.
 """
 
 from __future__ import annotations
