@@ -12,7 +12,7 @@ import jinsum
 from jinsum import _derive, _lower_triton, _primitive
 from jinsum._lang import parse
 from jinsum.kernels import KernelConfig, canonical, generate, make_plan
-from jinsum.testing import assert_allclose, random_operands, reference, specs_in
+from jinsum.testing import assert_allclose, check_vmap, random_operands, reference, specs_in
 
 from _catalog import CATALOG
 from conftest import ON_GPU
@@ -206,6 +206,10 @@ def test_long_rows_are_summed_in_pieces_then_per_row(rng):
         statements = [str(s.statement) for s in specs_in(spmm, rows)]
         np.testing.assert_allclose(spmm(rows), expected, rtol=2e-5, atol=2e-5)
     assert statements == ["partial[pieces[g],n] += Av[g,p] * B[Ak[g,p],n]", "C[piece_rows[q],n] += partial[q,n]"]
+    with jinsum.deterministic(True):  # and batched over the dense operand
+        check_vmap(jax.jit(lambda B: jinsum.einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", C=jnp.zeros((9, 5)),
+                                                   Ai=rows, Ak=Ak, Av=Av, B=B, sorted_indices=("Ai",))),
+                   (np.stack([B, 2 * B]),), (0,))
 
 
 def test_out_of_range_targets_are_dropped_as_before(rng):

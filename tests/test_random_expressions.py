@@ -137,7 +137,7 @@ def test_random_statements_in_the_triton_interpreter(seed):
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_statements_deterministic_and_vmapped(seed):
     """Deterministic mode: the same values (XLA lowering), and no kernel of it or of its gradient adds atomically;
-    vmap over a value operand equals a loop."""
+    vmap over a value operand equals a loop, in both modes."""
     draw = _Draw(np.random.default_rng(seed))
     expression = draw.statement(np.float32)
     operands = draw.operands
@@ -151,7 +151,9 @@ def test_random_statements_deterministic_and_vmapped(seed):
             assert isinstance(plan, Fallback) or not plan.adds_atomically, str(spec.statement)
     name = values[-1]
     batched = np.stack([operands[name], -operands[name], 2 * operands[name]])
-    check_vmap(jax.jit(lambda x: jinsum.einsum(expression, **{**operands, name: x})), (batched,), (0,))
+    for deterministic in (False, True):
+        with jinsum.deterministic(deterministic):
+            check_vmap(jax.jit(lambda x: jinsum.einsum(expression, **{**operands, name: x})), (batched,), (0,))
 
 
 _MUTATION_ALPHABET = list("[],=+*-.0 ") + ["Out", "X0", "I1", "v0", "v1", "+=", "]]", "[["]
