@@ -27,12 +27,7 @@ from jinsum.formats._base import GroupedFormat
 def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
     inputs, output = _split_subscripts(subscripts, len(operands))
     sparse = [k for k, x in enumerate(operands) if isinstance(x, (GroupCOO, BlockGroupCOO))]
-    # Dense operands as NumPy's matmul takes them: array-likes converted, integers and booleans promoted to the
-    # floating type of the product (the statement's value operands must be floating).
-    operands = [x if k in sparse else jnp.asarray(x) for k, x in enumerate(operands)]
-    floating = jnp.result_type(*(x.dtype for x in operands), jnp.float32 if not sparse else operands[sparse[0]].dtype)
-    operands = [x if k in sparse or jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(floating)
-                for k, x in enumerate(operands)]
+    operands = [x if k in sparse else jnp.asarray(x) for k, x in enumerate(operands)]  # (lists, as NumPy takes)
     if not sparse:
         precision = lax.Precision.DEFAULT if allow_tf32 else lax.Precision.HIGHEST
         return jnp.einsum(subscripts, *operands, precision=precision)
@@ -65,8 +60,11 @@ def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
             factors.append(values)
             continue
         factors.append(access(f"X{k}", letters))
-        arrays[f"X{k}"] = _split_axes(jnp.asarray(x), letters, split)
+        arrays[f"X{k}"] = _split_axes(x, letters, split)
     dtype = jnp.result_type(A.dtype, *(arrays[f"X{k}"].dtype for k in range(len(operands)) if k != s))
+    for k in range(len(operands)):  # integer and boolean operands join the product in its type, as in jnp.matmul
+        if k != s and not jnp.issubdtype(arrays[f"X{k}"].dtype, jnp.inexact):
+            arrays[f"X{k}"] = arrays[f"X{k}"].astype(dtype)
 
     if output == inputs[s]:  # the output takes the sparse operand's structure
         lhs = values.replace("Av", "Out", 1)

@@ -53,10 +53,9 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         return _lower_xla.evaluate(*arrays, spec=spec)
     if spec.deterministic and plan.adds_atomically:
         raise NotImplementedError(
-            f"jinsum: deterministic mode: {spec.statement} would add into its left-hand side atomically, and it "
-            "cannot be sorted by target (the left-hand side is written through several index arrays, through an "
-            "index array that is itself indexed, or through one batched by vmap). Turn deterministic mode off for "
-            "this call, or write the statement with one index array of plain variables on the left")
+            f"jinsum: deterministic mode: {spec.statement} would add into its left-hand side atomically. "
+            "`jinsum._primitive.bind` rewrites such statements into sorted segment reductions; bind this one "
+            "through it, not `jinsum_p.bind` directly")
     kernel_spec = plan.spec
     env = dict(zip(kernel_spec.names, arrays))
     lhs = env[kernel_spec.lhs.name]

@@ -92,8 +92,7 @@ def _bind_deterministic(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict
     Unsorted: over its entries sorted by target (`_derive.sorted_scatter`) where one index access addresses the
     left-hand side; otherwise (several indirections, a batch axis beside one) the products first, into an array
     over the loop variables, then those scattered into the left-hand side read as a vector, keyed by each target's
-    flat position. A left-hand side with no plain variable gets a unit axis: the kernel's lanes need a variable
-    other than the segments', or it would add the segments' entries atomically.
+    flat position. Long rows are summed in pieces (`_bind_in_pieces`).
     """
     statement = spec.statement
     if spec.lhs_sorted_index is None:
@@ -111,10 +110,11 @@ def _bind_deterministic(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict
 
 
 def _bind_segments(statement: Statement, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
-    """A deterministic sorted segment reduction as it is (given a unit axis where the left-hand side has no plain
-    variable)."""
+    """A deterministic sorted segment reduction as it is. The planner vectorises a variable other than the
+    segments' (`kernels._plan._lane_variable`); where the statement has no other (`L[K[h]] += P[h]`), the left-hand
+    side gets a unit axis to vectorise."""
     lhs = statement.lhs
-    unit = not any(isinstance(i, Var) for i in lhs.indices)
+    unit = len(statement_variables(statement)) == 1
     if unit:
         var = Var(_derive.fresh_name("u", set(statement_variables(statement))))
         statement = dataclasses.replace(statement, lhs=dataclasses.replace(lhs, indices=(*lhs.indices, var)))

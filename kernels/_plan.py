@@ -133,8 +133,7 @@ class KernelPlan:
         """Row programs into zeros write every element of the output once: a program per row (empty rows too, which
         store zeros) and the output's other axes parallel variables. The launcher then leaves the output unfilled
         (a zero fill of a block SpMM's output is 6% of its time)."""
-        return self.row_programs and self.zeroes_output and \
-            sum(isinstance(i, Access) for i in self.spec.statement.lhs.indices) == 1
+        return self.row_programs and self.zeroes_output  # (a segmented write has one indirection on the left)
 
     @functools.cached_property
     def tile_vars(self) -> tuple[str, ...]:
