@@ -1,6 +1,7 @@
 """First calls: the persistent cache of compiled kernels (`jinsum._kernel_cache`) with a fake compiler (keys,
 hits, corrupt entries, the size bound, the off switch, two processes writing at once), the autotune table under
-concurrent writers and corruption, and Triton started without torch. (A GPU test in test_gpu.py checks that a second process loads the first one's kernels through jax-triton.)"""
+concurrent writers and corruption, and Triton started without torch. (A GPU test in test_gpu.py checks that a
+second process loads the first one's kernels through jax-triton.)"""
 
 import concurrent.futures
 import dataclasses
