@@ -15,7 +15,7 @@ from jinsum._kernel_cache import kernel_cache_info as kernel_cache_info
 from jinsum._lang import ExpressionError as ExpressionError
 from jinsum._lang import Spec as Spec
 from jinsum._lower_triton import FallbackWarning as FallbackWarning
-from jinsum._primitive import jinsum_p as jinsum_p
+from jinsum._lowering import jinsum_p as jinsum_p
 from jinsum.formats import BlockGroupCOO as BlockGroupCOO
 from jinsum.formats import GroupCOO as GroupCOO
 from jinsum.formats import default_group_size as default_group_size

@@ -168,22 +168,22 @@ def sorted_scatter(statement: Statement, sorted_indices: Collection[str]) -> tup
     return rewritten, SortedScatter(target, scattered, sorted_index, tuple(coordinates))
 
 
-def in_pieces(statement: Statement, pieces: str, partial: str, piece_rows: str) -> tuple[Statement, Statement]:
-    """A sorted segment reduction in two: each row's run of entries cut into pieces, summed per piece, then the
-    pieces summed per row.
+def in_pieces(statement: Statement, pieces: str, piece_of: str, piece_rows: str) -> tuple[Statement, Statement]:
+    """A sorted segment reduction's long rows in two: their entries summed per piece, then the pieces per row.
 
-    `C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]` becomes `partial[pieces[g],n] += Av[g,p] * B[Ak[g,p],n]` (`pieces`
-    sorted, numbering the pieces) and `C[piece_rows[q],n] += partial[q,n]` (`piece_rows` sorted, each piece's row).
+    `C[R[h],n] += Av[g_at[h],p] * B[Ak[g_at[h],p],n]` gives `pieces[piece_of[h],n] += Av[g_at[h],p] *
+    B[Ak[g_at[h],p],n]` (`piece_of` sorted, numbering the pieces) and `C[piece_rows[q],n] += pieces[q,n]`
+    (`piece_rows` sorted, each piece's row).
     """
     lhs = statement.lhs
-    [through] = [i for i in lhs.indices if isinstance(i, Access)]  # the sorted row index, `Ai[g]`
+    [through] = [i for i in lhs.indices if isinstance(i, Access)]  # the sorted row index, `R[h]`
     piece = Var(fresh_name("q", set(statement_variables(statement))))
-    first = dataclasses.replace(statement, lhs=Access(partial, tuple(
-        Access(pieces, through.indices) if i is through else i for i in lhs.indices)), source="")
-    second = Statement(dataclasses.replace(lhs, indices=tuple(
+    per_piece = dataclasses.replace(statement, lhs=Access(pieces, tuple(
+        Access(piece_of, through.indices) if i is through else i for i in lhs.indices)), source="")
+    per_row = Statement(dataclasses.replace(lhs, indices=tuple(
         Access(piece_rows, (piece,)) if i is through else i for i in lhs.indices), span=None), True,
-        (Access(partial, tuple(piece if i is through else i for i in lhs.indices)),))
-    return first, second
+        (Access(pieces, tuple(piece if i is through else i for i in lhs.indices)),))
+    return per_piece, per_row
 
 
 def unwritten_mask(statement: Statement, zeros: str) -> Statement:

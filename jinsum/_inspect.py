@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterator
 
 import jax
+import jax.numpy as jnp
 
-from jinsum import _attention_primitive, _einsum, _primitive
+from jinsum import _attention_primitive, _deterministic, _einsum, _primitive
 
 
 def equations(fn: Callable, *args) -> Iterator:
@@ -23,6 +24,29 @@ def equations(fn: Callable, *args) -> Iterator:
                         yield from visit(sub.jaxpr)
 
     yield from visit(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def kernel_specs(fn: Callable, *args) -> Iterator:
+    """The statements of `fn(*args)` as they reach a lowering, in order: in deterministic mode a `+=` through
+    index arrays is replaced by the sorted segment reductions it is rewritten into."""
+    for eqn in equations(fn, *args):
+        if eqn.primitive is _primitive.jinsum_p:
+            yield from _lowered(eqn)
+
+
+def _lowered(eqn) -> list:
+    spec = eqn.params["spec"]
+    if not _deterministic.rewritten(spec):
+        return [spec]
+    found = []
+
+    def record(derived, arrays):
+        found.append(derived)
+        return jnp.zeros(derived.lhs.shape, derived.lhs.dtype)
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    jax.eval_shape(lambda *a: _deterministic.evaluate(spec, dict(zip(spec.arguments, a)), record), *avals)
+    return found
 
 
 def triton_source(target: str | Callable, /, *args, config=None, sorted_indices: Collection[str] = (),
@@ -42,26 +66,24 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
         sources = []
         for eqn in equations(target, *args):
             if eqn.primitive is _primitive.jinsum_p:
-                plan = _lower_triton.plan_for(eqn.params["spec"], config)
-                found = plan if isinstance(plan, kernels.Fallback) else {"statement": plan}
-                name = str(eqn.params["spec"].statement)
+                found = [(str(spec.statement), spec, _lower_triton.plan_for(spec, config)) for spec in _lowered(eqn)]
             elif eqn.primitive in (_attention_primitive.attention_p, _attention_primitive.attention_backward_p):
                 kinds = ("forward", "combine") if eqn.primitive is _attention_primitive.attention_p else ("dq", "dkdv")
-                found = _lower_chain.plans(eqn.params["chain"], kinds)
-                name = repr(eqn.params["chain"])
+                plans = _lower_chain.plans(eqn.params["chain"], kinds)
+                found = [(repr(eqn.params["chain"]), None, plans)]
             else:
                 continue
-            if isinstance(found, kernels.Fallback):
-                sources.append(f"# {name}: no generated kernel ({found.reason}); it runs on XLA\n")
-                continue
-            for kind, plan in found.items():
-                source = (_legend(eqn.params["spec"]) + kernels.generate(plan) if kind == "statement"
-                          else kernels.generate_chain(plan))
-                sources.append(f"# ---- {kind}: {name}\n{source}")
+            for name, spec, plans in found:
+                if isinstance(plans, kernels.Fallback):
+                    sources.append(f"# {name}: no generated kernel ({plans.reason}); it runs on XLA\n")
+                    continue
+                for kind, plan in ({"statement": plans} if spec else plans).items():
+                    source = (_legend(spec) + kernels.generate(plan) if spec else kernels.generate_chain(plan))
+                    sources.append(f"# ---- {kind}: {name}\n{source}")
         return "\n".join(sources)
     statement, arrays, flags = _einsum.prepare(target, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
     spec = _primitive.make_spec(statement, arrays, **flags)
-    if not _primitive.binds_as_written(spec):  # deterministic mode: the statements it is rewritten into
+    if _deterministic.rewritten(spec):  # deterministic mode: the statements it is rewritten into
         return triton_source(lambda ops: _primitive.bind(statement, ops, **flags), arrays, config=config)
     plan = _lower_triton.plan_for(spec, config)
     if isinstance(plan, kernels.Fallback):

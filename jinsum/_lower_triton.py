@@ -54,8 +54,8 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     if spec.deterministic and plan.adds_atomically:
         raise NotImplementedError(
             f"jinsum: deterministic mode: {spec.statement} would add into its left-hand side atomically. "
-            "`jinsum._primitive.bind` rewrites such statements into sorted segment reductions; bind this one "
-            "through it, not `jinsum_p.bind` directly")
+            "The primitive's lowering rewrites such statements into sorted segment reductions (`jinsum._deterministic`) "
+            "before they get here")
     kernel_spec = plan.spec
     env = dict(zip(kernel_spec.names, arrays))
     lhs = env[kernel_spec.lhs.name]

@@ -3,12 +3,11 @@
 One primitive, `jinsum_p`, parameterised by a checked `Spec`; its operands are the arrays of the statement in
 `spec.names` order (the left-hand side first). Every rule derives new statements (see `_derive`) and binds them to
 the same primitive, so derivatives and batched versions are indirect Einsums too and reach the same lowerings.
-In deterministic mode `bind` rewrites `+=` through index arrays into sorted segment reductions first.
+The lowerings (XLA everywhere, generated Triton kernels on CUDA) are registered by `_lowering`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -17,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 
-from jinsum import _config, _derive, _lower_triton, _lower_xla
-from jinsum._lang import (Access, ColumnOrder, Operand, Spec, Statement, Var, check, statement_variables,
-                          tensor_names, walk)
+from jinsum import _config, _derive
+from jinsum._lang import Access, ColumnOrder, Operand, Spec, Statement, check, tensor_names, walk
 
 
 def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
@@ -42,13 +40,10 @@ def operand(name: str, array) -> Operand:
 
 
 def bind(statement: Statement, arrays: Mapping[str, jax.Array], **flags) -> jax.Array:
-    """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags). In deterministic mode a
-    `+=` through index arrays is bound in a form whose kernel adds nothing atomically (`_bind_deterministic`)."""
+    """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags)."""
     spec = make_spec(statement, arrays, **flags)
     if _config.check_indices.value:
         _check_indices(spec, arrays)
-    if not binds_as_written(spec):
-        return _bind_deterministic(spec, arrays, {**flags, "deterministic": True})
     return jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
 
 
@@ -80,135 +75,6 @@ def _check_indices(spec: Spec, arrays: Mapping[str, jax.Array]) -> None:
                            f"{name}[{{j}}] = {{b}}", i=first, a=values[first], j=first + 1, b=values[first + 1])
 
 
-def binds_as_written(spec: Spec) -> bool:
-    """False for a deterministic `+=` through index arrays, which `bind` rewrites (`_bind_deterministic`)."""
-    return not (spec.deterministic and spec.statement.accumulate
-                and any(isinstance(i, Access) for i in spec.statement.lhs.indices))
-
-
-def _bind_deterministic(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
-    """A `+=` through index arrays as a sorted segment reduction, each target written by one program.
-
-    Unsorted: over its entries sorted by target (`_derive.sorted_scatter`) where one index access addresses the
-    left-hand side; otherwise (several indirections, a batch axis beside one) the products first, into an array
-    over the loop variables, then those scattered into the left-hand side read as a vector, keyed by each target's
-    flat position. Long rows are summed in pieces (`_bind_in_pieces`).
-    """
-    statement = spec.statement
-    if spec.lhs_sorted_index is None:
-        scatter = _derive.sorted_scatter(statement, spec.sorted_indices)
-        if scatter is None:
-            return _scatter_products(spec, arrays, flags)
-        statement, sorting = scatter
-        arrays = {**arrays, **_sort_entries(arrays, sorting, spec.extent)}
-        flags = {**flags, "sorted_indices": frozenset(spec.sorted_indices) | {sorting.sorted_index}}
-    spec = make_spec(statement, arrays, **flags)
-    [var] = next(i for i in statement.lhs.indices if isinstance(i, Access)).indices
-    if spec.extent[var.name] > PIECE_GROUPS:
-        return _bind_in_pieces(spec, arrays, flags)
-    return _bind_segments(statement, arrays, flags)
-
-
-def _bind_segments(statement: Statement, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
-    """A deterministic sorted segment reduction as it is. The planner vectorises a variable other than the
-    segments' (`kernels._plan._lane_variable`); where the statement has no other (`L[K[h]] += P[h]`), the left-hand
-    side gets a unit axis to vectorise."""
-    lhs = statement.lhs
-    unit = len(statement_variables(statement)) == 1
-    if unit:
-        var = Var(_derive.fresh_name("u", set(statement_variables(statement))))
-        statement = dataclasses.replace(statement, lhs=dataclasses.replace(lhs, indices=(*lhs.indices, var)))
-        arrays = {**arrays, lhs.tensor: arrays[lhs.tensor][..., None]}
-    spec = make_spec(statement, arrays, **flags)
-    out = jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
-    return out[..., 0] if unit else out
-
-
-# In deterministic mode a row is summed by one program; a long row (a hub) is cut into pieces of at most this many
-# entries of the window variable (groups), summed per piece, then per row (`_bind_in_pieces`).
-PIECE_GROUPS = 32
-
-
-def _bind_in_pieces(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
-    """A sorted segment reduction in two sorted segment reductions (`_derive.in_pieces`), so that no program sums
-    more than `PIECE_GROUPS` groups of a hub row, nor more than its groups / `PIECE_GROUPS` pieces: the partial
-    sums cost a write and a read of an array about the size of the output (float32)."""
-    statement = spec.statement
-    position = next(d for d, i in enumerate(statement.lhs.indices) if isinstance(i, Access))
-    count = spec.lhs.shape[position]
-    # Out-of-range rows (dropped by the write) as -1 or `count`: at most count + 2 distinct rows, still sorted.
-    rows = jnp.clip(arrays[spec.lhs_sorted_index], -1, count)
-    groups = rows.shape[0]
-    # Each group's place in its row's run, its piece within the row, and the pieces numbered in order.
-    index = jnp.arange(groups)
-    starts = jnp.concatenate([jnp.ones(1, bool), rows[1:] != rows[:-1]])
-    run_start = jax.lax.cummax(jnp.where(starts, index, 0))
-    piece = (index - run_start) // PIECE_GROUPS
-    new_piece = starts | jnp.concatenate([jnp.ones(1, bool), piece[1:] != piece[:-1]])
-    pieces = (jnp.cumsum(new_piece) - 1).astype(jnp.int32)
-    # At most one short piece per row plus one per PIECE_GROUPS groups; unused pieces hold zeros and the row past
-    # the end (dropped), which keeps the pieces' rows sorted.
-    size = min(groups, count + 2 + groups // PIECE_GROUPS)
-    piece_rows = jnp.full(size, count, rows.dtype).at[pieces].set(rows)
-    taken, names = set(spec.names), []
-    for base in ("pieces", "partial", "piece_rows"):
-        names.append(_derive.fresh_name(base, taken))
-        taken.add(names[-1])
-    pieces_name, partial_name, piece_rows_name = names
-    first, second = _derive.in_pieces(statement, *names)
-    shape = list(spec.lhs.shape)
-    shape[position] = size
-    sorted_flags = {**flags, "sorted_indices": frozenset(spec.sorted_indices) | {pieces_name}}
-    partial = _bind_segments(first, {**arrays, pieces_name: pieces,
-                                     partial_name: jnp.zeros(shape, jnp.promote_types(spec.lhs.dtype, jnp.float32))},
-                             {**sorted_flags, "zero_lhs": True, "column_order": None})
-    return _bind_segments(second, {spec.lhs.name: arrays[spec.lhs.name], partial_name: partial,
-                                   piece_rows_name: piece_rows},
-                          {**flags, "sorted_indices": frozenset({piece_rows_name}), "column_order": None})
-
-
-def _scatter_products(spec: Spec, arrays: Mapping[str, jax.Array], flags: dict) -> jax.Array:
-    """`products[loop variables] += factors`, then `L[K[e]] += P[e]` over the left-hand side as a vector `L`, the
-    products as `P` and each one's flat target as `K` (-1, dropped, where a target is out of range)."""
-    loop = spec.loop_variables
-    shape = tuple(spec.extent[v] for v in loop)
-    lhs, out = spec.statement.lhs, spec.lhs
-    products = _derive.fresh_name("products", set(spec.names))
-    products_dtype = jnp.promote_types(out.dtype, jnp.float32)  # (a 16-bit product array would round twice)
-    terms = bind(Statement(Access(products, tuple(Var(v) for v in loop)), True, spec.statement.factors),
-                 {**arrays, products: jnp.zeros(shape, products_dtype)},
-                 **{**flags, "zero_lhs": True, "column_order": None})
-    targets = [jnp.broadcast_to(_index_values(i, arrays, loop, shape), shape) for i in lhs.indices]
-    inside = functools.reduce(jnp.logical_and, [(t >= 0) & (t < n) for t, n in zip(targets, out.shape)])
-    key = jnp.where(inside, jnp.ravel_multi_index(tuple(targets), out.shape, mode="clip"), -1)
-    flat = bind(Statement(Access("L", (Access("K", (Var("e"),)),)), True, (Access("P", (Var("e"),)),)),
-                dict(L=arrays[lhs.tensor].reshape(-1), K=key.reshape(-1).astype(jnp.int32), P=terms.reshape(-1)),
-                deterministic=True, zero_lhs=spec.zero_lhs)
-    return flat.reshape(out.shape)
-
-
-def _sort_entries(arrays: Mapping[str, jax.Array], sorting: _derive.SortedScatter, extent: Mapping[str, int]
-                  ) -> dict[str, jax.Array]:
-    """The operands `sorted_scatter` adds: the target index's values over its variables, flattened and stably
-    sorted, and the variables' values at each sorted entry."""
-    shape = tuple(extent[v] for v in sorting.variables)
-    flat = jnp.broadcast_to(_index_values(sorting.target, arrays, sorting.variables, shape), shape).reshape(-1)
-    entries = jnp.argsort(flat, stable=True)
-    coordinates = jnp.unravel_index(entries, shape)
-    return {sorting.sorted_index: flat[entries],
-            **{name: c.astype(jnp.int32) for name, c in zip(sorting.coordinates, coordinates)}}
-
-
-def _index_values(index: Access | Var, arrays: Mapping[str, jax.Array], order: tuple[str, ...],
-                  shape: tuple[int, ...]) -> jax.Array:
-    """An index position's value at every assignment of the variables `order` (an array broadcastable to `shape`);
-    out-of-range reads give 0, as in the statement."""
-    if isinstance(index, Var):
-        return jnp.arange(shape[order.index(index.name)]).reshape([-1 if v == index.name else 1 for v in order])
-    positions = tuple(_index_values(i, arrays, order, shape) for i in index.indices)
-    return arrays[index.tensor].at[positions].get(mode="fill", fill_value=0)
-
-
 jinsum_p = Primitive("jinsum")
 
 
@@ -235,9 +101,6 @@ def _abstract_eval(*avals, spec: Spec):
 
 jinsum_p.def_impl(_impl)
 jinsum_p.def_abstract_eval(_abstract_eval)
-# (Both lowerings read the statement's operands, `spec.names`; the column order's come after them.)
-mlir.register_lowering(jinsum_p, mlir.lower_fun(_lower_xla.evaluate, multiple_results=False))
-mlir.register_lowering(jinsum_p, mlir.lower_fun(_lower_triton.evaluate, multiple_results=False), platform="cuda")
 
 
 # --- forward-mode differentiation -----------------------------------------------------------------------------

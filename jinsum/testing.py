@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum._lang import Access, Operand, Spec, Var, check, parse, tensor_names, walk
-from jinsum._inspect import equations
+from jinsum._inspect import equations, kernel_specs
 from jinsum._primitive import jinsum_p
 
-__all__ = ["reference", "assert_allclose", "tolerance", "check_vmap", "random_operands", "specs_in"]
+__all__ = ["reference", "assert_allclose", "tolerance", "check_vmap", "random_operands", "specs_in",
+           "kernel_specs_in"]
 
 
 def reference(expression: str, **operands) -> np.ndarray:
@@ -132,3 +133,9 @@ def random_operands(spec: Spec, rng: np.random.Generator, dtype=None) -> dict[st
 def specs_in(fn, *args) -> list[Spec]:
     """The checked statements `fn(*args)` binds, in order, including those inside nested jaxprs (jit, grad, ...)."""
     return [eqn.params["spec"] for eqn in equations(fn, *args) if eqn.primitive is jinsum_p]
+
+
+def kernel_specs_in(fn, *args) -> list[Spec]:
+    """The statements that reach a lowering when `fn(*args)` runs: `specs_in`, with deterministic mode's scatters
+    replaced by the sorted segment reductions they become."""
+    return list(kernel_specs(fn, *args))

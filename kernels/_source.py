@@ -254,8 +254,12 @@ class _Writer:
         self.emit(self._acc_init())
         self.emit(f"row = {sorted_row}")
         self.depth -= 1
+        # A row outside the left-hand side is dropped: its terms are not computed (deterministic mode pads its
+        # lists of rows with such rows, `jinsum._deterministic`).
+        self.emit(f"if {self._row_in_range()}:")
+        self.depth += 1
         self._inner_loops()
-        self.depth -= 1
+        self.depth -= 2
         if schedule == "split":
             self._flush("((row == first_row) & shares_first) | ((row == last_row) & shares_last)")
         else:
@@ -282,6 +286,14 @@ class _Writer:
         else:
             self.helpers.add("update")
             self.emit(f"update({pointer}, {value}, {mask})")
+
+    def _row_in_range(self) -> str:
+        """Whether the current row `row` addresses the left-hand side."""
+        lhs = self.spec.statement.lhs
+        position = next(d for d, i in enumerate(lhs.indices) if isinstance(i, Access))
+        self.helpers.add("in_range")
+        bound = f"rows_{lhs.tensor}" if position == 0 else self.spec.lhs.shape[position]
+        return f"in_range(row, {bound})"
 
     def _sorted_node(self) -> Access:
         return next(i for i in self.spec.statement.lhs.indices if isinstance(i, Access))

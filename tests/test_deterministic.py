@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import jinsum
-from jinsum import _derive, _lower_triton, _primitive
-from jinsum._lang import parse
+from jinsum import _derive, _deterministic, _lower_triton, _primitive
+from jinsum._lang import parse, tensor_names
 from jinsum.kernels import KernelConfig, canonical, generate, make_plan
-from jinsum.testing import assert_allclose, check_vmap, random_operands, reference, specs_in
+from jinsum.testing import assert_allclose, check_vmap, kernel_specs_in, random_operands, reference, specs_in
 
 from _catalog import CATALOG
 from conftest import ON_GPU
@@ -35,13 +35,13 @@ def test_the_switch_is_a_jax_option_a_context_manager_and_part_of_the_jit_key():
     assert not jinsum.deterministic.value
     spmm(B)
     with jinsum.deterministic(True):
-        assert [s.deterministic for s in specs_in(spmm, B)] == [True]
+        assert [s.deterministic for s in kernel_specs_in(spmm, B)] == [True]
         spmm(B)
     spmm(B)
     assert traces == [False, True]  # specs_in traced in the mode; spmm reused that trace, then the first one
     jax.config.update("jinsum_deterministic", True)
     try:
-        assert [s.deterministic for s in specs_in(spmm, B)] == [True]
+        assert [s.deterministic for s in kernel_specs_in(spmm, B)] == [True]
     finally:
         jax.config.update("jinsum_deterministic", False)
 
@@ -53,7 +53,7 @@ def test_derived_statements_keep_the_mode_of_the_forward(rng):
     with jinsum.deterministic(True):
         out, vjp = jax.vjp(lambda B: jinsum.einsum(case.expression, **{**ops, "B": B}, sorted_indices=("Ai",)),
                            ops["B"])
-    specs = specs_in(vjp, out)
+    specs = kernel_specs_in(vjp, out)
     assert specs and all(s.deterministic for s in specs)
 
 
@@ -99,7 +99,7 @@ def test_scatters_through_several_indices_add_their_products_in_order(vmapped, r
                 expected[b, R[b, e], S[e]] += X[e]
     with jinsum.deterministic(True):
         fn = jax.vmap(scatter) if vmapped else scatter
-        specs = specs_in(fn, R if vmapped else R[0])
+        specs = kernel_specs_in(fn, R if vmapped else R[0])
         actual = jax.jit(fn)(R if vmapped else R[0])
     np.testing.assert_allclose(actual, expected if vmapped else expected[0], rtol=1e-6, atol=1e-6)
     assert all(not make_plan(canonical(s)).adds_atomically for s in specs)
@@ -132,10 +132,10 @@ def _deterministic_specs():
             def loss(values, case=case, ops=ops, rows=rows):
                 return jnp.sum(jinsum.einsum(case.expression, **{**ops, **values}, sorted_indices=rows) ** 2)
 
-            for spec in specs_in(jax.grad(loss), {n: ops[n] for n in case.linear_in}):
+            for spec in kernel_specs_in(jax.grad(loss), {n: ops[n] for n in case.linear_in}):
                 found.setdefault(str(spec.statement), spec)
             name = case.linear_in[-1]
-            for spec in specs_in(jax.vmap(lambda x, case=case, ops=ops, name=name, rows=rows: jinsum.einsum(
+            for spec in kernel_specs_in(jax.vmap(lambda x, case=case, ops=ops, name=name, rows=rows: jinsum.einsum(
                     case.expression, **{**ops, name: x}, sorted_indices=rows)), np.stack([ops[name]] * 2)):
                 found.setdefault(str(spec.statement), spec)
     return list(found.values())
@@ -148,11 +148,11 @@ def test_the_catalog_sorts_its_scatters():
     statements = {str(s.statement) for s in DETERMINISTIC}
     assert "dB[Ak_sorted[h],n] += Av[g_at[h],p_at[h]] * C[Ai[g_at[h]],n]" in statements  # SpMM's transpose
     # the embedding bag's gradient: sorted by target, and (over 32 entries) summed in pieces, then per row
-    assert "partial[pieces[h],d] += Wt[b_at[h],p_at[h]] * O[b_at[h],d]" in statements
-    assert "dW[piece_rows[q],d] += partial[q,d]" in statements
+    assert "pieces[piece_of[h],d] += Wt[b_at[h],p_at[h]] * O[b_at[h],d]" in statements
+    assert "dW[piece_rows[q],d] += pieces[q,d]" in statements
     assert "O[R_sorted[h],f] += X[C[e_at[h]],c] * W[T[e_at[h]],c,f]" in statements  # RGCN: unsorted relations
-    # ... whose gradients are the sorted forward's, sorted again by their own targets
-    assert "dW[T_sorted[h_1],c,f] += X[C[e_at[h_at[h_1]]],c] * O[R_sorted[h_at[h_1]],f]" in statements
+    # ... whose gradients are the transposes of the forward as written, sorted by their own targets
+    assert "dW[T_sorted[h],c,f] += X[C[e_at[h]],c] * O[R[e_at[h]],f]" in statements
 
 
 @pytest.mark.parametrize("spec", DETERMINISTIC, ids=lambda s: str(s.statement))
@@ -171,10 +171,10 @@ def test_deterministic_kernels_match_the_reference(spec, rng):
     assert_allclose(_lower_triton.interpret(spec, operands), reference(str(spec.statement), **operands), np.float32)
 
 
-@pytest.mark.parametrize("piece_groups", [2, _primitive.PIECE_GROUPS], ids=lambda p: f"pieces of {p}")
+@pytest.mark.parametrize("piece_groups", [2, _deterministic.PIECE_ENTRIES], ids=lambda p: f"pieces of {p}")
 @pytest.mark.parametrize("case", CATALOG, ids=repr)
 def test_deterministic_grads_equal_the_default_ones(case, piece_groups, rng, monkeypatch):
-    monkeypatch.setattr(_primitive, "PIECE_GROUPS", piece_groups)
+    monkeypatch.setattr(_deterministic, "PIECE_ENTRIES", piece_groups)
     ops = case.make(rng, np.float32)
     rows = ("Ai",) if "Ai" in ops else ()
 
@@ -190,8 +190,8 @@ def test_deterministic_grads_equal_the_default_ones(case, piece_groups, rng, mon
 
 
 def test_long_rows_are_summed_in_pieces_then_per_row(rng):
-    """A hub row of 301 groups, empty rows, and rows out of range under jit (dropped): the pieces hold at most
-    PIECE_GROUPS groups, the second statement sums at most ceil(301 / PIECE_GROUPS) pieces per row."""
+    """A hub row of 301 groups, empty rows, and rows out of range under jit (dropped): rows of at most
+    PIECE_ENTRIES groups are summed whole, the hub in pieces, then the pieces per row."""
     rows = np.sort(np.concatenate([np.full(301, 3), rng.integers(0, 9, 60), [-1, -1, 9, 12]])).astype(np.int32)
     Ak = rng.integers(0, 7, (len(rows), 2)).astype(np.int32)
     Av = rng.standard_normal((len(rows), 2)).astype(np.float32)
@@ -203,13 +203,47 @@ def test_long_rows_are_summed_in_pieces_then_per_row(rng):
         if 0 <= r < 9:
             expected[r] += Av[g] @ B[Ak[g]]
     with jinsum.deterministic(True):
-        statements = [str(s.statement) for s in specs_in(spmm, rows)]
+        statements = [str(s.statement) for s in kernel_specs_in(spmm, rows)]
         np.testing.assert_allclose(spmm(rows), expected, rtol=2e-5, atol=2e-5)
-    assert statements == ["partial[pieces[g],n] += Av[g,p] * B[Ak[g,p],n]", "C[piece_rows[q],n] += partial[q,n]"]
+    assert statements == ["C[Ai_sorted[h],n] += Av[g_at[h],p] * B[Ak[g_at[h],p],n]",
+                          "pieces[piece_of[h],n] += Av[g_at[h],p] * B[Ak[g_at[h],p],n]",
+                          "C[piece_rows[q],n] += pieces[q,n]"]
     with jinsum.deterministic(True):  # and batched over the dense operand
         check_vmap(jax.jit(lambda B: jinsum.einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", C=jnp.zeros((9, 5)),
                                                    Ai=rows, Ak=Ak, Av=Av, B=B, sorted_indices=("Ai",))),
                    (np.stack([B, 2 * B]),), (0,))
+
+
+@interpreted
+@pytest.mark.parametrize("piece_entries", [4, _deterministic.PIECE_ENTRIES], ids=lambda p: f"pieces of {p}")
+@pytest.mark.parametrize("statement, sorted_indices", [
+    ("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", ("Ai",)), ("B[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]", ()),
+    ("D[Ai[g]] += Av[g,p]", ("Ai",))], ids=["sorted rows", "scatter into columns", "no lane variable"])
+def test_the_rewritten_statements_run_in_the_interpreter(statement, sorted_indices, piece_entries, rng,
+                                                         monkeypatch):
+    """Every kernel of the rewrite, run by Triton's interpreter on the padded lists it gets: a hub row (long, in
+    pieces), empty rows and targets out of range (dropped without computing their terms)."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(_deterministic, "PIECE_ENTRIES", piece_entries)
+    rows = np.sort(np.concatenate([np.full(75, 3), rng.integers(0, 9, 30), [-1, 9, 12]])).astype(np.int32)
+    Ak = np.concatenate([rng.integers(0, 7, (len(rows) - 40, 2)), np.full((40, 2), 5)]).astype(np.int32)
+    operands = dict(Ai=rows, Ak=rng.permuted(Ak, axis=0), Av=rng.standard_normal((len(rows), 2)).astype(np.float32),
+                    B=rng.standard_normal((7, 4)).astype(np.float32), C=rng.standard_normal((9, 4)).astype(np.float32),
+                    D=np.zeros(9, np.float32))
+    operands = {n: operands[n] for n in tensor_names(parse(statement))}
+    with jinsum.deterministic(True):
+        [spec] = specs_in(lambda ops: jinsum.einsum(statement, **ops, sorted_indices=sorted_indices), operands)
+    ran = []
+
+    def interpret(derived, arrays):
+        ran.append(derived)
+        return jnp.asarray(_lower_triton.interpret(derived, {n: np.asarray(arrays[n]) for n in derived.names}))
+
+    actual = _deterministic.evaluate(spec, {n: jnp.asarray(operands[n]) for n in spec.names}, interpret)
+    assert len(ran) == 3 and all(not make_plan(canonical(s)).adds_atomically for s in ran)
+    kept = (rows >= 0) & (rows < 9)  # (the reference reads in range only: an out-of-range row adds nothing)
+    in_range = {n: a[kept] if n in ("Ai", "Ak", "Av") else a for n, a in operands.items()}
+    assert_allclose(actual, reference(statement, **in_range), np.float32)
 
 
 def test_out_of_range_targets_are_dropped_as_before(rng):
@@ -222,7 +256,7 @@ def test_out_of_range_targets_are_dropped_as_before(rng):
         if 0 <= r < 4:
             expected[r] += x
     with jinsum.deterministic(True):
-        [spec] = specs_in(scatter, R, X)
+        [spec] = kernel_specs_in(scatter, R, X)
         np.testing.assert_array_equal(scatter(R, X), expected)
     assert "R_sorted" in str(spec.statement)
     if not ON_GPU:
@@ -236,7 +270,7 @@ def test_triton_source_shows_the_statements_a_scatter_becomes(rng):
     ops = case.make(rng, np.float32)
     with jinsum.deterministic(True):
         source = jinsum.triton_source(case.expression, **ops)
-    assert "# ---- statement: partial[pieces[h],n] += Av[g_at[h],p_at[h]] * C[Ai[g_at[h]],n]" in source
-    assert "# ---- statement: B[piece_rows[q],n] += partial[q,n]" in source
+    assert "# ---- statement: pieces[piece_of[h],n] += Av[g_at[h],p_at[h]] * C[Ai[g_at[h]],n]" in source
+    assert "# ---- statement: B[piece_rows[q],n] += pieces[q,n]" in source
     assert "atomic" not in source
     assert "atomic" in jinsum.triton_source(case.expression, **ops)

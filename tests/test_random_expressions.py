@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import jinsum
 from jinsum import ExpressionError, _einsum, _lower_triton, _primitive
 from jinsum.kernels import Fallback, KernelConfig, make_plan
-from jinsum.testing import assert_allclose, check_vmap, reference, specs_in
+from jinsum.testing import assert_allclose, check_vmap, kernel_specs_in, reference
 
 from conftest import ON_GPU
 
@@ -146,7 +146,7 @@ def test_random_statements_deterministic_and_vmapped(seed):
         call = jax.jit(lambda ops: jinsum.einsum(expression, **ops))
         assert_allclose(call(operands), reference(expression, **operands), np.float32, err_msg=expression)
         loss = lambda vals: jnp.sum(jnp.sin(jinsum.einsum(expression, **{**operands, **vals})))  # noqa: E731
-        for spec in specs_in(jax.grad(loss), {n: operands[n] for n in values}):
+        for spec in kernel_specs_in(jax.grad(loss), {n: operands[n] for n in values}):
             plan = make_plan(spec)
             assert isinstance(plan, Fallback) or not plan.adds_atomically, str(spec.statement)
     name = values[-1]

@@ -1,0 +1,31 @@
+"""The primitive's lowerings: the XLA one everywhere (the reference), a generated Triton kernel on CUDA; in
+deterministic mode a `+=` through index arrays is first rewritten into sorted segment reductions
+(`_deterministic`), each evaluated by the same platform's lowering."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.interpreters import mlir
+
+from jinsum import _deterministic, _lower_triton, _lower_xla
+from jinsum._lang import Spec
+from jinsum._primitive import jinsum_p
+
+
+def _lowering(evaluate: Callable[..., jax.Array]):
+    """A lowering rule running `evaluate(*arrays, spec=spec)`, or deterministic mode's rewrite of the statement.
+    (Both read the statement's operands, `spec.names`; a column order's come after them.)"""
+
+    def rule(*arrays: jax.Array, spec: Spec) -> jax.Array:
+        if _deterministic.rewritten(spec):
+            return _deterministic.evaluate(spec, dict(zip(spec.arguments, arrays)),
+                                           lambda s, a: evaluate(*(a[n] for n in s.arguments), spec=s))
+        return evaluate(*arrays, spec=spec)
+
+    return mlir.lower_fun(rule, multiple_results=False)
+
+
+mlir.register_lowering(jinsum_p, _lowering(_lower_xla.evaluate))
+mlir.register_lowering(jinsum_p, _lowering(_lower_triton.evaluate), platform="cuda")
