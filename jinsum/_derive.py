@@ -127,8 +127,9 @@ class SortedScatter:
     coordinates: tuple[str, ...]
 
 
-def sorted_scatter(statement: Statement, sorted_indices: Collection[str]) -> tuple[Statement, SortedScatter] | None:
-    """A `+=` through an unsorted index array, over its entries sorted by target.
+def sorted_scatter(statement: Statement) -> tuple[Statement, SortedScatter] | None:
+    """A `+=` through an index array, over its entries sorted by target (already sorted ones too: the caller then
+    needs no sort, and the entries' coordinates are positions).
 
     `O[R[e],f] += X[C[e],c] * W[T[e],c,f]` becomes `O[R_sorted[h],f] += X[C[e_at[h]],c] * W[T[e_at[h]],c,f]`,
     where `R_sorted` holds `R`'s values in sorted order and `e_at` the entry each came from: the left-hand side is
@@ -136,17 +137,14 @@ def sorted_scatter(statement: Statement, sorted_indices: Collection[str]) -> tup
     instead of one atomic addition per entry. A multi-dimensional index (`dB[Ak[g,p],n]`) is flattened, a nested
     one (`dB[Col[e_at[h]],n]`, the transpose of a sorted scatter) evaluated at its variables first.
 
-    Returns None where it does not apply: `=`, no or several indirections on the left, an index array that is
-    already sorted, or a variable of the index used elsewhere on the left (a batch axis: the targets would need a
-    composite sort key).
+    Returns None where it does not apply: `=`, no or several indirections on the left, or a variable of the index
+    used elsewhere on the left (a batch axis: the targets would need a composite sort key).
     """
     through = [i for i in statement.lhs.indices if isinstance(i, Access)]
     if not statement.accumulate or len(through) != 1:
         return None
     [target] = through
     scattered = tuple(dict.fromkeys(variables(target)))
-    if target.tensor in sorted_indices and all(isinstance(i, Var) for i in target.indices):
-        return None
     if any(isinstance(i, Var) and i.name in scattered for i in statement.lhs.indices):
         return None
     entry = Var(fresh_name("h", set(statement_variables(statement))))

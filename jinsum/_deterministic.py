@@ -48,7 +48,7 @@ def evaluate(spec: Spec, arrays: Mapping[str, jax.Array], kernel: Kernel) -> jax
     statement, lhs = spec.statement, spec.statement.lhs
     if not any(isinstance(i, Var) for i in lhs.indices):  # `L[K[e]] += ...`: give the kernels a lane variable
         return _with_unit_axis(spec, arrays, kernel)
-    scatter = _derive.sorted_scatter(statement, sorted_indices=())
+    scatter = _derive.sorted_scatter(statement)
     if scatter is None:  # several indirections, or a batch axis beside one: the products first
         return _scatter_products(spec, arrays, kernel)
     short, sorting = scatter
@@ -57,7 +57,7 @@ def evaluate(spec: Spec, arrays: Mapping[str, jax.Array], kernel: Kernel) -> jax
     presorted = sorting.target.tensor in spec.sorted_indices and len(sorting.variables) == 1
     entries = jnp.arange(targets.size) if presorted else jnp.argsort(targets, stable=True)
     position = next(d for d, i in enumerate(lhs.indices) if i is sorting.target)
-    runs = _Runs(targets[entries], entries, count=spec.lhs.shape[position])
+    runs = _Runs(targets if presorted else targets[entries], entries, count=spec.lhs.shape[position])
 
     def bind(statement, rows, at, operands, zero_lhs):
         [index] = [i.tensor for i in statement.lhs.indices if isinstance(i, Access)]

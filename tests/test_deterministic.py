@@ -63,25 +63,26 @@ def test_derived_statements_keep_the_mode_of_the_forward(rng):
     ("O[R[e],f] += X[C[e],c] * W[T[e],c,f]", "O[R_sorted[h],f] += X[C[e_at[h]],c] * W[T[e_at[h]],c,f]"),
     ("dB[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]", "dB[Ak_sorted[h],n] += Av[g_at[h],p_at[h]] * C[Ai[g_at[h]],n]"),
     ("dQ[b,Ai[g],d] += S[b,g,p] * K[b,Ak[g,p],d]", "dQ[b,Ai_sorted[h],d] += S[b,g_at[h],p] * K[b,Ak[g_at[h],p],d]"),
+    # a sorted segment reduction too (its targets are then already in order: positions, no sort)
+    ("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", "C[Ai_sorted[h],n] += Av[g_at[h],p] * B[Ak[g_at[h],p],n]"),
     # the transpose of a sorted scatter: the target is an index read at the sorted entries
     ("dB[Col[e_at[h]],n] += V[e_at[h]] * C[R_sorted[h],n]",
      "dB[Col_sorted[h_1],n] += V[e_at[h_at[h_1]]] * C[R_sorted[h_at[h_1]],n]"),
 ])
 def test_sorted_scatter_reads_every_operand_at_the_sorted_entries(statement, expected):
-    rewritten, sorting = _derive.sorted_scatter(parse(statement), sorted_indices=())
+    rewritten, sorting = _derive.sorted_scatter(parse(statement))
     assert str(rewritten) == expected
     assert sorting.sorted_index == f"{sorting.target.tensor}_sorted" and str(sorting.target) in statement
 
 
-@pytest.mark.parametrize("statement, sorted_indices", [
-    ("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", ("Ai",)),  # already a sorted segment reduction
-    ("O[R[e],f] = X[e,f]", ()),  # `=`: no addition to order
-    ("O[R[e],S[e]] += X[e]", ()),  # two indirections on the left
-    ("O[R[e,b],f,b] += X[e,f,b]", ()),  # a batch axis of the index array on the left too
-    ("C[i,n] += A[i,k] * B[k,n]", ()),  # no indirection
+@pytest.mark.parametrize("statement", [
+    "O[R[e],f] = X[e,f]",  # `=`: no addition to order
+    "O[R[e],S[e]] += X[e]",  # two indirections on the left
+    "O[R[e,b],f,b] += X[e,f,b]",  # a batch axis of the index array on the left too
+    "C[i,n] += A[i,k] * B[k,n]",  # no indirection
 ])
-def test_sorted_scatter_does_not_apply(statement, sorted_indices):
-    assert _derive.sorted_scatter(parse(statement), sorted_indices) is None
+def test_sorted_scatter_does_not_apply(statement):
+    assert _derive.sorted_scatter(parse(statement)) is None
 
 
 @pytest.mark.parametrize("vmapped", [False, True], ids=["plain", "vmap over the index"])
