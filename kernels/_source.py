@@ -147,6 +147,9 @@ class _Writer:
             if plan.tiled_window:
                 self.emit(f"v_{plan.rows} = start + tl.arange(0, BLOCK_ROWS)  # the window, as the tile's rows")
                 self.emit(f"m_{plan.rows} = v_{plan.rows} < stop")
+                if plan.write == "segmented":  # rows outside the left-hand side (padding) load nothing
+                    in_range = self._row_in_range(self._window_rows(f"v_{plan.rows}", f"m_{plan.rows}"))
+                    self.emit(f"m_{plan.rows} &= {in_range}")
             elif plan.rows:
                 r = plan.rows
                 self.emit(f"v_{r} = (tl.program_id(1) // {lane_tiles}) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
@@ -203,6 +206,9 @@ class _Writer:
         g, size = plan.window, f"size_{plan.window}"
         rows = f"p_{self.spec.lhs_sorted_index}"
         schedule = plan.config.schedule
+        if plan.tiled_window:
+            self._segmented_tile()
+            return
         if schedule == "rows":
             # The program's groups are exactly its row's: one accumulator, no branch in the loop, one write.
             self.emit(self._acc_init())
@@ -287,13 +293,59 @@ class _Writer:
             self.helpers.add("update")
             self.emit(f"update({pointer}, {value}, {mask})")
 
-    def _row_in_range(self) -> str:
-        """Whether the current row `row` addresses the left-hand side."""
+    def _segmented_tile(self) -> None:
+        """The window's groups as the tile's rows (deterministic `tile` schedule): the tile's products, then a
+        segmented scan along its rows, so each run's last row holds the run's sum (in a fixed order). A run is
+        written by the program its first group belongs to: at its end within the window, or, for the window's last
+        run, after this program has summed its continuation tile by tile."""
+        plan = self.plan
+        g, size = plan.window, f"size_{plan.window}"
+        rows = f"p_{self.spec.lhs_sorted_index}"
+        before = dict(self.loaded)  # (the tile's loads: again for each continuation tile)
+        self.emit(self._acc_init())
+        self._inner_loops()
+        row = self.loaded[self._key(self._sorted_node(), self.lhs_role)]  # `[BLOCK_ROWS, 1]`
+        self.helpers.add("segment_sum")
+        self.emit(f"_, total = tl.associative_scan((tl.broadcast_to({row}, acc.shape), acc), 0, segment_sum)")
+        self.emit(f"earlier = tl.load({rows} + start - 1, mask=start > 0, other=-1)")
+        self.emit(f"following = {self._window_rows(f'v_{g} + 1', f'v_{g} + 1 < {size}')}[:, None]")
+        self.emit("last = tl.load(" + rows + " + stop - 1)")
+        self.emit(f"continues = (last != earlier) & ({self._window_rows('stop', f'stop < {size}')} == last)")
+        pointer, mask = self._lhs_pointer()
+        self._write_alone(pointer, "total", f"{mask} & m_{g}[:, None] & ({row} != earlier) & ({row} != following)")
+        self.emit("if continues:")
+        self.depth += 1
+        self.emit(f"tail = tl.sum(tl.where((v_{g} == stop - 1)[:, None], total, 0.0), axis=0)")
+        self.emit("next_start = stop")
+        self.emit(f"while {self._window_rows('next_start', f'next_start < {size}')} == last:")
+        self.depth += 1
+        self.emit(f"v_{g} = next_start + tl.arange(0, BLOCK_ROWS)")
+        self.emit(f"m_{g} = v_{g} < {size}")
+        self.emit(f"m_{g} &= {self._window_rows(f'v_{g}', f'm_{g}')} == last")
+        self.loaded = {k: v for k, v in before.items() if k[1] == "scalar"}
+        self._emit_loads(0)
+        self.emit(self._acc_init())
+        self._inner_loops()
+        self.emit("tail += tl.sum(acc, axis=0)")
+        self.emit("next_start += BLOCK_ROWS")
+        self.depth -= 1
+        self.loaded = before
+        pointer, mask = self._lhs_pointer(row="last")
+        self._write_alone(pointer, "tail[None, :]", mask)
+        self.depth -= 1
+
+    def _window_rows(self, position: str, mask: str | None = None) -> str:
+        """The sorted index (the rows) at `position` of the window variable, -1 where `mask` is false."""
+        rows = f"p_{self.spec.lhs_sorted_index}"
+        return f"tl.load({rows} + {position}, mask={mask}, other=-1)" if mask else f"tl.load({rows} + {position})"
+
+    def _row_in_range(self, row: str = "row") -> str:
+        """Whether `row` (the current row of a segmented write, or rows) addresses the left-hand side."""
         lhs = self.spec.statement.lhs
         position = next(d for d, i in enumerate(lhs.indices) if isinstance(i, Access))
         self.helpers.add("in_range")
         bound = f"rows_{lhs.tensor}" if position == 0 else self.spec.lhs.shape[position]
-        return f"in_range(row, {bound})"
+        return f"in_range({row}, {bound})"
 
     def _sorted_node(self) -> Access:
         return next(i for i in self.spec.statement.lhs.indices if isinstance(i, Access))

@@ -39,3 +39,10 @@ def segment_update(pointer, value, mask, shared):
         atomic_update(pointer, value, mask)
     else:
         update(pointer, value, mask)
+
+
+@triton.jit
+def segment_sum(row_a, value_a, row_b, value_b):
+    """The combining function of a segmented sum along sorted rows (`tl.associative_scan`): each element of the
+    scan holds the sum of its run of equal rows up to it."""
+    return row_b, value_b + tl.where(row_a == row_b, value_a, 0.0)

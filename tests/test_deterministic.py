@@ -1,7 +1,9 @@
 """Deterministic mode (`jinsum.deterministic`): the switch, the sorted-scatter rewrite, and plans without atomics
 for every statement of the catalog and every statement its grads and vmaps derive (checked in the generated
 source, and run in Triton's interpreter against the float64 reference). Attention: test_attention.py. Bitwise
-reproducibility itself is a GPU property: test_gpu.py runs it five times there."""
+reproducibility itself is a GPU property: test_gpu_deterministic.py runs it five times there."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +107,20 @@ def test_scatters_through_several_indices_add_their_products_in_order(vmapped, r
     np.testing.assert_allclose(actual, expected if vmapped else expected[0], rtol=1e-6, atol=1e-6)
     assert all(not make_plan(canonical(s)).adds_atomically for s in specs)
     assert any("products" in str(s.statement) for s in specs)
+
+
+@pytest.mark.parametrize("features, schedule", [(4, "tile"), (32, "tile"), (40, "owned"), (256, "owned")])
+def test_narrow_rows_are_summed_as_tiles_and_wide_ones_a_row_at_a_time(features, schedule):
+    """Deterministic segmented writes: narrow features take the tile schedule with its rows summed per row inside
+    the program (a segmented scan, no atomics); wider ones, where the scan costs more than it saves, `owned`."""
+    arrays = dict(C=np.zeros((5, features), np.float32), R=np.array([0, 0, 1, 3, 3, 3], np.int32),
+                  X=np.ones((6, features), np.float32))
+    spec = _primitive.make_spec(parse("C[R[h],n] += X[h,n]"), arrays, sorted_indices={"R"}, deterministic=True)
+    plan = make_plan(spec)
+    assert (plan.config.schedule, plan.write, plan.tiled_window) == (schedule, "segmented", schedule == "tile")
+    assert not plan.adds_atomically and "atomic" not in generate(plan)
+    default = make_plan(dataclasses.replace(spec, deterministic=False))
+    assert default.adds_atomically  # (what deterministic mode replaces: split hub rows, atomic tiles)
 
 
 def test_the_cuda_lowering_refuses_an_atomic_plan_in_deterministic_mode():
