@@ -55,7 +55,7 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
     """
     if not isinstance(expression, str):
         raise TypeError(f"jinsum: the expression must be a string, got {type(expression).__name__}")
-    if "[" not in expression:
+    if not any(c in expression for c in "[]="):  # NumPy subscripts (`ik,kn->in`) have no brackets and no `=`
         if named:
             raise TypeError(f"jinsum: NumPy-style subscripts {expression!r} take operands by position; got "
                             f"keyword operands {sorted(named)}")

@@ -4,6 +4,13 @@ import zlib
 import jax
 import numpy as np
 import pytest
+from hypothesis import settings
+
+# CI draws the same property-based examples every run (a red CI then means a change broke something, not that a
+# new example was drawn); elsewhere each run draws new ones, and a failure prints the seed to reproduce it.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # Without a GPU, generated Triton kernels run in Triton's interpreter (on torch CPU tensors). This must be set
 # before any @triton.jit function is defined, hence here, before the test modules import jinsum's kernels.

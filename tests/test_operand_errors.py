@@ -86,6 +86,13 @@ def test_numpy_subscripts_take_operands_by_position():
         jinsum.einsum("ik,kn->in", A=jnp.ones((2, 2)))
 
 
+def test_a_statement_that_lost_its_brackets_is_not_taken_for_numpy_subscripts():
+    """Found by the mutation fuzzer: `]` or `=` without `[` is a malformed indirect statement (a caret error),
+    not NumPy subscripts (a TypeError about keyword operands)."""
+    with pytest.raises(ExpressionError, match=r"'Outv4' must be accessed with brackets"):
+        jinsum.einsum("Outv4] += X0v4]", Out=np.zeros(3), X0=np.zeros(3))
+
+
 def test_the_expression_must_be_a_string(A):
     with pytest.raises(TypeError, match="the expression must be a string, got int"):
         jinsum.einsum(3, A=A)
