@@ -203,12 +203,12 @@ class _Writer:
     def _segmented_body(self) -> None:
         """Runs of equal rows (the window variable's sorted index) accumulate in registers and are written once."""
         plan = self.plan
-        g, size = plan.window, f"size_{plan.window}"
-        rows = f"p_{self.spec.lhs_sorted_index}"
-        schedule = plan.config.schedule
         if plan.tiled_window:
             self._segmented_tile()
             return
+        g, size = plan.window, f"size_{plan.window}"
+        rows = f"p_{self.spec.lhs_sorted_index}"
+        schedule = plan.config.schedule
         if schedule == "rows":
             # The program's groups are exactly its row's: one accumulator, no branch in the loop, one write.
             self.emit(self._acc_init())
@@ -297,19 +297,18 @@ class _Writer:
         """The window's groups as the tile's rows (deterministic `tile` schedule): the tile's products, then a
         segmented scan along its rows, so each run's last row holds the run's sum (in a fixed order). A run is
         written by the program its first group belongs to: at its end within the window, or, for the window's last
-        run, after this program has summed its continuation tile by tile."""
-        plan = self.plan
-        g, size = plan.window, f"size_{plan.window}"
-        rows = f"p_{self.spec.lhs_sorted_index}"
+        run, after this program has summed its continuation tile by tile. (The plan's lanes are parallel: `acc` is
+        `[BLOCK_ROWS, BLOCK]`.)"""
+        g, size = self.plan.window, f"size_{self.plan.window}"
         before = dict(self.loaded)  # (the tile's loads: again for each continuation tile)
         self.emit(self._acc_init())
         self._inner_loops()
         row = self.loaded[self._key(self._sorted_node(), self.lhs_role)]  # `[BLOCK_ROWS, 1]`
         self.helpers.add("segment_sum")
         self.emit(f"_, total = tl.associative_scan((tl.broadcast_to({row}, acc.shape), acc), 0, segment_sum)")
-        self.emit(f"earlier = tl.load({rows} + start - 1, mask=start > 0, other=-1)")
+        self.emit(f"earlier = {self._window_rows('start - 1', 'start > 0')}")
         self.emit(f"following = {self._window_rows(f'v_{g} + 1', f'v_{g} + 1 < {size}')}[:, None]")
-        self.emit("last = tl.load(" + rows + " + stop - 1)")
+        self.emit(f"last = {self._window_rows('stop - 1')}")
         self.emit(f"continues = (last != earlier) & ({self._window_rows('stop', f'stop < {size}')} == last)")
         pointer, mask = self._lhs_pointer()
         self._write_alone(pointer, "total", f"{mask} & m_{g}[:, None] & ({row} != earlier) & ({row} != following)")
