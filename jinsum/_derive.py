@@ -8,7 +8,9 @@ The family of indirect Einsums is closed under what JAX needs (see DESIGN.md):
 - a transpose that scatters into a format's columns can run over its entries in column order instead
   (`by_columns`), so that each column is written once;
 - any scatter through an unsorted index array can run over its entries sorted by target (`sorted_scatter`, the
-  deterministic mode's form), so that each target is written once.
+  deterministic mode's form), so that each target is written once;
+- the tangent of a `max=` / `min=` is its tangent statement read at each output element's winning term
+  (`at_winners`): a gather, hence an indirect Einsum whose transpose scatters to the winners.
 These are pure functions on syntax; the primitive binds their results with arrays.
 """
 
@@ -17,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping
 
-from jinsum._lang import (Access, ColumnOrder, Statement, Var, map_statement, statement_variables, tensor_names,
-                          variables)
+from jinsum._lang import (Access, ColumnOrder, Statement, Var, map_accesses, map_statement, statement_variables,
+                          tensor_names, variables)
 
 
 def fresh_name(base: str, taken: Collection[str]) -> str:
@@ -182,6 +184,36 @@ def in_pieces(statement: Statement, pieces: str, piece_of: str, piece_rows: str)
         Access(piece_rows, (piece,)) if i is through else i for i in lhs.indices), span=None), True,
         (Access(pieces, tuple(piece if i is through else i for i in lhs.indices)),))
     return per_piece, per_row
+
+
+def at_winners(statement: Statement, coordinates: Mapping[str, str], tangent: str, factor: int) -> Statement:
+    """The tangent term of the `factor`-th factor of a `max=` / `min=`, read at each output element's winner.
+
+    `C[Ai[g],n] max= Av[g,p] * B[Ak[g,p],n]` with winners `(g, p) = (W_g[t,n], W_p[t,n])` gives, for the factor `B`,
+    `dC[t,n] += Av[W_g[t,n],W_p[t,n]] * dB[Ak[W_g[t,n],W_p[t,n]],n]`: the left-hand side addressed by plain
+    variables (an indirection's position gets a fresh one), and every reduced variable (see
+    `Spec.reduced_variables`) replaced by its coordinate array (`coordinates`: variable -> array name, each of the
+    left-hand side's shape). The factor reads `tangent` instead. The statement is linear in `tangent`: its
+    transpose scatters the output cotangent to the winners.
+    """
+    taken = set(statement_variables(statement))
+    lhs_vars = []
+    for index in statement.lhs.indices:
+        if isinstance(index, Var):
+            lhs_vars.append(index)
+        else:
+            lhs_vars.append(Var(fresh_name("t", taken)))
+            taken.add(lhs_vars[-1].name)
+    lhs_vars = tuple(lhs_vars)
+    at = {v: Access(name, lhs_vars) for v, name in coordinates.items()}
+
+    def read_at_winners(node: Access) -> Access:
+        return dataclasses.replace(node, span=None, indices=tuple(
+            at[i.name] if isinstance(i, Var) and i.name in at else i for i in node.indices))
+
+    factors = [map_accesses(f, read_at_winners) for f in statement.factors]
+    factors[factor] = dataclasses.replace(factors[factor], tensor=tangent)
+    return Statement(Access(statement.lhs.tensor, lhs_vars), True, tuple(factors))
 
 
 def unwritten_mask(statement: Statement, zeros: str) -> Statement:

@@ -38,8 +38,9 @@ PIECE_ENTRIES = 32
 
 
 def rewritten(spec: Spec) -> bool:
-    """Whether the lowering rewrites `spec`: a deterministic `+=` through index arrays."""
-    return (spec.deterministic and spec.statement.accumulate
+    """Whether the lowering rewrites `spec`: a deterministic `+=` through index arrays (maxima and minima are exact
+    in any order, and need not be)."""
+    return (spec.deterministic and spec.statement.reduction == "sum" and spec.statement.accumulate and not spec.winners
             and any(isinstance(i, Access) for i in spec.statement.lhs.indices))
 
 

@@ -13,6 +13,8 @@ from jinsum._lang import Access, ExpressionError, Statement, Var, check_operand_
 from jinsum.formats import BlockGroupCOO, GroupCOO
 
 SPARSE_FORMATS = (GroupCOO, BlockGroupCOO)
+# What an omitted left-hand side starts from: each reduction's identity (so rows that no term reaches keep it).
+IDENTITIES = {"sum": 0, "max": -np.inf, "min": np.inf}
 
 
 def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), allow_tf32: bool = False,
@@ -73,14 +75,15 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
     Returns `(statement, arrays, flags)` ready for `_primitive.bind(statement, arrays, **flags)`.
     """
     statement = parse(expression)
-    arrays, checked, row_indices, orders = _expand_formats(named)
+    arrays, checked, row_indices, orders = _expand_formats(named, entries_only=statement.reduction != "sum")
     _check_operand_names(statement, named, arrays)
     lhs = statement.lhs.tensor
-    zero_lhs = lhs not in arrays or isinstance(arrays[lhs], jax.ShapeDtypeStruct)
+    fill = lhs not in arrays or isinstance(arrays[lhs], jax.ShapeDtypeStruct)
     if lhs not in arrays:
         arrays[lhs] = _zeros_lhs(statement, arrays)
-    elif zero_lhs:
-        arrays[lhs] = jnp.zeros(arrays[lhs].shape, arrays[lhs].dtype)
+    if fill:  # the reduction's identity: zeros for a sum, which the kernels need not read
+        arrays[lhs] = jnp.full(arrays[lhs].shape, IDENTITIES[statement.reduction], arrays[lhs].dtype)
+    zero_lhs = fill and statement.reduction == "sum"
     arrays = {name: jnp.asarray(value) for name, value in arrays.items()}
     _check_index_values(statement, arrays, skip=checked)
     _check_sorted(sorted_indices, arrays)
@@ -89,9 +92,10 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
                                    zero_lhs=zero_lhs, column_order=orders[0] if len(orders) == 1 else None)
 
 
-def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str], list]:
+def _expand_formats(named: Mapping, entries_only: bool = False) -> tuple[dict, set[str], set[str], list]:
     """Replaces each format operand `A` by `Ai`, `Ak`, `Av` (and `A_columns`, `A_rows`, `A_slots` where it carries
-    its entries in column order).
+    its entries in column order). With `entries_only` (a `max=` / `min=`), `Ak` is -1 at slots whose value is zero,
+    so that group padding takes no part in the reduction.
 
     Returns the arrays, the names whose values the format constructor already validated, the names of row
     index arrays (sorted by the format's definition) and the column orders of the formats that carry one.
@@ -101,7 +105,8 @@ def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str], list]:
         if not isinstance(value, SPARSE_FORMATS):
             arrays[name] = value
             continue
-        parts = {name + "i": value.Ai, name + "k": value.Ak, name + "v": value.Av}
+        parts = {name + "i": value.Ai, name + "k": _entry_columns(value) if entries_only else value.Ak,
+                 name + "v": value.Av}
         clash = sorted(set(parts) & set(named))
         if clash:
             raise TypeError(f"jinsum: format operand {name}= expands to {sorted(parts)}, which clashes with the "
@@ -115,6 +120,14 @@ def _expand_formats(named: Mapping) -> tuple[dict, set[str], set[str], list]:
                 arrays.update(entries)
                 orders.append(order)
     return arrays, checked, rows, orders
+
+
+def _entry_columns(A: GroupCOO | BlockGroupCOO) -> jax.Array:
+    """`A.Ak` with -1 (addressing nothing) at the slots whose values are all zero: group padding, and explicit zeros,
+    which the formats' converters drop anyway."""
+    values = jnp.moveaxis(A.Av, -1, 1) if isinstance(A, BlockGroupCOO) else A.Av  # (G, P, ...): a slot's values
+    nonzero = (values != 0).reshape(*A.Ak.shape, -1).any(axis=-1)
+    return jnp.where(nonzero, A.Ak, -1).astype(A.Ak.dtype)
 
 
 def _check_operand_names(statement: Statement, named: Mapping, arrays: Mapping) -> None:

@@ -60,8 +60,9 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     env = dict(zip(kernel_spec.names, arrays))
     lhs = env[kernel_spec.lhs.name]
     if not _has_work(plan):
-        return lhs
-    env[kernel_spec.lhs.name] = lhs.astype(plan.out_dtype)
+        return lhs if not spec.winners else jnp.zeros(lhs.shape, spec.out_dtype)
+    if plan.reads_lhs:
+        env[kernel_spec.lhs.name] = lhs.astype(plan.out_dtype)
     inputs = [env[n] for n in kernel_inputs(plan)]
     if plan.row_programs:
         inputs.append(row_starts(env[kernel_spec.lhs_sorted_index], plan.row_count, jnp))
@@ -78,7 +79,7 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         name="jinsum",
         **_metaparameters(plan),
     )
-    return out.astype(spec.lhs.dtype)
+    return out.astype(spec.out_dtype)
 
 
 def row_starts(rows, count: int, xp):
@@ -144,11 +145,12 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
     arrays = {kernel_name: arrays[name] for kernel_name, name in zip(plan.spec.names, spec.names)}
     lhs = np.asarray(arrays[plan.spec.lhs.name])
     if not _has_work(plan):
-        return lhs
-    inputs = [to_torch(np.asarray(arrays[n])) for n in kernel_inputs(plan) if n != plan.spec.lhs.name]
+        return lhs if not spec.winners else np.zeros(lhs.shape, spec.out_dtype)
+    aliased = plan.spec.lhs.name if plan.reads_lhs else None
+    inputs = [to_torch(np.asarray(arrays[n])) for n in kernel_inputs(plan) if n != aliased]
     if plan.row_programs:
         inputs.append(to_torch(row_starts(np.asarray(arrays[plan.spec.lhs_sorted_index]), plan.row_count, np)))
-    out = to_torch(lhs.astype(plan.out_dtype)).clone()
+    out = to_torch(np.zeros(lhs.shape, plan.out_dtype) if spec.winners else lhs.astype(plan.out_dtype)).clone()
     if plan.covers_output:
         out.fill_(float("nan") if out.is_floating_point() else -1)  # as the launcher's unfilled output
     elif plan.zeroes_output:
@@ -157,7 +159,7 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
         inputs.insert(0, out)  # aliased: the kernel reads and writes the output buffer only
     load_kernel(generate(plan))[plan.grid_shape](*inputs, *plan.sizes.values(), out,
                                                  num_warps=plan.config.num_warps, **_metaparameters(plan))
-    return from_torch(out).astype(spec.lhs.dtype)
+    return from_torch(out).astype(spec.out_dtype)
 
 
 def to_torch(x: np.ndarray):

@@ -10,11 +10,17 @@
 Out-of-range and negative indices never fault: a read through one gives 0 (an index array read there gives an
 out-of-range index, so the outer access is out of range too), and a write through one is dropped. The Triton
 lowering does the same.
+
+`max=` and `min=` (`_extremal`) take the product at every assignment of all the variables, with the terms that
+read out of range replaced by the reduction's identity (they take no part), and reduce it into the left-hand side
+with one scatter-max or -min; their `winners` compare each term with the result at its target instead.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import string
 
 import jax
@@ -30,6 +36,8 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     """The value of the checked statement `spec` on `arrays` (in `spec.names` order)."""
     env = dict(zip(spec.names, arrays))
     statement = spec.statement
+    if statement.reduction != "sum":
+        return _extremal(env, spec)
     terms = [_read(factor, env, spec) for factor in statement.factors]
     every = tuple(dict.fromkeys(v for _, axes in terms for v in axes))
     scatters = statement.accumulate and any(isinstance(i, Access) for i in statement.lhs.indices)
@@ -44,6 +52,59 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         return _write(product, every, env, spec, summed=tuple(v for v in every if v in spec.summed_variables))
     out_axes = tuple(v for v in spec.loop_variables if v in every)
     return _write(_contract(terms, out_axes, spec), out_axes, env, spec)
+
+
+def _extremal(env: dict[str, jax.Array], spec: Spec) -> jax.Array:
+    """A `max=` / `min=`, or its winners (see `Spec.winners`)."""
+    statement = spec.statement
+    every = tuple(spec.extent)  # all the variables: the product at every assignment
+    shape = [spec.extent[v] for v in every]
+    terms = [_read(factor, env, spec) for factor in statement.factors]
+    accumulator = jnp.promote_types(jnp.result_type(*(a.dtype for a, _ in terms)), jnp.float32)
+    product = jnp.broadcast_to(math.prod(_align(a.astype(accumulator), axes, every) for a, axes in terms), shape)
+    valid = jnp.broadcast_to(functools.reduce(operator.and_, (_align(m, axes, every) for m, axes in (
+        _in_range(access, env, spec) for access in statement.accesses))), shape)
+    target = env[statement.lhs.tensor]
+    if spec.winners:
+        result, axes = _read(statement.lhs, env, spec)
+        wins = valid & (product.astype(target.dtype) == _align(result, axes, every))
+        assignment = sum(lax.broadcasted_iota(jnp.int32, shape, every.index(v)) * stride
+                         for v, stride in zip(spec.reduced_variables, _strides(spec)))
+        values, target = jnp.where(wins, spec.term_count - assignment, 0), jnp.zeros(spec.lhs.shape, jnp.int32)
+        reduce, combine = jnp.max, "max"
+    else:
+        identity = -jnp.inf if statement.reduction == "max" else jnp.inf
+        values = jnp.where(valid, product, identity).astype(target.dtype)
+        reduce, combine = (jnp.max, "max") if statement.reduction == "max" else (jnp.min, "min")
+    summed = tuple(v for v in every if v in spec.summed_variables)
+    indexer, target_axes = _indexer(statement.lhs, env, spec, extra=summed)
+    if all(isinstance(i, slice) for i in indexer):  # the left-hand side addressed directly: reduce, then combine
+        kept = tuple(v for v in every if v not in summed)
+        values = _align(reduce(values, axis=tuple(every.index(v) for v in summed)), kept, target_axes)
+        return getattr(jnp, "maximum" if combine == "max" else "minimum")(target, values).astype(target.dtype)
+    scatter = target.at[indexer]
+    return getattr(scatter, combine)(_align(values, every, target_axes), mode="drop",
+                                     indices_are_sorted=spec.lhs_sorted_index is not None)
+
+
+def _strides(spec: Spec) -> list[int]:
+    """Row-major strides of the reduced variables (the flat numbering of a reduction's terms)."""
+    extents = [spec.extent[v] for v in spec.reduced_variables]
+    return [math.prod(extents[k + 1:]) for k in range(len(extents))]
+
+
+def _in_range(access: Access, env: dict[str, jax.Array], spec: Spec) -> Labelled:
+    """Where `access` reads (or writes) in range: every index its indirections give addresses its dimension (an
+    index array read out of range gives an out-of-range index, so nested indirections need no more)."""
+    shape = spec.operand[access.tensor].shape
+    mask, axes = jnp.ones((), bool), ()
+    for d, index in enumerate(access.indices):
+        if isinstance(index, Access):
+            positions, positions_axes = _read(index, env, spec)
+            every = tuple(dict.fromkeys(axes + positions_axes))
+            mask = _align(mask, axes, every) & _align((positions >= 0) & (positions < shape[d]), positions_axes, every)
+            axes = every
+    return mask, axes
 
 
 def _read(access: Access, env: dict[str, jax.Array], spec: Spec) -> Labelled:

@@ -19,30 +19,35 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from jinsum import _config, _derive
-from jinsum._lang import Access, ColumnOrder, Operand, Spec, Statement, check, tensor_names, walk
+from jinsum._lang import WINNER_NONE, Access, ColumnOrder, Operand, Spec, Statement, check, tensor_names, walk
 
 
 def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
               sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False, zero_lhs: bool = False,
-              column_order: ColumnOrder | None = None, deterministic: bool | None = None) -> Spec:
+              column_order: ColumnOrder | None = None, deterministic: bool | None = None,
+              winners: bool = False) -> Spec:
     """Checks `statement` against `arrays` (name -> array; extra names ignored): the primitive's parameter.
     `zero_lhs` promises that the left-hand side array is all zeros; `column_order` names a format's entries in
-    column order among `arrays`; `deterministic` defaults to the `jinsum_deterministic` option (see `Spec`)."""
+    column order among `arrays`; `deterministic` defaults to the `jinsum_deterministic` option; `winners` asks a
+    `max=` / `min=` where its results came from (see `Spec`)."""
     names = tensor_names(statement)
     operands = tuple(operand(n, arrays[n]) for n in names)
     if deterministic is None:
         deterministic = _config.deterministic.value
-    return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs, column_order, deterministic)
+    return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs, column_order, deterministic,
+                 winners)
 
 
 def operand(name: str, array) -> Operand:
     return Operand(name, tuple(np.shape(array)), np.dtype(array.dtype))
 
 
-def bind(statement: Statement, arrays: Mapping[str, jax.Array], **flags) -> jax.Array:
-    """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags)."""
+def bind(statement: Statement, arrays: Mapping[str, jax.Array], *, check_indices: bool = True,
+         **flags) -> jax.Array:
+    """Applies the primitive to `statement` on `arrays` (see `make_spec` for the flags). `check_indices=False`
+    skips `jinsum.check_indices` (for derived index arrays that mark what is absent with -1)."""
     spec = make_spec(statement, arrays, **flags)
-    if _config.check_indices.value:
+    if check_indices and _config.check_indices.value:
         _check_indices(spec, arrays)
     return jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
 
@@ -96,7 +101,7 @@ def _abstract_eval(*avals, spec: Spec):
         if aval.shape != expected.shape or aval.dtype != expected.dtype:
             raise TypeError(f"jinsum: operand {expected.name} is {aval.str_short()}, but {spec!r} was checked for "
                             f"{expected.dtype}{list(expected.shape)}")
-    return jax.core.ShapedArray(spec.lhs.shape, spec.lhs.dtype)
+    return jax.core.ShapedArray(spec.lhs.shape, spec.out_dtype)
 
 
 jinsum_p.def_impl(_impl)
@@ -110,12 +115,16 @@ jinsum_p.def_abstract_eval(_abstract_eval)
 
 def _jvp(primals, tangents, *, spec: Spec):
     out = jinsum_p.bind(*primals, spec=spec)
+    if spec.winners:  # integers: no tangent
+        return out, ad.Zero(jax.typeof(out).to_tangent_aval())
     statement = spec.statement
     env = dict(zip(spec.arguments, primals))
     tangent_of = dict(zip(spec.names, tangents))
     for name in spec.index_tensors:
         if type(tangent_of[name]) is not ad.Zero and tangent_of[name].dtype != jax.dtypes.float0:
             raise TypeError(f"jinsum: {name} is an index array; it cannot be differentiated")
+    if statement.reduction != "sum":
+        return out, _extremal_tangent(out, env, tangent_of, spec)
 
     terms = [i for i, f in enumerate(statement.factors) if type(tangent_of[f.tensor]) is not ad.Zero]
     lhs_tangent = tangent_of[statement.lhs.tensor]
@@ -137,6 +146,44 @@ def _jvp(primals, tangents, *, spec: Spec):
     return out, tangent
 
 
+# A `max=` / `min=` is differentiated at its winners: each output element's tangent is that of the first term
+# (in the order of `Spec.winners`) whose product equals the result, or the initial value's where no term reaches it.
+# So ties send the whole derivative to one term, and the derivative is exact away from ties. The tangent terms are
+# gathers at the winners (`_derive.at_winners`), linear in the factors' tangents, so reverse mode transposes them
+# into scatters to the winning entries like any other statement.
+
+def _extremal_tangent(out, env, tangent_of, spec: Spec):
+    statement = spec.statement
+    lhs = statement.lhs.tensor
+    terms = [i for i, f in enumerate(statement.factors) if type(tangent_of[f.tensor]) is not ad.Zero]
+    lhs_tangent = tangent_of[lhs]
+    if not terms and type(lhs_tangent) is ad.Zero:
+        return lhs_tangent
+    flags = dict(sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32, deterministic=spec.deterministic)
+    winners = bind(statement, {**env, lhs: out}, winners=True, **flags)
+    none = winners == WINNER_NONE
+    tangent = jnp.where(none, ad.instantiate_zeros(lhs_tangent), 0).astype(out.dtype)
+    if not terms:
+        return tangent
+    # Winner `count - a` -> the coordinates of assignment `a` over the reduced variables (row-major); -1 for none,
+    # which reads 0 in the tangent terms (and drops their transposes' writes).
+    taken = set(spec.names)
+    remaining, coordinates = spec.term_count - winners, {}
+    for v in reversed(spec.reduced_variables):
+        name = _derive.fresh_name(f"{v}_winner", taken)
+        taken.add(name)
+        coordinates[v] = name
+        env[name] = jnp.where(none, -1, remaining % spec.extent[v]).astype(jnp.int32)
+        remaining = remaining // spec.extent[v]
+    for k, i in enumerate(terms):
+        factor = statement.factors[i]
+        name = _derive.fresh_name("d" + factor.tensor, taken)
+        term = _derive.at_winners(statement, coordinates, name, i)
+        tangent = bind(term, {**env, lhs: tangent, name: ad.instantiate_zeros(tangent_of[factor.tensor])},
+                       check_indices=False, **flags)
+    return tangent
+
+
 ad.primitive_jvps[jinsum_p] = _jvp
 
 
@@ -148,6 +195,9 @@ ad.primitive_jvps[jinsum_p] = _jvp
 
 def _transpose(cotangent, *args, spec: Spec):
     statement = spec.statement
+    if statement.reduction != "sum" or spec.winners:
+        raise NotImplementedError(f"jinsum: {spec!r} is not linear in any operand; it cannot be transposed (its "
+                                  "derivatives are taken at its winners, by the JVP rule)")
     linear = [name for name, a in zip(spec.names, args) if ad.is_undefined_primal(a)]
     if type(cotangent) is ad.Zero:
         return [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None for a in args]
@@ -228,7 +278,7 @@ def _batch(args, dims, *, spec: Spec):
     statement, _ = _derive.batch(spec.statement, batched, lhs_axis)
     out = bind(statement, env, sorted_indices=spec.sorted_indices - set(batched), allow_tf32=spec.allow_tf32,
                zero_lhs=spec.zero_lhs, column_order=order,  # zeros, broadcast or batched, are zeros
-               deterministic=spec.deterministic)
+               deterministic=spec.deterministic, winners=spec.winners)
     return out, lhs_axis
 
 

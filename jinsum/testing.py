@@ -23,6 +23,7 @@ def reference(expression: str, **operands) -> np.ndarray:
     """The indirect Einsum `expression` on `operands`, in float64 NumPy, by brute-force enumeration.
 
     Every name of the expression must be given (the left-hand side too). Indices must be in range.
+    `max=` and `min=` reduce the products with `np.maximum.at` / `np.minimum.at`.
     """
     statement = parse(expression)
     arrays = {n: _host(operands[n]) for n in tensor_names(statement)}
@@ -34,13 +35,15 @@ def reference(expression: str, **operands) -> np.ndarray:
     products = np.ones(int(np.prod(loop + summed)))
     for factor in statement.factors:
         products = products * _read(factor, arrays, everything)
-    sums = products.reshape(int(np.prod(loop)), int(np.prod(summed))).sum(axis=1)
+    table = products.reshape(int(np.prod(loop)), int(np.prod(summed)))
+    reduce = {"sum": np.add, "max": np.maximum, "min": np.minimum}[statement.reduction]
+    sums = reduce.reduce(table, axis=1, initial={"sum": 0.0, "max": -np.inf, "min": np.inf}[statement.reduction])
     lhs = statement.lhs
     target = tuple(_read(i, arrays, _grid(spec.loop_variables, loop)) if isinstance(i, Access)
                    else _grid(spec.loop_variables, loop)[i.name] for i in lhs.indices)
     out = arrays[lhs.tensor].copy()
     if statement.accumulate:
-        np.add.at(out, target, sums)
+        reduce.at(out, target, sums)
     else:
         out[target] = sums
     return out
@@ -82,7 +85,8 @@ def tolerance(dtype) -> float:
 
 
 def assert_allclose(actual, expected, dtype, *, err_msg: str = "") -> None:
-    """Asserts `max|actual - expected| <= tolerance(dtype) * max(1, max|expected|)`, and no NaN anywhere."""
+    """Asserts `max|actual - expected| <= tolerance(dtype) * max(1, max|expected|)` over the finite expected
+    elements, the infinite ones equal (a `max=` row that no term reaches), and no NaN anywhere."""
     actual = np.asarray(actual).astype(np.float64)
     expected = np.asarray(expected, np.float64)
     dtype = np.dtype(dtype)
@@ -90,6 +94,11 @@ def assert_allclose(actual, expected, dtype, *, err_msg: str = "") -> None:
         raise AssertionError(f"shape {actual.shape} != expected {expected.shape}. {err_msg}")
     if np.isnan(actual).any():
         raise AssertionError(f"NaN in the result. {err_msg}")
+    infinite = np.isinf(expected)
+    if (actual[infinite] != expected[infinite]).any() or np.isinf(actual[~infinite]).any():
+        raise AssertionError(f"infinite elements differ: {int((np.isinf(actual) != infinite).sum())} of "
+                             f"{actual.size}. {err_msg}")
+    actual, expected = actual[~infinite], expected[~infinite]
     scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
     error = float(np.abs(actual - expected).max(initial=0.0))
     if error > tolerance(dtype) * scale:

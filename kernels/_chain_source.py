@@ -652,9 +652,9 @@ class _Writer:
         if not self.plan.dq_in_dkdv:
             return
         pointer, address_mask = self.address("dQ", axes, covered=mask is not None)
-        self.helpers.add("atomic_update")
+        self.helpers.update(("atomic_update", "SUM"))
         masks = " & ".join(m for m in (address_mask, mask) if m)
-        self.emit(f"atomic_update({pointer}, {value}, {masks})")
+        self.emit(f"atomic_update({pointer}, {value}, {masks}, SUM)")
 
     def _weights_and_scores_gradient(self, entry: str, drow: str, allowed: str | None) -> None:
         """`wz` (the weights after dropout, for dV) and `ds` (for dK), from `w` and `dp`."""

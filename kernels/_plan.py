@@ -29,6 +29,12 @@ Write modes:
   launcher (no atomics and no branch in the loop; the default for dot plans).
 - `atomic` (`+=` through other indirections): `tl.atomic_add`.
 
+`max=` and `min=` take the same plans with another combining operation: accumulators start at the reduction's
+identity, terms that read out of range are replaced by it, and writes shared between programs use `tl.atomic_max`
+/ `tl.atomic_min` (exact, hence reproducible: deterministic mode changes nothing for them). There is no dot plan
+for them (Tensor Cores only add). Their `winners` (`Spec.winners`) are such a plan too, over the same terms: an
+int32 maximum of `count - assignment` over the terms equal to the result, into a zero-filled output.
+
 The `tile` schedule (lanes plans without a row tile) makes the window variable the row axis of the tile instead of
 a loop: the window's values are gathered at once, so short work items (rows of a few nonzeros, narrow features)
 have all their loads in flight instead of one dependent chain per item. Writes through index arrays are then
@@ -113,26 +119,32 @@ class KernelPlan:
 
     @property
     def starts_from_lhs(self) -> bool:
-        """The result builds on the left-hand side's values (`+=`, or `=` that leaves elements unwritten)."""
+        """The result builds on the left-hand side's values (a reduction, or `=` that leaves elements unwritten).
+        Winners build on zeros; the left-hand side is an input of theirs (the result they locate)."""
         statement = self.spec.statement
-        return statement.accumulate or not all(isinstance(i, Var) for i in statement.lhs.indices)
+        return self.spec.winners or statement.accumulate or not all(isinstance(i, Var) for i in statement.lhs.indices)
 
     @property
     def reads_lhs(self) -> bool:
         """The kernel reads the left-hand side (the launcher aliases it to the output)."""
-        return self.starts_from_lhs and not self.spec.zero_lhs
+        return self.starts_from_lhs and not (self.spec.zero_lhs or self.spec.winners)
 
     @property
     def zeroes_output(self) -> bool:
         """The result builds on a left-hand side known to be zeros: the launcher zero-fills the output instead,
         and elements with one writer are stored, not read, added and stored."""
-        return self.starts_from_lhs and self.spec.zero_lhs
+        return self.starts_from_lhs and (self.spec.zero_lhs or self.spec.winners)
 
     @property
     def adds_atomically(self) -> bool:
         """Some outputs are float-added by several programs (`tl.atomic_add`): the order, hence the rounding, varies
-        from run to run."""
-        return _adds_atomically(self.write, self.config)
+        from run to run. (Atomic maxima and minima are exact.)"""
+        return _writes_atomically(self.write, self.config) and self.reduction == "sum"
+
+    @property
+    def reduction(self) -> str:
+        """How terms combine in the kernel: "sum", "max" or "min" (winners: the maximum of their ranks)."""
+        return "max" if self.spec.winners else self.spec.statement.reduction
 
     @property
     def covers_output(self) -> bool:
@@ -254,6 +266,7 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
 
     segment = spec.lhs_sorted_index
     segment_var = None
+    summing = statement.reduction == "sum"
     if segment is not None and statement.accumulate:
         [var] = next(n for n in walk(statement.lhs) if n.tensor == segment).indices
         if var.name not in tiles:
@@ -269,7 +282,8 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             write = "update"
         else:
             write = "atomic"
-    scanned = spec.deterministic and write == "segmented"  # (the tile's rows then summed per row: a scan)
+    # Deterministic sums of a tile's rows per row: a segmented scan (extrema are exact in any order: atomics).
+    scanned = spec.deterministic and write == "segmented" and summing
     if not config.schedule and narrow and not (scanned and _lanes_block(spec, lanes, config) > SCAN_LANES):
         config = dataclasses.replace(config, schedule="tile")  # narrow rows: more of them in flight at once
     if config.schedule == "tile":
@@ -282,8 +296,11 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             rows = window  # deterministic: the tile's runs of equal rows are summed inside the program
         else:
             config = dataclasses.replace(config, schedule="owned")
-    if spec.deterministic and write == "segmented" and (config.schedule == "split" or not (dot or config.schedule)):
+    if spec.deterministic and summing and write == "segmented" and (config.schedule == "split"
+                                                                    or not (dot or config.schedule)):
         config = dataclasses.replace(config, schedule="owned")  # every row written by one program: no atomics
+    if spec.winners and config.schedule == "rows":
+        config = dataclasses.replace(config, schedule="owned")  # (they read the result at each term's row)
     parallel = [v for v in scalar_loop if v != window]
     # Unrolled inside the program when that saves loads; not for segmented writes, whose accumulator is per row.
     # The unrolled body (write loops x short summed loops) stays small, or Triton's compile time explodes.
@@ -299,7 +316,9 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
 
     config = default_config(spec, dot, tiles, config)
     out_dtype = np.dtype(spec.lhs.dtype)
-    if _adds_atomically(write, config) and out_dtype.itemsize < 4:
+    if spec.winners:
+        out_dtype = np.dtype(np.int32)
+    elif _writes_atomically(write, config) and out_dtype.itemsize < 4:
         out_dtype = np.dtype(np.float32)  # 16-bit atomics lose precision and are slow; the launcher casts back
     plan = KernelPlan(spec, "dot" if dot else "lanes", lanes, rows, dot, grid, window, write_loops, loops, write,
                       config, out_dtype)
@@ -309,7 +328,7 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     return plan
 
 
-def _adds_atomically(write: str, config: KernelConfig) -> bool:
+def _writes_atomically(write: str, config: KernelConfig) -> bool:
     return write == "atomic" or (write == "segmented" and config.schedule == "split")
 
 
@@ -367,7 +386,8 @@ def _lane_variable(spec: Spec) -> str:
     across lanes would be added atomically."""
     statement = spec.statement
     candidates = list(spec.extent)
-    if spec.deterministic and spec.lhs_sorted_index is not None and statement.accumulate:
+    summing = statement.accumulate and statement.reduction == "sum"
+    if spec.deterministic and spec.lhs_sorted_index is not None and summing:
         [segment] = next(i for i in statement.lhs.indices if isinstance(i, Access)).indices
         candidates = [v for v in candidates if v != segment.name] or candidates
 
@@ -399,6 +419,8 @@ def _dot_roles(spec: Spec) -> DotRoles | None:
     """`a[m,k] x b[k,n] -> out[m,n]` if the statement has that shape with sides >= 16, else None."""
     statement = spec.statement
     if len(statement.factors) != 2 or any(spec.operand[f.tensor].dtype == np.float64 for f in statement.factors):
+        return None
+    if statement.reduction != "sum" or spec.winners:  # (tl.dot only adds)
         return None
 
     def direct(access: Access) -> set[str]:

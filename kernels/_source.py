@@ -6,7 +6,8 @@ come the write loops (parallel variables looped inside, each iteration a write),
 innermost the k tiles of a dot plan (or the lane tiles of a summed lane variable). Every access is loaded once,
 at the outermost level where all its variables are bound, so index and value loads are hoisted out of the loops
 they do not depend on. Indirect indices are range-checked (`in_range`): an out-of-range read gives 0 and an
-out-of-range write is dropped, as in the XLA lowering.
+out-of-range write is dropped, as in the XLA lowering. In a `max=` / `min=` a term that reads out of range is the
+reduction's identity instead: it takes no part.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from jinsum.kernels._plan import INT32_LIMIT, UNROLL_LIMIT, KernelPlan
 
 _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
                   "float64": "tl.float64"}
+_REDUCTIONS = {"sum": "SUM", "max": "MAX", "min": "MIN"}  # the helpers' compile-time constants
+_IDENTITIES = {"max": 'float("-inf")', "min": 'float("inf")'}
 
 
 def generate(plan: KernelPlan) -> str:
@@ -29,7 +32,7 @@ def kernel_inputs(plan: KernelPlan) -> tuple[str, ...]:
     """The operands passed to the kernel, in order. Then come the row pointers (`plan.row_programs`: entry r is
     the first group of row r, entry `row_count` the number of groups) and the output."""
     names = plan.spec.names
-    return names if plan.reads_lhs else names[1:]
+    return names if plan.reads_lhs or plan.spec.winners else names[1:]  # (winners read the result they locate)
 
 
 def offset(shape: tuple[int, ...], positions: list[str]) -> str:
@@ -51,6 +54,7 @@ class _Writer:
         self.lines: list[str] = []
         self.depth = 1
         self.loaded: dict[tuple[str, str], str] = {}
+        self.masks: dict[tuple[str, str], str] = {}  # where each load reads in range ("" where it always does)
         self.helpers: set[str] = set()
         self.acc_type = "tl.float64" if plan.out_dtype == np.float64 else "tl.float32"
         self.tiled = {*plan.tile_vars, self.inner_tile} - {None}
@@ -162,7 +166,18 @@ class _Writer:
     def _acc_init(self) -> str:
         plan = self.plan
         shape = "[BLOCK_M, BLOCK_N]" if plan.template == "dot" else "[BLOCK_ROWS, BLOCK]" if plan.rows else "[BLOCK]"
+        if self.spec.winners:
+            return f"acc = tl.zeros({shape}, dtype=tl.int32)"
+        if plan.reduction != "sum":
+            return f"acc = tl.full({shape}, {_IDENTITIES[plan.reduction]}, dtype={self.acc_type})"
         return f"acc = tl.zeros({shape}, dtype={self.acc_type})"
+
+    @property
+    def reduction(self) -> str:
+        """The helpers' constant for the plan's reduction (imported into the kernel's module)."""
+        name = _REDUCTIONS[self.plan.reduction]
+        self.helpers.add(name)
+        return name
 
     def _plain_body(self) -> None:
         """One accumulator per assignment of the window variable (or per program), written after its loops."""
@@ -184,15 +199,17 @@ class _Writer:
             self.helpers.add("atomic_update")
             for factor in self._scalar_factors():  # (`tl.where`: the interpreter cannot `&` a float comparison)
                 mask = f"tl.where({factor} != 0, {mask}, False)"
-            self.emit(f"atomic_update({pointer}, {value}, {mask})")
+            self.emit(f"atomic_update({pointer}, {value}, {mask}, {self.reduction})")
         self.depth -= len(plan.write_loops) + bool(window_loop)
 
     def _scalar_factors(self) -> list[str]:
         """The loaded factors that are one value per written row (constant along the lanes and the sums). An
         atomic update is skipped where one is zero: it would add zeros (NaN or inf in another factor aside), and
         group padding (value 0, column 0) would otherwise send every padded slot's atomics to one row,
-        serialising them (10x slower on an H100)."""
+        serialising them (10x slower on an H100). (Not in a `max=` / `min=`, where a zero term counts.)"""
         plan, spec, scalars = self.plan, self.spec, []
+        if plan.reduction != "sum":
+            return scalars
         if plan.template == "dot" or plan.lanes in spec.summed_variables:  # (a written tile reduced over the lanes
             return scalars  # has lost the axis those factors broadcast along)
         for k, factor in enumerate(spec.statement.factors):
@@ -283,7 +300,7 @@ class _Writer:
         else:
             helper = "segment_store" if self.plan.zeroes_output else "segment_update"
             self.helpers.add(helper)
-            self.emit(f"{helper}({pointer}, {value}, {mask}, {shared})")
+            self.emit(f"{helper}({pointer}, {value}, {mask}, {shared}, {self.reduction})")
 
     def _write_alone(self, pointer: str, value: str, mask: str) -> None:
         """Writes elements that no other program writes: `=` and `+=` into zeros store, `+=` loads, adds, stores."""
@@ -291,7 +308,7 @@ class _Writer:
             self.emit(f"tl.store({pointer}, {value}.to(p_out.dtype.element_ty), mask={mask})")
         else:
             self.helpers.add("update")
-            self.emit(f"update({pointer}, {value}, {mask})")
+            self.emit(f"update({pointer}, {value}, {mask}, {self.reduction})")
 
     def _segmented_tile(self) -> None:
         """The window's groups as the tile's rows (deterministic `tile` schedule): the tile's products, then a
@@ -388,14 +405,39 @@ class _Writer:
             else:
                 self.emit(f"acc = tl.dot({a}, {b}, acc)")
             return
-        terms = [self.loaded[self._key(f, self._role(k))] for k, f in enumerate(self.spec.statement.factors)]
-        self.emit(f"acc += {' * '.join(terms)}")
+        keys = [self._key(f, self._role(k)) for k, f in enumerate(self.spec.statement.factors)]
+        product = " * ".join(self.loaded[key] for key in keys)
+        if plan.reduction == "sum":
+            self.emit(f"acc += {product}")
+            return
+        self.helpers.add("combine")
+        if self.spec.winners:  # terms equal to the result (as rounded to its dtype) give their rank
+            keys.append(self._key(self.spec.statement.lhs, "lanes"))
+        reads = " & ".join(f"({self.masks[key]})" for key in keys if self.masks[key])
+        if not self.spec.winners:
+            self.emit(f"acc = combine(acc, {f'tl.where({reads}, {product}, acc)' if reads else product}, "
+                      f"{self.reduction})")
+            return
+        result_type = _TRITON_DTYPES[str(self.spec.lhs.dtype)]
+        rounded = product if result_type == self.acc_type else f"({product}).to({result_type}).to({self.acc_type})"
+        wins = f"({rounded} == {self.loaded[keys[-1]]})" + (f" & {reads}" if reads else "")
+        self.emit(f"acc = combine(acc, tl.where({wins}, {self._rank()}, 0), {self.reduction})")
+
+    def _rank(self) -> str:
+        """`count - a` for the assignment `a` of the reduced variables (flat, row-major; see `Spec.winners`)."""
+        spec, terms, stride = self.spec, [], 1
+        for v in reversed(spec.reduced_variables):
+            position = self._tile_axis("lanes", v) if v in self.tiled else f"v_{v}"
+            terms.append(position if stride == 1 else f"{position} * {stride}")
+            stride *= spec.extent[v]
+        return f"{spec.term_count} - ({' + '.join(reversed(terms))})"
 
     def _written_value(self) -> str:
         """The accumulator reduced over a summed lane variable (the last axis)."""
         plan = self.plan
         if plan.template == "lanes" and plan.lanes in self.spec.summed_variables:
-            return f"tl.sum(acc, axis={1 if plan.rows else 0})"
+            reduce = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[plan.reduction]
+            return f"{reduce}(acc, axis={1 if plan.rows else 0})"
         return "acc"
 
     # --- accesses ---------------------------------------------------------------------------------------------
@@ -431,6 +473,8 @@ class _Writer:
         statement = self.spec.statement
         for k, factor in enumerate(statement.factors):
             self._load_at(factor, self._role(k), level)
+        if self.spec.winners:  # the result, compared with each term (so broadcast like the terms)
+            self._load_at(statement.lhs, "lanes", level)
         for index in statement.lhs.indices:
             if isinstance(index, Access) and not self.plan.row_programs:  # row programs know their row
                 self._load_at(index, self.lhs_role, level)
@@ -462,6 +506,7 @@ class _Writer:
         name = f"x{len(self.loaded)}"
         self.loaded[self._key(node, role)] = name
         pointer, mask = self._address(node, role)
+        self.masks[self._key(node, role)] = mask
         is_index = node.tensor in self.spec.index_tensors
         if mask:
             other = "-1" if is_index else "0.0"

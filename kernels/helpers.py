@@ -1,7 +1,15 @@
-"""`@triton.jit` helpers shared by every generated kernel (imported by name into the generated modules)."""
+"""`@triton.jit` helpers shared by every generated kernel (imported by name into the generated modules).
+
+Writes take the statement's reduction as a compile-time constant: `SUM` (`+=`), `MAX` (`max=`, and the winners of
+`max=` and `min=`) or `MIN` (`min=`).
+"""
 
 import triton
 import triton.language as tl
+
+SUM = tl.constexpr(0)
+MAX = tl.constexpr(1)
+MIN = tl.constexpr(2)
 
 
 @triton.jit
@@ -11,34 +19,54 @@ def in_range(index, bound):
 
 
 @triton.jit
-def update(pointer, value, mask):
-    """`*pointer += value` for elements this program alone writes: load, add in the accumulator's type, store."""
-    old = tl.load(pointer, mask=mask, other=0.0)
-    tl.store(pointer, (old.to(value.dtype) + value).to(pointer.dtype.element_ty), mask=mask)
+def combine(a, b, REDUCTION: tl.constexpr):
+    """`a + b`, or the larger or smaller of the two, NaN winning (as in XLA); also on integers."""
+    if REDUCTION == MAX:
+        return tl.where((a > b) | (a != a), a, b)
+    elif REDUCTION == MIN:
+        return tl.where((a < b) | (a != a), a, b)
+    else:
+        return a + b
 
 
 @triton.jit
-def atomic_update(pointer, value, mask):
-    """`*pointer += value` where other programs may write the same elements."""
-    tl.atomic_add(pointer, value.to(pointer.dtype.element_ty), mask=mask, sem="relaxed")
+def update(pointer, value, mask, REDUCTION: tl.constexpr):
+    """`*pointer (+)= value` for elements this program alone writes: load, combine in the accumulator's type,
+    store."""
+    old = tl.load(pointer, mask=mask)
+    tl.store(pointer, combine(old.to(value.dtype), value, REDUCTION).to(pointer.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def segment_store(pointer, value, mask, shared):
-    """Writes a row's sum into a zero-filled output: atomically if the row continues in a neighbouring window."""
+def atomic_update(pointer, value, mask, REDUCTION: tl.constexpr):
+    """`*pointer (+)= value` where other programs may write the same elements (a maximum or minimum of floats
+    through their integer bits: exact, in any order)."""
+    value = value.to(pointer.dtype.element_ty)
+    if REDUCTION == MAX:
+        tl.atomic_max(pointer, value, mask=mask, sem="relaxed")
+    elif REDUCTION == MIN:
+        tl.atomic_min(pointer, value, mask=mask, sem="relaxed")
+    else:
+        tl.atomic_add(pointer, value, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def segment_store(pointer, value, mask, shared, REDUCTION: tl.constexpr):
+    """Writes a row's result into an output filled with the reduction's identity: atomically if the row continues
+    in a neighbouring window."""
     if shared:
-        atomic_update(pointer, value, mask)
+        atomic_update(pointer, value, mask, REDUCTION)
     else:
         tl.store(pointer, value.to(pointer.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def segment_update(pointer, value, mask, shared):
-    """Writes a row's sum: atomically if the row continues in a neighbouring program's window."""
+def segment_update(pointer, value, mask, shared, REDUCTION: tl.constexpr):
+    """Writes a row's result: atomically if the row continues in a neighbouring program's window."""
     if shared:
-        atomic_update(pointer, value, mask)
+        atomic_update(pointer, value, mask, REDUCTION)
     else:
-        update(pointer, value, mask)
+        update(pointer, value, mask, REDUCTION)
 
 
 @triton.jit

@@ -67,7 +67,7 @@ def test_check_infers_extents_and_roles():
     ("C[i] += 2 * A[i]", "constants are not supported", "2"),
     ("C[i] += A[i] + B[i]", r"only a product of accesses", "+"),
     ("C[i] += A[i] - B[i]", r"only a product of accesses", "-"),
-    ("C[i] A[i]", "expected '=' or '\\+=' after the left-hand side", "A"),
+    ("C[i] A[i]", "expected '=', '\\+=', 'max=' or 'min=' after the left-hand side", "A"),
     ("C[i] += A[i", "but the expression ended", ""),
     ("C[] += A[i]", r"'C\[\]' has no index", "]"),
     ("C += A[i]", "'C' must be accessed with brackets", "C"),

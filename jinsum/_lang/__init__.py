@@ -1,12 +1,14 @@
 """The indirect-Einsum notation: text -> syntax tree -> checked `Spec`."""
 
 from jinsum._lang._ast import (
+    REDUCTIONS as REDUCTIONS,
     Access as Access,
     Index as Index,
     Span as Span,
     Statement as Statement,
     Var as Var,
     index_tensor_names as index_tensor_names,
+    map_accesses as map_accesses,
     map_statement as map_statement,
     statement_variables as statement_variables,
     tensor_names as tensor_names,
@@ -15,6 +17,7 @@ from jinsum._lang._ast import (
 )
 from jinsum._lang._check import (
     VALUE_DTYPES as VALUE_DTYPES,
+    WINNER_NONE as WINNER_NONE,
     ColumnOrder as ColumnOrder,
     Operand as Operand,
     Spec as Spec,

@@ -50,24 +50,32 @@ class Access:
 Index = Union[Var, Access]
 
 
+REDUCTIONS = {"sum": "+=", "max": "max=", "min": "min="}  # a reduction's name -> its operator
+
+
 @dataclasses.dataclass(frozen=True)
 class Statement:
-    """`lhs (= | +=) factor * factor * ...`.
+    """`lhs (= | += | max= | min=) factor * factor * ...`.
 
     Attributes:
         lhs: the access written to.
-        accumulate: True for `+=` (duplicate targets add up), False for `=` (targets are set).
+        accumulate: True for the reductions (`+=`, `max=`, `min=`: each target combines its initial value with every
+          term that reaches it), False for `=` (targets are set).
         factors: the accesses multiplied on the right.
         source: the text this was parsed from (for error messages); empty for derived statements.
+        reduction: how an accumulating statement combines: "sum" (`+=`), "max" or "min". It reduces the summed
+          variables (those only on the right) too: the right-hand side is one product per assignment of all the
+          variables, and `max=` takes the largest of them, never a maximum of sums.
     """
 
     lhs: Access
     accumulate: bool
     factors: tuple[Access, ...]
     source: str = dataclasses.field(default="", compare=False, hash=False, repr=False)
+    reduction: str = "sum"
 
     def __str__(self) -> str:
-        op = "+=" if self.accumulate else "="
+        op = REDUCTIONS[self.reduction] if self.accumulate else "="
         return f"{self.lhs} {op} {' * '.join(map(str, self.factors))}"
 
     @property

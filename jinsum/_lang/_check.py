@@ -80,6 +80,12 @@ class Spec:
       column_order: the entries of the statement's format in column order, as three more operands (`arguments`),
         or None. Only the derivative rules read them.
       deterministic: bitwise-reproducible kernels, with no float atomics (`jinsum.deterministic`).
+      winners: for a `max=` / `min=` statement, the primitive returns where each element's result came from
+        instead of the result, which the left-hand side operand then holds (the derivative rules' first step): an
+        int32 array of the left-hand side's shape, `WINNER_NONE` where no term reaches the result (the initial
+        value stands), else `count - a` for the first assignment `a` (flat over `reduced_variables`, row-major)
+        whose product equals the result, with `count` the number of assignments. The first is the largest, so
+        kernels combine with a maximum, and zeros (a zero-filled output) mean none.
     """
 
     statement: Statement
@@ -90,6 +96,7 @@ class Spec:
     zero_lhs: bool = False
     column_order: ColumnOrder | None = None
     deterministic: bool = False
+    winners: bool = False
 
     def __repr__(self) -> str:  # short: this is what a printed jaxpr shows for the primitive's parameter
         return f"Spec({str(self.statement)!r})"
@@ -141,9 +148,26 @@ class Spec:
 
     @functools.cached_property
     def summed_variables(self) -> tuple[str, ...]:
-        """Variables only on the right: summed over."""
+        """Variables only on the right: summed over (reduced by the statement's reduction)."""
         loop = set(self.loop_variables)
         return tuple(v for v in statement_variables(self.statement) if v not in loop)
+
+    @functools.cached_property
+    def reduced_variables(self) -> tuple[str, ...]:
+        """Variables that do not name a left-hand side position directly: those inside its indirections and the
+        summed ones. A reduction's terms for one output element differ in these (its `winners` are flat over them)."""
+        plain = {i.name for i in self.statement.lhs.indices if isinstance(i, Var)}
+        return tuple(v for v in statement_variables(self.statement) if v not in plain)
+
+    @functools.cached_property
+    def term_count(self) -> int:
+        """The assignments of the reduced variables: how many terms may reach one output element."""
+        return int(np.prod([self.extent[v] for v in self.reduced_variables], dtype=np.int64))
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        """The dtype of the primitive's result: the left-hand side's, or int32 for `winners`."""
+        return np.dtype(np.int32) if self.winners else self.lhs.dtype
 
 
 def _fail(statement: Statement, message: str, node: Access | Var | None = None) -> ExpressionError:
@@ -189,21 +213,24 @@ def _closest(name: str, candidates: Collection[str]) -> str | None:
     return match[0] if match else None
 
 
+WINNER_NONE = 0  # a `winners` element where no term reaches the result
+
+
 @functools.lru_cache(maxsize=4096)
 def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: frozenset[str] = frozenset(),
           allow_tf32: bool = False, zero_lhs: bool = False, column_order: ColumnOrder | None = None,
-          deterministic: bool = False) -> Spec:
+          deterministic: bool = False, winners: bool = False) -> Spec:
     """Binds operands to a statement and validates everything that can be known before tracing.
 
     Args:
       statement: a parsed statement.
       operands: the arrays bound to the statement's tensor names, in any order.
-      sorted_indices, allow_tf32, zero_lhs, column_order, deterministic: see `Spec`.
+      sorted_indices, allow_tf32, zero_lhs, column_order, deterministic, winners: see `Spec`.
 
     Raises:
       ExpressionError: an unknown or unused operand, a wrong rank, a non-integer index array, a non-floating value
-        operand, an index variable with two extents, a repeated index in one access, or the left-hand side
-        tensor used on the right.
+        operand, an index variable with two extents, a repeated index in one access, the left-hand side
+        tensor used on the right, or a `max=` / `min=` over independent factors.
     """
     by_name = {o.name: o for o in operands}
     check_operand_names(statement, by_name)
@@ -253,12 +280,45 @@ def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: f
                                 f"({_describe(by_name[where.tensor])}) but {shape[dim]} in {node} "
                                 f"({_describe(by_name[node.tensor])})", index)
 
+    if statement.reduction != "sum":
+        _check_extremal(statement)
+    if winners and statement.reduction == "sum":
+        raise ValueError(f"jinsum: winners are defined for max= and min= statements, not {statement}")
     ordered = tuple(by_name[n] for n in names)
     ordered_extents = tuple((v, extents[v][0]) for v in statement_variables(statement))
     # Only 1-D index arrays of this statement can be sorted; dropping the rest keeps equal Specs equal.
     sorted_indices = frozenset(n for n in sorted_indices if n in index_tensors and len(by_name[n].shape) == 1)
-    return Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs),
-                _column_order(column_order, by_name, index_tensors), bool(deterministic))
+    spec = Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs),
+                _column_order(column_order, by_name, index_tensors), bool(deterministic), bool(winners))
+    if winners and spec.term_count >= 2**31:
+        raise NotImplementedError(f"jinsum: the derivative of {statement} numbers its terms per output element "
+                                  f"over {spec.reduced_variables} in int32; there are 2**31 or more")
+    return spec
+
+
+def _check_extremal(statement: Statement) -> None:
+    """A `max=` / `min=` takes the extreme of products over the summed variables' joint assignments. Two factors
+    reduced over variables that no factor shares multiply independent choices: the extreme of such products is
+    rarely what is meant (for `max=` over values of both signs it is not the product of the maxima), and it costs
+    the product of the extents. Each factor's summed variables must therefore reach the others' through shared
+    variables."""
+    loop = set(variables(statement.lhs))
+    groups: list[tuple[set[str], Access]] = []
+    for factor in statement.factors:
+        summed = set(variables(factor)) - loop
+        if not summed:
+            continue
+        joined = [g for g in groups if g[0] & summed]
+        for g in joined:
+            groups.remove(g)
+            summed |= g[0]
+        groups.append((summed, factor if not joined else joined[0][1]))
+    if len(groups) > 1:
+        (first, where), (second, other) = groups[0], groups[1]
+        op = "max=" if statement.reduction == "max" else "min="
+        raise _fail(statement, f"{op} over independent factors: {where} is reduced over {sorted(first)} and {other} "
+                    f"over {sorted(second)}, which no factor shares, so the statement would take the extreme of "
+                    "every pairing of their terms; reduce each factor in its own statement, then combine", other)
 
 
 def _column_order(order: ColumnOrder | None, by_name: dict, index_tensors) -> ColumnOrder | None:

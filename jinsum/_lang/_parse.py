@@ -2,7 +2,7 @@
 
 Grammar (whitespace is free between tokens):
 
-    statement := access ("=" | "+=") access ("*" access)*
+    statement := access ("=" | "+=" | "max=" | "min=") access ("*" access)*
     access    := NAME "[" index ("," index)* "]"
     index     := NAME | access          -- a bare NAME is an index variable; NAME "[" starts an indirection
 
@@ -16,12 +16,12 @@ import dataclasses
 import functools
 import re
 
-from jinsum._lang._ast import Access, Index, Span, Statement, Var
+from jinsum._lang._ast import REDUCTIONS, Access, Index, Span, Statement, Var
 from jinsum._lang._errors import ExpressionError
 
 _TOKEN = re.compile(
-    r"(?P<space>\s+)|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<number>\d+(\.\d*)?)"
-    r"|(?P<op>\+=|[\[\],*=])|(?P<other>.)"
+    r"(?P<space>\s+)|(?P<op>(?:max|min)=|\+=|[\[\],*=])|(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<number>\d+(\.\d*)?)"
+    r"|(?P<other>.)"
 )
 
 
@@ -82,16 +82,21 @@ class _Parser:
 
     def statement(self) -> Statement:
         lhs = self.access(context="at the start of the left-hand side")
-        if self.token.text not in ("=", "+="):
-            raise self.unexpected("expected '=' or '+=' after the left-hand side")
-        accumulate = self.advance().text == "+="
+        operators = {op: reduction for reduction, op in REDUCTIONS.items()}
+        if self.token.text not in ("=", *operators):
+            if self.token.text in ("-", "*", "/") and self.tokens[self.position + 1].text == "=":
+                raise self.error(f"'{self.token.text}=' is not an operator of the notation: a statement sets ('='), "
+                                 f"adds ('+='), or keeps the maximum ('max=') or minimum ('min=')")
+            raise self.unexpected("expected '=', '+=', 'max=' or 'min=' after the left-hand side")
+        op = self.advance().text
+        accumulate, reduction = op != "=", operators.get(op, "sum")
         factors = [self.access(context="on the right-hand side")]
         while self.token.text == "*":
             self.advance()
             factors.append(self.access(context="after '*'"))
         if self.token.kind != "end":
             raise self.unexpected("expected '*' or the end of the expression")
-        return Statement(lhs, accumulate, tuple(factors), source=self.source)
+        return Statement(lhs, accumulate, tuple(factors), source=self.source, reduction=reduction)
 
     def access(self, context: str) -> Access:
         if self.token.kind != "name":
