@@ -81,6 +81,43 @@ def segment_convs():
     return SegmentGCNConv, SegmentSAGEConv
 
 
+def segment_max_convs():
+    """`(SegmentSAGEMaxConv, SegmentEdgeConv)`: jinsum.nn's `SAGEConv(aggr="max")` and `EdgeConv` (linear messages)
+    on edge arrays sorted by destination, as a JAX user writes them without jinsum: a gather of the sources and a
+    sorted `jax.ops.segment_max` (whose gradient JAX takes by comparing every edge's value with its row's maximum,
+    ties split). The EdgeConv uses the same algebra as jinsum's: `max_j W [x_i, x_j - x_i] = (W_1 - W_2) x_i +
+    max_j W_2 x_j`, so the two differ only in the max aggregation."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    def segment_max(h, graph, nodes):
+        src, dst, _ = graph
+        out = jax.ops.segment_max(h[src], dst, num_segments=nodes, indices_are_sorted=True)
+        return jnp.where(jnp.isneginf(out), 0, out)  # (nodes without in-edges: 0, as PyG)
+
+    class SegmentSAGEMaxConv(nnx.Module):
+        def __init__(self, in_features, out_features, *, rngs):
+            self.lin_neighbors = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
+            self.lin_root = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
+            self.bias = nnx.Param(jnp.zeros((out_features,)))
+
+        def __call__(self, x, graph):  # graph: segment_graph(..., self_loops=False)
+            return self.lin_neighbors(segment_max(x, graph, x.shape[0])) + self.lin_root(x) + self.bias[...]
+
+    class SegmentEdgeConv(nnx.Module):
+        def __init__(self, in_features, out_features, *, rngs):
+            self.nn = nnx.Linear(2 * in_features, out_features, rngs=rngs)
+
+        def __call__(self, x, graph):
+            center, neighbor = self.nn.kernel[: x.shape[1]], self.nn.kernel[x.shape[1]:]
+            degree = jax.ops.segment_sum(jnp.ones_like(graph[1]), graph[1], x.shape[0], indices_are_sorted=True)
+            out = x @ (center - neighbor) + self.nn.bias[...] + segment_max(x @ neighbor, graph, x.shape[0])
+            return jnp.where(degree[:, None] > 0, out, 0)
+
+    return SegmentSAGEMaxConv, SegmentEdgeConv
+
+
 def package_versions(modules=("triton", "jax_triton", "torch", "torch_geometric")) -> dict[str, str]:
     """jax's version, and those of `modules` where they import: for the headers of the results."""
     import importlib  # noqa: PLC0415

@@ -1,6 +1,8 @@
-"""GNN training steps: GCN and GraphSAGE, full batch, against plain JAX, BCOO and PyG, every system timed the same way.
+"""GNN training steps: GCN, GraphSAGE (mean and max) and EdgeConv, full batch, against plain JAX, BCOO and PyG, every
+system timed the same way.
 
-    python benchmarks/training.py [--scale 17] [--graphs rmat uniform pubmed] [--calls 20] [--out benchmarks/results]
+    python benchmarks/training.py [--scale 17] [--graphs rmat uniform pubmed] [--models GCN GraphSAGE SAGE-max EdgeConv]
+                                  [--calls 20] [--out benchmarks/results]
 
 Graphs: an R-MAT graph made undirected (scale 17: 131k nodes, 3.7M edges, hubs of 10^4 edges), a uniform random
 graph of the same size (no hubs) and PubMed (the real graph, shipped; random features). Models: 128 -> 256 -> 40
@@ -15,6 +17,9 @@ graph of the same size (no hubs) and PubMed (the real graph, shipped; random fea
   `jax.experimental.sparse` BCOO;
 - PyG's `GCNConv` / `SAGEConv` (where torch_geometric is installed) on a CSR `adj_t` (`torch.sparse_csr_tensor`),
   with GCN's normalisation cached.
+Max aggregation (`SAGEConv(aggr="max")`, `EdgeConv` with linear messages, `jinsum.nn` against
+`_training.segment_max_convs`, which use a sorted `jax.ops.segment_max`): jinsum, the segment_max models, and PyG's
+`SAGEConv(aggr="max")` / `EdgeConv(Linear(2F, out))` on a CSR `adj_t` and on the edge index.
 
 Timing: `jinsum.timing.time_calls` (back-to-back steps, one sync per round, median of rounds) for every system,
 and each jinsum step's device time by kernel. Results go to `--out` as `training_<device>.{md,csv}`.
@@ -44,7 +49,7 @@ from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-from _training import package_versions, segment_convs, segment_graph, train_step  # noqa: E402
+from _training import package_versions, segment_convs, segment_graph, segment_max_convs, train_step  # noqa: E402
 from gcn.main import GCN, BCOOGCNConv  # noqa: E402
 
 try:
@@ -53,6 +58,7 @@ except ImportError:
     torch = None
 
 ROWS: list[dict] = []
+MODELS = ["GCN", "GraphSAGE", "SAGE-max", "EdgeConv"]
 
 
 def record(workload: str, system: str, ms: float | None, note: str = "") -> None:
@@ -110,7 +116,12 @@ def jax_step(model, x, y, graph, calls: int, kernels: bool, deterministic: bool 
     return seconds, f"device {1e3 * sum(times.values()):.3f} ms, of which jinsum kernels {1e3 * ours:.3f}"
 
 
-def run_graph(name, edge_index, nodes, x, y, calls: int) -> None:
+def model(conv, x, classes):
+    """128 -> 256 -> classes, ReLU and dropout 0.5 between (examples/gcn's two-layer model)."""
+    return GCN(conv, x.shape[1], 256, classes, dropout=0.5, rngs=nnx.Rngs(0))
+
+
+def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str]) -> None:
     classes = int(y.max()) + 1
     adjacency = jnn.adjacency(edge_index, nodes)
     SegmentGCNConv, SegmentSAGEConv = segment_convs()
@@ -118,11 +129,10 @@ def run_graph(name, edge_index, nodes, x, y, calls: int) -> None:
     for model_name, jinsum_conv, segment_conv, segment_edges in (("GCN", jnn.GCNConv, SegmentGCNConv, with_loops),
                                                                   ("GraphSAGE", jnn.SAGEConv, SegmentSAGEConv,
                                                                    without_loops)):
+        if model_name not in models:
+            continue
         workload = f"{model_name} step, {name}"
         print(f"\n{workload}")
-
-        def model(conv):
-            return GCN(conv, x.shape[1], 256, classes, dropout=0.5, rngs=nnx.Rngs(0))
 
         unordered = adjacency.with_values(adjacency.Av)
         systems = {"jinsum": (jinsum_conv, adjacency, True),
@@ -138,16 +148,42 @@ def run_graph(name, edge_index, nodes, x, y, calls: int) -> None:
                                False)
         for system, (conv, graph, kernels, *deterministic) in systems.items():
             attempt(workload, system, lambda conv=conv, graph=graph, k=kernels, d=deterministic: jax_step(
-                model(conv), x, y, graph, calls, k, *d))
+                model(conv, x, classes), x, y, graph, calls, k, *d))
         if torch is not None:
             attempt(workload, f"PyG {model_name} (CSR adj_t)",
                     lambda m=model_name: pyg_step(m, edge_index, nodes, x, y, classes, calls))
+    run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, without_loops)
 
 
-def pyg_step(model_name, edge_index, nodes, x, y, classes, calls) -> tuple[float, str]:
-    from torch_geometric.nn import GCNConv, SAGEConv  # noqa: PLC0415
+def run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, edges) -> None:
+    """SAGE with max aggregation and EdgeConv: jinsum's `max=` against `jax.ops.segment_max` and PyG."""
+    classes = int(y.max()) + 1
+    SegmentSAGEMaxConv, SegmentEdgeConv = segment_max_convs()
+    sage_max = lambda i, o, rngs: jnn.SAGEConv(i, o, aggr="max", rngs=rngs)  # noqa: E731
+    for model_name, jinsum_conv, segment_conv in (("SAGE-max", sage_max, SegmentSAGEMaxConv),
+                                                  ("EdgeConv", jnn.EdgeConv, SegmentEdgeConv)):
+        if model_name not in models:
+            continue
+        workload = f"{model_name} step, {name}"
+        print(f"\n{workload}")
+        attempt(workload, "jinsum", lambda c=jinsum_conv: jax_step(model(c, x, classes), x, y, adjacency, calls, True))
+        attempt(workload, "jinsum, deterministic",
+                lambda c=jinsum_conv: jax_step(model(c, x, classes), x, y, adjacency, calls, True, True))
+        attempt(workload, "gathers + segment_max",
+                lambda c=segment_conv: jax_step(model(c, x, classes), x, y, edges, calls, False))
+        if torch is not None:
+            for layout in ("CSR adj_t", "edge_index"):
+                attempt(workload, f"PyG {model_name} ({layout})",
+                        lambda m=model_name, layout=layout: pyg_step(m, edge_index, nodes, x, y, classes, calls,
+                                                                     layout))
 
-    conv = (lambda i, o: GCNConv(i, o, cached=True)) if model_name == "GCN" else SAGEConv
+
+def pyg_step(model_name, edge_index, nodes, x, y, classes, calls, layout="CSR adj_t") -> tuple[float, str]:
+    from torch_geometric.nn import EdgeConv, GCNConv, SAGEConv  # noqa: PLC0415
+
+    conv = {"GCN": lambda i, o: GCNConv(i, o, cached=True), "GraphSAGE": SAGEConv,
+            "SAGE-max": lambda i, o: SAGEConv(i, o, aggr="max"),
+            "EdgeConv": lambda i, o: EdgeConv(torch.nn.Linear(2 * i, o))}[model_name]
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -163,8 +199,11 @@ def pyg_step(model_name, edge_index, nodes, x, y, classes, calls) -> tuple[float
     model = Model().cuda().train()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     src, dst = (torch.from_numpy(np.asarray(e, np.int64)) for e in edge_index)
-    adj_t = torch.sparse_coo_tensor(torch.stack([dst, src]), torch.ones(src.numel()), (nodes, nodes)).coalesce()
-    adj_t = adj_t.to_sparse_csr().cuda()
+    if layout == "edge_index":
+        adj_t = torch.stack([src, dst]).cuda()
+    else:
+        adj_t = torch.sparse_coo_tensor(torch.stack([dst, src]), torch.ones(src.numel()), (nodes, nodes)).coalesce()
+        adj_t = adj_t.to_sparse_csr().cuda()
     xt, yt = torch.from_numpy(np.asarray(x)).cuda(), torch.from_numpy(np.asarray(y)).long().cuda()
 
     def step():
@@ -177,21 +216,22 @@ def pyg_step(model_name, edge_index, nodes, x, y, classes, calls) -> tuple[float
     return time_calls(step, calls=calls, sync=lambda _: torch.cuda.synchronize()), ""
 
 
-def write(out: pathlib.Path, started: float) -> None:
+def write(out: pathlib.Path, started: float, tag: str = "") -> None:
     device = jax.devices()[0].device_kind
     versions = package_versions()
     for row in ROWS:
         first = next((r for r in ROWS if r["workload"] == row["workload"] and r["system"] == "jinsum" and r["ms"]),
                      None)
         row["vs_jinsum"] = row["ms"] / first["ms"] if first and row["ms"] else None
-    stem = out / f"training_{device.replace(' ', '_')}"
+    stem = out / f"training{'_' + tag if tag else ''}_{device.replace(' ', '_')}"
     out.mkdir(parents=True, exist_ok=True)
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["workload", "system", "ms", "vs_jinsum", "note"])
         writer.writeheader()
         writer.writerows(ROWS)
     lines = [f"# GNN training steps on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/training.py` "
+             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/training.py "
+             f"{' '.join(sys.argv[1:])}` "
              f"({time.time() - started:.0f} s). ms: median over rounds of back-to-back steps "
              "(`jinsum.timing.time_calls`); x jinsum: the system's time over jinsum's (above 1: jinsum is faster).",
              "", "| workload | system | ms | x jinsum | note |", "|---|---|---:|---:|---|"]
@@ -208,12 +248,14 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=17)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--graphs", nargs="*", choices=["rmat", "uniform", "pubmed"], default=["rmat", "uniform", "pubmed"])
+    p.add_argument("--models", nargs="*", choices=MODELS, default=MODELS)
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--tag", default="", help="names the results training_<tag>_<device> (a run of some models)")
     args = p.parse_args()
     started = time.time()
     for graph in graphs(args.scale, args.graphs):
-        run_graph(*graph, args.calls)
-        write(args.out, started)  # (after each graph: a run cut short keeps what it measured)
+        run_graph(*graph, args.calls, args.models)
+        write(args.out, started, args.tag)  # (after each graph: a run cut short keeps what it measured)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ class Case:
     name: str
     expression: str
     make: Make
-    linear_in: tuple[str, ...]  # value operands the statement is linear in (differentiated by the tests)
+    differentiated: tuple[str, ...]  # value operands the tests differentiate (a sum is linear in each)
 
     def __repr__(self) -> str:
         return self.name
@@ -132,4 +132,50 @@ CATALOG = [
     Case("multihead_spmm", "C[Ai[g],h,n] += Av[g,p,h] * B[Ak[g,p],h,n]", _multihead, ("C", "Av", "B")),
     Case("scatter_set", "C[P[i],n] = X[i,n]", _scatter_set, ("C", "X")),
     Case("spmm_transpose", "B[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]", group_spmm, ("B", "Av", "C")),
+]
+
+
+# --- max= and min= -----------------------------------------------------------------------------------------------
+# Every index in range (padding would take part: a format passed as A= leaves it out, see test_reductions.py);
+# float64 references by np.maximum.at. Rows without groups keep their initial value, rows with several combine.
+
+def extreme_spmm(rng, dtype, M=13, K=11, N=6, G=17, P=4):
+    return dict(C=_values(rng, (M, N), dtype), Ai=_group_rows(rng, M, G),
+                Ak=rng.integers(0, K, (G, P)).astype(np.int32), Av=_values(rng, (G, P), dtype),
+                B=_values(rng, (K, N), dtype))
+
+
+def _extreme_gather(rng, dtype, N=6):
+    operands = extreme_spmm(rng, dtype, N=N)
+    del operands["Av"]
+    return operands
+
+
+def _extreme_scatter(rng, dtype, M=13, K=11, N=6, G=17, P=4):
+    return dict(C=_values(rng, (K, N), dtype), Ai=_group_rows(rng, M, G),
+                Ak=rng.integers(0, K, (G, P)).astype(np.int32), Av=_values(rng, (G, P), dtype),
+                B=_values(rng, (M, N), dtype))
+
+
+def _extreme_scores(rng, dtype, M=13, K=11, D=5, G=17, P=4):
+    return dict(S=_values(rng, (M,), dtype), Ai=_group_rows(rng, M, G),
+                Ak=rng.integers(0, K, (G, P)).astype(np.int32), X=_values(rng, (M, D), dtype),
+                Y=_values(rng, (K, D), dtype))
+
+
+EXTREMA = [
+    Case("spmm_max", "C[Ai[g],n] max= Av[g,p] * B[Ak[g,p],n]", extreme_spmm, ("C", "Av", "B")),
+    Case("gather_min", "C[Ai[g],n] min= B[Ak[g,p],n]", _extreme_gather, ("C", "B")),
+    Case("wide_gather_max", "C[Ai[g],n] max= B[Ak[g,p],n]", lambda rng, dtype: _extreme_gather(rng, dtype, N=150),
+         ("C", "B")),
+    Case("scatter_max", "C[Ak[g,p],n] max= Av[g,p] * B[Ai[g],n]", _extreme_scatter, ("C", "Av", "B")),
+    Case("row_min", "C[i] min= A[i,j]",
+         lambda rng, dtype: dict(C=_values(rng, (13,), dtype), A=_values(rng, (13, 37), dtype)), ("C", "A")),
+    Case("dense_max", "C[i,n] max= A[i,k] * B[k,n]",
+         lambda rng, dtype: dict(C=_values(rng, (13, 6), dtype), A=_values(rng, (13, 11), dtype),
+                                 B=_values(rng, (11, 6), dtype)), ("C", "A", "B")),
+    Case("score_max", "S[Ai[g]] max= X[Ai[g],d] * Y[Ak[g,p],d]", _extreme_scores, ("S", "X", "Y")),
+    Case("pool_max", "Out[b[i],n] max= X[i,n]",
+         lambda rng, dtype: dict(Out=np.full((4, 6), -np.inf, dtype), b=_group_rows(rng, 4, 19),
+                                 X=_values(rng, (19, 6), dtype)), ("X",)),
 ]

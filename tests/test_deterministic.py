@@ -149,9 +149,9 @@ def _deterministic_specs():
             def loss(values, case=case, ops=ops, rows=rows):
                 return jnp.sum(jinsum.einsum(case.expression, **{**ops, **values}, sorted_indices=rows) ** 2)
 
-            for spec in kernel_specs_in(jax.grad(loss), {n: ops[n] for n in case.linear_in}):
+            for spec in kernel_specs_in(jax.grad(loss), {n: ops[n] for n in case.differentiated}):
                 found.setdefault(str(spec.statement), spec)
-            name = case.linear_in[-1]
+            name = case.differentiated[-1]
             for spec in kernel_specs_in(jax.vmap(lambda x, case=case, ops=ops, name=name, rows=rows: jinsum.einsum(
                     case.expression, **{**ops, name: x}, sorted_indices=rows)), np.stack([ops[name]] * 2)):
                 found.setdefault(str(spec.statement), spec)
@@ -198,7 +198,7 @@ def test_deterministic_grads_equal_the_default_ones(case, piece_groups, rng, mon
     def loss(values):
         return jnp.sum(jnp.sin(jinsum.einsum(case.expression, **{**ops, **values}, sorted_indices=rows)))
 
-    values = {n: ops[n] for n in case.linear_in}
+    values = {n: ops[n] for n in case.differentiated}
     expected = jax.grad(loss)(values)
     with jinsum.deterministic(True):
         actual = jax.jit(jax.grad(loss))(values)

@@ -12,10 +12,11 @@ import scipy.sparse as sp
 from jax.test_util import check_grads
 
 import jinsum
+import jinsum.nn._graph
 from jinsum import _lower_xla, _primitive
 from jinsum.testing import assert_allclose, check_vmap, reference
 
-from _catalog import CATALOG, group_spmm
+from _catalog import CATALOG, EXTREMA, group_spmm
 from conftest import ON_GPU
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")]
@@ -65,16 +66,16 @@ def test_grads_on_gpu(case, rng):
         operands = case.make(rng, np.float64)
 
         def fn(*values):
-            return jinsum.einsum(case.expression, **{**operands, **dict(zip(case.linear_in, values))},
+            return jinsum.einsum(case.expression, **{**operands, **dict(zip(case.differentiated, values))},
                                  sorted_indices=_sorted(operands))
 
-        check_grads(jax.jit(fn), tuple(operands[n] for n in case.linear_in), order=2, modes=("fwd", "rev"))
+        check_grads(jax.jit(fn), tuple(operands[n] for n in case.differentiated), order=2, modes=("fwd", "rev"))
 
 
 @pytest.mark.parametrize("case", CATALOG, ids=repr)
 def test_vmap_on_gpu(case, rng):
     operands = case.make(rng, np.float32)
-    name = case.linear_in[-1]
+    name = case.differentiated[-1]
     batched = np.stack([operands[name] * (b + 1) for b in range(3)])
     fn = jax.jit(lambda x: jinsum.einsum(case.expression, **{**operands, name: x}, sorted_indices=_sorted(operands)))
     check_vmap(fn, (batched,), (0,))
@@ -120,6 +121,56 @@ def test_block_spmm_gradient_over_the_block_columns_fp16(rng):
     expected = np.asarray(A.todense(), np.float64).T @ np.asarray(W, np.float64)
     assert_allclose(grad(A.with_transpose(), B), expected, np.float16)
     assert_allclose(grad(A, B), expected, np.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", EXTREMA, ids=repr)
+def test_extrema_and_their_winners_on_gpu(case, dtype, rng):
+    """max= / min= kernels against float64, and their winners against the XLA lowering's on the same result."""
+    from jinsum import _einsum  # noqa: PLC0415
+
+    operands = case.make(rng, dtype)
+    actual = _jinsum(case, operands)
+    assert_allclose(actual, reference(case.expression, **operands), dtype)
+    statement, arrays, flags = _einsum.prepare(case.expression, operands, sorted_indices=_sorted(operands))
+    spec = _primitive.make_spec(statement, {**arrays, statement.lhs.tensor: actual}, **flags, winners=True)
+    args = [actual if n == spec.lhs.name else arrays[n] for n in spec.names]
+    kernel = jax.jit(lambda *args: _primitive.jinsum_p.bind(*args, spec=spec))(*args)
+    xla = jax.jit(functools.partial(_lower_xla.evaluate, spec=spec))(*args)
+    np.testing.assert_array_equal(kernel, xla)
+
+
+@pytest.mark.parametrize("case", EXTREMA, ids=repr)
+def test_extrema_grads_on_gpu(case, rng):
+    with jax.enable_x64(True):
+        operands = case.make(rng, np.float64)
+
+        def fn(*values):
+            return jinsum.einsum(case.expression, **{**operands, **dict(zip(case.differentiated, values))},
+                                 sorted_indices=_sorted(operands))
+
+        values = tuple(jnp.where(jnp.isinf(operands[n]), -5.0, operands[n]) for n in case.differentiated)
+        check_grads(jax.jit(fn), values, order=2, modes=("fwd", "rev"), eps=1e-4)
+
+
+@pytest.mark.parametrize("features", [16, 256])
+def test_max_aggregation_with_hub_rows(rng, features):
+    """Hub rows split across programs (atomic maxima at the windows' edges) and their gradient at the winners."""
+    rows = np.minimum(rng.zipf(1.5, 60_000), 3000) - 1
+    cols = rng.integers(0, 2000, 60_000)
+    A = jinsum.GroupCOO.from_scipy(sp.csr_matrix((np.ones(60_000, np.float32), (rows, cols)), shape=(3000, 2000)))
+    B = jnp.asarray(rng.standard_normal((2000, features)).astype(np.float32))
+    W = jnp.asarray(rng.standard_normal((3000, features)).astype(np.float32))
+    out = jax.jit(lambda B: jinsum.nn._graph.aggregate_extreme(A, B))(B)
+    dense = A.todense() != 0
+    expected = np.where(dense[:, :, None], np.asarray(B)[None], -np.inf).max(axis=1)
+    assert_allclose(out, np.where(np.isinf(expected), 0, expected), np.float32)
+    grad = jax.jit(jax.grad(lambda B: jnp.sum(jinsum.nn._graph.aggregate_extreme(A, B) * W)))(B)
+    first = np.where(dense[:, :, None], np.asarray(B)[None], -np.inf).argmax(axis=1)  # (ties: none, normal draws)
+    expected_grad = np.zeros((2000, features))
+    has = dense.any(axis=1)
+    np.add.at(expected_grad, (first[has], np.arange(features)[None, :].repeat(has.sum(), 0)), np.asarray(W)[has])
+    assert_allclose(grad, expected_grad, np.float32)
 
 
 def test_autotune_stores_and_reuses_a_config(rng, tmp_path, monkeypatch):

@@ -51,7 +51,7 @@ def test_catalog_forward_and_backward(case, rng):
         return jax.value_and_grad(lambda v: jnp.sum(jnp.sin(
             jinsum.einsum(case.expression, **{**ops, **v}, sorted_indices=rows))))(values)
 
-    _same_bits_every_run(value_and_grads, {n: ops[n] for n in case.linear_in})
+    _same_bits_every_run(value_and_grads, {n: ops[n] for n in case.differentiated})
 
 
 def test_power_law_spmm_gradient_without_the_column_order(rng):

@@ -4,8 +4,6 @@ vmap, a format's padding, NaN, and deterministic mode."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import jax.test_util
@@ -18,64 +16,11 @@ from jinsum import _einsum, _lower_xla, _primitive
 from jinsum._lang import ExpressionError, parse
 from jinsum.testing import assert_allclose, check_vmap, kernel_specs_in, reference
 
+from _catalog import EXTREMA as CASES
+from _catalog import extreme_spmm
 from conftest import ON_GPU
 
-M, K, N, G, P = 13, 11, 6, 17, 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    expression: str
-    make: object  # (rng, dtype) -> operands, every index in range
-    values: tuple[str, ...]  # the value operands, differentiated by the tests
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-def _rows(rng, rows, groups):
-    """Sorted rows: some with several groups (duplicate targets), some with none (they keep their initial value)."""
-    return np.sort(rng.integers(0, rows, groups)).astype(np.int32)
-
-
-def _normal(rng, shape, dtype):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def _spmm(rng, dtype, width=N):
-    return dict(C=_normal(rng, (M, width), dtype), Ai=_rows(rng, M, G),
-                Ak=rng.integers(0, K, (G, P)).astype(np.int32), Av=_normal(rng, (G, P), dtype),
-                B=_normal(rng, (K, width), dtype))
-
-
-def _without(operands, *names):
-    return {k: v for k, v in operands.items() if k not in names}
-
-
-CASES = [
-    Case("spmm_max", "C[Ai[g],n] max= Av[g,p] * B[Ak[g,p],n]", _spmm, ("C", "Av", "B")),
-    Case("gather_min", "C[Ai[g],n] min= B[Ak[g,p],n]", lambda rng, dtype: _without(_spmm(rng, dtype), "Av"),
-         ("C", "B")),
-    Case("wide_gather_max", "C[Ai[g],n] max= B[Ak[g,p],n]",
-         lambda rng, dtype: _without(_spmm(rng, dtype, width=150), "Av"), ("C", "B")),
-    Case("scatter_max", "C[Ak[g,p],n] max= Av[g,p] * B[Ai[g],n]",
-         lambda rng, dtype: dict(C=_normal(rng, (K, N), dtype), Ai=_rows(rng, M, G),
-                                 Ak=rng.integers(0, K, (G, P)).astype(np.int32), Av=_normal(rng, (G, P), dtype),
-                                 B=_normal(rng, (M, N), dtype)), ("C", "Av", "B")),
-    Case("row_min", "C[i] min= A[i,j]", lambda rng, dtype: dict(C=_normal(rng, (M,), dtype),
-                                                                  A=_normal(rng, (M, 37), dtype)), ("C", "A")),
-    Case("dense_max", "C[i,n] max= A[i,k] * B[k,n]",
-         lambda rng, dtype: dict(C=_normal(rng, (M, N), dtype), A=_normal(rng, (M, K), dtype),
-                                 B=_normal(rng, (K, N), dtype)), ("C", "A", "B")),
-    Case("score_max", "S[Ai[g]] max= X[Ai[g],d] * Y[Ak[g,p],d]",
-         lambda rng, dtype: dict(S=_normal(rng, (M,), dtype), Ai=_rows(rng, M, G),
-                                 Ak=rng.integers(0, K, (G, P)).astype(np.int32), X=_normal(rng, (M, 5), dtype),
-                                 Y=_normal(rng, (K, 5), dtype)), ("S", "X", "Y")),
-    Case("pool_max", "Out[b[i],n] max= X[i,n]",
-         lambda rng, dtype: dict(Out=np.full((4, N), -np.inf, dtype), b=_rows(rng, 4, 19),
-                                 X=_normal(rng, (19, N), dtype)), ("X",)),
-]
+M, K, N = 13, 11, 6  # extreme_spmm's
 DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)]
 
 
@@ -158,7 +103,7 @@ def test_xla_lowering_matches_reference(case, dtype, rng):
 
 
 def test_an_omitted_left_hand_side_starts_at_the_identity(rng):
-    operands = _without(_spmm(rng, np.float32), "C", "Av")
+    operands = {k: v for k, v in extreme_spmm(rng, np.float32).items() if k not in ("C", "Av")}
     rows = jax.ShapeDtypeStruct((M, N), np.float32)
     high = jinsum.einsum("C[Ai[g],n] max= B[Ak[g,p],n]", C=rows, **operands)
     low = jinsum.einsum("C[Ai[g],n] min= B[Ak[g,p],n]", C=rows, **operands)
@@ -182,7 +127,7 @@ def test_a_format_reduces_over_its_entries_only(rng):
 
 
 def test_nan_terms_propagate(rng):
-    operands = _spmm(rng, np.float32)
+    operands = extreme_spmm(rng, np.float32)
     operands["B"][operands["Ak"][5, 1], 2] = np.nan
     row = operands["Ai"][5]
     out = np.asarray(jinsum.einsum("C[Ai[g],n] max= Av[g,p] * B[Ak[g,p],n]", **operands))
@@ -237,9 +182,9 @@ def _as_function(case, operands):
     statement, arrays, flags = _prepare(case, operands)
 
     def fn(*values):
-        return _primitive.bind(statement, {**arrays, **dict(zip(case.values, values))}, **flags)
+        return _primitive.bind(statement, {**arrays, **dict(zip(case.differentiated, values))}, **flags)
 
-    return fn, tuple(arrays[n] for n in case.values)
+    return fn, tuple(arrays[n] for n in case.differentiated)
 
 
 @pytest.mark.parametrize("case", CASES, ids=repr)
@@ -269,7 +214,7 @@ def test_the_initial_value_keeps_its_gradient_where_it_stands():
 
 
 def test_vmap_equals_a_loop(rng):
-    operands = _spmm(rng, np.float32)
+    operands = extreme_spmm(rng, np.float32)
     expression = "C[Ai[g],n] max= Av[g,p] * B[Ak[g,p],n]"
     fn = lambda B, Ak: jinsum.einsum(expression, **{**operands, "B": B, "Ak": Ak})
     Bs = jnp.stack([operands["B"], -operands["B"]])

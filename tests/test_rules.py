@@ -21,8 +21,8 @@ def x64():
 def _as_function(case, operands):
     """The case as a function of its linear value operands (the others held fixed)."""
     def fn(*values):
-        return jinsum.einsum(case.expression, **{**operands, **dict(zip(case.linear_in, values))})
-    return fn, tuple(operands[name] for name in case.linear_in)
+        return jinsum.einsum(case.expression, **{**operands, **dict(zip(case.differentiated, values))})
+    return fn, tuple(operands[name] for name in case.differentiated)
 
 
 @pytest.mark.parametrize("case", CATALOG, ids=repr)
@@ -48,7 +48,7 @@ def test_vmap_over_each_value_operand_equals_a_loop(case, rng):
 def test_vmap_over_an_index_array_and_values_together(case, rng):
     draws = [case.make(rng, np.float64) for _ in range(3)]
     index = next(n for n in ("Ak", "C", "P") if n in draws[0] and np.issubdtype(draws[0][n].dtype, np.integer))
-    value = case.linear_in[-1]
+    value = case.differentiated[-1]
 
     def fn(index_array, value_array):
         return jinsum.einsum(case.expression, **{**draws[0], index: index_array, value: value_array})

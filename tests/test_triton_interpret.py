@@ -77,10 +77,10 @@ def _derived_specs():
         def loss(values, case=case, operands=operands, sorted_rows=sorted_rows):
             return jnp.sum(jinsum.einsum(case.expression, **{**operands, **values}, sorted_indices=sorted_rows) ** 2)
 
-        values = {n: operands[n] for n in case.linear_in}
+        values = {n: operands[n] for n in case.differentiated}
         for spec in specs_in(jax.grad(loss), values):
             derived.setdefault(str(spec.statement), spec)
-        name = case.linear_in[-1]
+        name = case.differentiated[-1]
         batched = np.stack([operands[name]] * 3)
         for spec in specs_in(jax.vmap(lambda x, case=case, operands=operands, name=name, s=sorted_rows: jinsum.einsum(
                 case.expression, **{**operands, name: x}, sorted_indices=s)), batched):

@@ -13,6 +13,7 @@ multi-head SpMM), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` 
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
 from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
+from jinsum.nn._edge_conv import EdgeConv as EdgeConv
 from jinsum.nn._gat import GATConv as GATConv
 from jinsum.nn._gcn import GCNConv as GCNConv
 from jinsum.nn._gin import GINConv as GINConv

@@ -1,4 +1,4 @@
-"""GraphSAGE convolution with mean aggregation (Hamilton et al., 2017) on a sparse adjacency."""
+"""GraphSAGE convolution (Hamilton et al., 2017) on a sparse adjacency, with mean, sum or max aggregation."""
 
 from __future__ import annotations
 
@@ -7,36 +7,51 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.nn._graph import aggregate, expect_adjacency, row_sums
+from jinsum.nn._graph import aggregate, aggregate_extreme, expect_adjacency, row_sums
+
+AGGREGATIONS = ("mean", "sum", "max")
 
 
 class SAGEConv(nnx.Module):
-    """`out_i = W_l mean_{j -> i} x_j + W_r x_i + b`.
+    """`out_i = W_l aggr_{j -> i} x_j + W_r x_i + b`, optionally L2-normalised (PyG's `SAGEConv`).
 
-    The mean is weighted by the edge values: `(A @ x)_i / deg_i` with `deg = rowsum(A)` (the number of in-edges
-    for an unweighted graph), one sorted segment sum `D[Ai[g]] += Av[g,p]` and one SpMM. Nodes without
-    in-edges aggregate 0. Because the mean commutes with `W_l`, the SpMM runs on whichever of `x` and `x W_l`
-    is narrower.
+    Aggregations over each node's in-edges:
+    - `"mean"` (the default), weighted by the edge values: `(A @ x)_i / deg_i` with `deg = rowsum(A)` (the number of
+      in-edges for an unweighted graph), one sorted segment sum `D[Ai[g]] += Av[g,p]` and one SpMM;
+    - `"sum"`: `(A @ x)_i`, weighted by the edge values;
+    - `"max"`: the elementwise maximum of the in-neighbours' features, `C[Ai[g],n] max= x[Ak[g,p],n]` (edge values
+      ignored); its gradient goes to each output element's first maximal neighbour.
+    Nodes without in-edges aggregate 0. Sums and means commute with `W_l`, so their SpMM runs on whichever of `x` and
+    `x W_l` is narrower; the maximum takes `x` (or its projection).
 
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`.
 
     Example:
       >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
-      >>> sage = jinsum.nn.SAGEConv(16, 32, rngs=nnx.Rngs(0))
+      >>> sage = jinsum.nn.SAGEConv(16, 32, aggr="max", rngs=nnx.Rngs(0))
       >>> y = sage(x, A)                                             # (N, 32)
     """
 
-    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, root_weight: bool = True,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, out_features: int, *, aggr: str = "mean", normalize: bool = False,
+                 project: bool = False, use_bias: bool = True, root_weight: bool = True, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
           in_features, out_features: feature sizes of the input and the output.
+          aggr: `"mean"`, `"sum"` or `"max"` over each node's in-edges.
+          normalize: L2-normalise each output row (as `torch.nn.functional.normalize`, eps 1e-12).
+          project: first replace the neighbours' features by `ReLU(W_p x + b_p)` (a learned `in -> in` layer).
           use_bias: add a learned bias `b`.
           root_weight: add the node's own transformed features `W_r x_i`.
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
           rngs: initialises the weights.
         """
+        if aggr not in AGGREGATIONS:
+            raise ValueError(f"SAGEConv: aggr must be one of {AGGREGATIONS}, got {aggr!r}")
+        self.aggr, self.normalize = aggr, normalize
+        self.project = (nnx.Linear(in_features, in_features, param_dtype=param_dtype, rngs=rngs) if project
+                        else None)
         self.lin_neighbors = nnx.Linear(in_features, out_features, use_bias=False, param_dtype=param_dtype,
                                         rngs=rngs)
         self.lin_root = (nnx.Linear(in_features, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
@@ -44,14 +59,25 @@ class SAGEConv(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
-        """`x` `(N, in_features)`, `A` a `GroupCOO` or `BlockGroupCOO` `(N, N)` -> `(N, out_features)`."""
-        expect_adjacency("SAGEConv", A, x, (GroupCOO, BlockGroupCOO), self.lin_neighbors.in_features)
-        deg = row_sums(A, x.dtype)[:, None]
-        inv_deg = 1 / jnp.where(deg != 0, deg, 1)
-        if self.lin_neighbors.out_features < self.lin_neighbors.in_features:
-            out = aggregate(A, self.lin_neighbors(x)) * inv_deg
+        """`x` `(N, in_features)`, `A` a `GroupCOO` (or, for mean and sum, a `BlockGroupCOO`) `(N, N)` ->
+        `(N, out_features)`."""
+        formats = (GroupCOO,) if self.aggr == "max" else (GroupCOO, BlockGroupCOO)
+        expect_adjacency("SAGEConv", A, x, formats, self.lin_neighbors.in_features)
+        neighbors = x if self.project is None else jax.nn.relu(self.project(x))
+        if self.aggr == "max":
+            out = self.lin_neighbors(aggregate_extreme(A, neighbors, "max"))
         else:
-            out = self.lin_neighbors(aggregate(A, x) * inv_deg)
+            scale = 1
+            if self.aggr == "mean":
+                deg = row_sums(A, x.dtype)[:, None]
+                scale = 1 / jnp.where(deg != 0, deg, 1)
+            if self.lin_neighbors.out_features < self.lin_neighbors.in_features:
+                out = aggregate(A, self.lin_neighbors(neighbors)) * scale
+            else:
+                out = self.lin_neighbors(aggregate(A, neighbors) * scale)
         if self.lin_root is not None:
             out = out + self.lin_root(x)
-        return out if self.bias is None else out + self.bias[...]
+        out = out if self.bias is None else out + self.bias[...]
+        if self.normalize:
+            out = out / jnp.maximum(jnp.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
+        return out

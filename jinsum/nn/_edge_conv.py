@@ -1,0 +1,72 @@
+"""Edge convolution (Wang et al., 2019, "Dynamic Graph CNN"): a maximum of edge messages over each node's in-edges."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jinsum
+from jinsum.formats import GroupCOO
+from jinsum.nn._graph import aggregate_extreme, expect_adjacency
+
+
+class EdgeConv(nnx.Module):
+    """`out_i = max_{j -> i} h([x_i, x_j - x_i])` (PyG's `EdgeConv` with `aggr="max"`); 0 for nodes without in-edges.
+
+    With the default `h`, a linear layer `W [x_i, x_j - x_i] + b = (W_1 - W_2) x_i + b + W_2 x_j`, the maximum over
+    `j` only involves `W_2 x_j`: the layer is two dense products and one max aggregation over the adjacency,
+    `C[Ai[g],n] max= H[Ak[g,p],n]`, with no per-edge work at all. Any other `h` (an MLP, given as `nn`) runs per
+    stored edge: the endpoints' features gathered into `(G, P, F)` slots, `h` on them, and the maximum over each
+    row's slots, `C[Ai[g],n] max= M[g,p,n]` (group padding left out). Either way the gradient goes to each output
+    element's first maximal edge. Edge values are ignored.
+
+    Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] != 0` for each edge -> `(N, out_features)`.
+
+    Example:
+      >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
+      >>> conv = jinsum.nn.EdgeConv(16, 32, rngs=nnx.Rngs(0))         # h = Linear(32 -> 32)
+      >>> y = conv(x, A)                                             # (N, 32)
+      >>> mlp = nnx.Sequential(nnx.Linear(32, 64, rngs=rngs), nnx.relu, nnx.Linear(64, 32, rngs=rngs))
+      >>> y = jinsum.nn.EdgeConv(16, 32, nn=mlp, rngs=rngs)(x, A)    # per-edge messages
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, nn: Callable[[jax.Array], jax.Array] | None = None,
+                 use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        """Creates the parameters.
+
+        Args:
+          in_features: feature size `F` of the input.
+          out_features: feature size of the output (of `nn`'s output, if given).
+          nn: the message function `h`, from `(..., 2 F)` to `(..., out_features)`; defaults to a linear layer.
+          use_bias: the default linear layer's bias (ignored with `nn`).
+          param_dtype: dtype of the default layer's parameters.
+          rngs: initialises the default layer.
+        """
+        self.in_features, self.out_features = in_features, out_features
+        self.nn = nn if nn is not None else nnx.Linear(2 * in_features, out_features, use_bias=use_bias,
+                                                       param_dtype=param_dtype, rngs=rngs)
+        self.linear = nn is None
+
+    def __call__(self, x: jax.Array, A: GroupCOO) -> jax.Array:
+        """`x` `(N, in_features)`, `A` a `GroupCOO` `(N, N)` -> `(N, out_features)`."""
+        expect_adjacency("EdgeConv", A, x, in_features=self.in_features)
+        if self.linear:
+            kernel = self.nn.kernel[...]
+            center, neighbor = kernel[: self.in_features], kernel[self.in_features:]
+            root = x @ (center - neighbor)
+            if self.nn.bias is not None:
+                root = root + self.nn.bias[...]
+            largest = aggregate_extreme(A, x @ neighbor, empty=None)
+            return jnp.where(largest == -jnp.inf, 0, root + largest)
+        G, P = A.Ak.shape
+        center = jnp.broadcast_to(x[A.Ai][:, None, :], (G, P, x.shape[1]))
+        neighbor = jinsum.einsum("M[g,p,n] = X[Ak[g,p],n]", M=jax.ShapeDtypeStruct((G, P, x.shape[1]), x.dtype),
+                                 X=x, A=A)
+        messages = self.nn(jnp.concatenate([center, neighbor - center], axis=-1))
+        messages = jnp.where((A.Av != 0)[:, :, None], messages, -jnp.inf)  # group padding takes no part
+        out = jinsum.einsum("C[Ai[g],n] max= M[g,p,n]", A=A, M=messages,
+                            C=jax.ShapeDtypeStruct((x.shape[0], messages.shape[-1]), messages.dtype))
+        return jnp.where(out == -jnp.inf, 0, out)

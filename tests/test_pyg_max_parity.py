@@ -1,0 +1,79 @@
+"""The max-aggregation layers against PyTorch Geometric in float64, PyG's weights copied in: `SAGEConv` (every
+`aggr`, `normalize`, `project`) and `EdgeConv` (linear and MLP messages); outputs and input gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jinsum.nn as jnn
+
+torch = pytest.importorskip("torch")
+pyg = pytest.importorskip("torch_geometric.nn", reason="the parity tests need torch_geometric (the test extra)")
+
+N, F_IN, F_OUT = 23, 5, 4
+
+
+def _edges(rng, num_edges=70):
+    """Random edges without duplicates, nodes 0 and 1 without in-edges, a self loop on node 3."""
+    src, dst = rng.integers(0, N, num_edges), rng.integers(2, N, num_edges)
+    src[0], dst[0] = 3, 3
+    return np.unique(np.stack([src, dst]), axis=1)
+
+
+def _copy_linear(ours: nnx.Linear, theirs) -> None:
+    ours.kernel[...] = jnp.asarray(theirs.weight.detach().numpy().T)
+    if ours.bias is not None:
+        ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
+
+
+def _compare(ours, theirs, x, edge_index, rng):
+    """Outputs and the gradient of a random linear functional of the output with respect to `x`."""
+    A = jnn.adjacency(edge_index, N)
+    x_torch = torch.tensor(x, requires_grad=True)
+    expected = theirs(x_torch, torch.from_numpy(edge_index))
+    probe = rng.standard_normal(expected.shape)
+    (expected * torch.from_numpy(probe)).sum().backward()
+    out = ours(jnp.asarray(x), A)
+    grad = jax.grad(lambda x: (ours(x, A) * probe).sum())(jnp.asarray(x))
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("aggr", ["mean", "sum", "max"])
+@pytest.mark.parametrize("normalize, project", [(False, False), (True, True)])
+def test_sage(aggr, normalize, project, rng):
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        theirs = pyg.SAGEConv(F_IN, F_OUT, aggr=aggr, normalize=normalize, project=project).double()
+        ours = jnn.SAGEConv(F_IN, F_OUT, aggr=aggr, normalize=normalize, project=project, param_dtype=jnp.float64,
+                            rngs=nnx.Rngs(0))
+        _copy_linear(ours.lin_neighbors, theirs.lin_l)
+        ours.bias[...] = jnp.asarray(theirs.lin_l.bias.detach().numpy())
+        _copy_linear(ours.lin_root, theirs.lin_r)
+        if project:
+            _copy_linear(ours.project, theirs.lin)
+        _compare(ours, theirs, rng.standard_normal((N, F_IN)), _edges(rng), rng)
+
+
+@pytest.mark.parametrize("mlp", [False, True], ids=["linear", "mlp"])
+def test_edge_conv(mlp, rng):
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        if mlp:
+            theirs = pyg.EdgeConv(torch.nn.Sequential(torch.nn.Linear(2 * F_IN, 7), torch.nn.Tanh(),
+                                                      torch.nn.Linear(7, F_OUT))).double()
+            rngs = nnx.Rngs(0)
+            nn = nnx.Sequential(nnx.Linear(2 * F_IN, 7, param_dtype=jnp.float64, rngs=rngs), jnp.tanh,
+                                nnx.Linear(7, F_OUT, param_dtype=jnp.float64, rngs=rngs))
+            _copy_linear(nn.layers[0], theirs.nn[0])  # (after PyG's constructor, which draws its weights again)
+            _copy_linear(nn.layers[2], theirs.nn[2])
+            ours = jnn.EdgeConv(F_IN, F_OUT, nn=nn, rngs=rngs)
+        else:
+            theirs = pyg.EdgeConv(torch.nn.Linear(2 * F_IN, F_OUT)).double()
+            ours = jnn.EdgeConv(F_IN, F_OUT, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+            _copy_linear(ours.nn, theirs.nn)
+        _compare(ours, theirs, rng.standard_normal((N, F_IN)), _edges(rng), rng)
