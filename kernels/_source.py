@@ -56,7 +56,8 @@ class _Writer:
         self.loaded: dict[tuple[str, str], str] = {}
         self.masks: dict[tuple[str, str], str] = {}  # where each load reads in range ("" where it always does)
         self.helpers: set[str] = set()
-        self.acc_type = "tl.float64" if plan.out_dtype == np.float64 else "tl.float32"
+        # Values are multiplied and accumulated in float32, float64 for float64 results (winners: those located).
+        self.acc_type = "tl.float64" if np.float64 in (plan.out_dtype, plan.spec.lhs.dtype) else "tl.float32"
         self.tiled = {*plan.tile_vars, self.inner_tile} - {None}
         self.lhs_role = "out"
         self.level = self._levels()
