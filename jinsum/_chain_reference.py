@@ -2,7 +2,7 @@
 
 Each statement of the chain is one jinsum statement, and what lies between them is plain XLA: the scores
 `S[...] = Q[...] * K[...]` (an SDDMM, materialised), the scale, `score_mod` and the masks elementwise, the row
-maximum a `segment_max`, the weights `exp(S - max)`, their row sums a `segment_sum`, and the output the SpMM
+maximum `LSE[...] max= S[...]`, the weights `exp(S - max)`, their row sums a `segment_sum`, and the output the SpMM
 `O[...] += P[...] * V[...]` divided by the row sums. On CUDA the two statements still get their generated
 kernels; only the fusion is missing. Its derivatives are JAX's own (`jax.vjp` / `jax.jvp` of `forward`), so this
 module is also the reference that the fused kernels' backward is tested against.
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum import _dropout, _primitive
-from jinsum._lang import Access, Var
+from jinsum._lang import Access, Statement, Var
 from jinsum._lang._chain import Chain
 
 
@@ -49,11 +49,14 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
     lse_shape = chain.operand["LSE"].shape
     segment = jnp.broadcast_to(at.flat_index(chain.lse, lse_shape), s_shape).reshape(-1)
     rows = math.prod(lse_shape)
-    row_max = jax.ops.segment_max(jnp.where(allowed, S, -jnp.inf).reshape(-1), segment, rows).reshape(lse_shape)
+    # The shift only keeps exp() in range; it cancels, so it carries no gradient (and the maximum needs no winners).
+    row_max = _primitive.bind(Statement(chain.lse, True, (Access("S", scores.statement.lhs.indices),), reduction="max"),
+                              {**arrays, "S": jax.lax.stop_gradient(jnp.where(allowed, S, -jnp.inf)),
+                               "LSE": jnp.full(lse_shape, -jnp.inf, precision)},
+                              sorted_indices=frozenset({"Ai"}), deterministic=chain.output.deterministic)
     if chain.self_loops:
         self_scores = _self_scores(chain, arrays, lse_shape)
         row_max = jnp.maximum(row_max, self_scores)
-    # The shift only keeps exp() in range; it cancels, so it carries no gradient.
     shift = jax.lax.stop_gradient(jnp.where(jnp.isneginf(row_max), 0, row_max))
     # Masking the exponent (not its result) keeps masked weights at exactly 0 with zero gradient.
     weights = jnp.exp(jnp.where(allowed, S - shift.reshape(-1)[segment].reshape(s_shape), -jnp.inf))
