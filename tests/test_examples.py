@@ -16,8 +16,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RUNS = {
     "gcn/main.py": (["--smoke"], ["jinsum GCNConv", "jax.experimental.sparse BCOO"]),
     "gat/main.py": (["--smoke"], ["jinsum GATConv", "gathers + jax.ops.segment_*"]),
-    "graphsage_gin/main.py": (["--smoke"], ["pubmed GraphSAGE jinsum", "pubmed GIN segment_sum",
-                                            "rmat8 GraphSAGE segment_sum", "rmat8 GIN jinsum"]),
+    "graphsage_gin/main.py": (["--smoke"], ["pubmed GraphSAGE jinsum", "pubmed GIN segment ops",
+                                            "rmat8 GraphSAGE segment ops", "rmat8 GIN jinsum",
+                                            "pubmed GraphSAGE-max jinsum", "rmat8 GraphSAGE-max segment ops"]),
     "rgcn/main.py": (["--smoke"], ["jinsum RGCNConv, 6 relations", "segment_sum RGCN, 6 relations",
                                    "jinsum RGCNConv, relations merged"]),
     "block_sparse_attention/main.py": (["--smoke"], ["jinsum block_sparse_attention", "dense dot_product_attention"]),
