@@ -18,6 +18,10 @@ from jinsum.nn._gat import GATConv as GATConv
 from jinsum.nn._gcn import GCNConv as GCNConv
 from jinsum.nn._gin import GINConv as GINConv
 from jinsum.nn._graph import adjacency as adjacency
+from jinsum.nn._pool import batch_graphs as batch_graphs
+from jinsum.nn._pool import global_add_pool as global_add_pool
+from jinsum.nn._pool import global_max_pool as global_max_pool
+from jinsum.nn._pool import global_mean_pool as global_mean_pool
 from jinsum.nn._rgcn import RelationalGraph as RelationalGraph
 from jinsum.nn._rgcn import RGCNConv as RGCNConv
 from jinsum.nn._rgcn import relational_graph as relational_graph

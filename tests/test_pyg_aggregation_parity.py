@@ -1,5 +1,6 @@
-"""The max-aggregation layers against PyTorch Geometric in float64, PyG's weights copied in: `SAGEConv` (every
-`aggr`, `normalize`, `project`) and `EdgeConv` (linear and MLP messages); outputs and input gradients."""
+"""Aggregations against PyTorch Geometric in float64, PyG's weights copied in: `SAGEConv` (every `aggr`, `normalize`,
+`project`), `EdgeConv` (linear and MLP messages) and the global pools over a batch of graphs; outputs and input
+gradients."""
 
 from __future__ import annotations
 
@@ -77,3 +78,50 @@ def test_edge_conv(mlp, rng):
             ours = jnn.EdgeConv(F_IN, F_OUT, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
             _copy_linear(ours.nn, theirs.nn)
         _compare(ours, theirs, rng.standard_normal((N, F_IN)), _edges(rng), rng)
+
+
+def _graphs(rng, count=5):
+    """Small graphs of 1 to 9 nodes (one without edges), as PyG's `Batch` would hold them."""
+    sizes = rng.integers(1, 10, count)
+    edges = [np.unique(rng.integers(0, n, (2, 3 * n)), axis=1) if k else np.zeros((2, 0), np.int64)
+             for k, n in enumerate(sizes)]
+    return edges, [int(n) for n in sizes]
+
+
+@pytest.mark.parametrize("pool", ["global_add_pool", "global_mean_pool", "global_max_pool"])
+def test_global_pools(pool, rng):
+    import torch_geometric.nn.pool as pyg_pool  # noqa: PLC0415
+
+    edges, sizes = _graphs(rng)
+    A, batch = jnn.batch_graphs(edges, sizes)
+    with jax.enable_x64(True):
+        x = rng.standard_normal((sum(sizes), 3))
+        probe = rng.standard_normal((len(sizes), 3))
+        x_torch = torch.tensor(x, requires_grad=True)
+        expected = getattr(pyg_pool, pool)(x_torch, torch.from_numpy(np.asarray(batch, np.int64)), len(sizes))
+        (expected * torch.from_numpy(probe)).sum().backward()
+        ours = getattr(jnn, pool)
+        out = jax.jit(ours, static_argnums=2)(jnp.asarray(x), batch, len(sizes))
+        grad = jax.grad(lambda x: (ours(x, batch, len(sizes)) * probe).sum())(jnp.asarray(x))
+        np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_batch_graphs_is_block_diagonal(rng):
+    edges, sizes = _graphs(rng)
+    A, batch = jnn.batch_graphs(edges, sizes)
+    offsets = np.cumsum([0, *sizes])
+    dense = np.zeros((offsets[-1],) * 2)
+    for e, o in zip(edges, offsets):
+        np.add.at(dense, (e[1] + o, e[0] + o), 1)
+    np.testing.assert_array_equal(A.todense(), dense)
+    np.testing.assert_array_equal(batch, np.repeat(np.arange(len(sizes)), sizes))
+
+
+def test_pool_and_batch_errors(rng):
+    with pytest.raises(ValueError, match="graph 1 has 3 nodes"):
+        jnn.batch_graphs([np.zeros((2, 0), int), np.array([[0], [3]])], [2, 3])
+    with pytest.raises(ValueError, match="batch must be sorted"):
+        jnn.global_add_pool(jnp.ones((3, 2)), jnp.array([1, 0, 1]), 2)
+    with pytest.raises(TypeError, match="num_graphs must be a Python int"):
+        jnn.global_max_pool(jnp.ones((3, 2)), jnp.array([0, 0, 1]), 2.0)

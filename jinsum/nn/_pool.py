@@ -1,0 +1,85 @@
+"""Graph-level work on many small graphs: a batch of graphs as one block-diagonal adjacency plus a `batch` vector,
+and the readouts `global_add_pool`, `global_mean_pool`, `global_max_pool` as indirect Einsums over it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jinsum
+from jinsum.formats import GroupCOO
+from jinsum.nn._graph import adjacency
+
+
+def batch_graphs(edge_indices: Sequence, num_nodes: Sequence[int], *, group_size: int | None = None
+                 ) -> tuple[GroupCOO, jax.Array]:
+    """Many small graphs as one: their block-diagonal adjacency and each node's graph (PyG's `Batch`).
+
+    Runs on the host: call it once per batch, outside the jitted step. Graph `k`'s nodes are numbered after those
+    of graphs `0 .. k-1`, so a layer of `jinsum.nn` runs on all graphs at once and the pools below read each graph's
+    rows.
+
+    Args:
+      edge_indices: per graph, an int `(2, E_k)` edge index (sources, destinations) over its own nodes.
+      num_nodes: per graph, its number of nodes `N_k`.
+      group_size: as for `jinsum.nn.adjacency`.
+
+    Returns:
+      `(A, batch)`: the `(N, N)` adjacency (`jinsum.nn.adjacency` of all edges, `N = sum N_k`) and int32 `(N,)`
+      `batch`, node -> graph, sorted.
+
+    Example:
+      >>> A, batch = jinsum.nn.batch_graphs([e0, e1, e2], [n0, n1, n2])
+      >>> h = jinsum.nn.GINConv(mlp)(x, A)                  # every graph at once
+      >>> readout = jinsum.nn.global_add_pool(h, batch, 3)  # (3, F)
+    """
+    if len(edge_indices) != len(num_nodes):
+        raise ValueError(f"batch_graphs: got {len(edge_indices)} edge indices but {len(num_nodes)} node counts")
+    offsets = np.concatenate([[0], np.cumsum(num_nodes)]).astype(np.int64)
+    edges = []
+    for k, (edge_index, n) in enumerate(zip(edge_indices, num_nodes)):
+        edge_index = np.asarray(edge_index)
+        if edge_index.ndim != 2 or edge_index.shape[0] != 2:
+            raise ValueError(f"batch_graphs: graph {k}'s edge index must have shape (2, E), got {edge_index.shape}")
+        if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= n):
+            raise ValueError(f"batch_graphs: graph {k} has {n} nodes but its edge index holds node "
+                             f"{edge_index.max() if edge_index.max() >= n else edge_index.min()}")
+        edges.append(edge_index + offsets[k])
+    batch = np.repeat(np.arange(len(num_nodes), dtype=np.int32), np.asarray(num_nodes))
+    edge_index = np.concatenate(edges, axis=1) if edges else np.zeros((2, 0), np.int64)
+    return adjacency(edge_index, int(offsets[-1]), group_size=group_size), jnp.asarray(batch)
+
+
+def global_add_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
+    """Per graph, the sum of its nodes' rows: `P[b[i],n] += X[i,n]`, a sorted segment reduction (`batch` sorted,
+    as `batch_graphs` makes it). `(num_graphs, F)` from `x` `(N, F)`."""
+    return _pool("+=", x, batch, num_graphs)
+
+
+def global_mean_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
+    """Per graph, the mean of its nodes' rows (0 for a graph without nodes): the sum over the node count."""
+    counts = _pool("+=", jnp.ones((x.shape[0], 1), x.dtype), batch, num_graphs)
+    return _pool("+=", x, batch, num_graphs) / jnp.maximum(counts, 1)
+
+
+def global_max_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
+    """Per graph, the elementwise maximum of its nodes' rows: `P[b[i],n] max= X[i,n]` (0 for a graph without
+    nodes, as PyG); the gradient goes to each element's first maximal node."""
+    out = _pool("max=", x, batch, num_graphs)
+    return jnp.where(out == -jnp.inf, 0, out)
+
+
+def _pool(op: str, x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
+    if x.ndim != 2 or jnp.shape(batch) != (x.shape[0],):
+        raise ValueError(f"global pooling: expected node features (N, F) and a batch vector (N,), got "
+                         f"{tuple(x.shape)} and {tuple(jnp.shape(batch))}")
+    if not isinstance(num_graphs, (int, np.integer)) or num_graphs < 0:
+        raise TypeError(f"global pooling: num_graphs must be a Python int (the output's static size), got "
+                        f"{num_graphs!r}")
+    if not isinstance(batch, jax.core.Tracer) and (np.diff(np.asarray(batch)) < 0).any():
+        raise ValueError("global pooling: batch must be sorted, graph by graph (as batch_graphs numbers the nodes)")
+    pooled = jax.ShapeDtypeStruct((int(num_graphs), x.shape[1]), x.dtype)
+    return jinsum.einsum(f"P[b[i],n] {op} X[i,n]", P=pooled, b=batch, X=x, sorted_indices=("b",))
