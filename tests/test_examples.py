@@ -19,6 +19,7 @@ RUNS = {
     "graphsage_gin/main.py": (["--smoke"], ["pubmed GraphSAGE jinsum", "pubmed GIN segment ops",
                                             "rmat8 GraphSAGE segment ops", "rmat8 GIN jinsum",
                                             "pubmed GraphSAGE-max jinsum", "rmat8 GraphSAGE-max segment ops"]),
+    "graph_classification/main.py": (["--smoke"], ["jinsum GINConv + global pools", "segment ops GIN + segment pools"]),
     "rgcn/main.py": (["--smoke"], ["jinsum RGCNConv, 6 relations", "segment_sum RGCN, 6 relations",
                                    "jinsum RGCNConv, relations merged"]),
     "block_sparse_attention/main.py": (["--smoke"], ["jinsum block_sparse_attention", "dense dot_product_attention"]),
