@@ -125,3 +125,48 @@ def test_pool_and_batch_errors(rng):
         jnn.global_add_pool(jnp.ones((3, 2)), jnp.array([1, 0, 1]), 2)
     with pytest.raises(TypeError, match="num_graphs must be a Python int"):
         jnn.global_max_pool(jnp.ones((3, 2)), jnp.array([0, 0, 1]), 2.0)
+
+
+def _without_self_loops(edge_index):
+    """PyG's GCN normalisation replaces a stored self loop (`add_remaining_self_loops`); jinsum's adds to it."""
+    return edge_index[:, edge_index[0] != edge_index[1]]
+
+
+def _compare_weighted(ours, theirs, x, edge_index, weights, rng, **kwargs):
+    A = jnn.adjacency(edge_index, N, values=weights)
+    x_torch = torch.tensor(x, requires_grad=True)
+    expected = theirs(x_torch, torch.from_numpy(edge_index), torch.from_numpy(weights), **kwargs)
+    probe = rng.standard_normal(expected.shape)
+    (expected * torch.from_numpy(probe)).sum().backward()
+    out = jax.jit(lambda x, A: ours(x, A))(jnp.asarray(x), A)
+    grad = jax.grad(lambda x: (ours(x, A) * probe).sum())(jnp.asarray(x))
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer", ["GCNConv improved", "SGConv K=3", "APPNP", "GraphConv add", "GraphConv mean",
+                                   "GraphConv max"])
+def test_propagation_layers(layer, rng):
+    edge_index = _without_self_loops(_edges(rng))
+    weights = rng.uniform(0.5, 2.0, edge_index.shape[1])
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        f64 = dict(param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        if layer == "GCNConv improved":
+            theirs = pyg.GCNConv(F_IN, F_OUT, improved=True).double()
+            ours = jnn.GCNConv(F_IN, F_OUT, improved=True, **f64)
+            _copy_linear(ours.linear, theirs.lin)
+            ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
+        elif layer == "SGConv K=3":
+            theirs = pyg.SGConv(F_IN, F_OUT, K=3).double()
+            ours = jnn.SGConv(F_IN, F_OUT, K=3, **f64)
+            _copy_linear(ours.linear, theirs.lin)
+        elif layer == "APPNP":
+            theirs, ours = pyg.APPNP(K=4, alpha=0.2).double(), jnn.APPNP(K=4, alpha=0.2)
+        else:
+            aggr = layer.split()[1]
+            theirs = pyg.GraphConv(F_IN, F_OUT, aggr=aggr).double()
+            ours = jnn.GraphConv(F_IN, F_OUT, aggr=aggr, **f64)
+            _copy_linear(ours.lin_rel, theirs.lin_rel)
+            _copy_linear(ours.lin_root, theirs.lin_root)
+        _compare_weighted(ours, theirs, rng.standard_normal((N, F_IN)), edge_index, weights, rng)

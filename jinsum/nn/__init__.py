@@ -6,8 +6,10 @@ Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on t
     conv = jinsum.nn.GCNConv(F, 64, rngs=nnx.Rngs(0))
     y = nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A)
 
-Layers: `GCNConv`, `SAGEConv`, `GINConv` (SpMM; also on a `BlockGroupCOO`), `GATConv` (SDDMM, edge softmax,
-multi-head SpMM), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`.
+Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (mean, sum or max aggregation),
+`GINConv` (SpMM; also on a `BlockGroupCOO`), `GraphConv`, `EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax,
+multi-head SpMM), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. Many small
+graphs: `batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`.
 """
 
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
@@ -15,9 +17,12 @@ from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
 from jinsum.nn._gat import GATConv as GATConv
+from jinsum.nn._gcn import APPNP as APPNP
 from jinsum.nn._gcn import GCNConv as GCNConv
+from jinsum.nn._gcn import SGConv as SGConv
 from jinsum.nn._gin import GINConv as GINConv
 from jinsum.nn._graph import adjacency as adjacency
+from jinsum.nn._graph_conv import GraphConv as GraphConv
 from jinsum.nn._pool import batch_graphs as batch_graphs
 from jinsum.nn._pool import global_add_pool as global_add_pool
 from jinsum.nn._pool import global_max_pool as global_max_pool

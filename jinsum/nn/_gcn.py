@@ -1,4 +1,5 @@
-"""Graph convolution (Kipf & Welling, 2017) on a sparse adjacency."""
+"""Graph convolution (Kipf & Welling, 2017) on a sparse adjacency, and the layers that propagate with its
+normalised adjacency: SGConv (Wu et al., 2019) and APPNP (Klicpera et al., 2019)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.nn._graph import aggregate, expect_adjacency, row_sums
 
 
+def gcn_scale(A: GroupCOO | BlockGroupCOO, dtype, self_loops: float = 1.0) -> jax.Array:
+    """`deg^-1/2` as a column `(N, 1)`, with `deg = rowsum(A) + self_loops` (a sorted segment sum over the stored
+    entries); 0 where the degree is <= 0, as in PyG."""
+    deg = row_sums(A, dtype) + self_loops
+    # Isolated nodes have degree 0: scale them by 0 rather than inf; the inner where keeps the gradient finite.
+    return jnp.where(deg > 0, jax.lax.rsqrt(jnp.where(deg > 0, deg, 1)), 0)[:, None]
+
+
+def gcn_propagate(A: GroupCOO | BlockGroupCOO, h: jax.Array, scale: jax.Array, self_loops: float = 1.0) -> jax.Array:
+    """`D^-1/2 (A + self_loops I) D^-1/2 h` with `scale = gcn_scale(A, ..., self_loops)`: one SpMM; the self loops
+    and the normalisation never rebuild the adjacency."""
+    h = h * scale
+    return (aggregate(A, h) + self_loops * h) * scale
+
+
 class GCNConv(nnx.Module):
     """`out = D^-1/2 (A + I) D^-1/2 x W + b`, with `D` the (weighted) degree of `A + I`.
 
@@ -17,7 +33,8 @@ class GCNConv(nnx.Module):
     segment sum over the stored entries, `D[Ai[g]] += Av[g,p]`) and `h = (x W) * deg^-1/2`, the output is
     `deg^-1/2 * (A @ h + h)`, where `A @ h` is one SpMM, `C[Ai[g],n] += Av[g,p] * h[Ak[g,p],n]`. An existing
     self loop of weight `w` therefore counts `w + 1` (PyG's `add_remaining_self_loops` would replace it).
-    Nodes of degree <= 0 (e.g. no self loops and no in-edges) get `deg^-1/2 = 0`, as in PyG.
+    Nodes of degree <= 0 (e.g. no self loops and no in-edges) get `deg^-1/2 = 0`, as in PyG. With `improved`,
+    the self loops weigh 2 (`A + 2I`).
 
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`.
 
@@ -28,13 +45,14 @@ class GCNConv(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, add_self_loops: bool = True,
-                 normalize: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 improved: bool = False, normalize: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
           in_features, out_features: feature sizes of the input and the output.
           use_bias: add a learned bias `b` after the aggregation.
           add_self_loops: aggregate `A + I` instead of `A`.
+          improved: self loops of weight 2, `A + 2I` (Kipf & Welling's "renormalisation trick", PyG's `improved`).
           normalize: apply the symmetric normalisation `D^-1/2 . D^-1/2`; without it the layer is
             `(A [+ I]) x W + b`.
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
@@ -42,7 +60,7 @@ class GCNConv(nnx.Module):
         """
         self.linear = nnx.Linear(in_features, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
-        self.add_self_loops = add_self_loops
+        self.self_loops = (2.0 if improved else 1.0) if add_self_loops else 0.0
         self.normalize = normalize
 
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
@@ -50,13 +68,55 @@ class GCNConv(nnx.Module):
         expect_adjacency("GCNConv", A, x, (GroupCOO, BlockGroupCOO), self.linear.in_features)
         h = self.linear(x)
         if self.normalize:
-            deg = row_sums(A, h.dtype) + (1 if self.add_self_loops else 0)
-            # Isolated nodes have degree 0: scale them by 0 rather than inf; the inner where keeps the gradient finite.
-            scale = jnp.where(deg > 0, jax.lax.rsqrt(jnp.where(deg > 0, deg, 1)), 0)[:, None]
-            h = h * scale
-        out = aggregate(A, h)
-        if self.add_self_loops:
-            out = out + h
-        if self.normalize:
-            out = out * scale
+            out = gcn_propagate(A, h, gcn_scale(A, h.dtype, self.self_loops), self.self_loops)
+        else:
+            out = aggregate(A, h) + self.self_loops * h
         return out if self.bias is None else out + self.bias[...]
+
+
+class SGConv(nnx.Module):
+    """`out = (D^-1/2 (A + I) D^-1/2)^K x W + b` (PyG's `SGConv`): `K` propagations, then one linear layer.
+
+    Each propagation is one SpMM (`gcn_propagate`); the degrees are summed once per call.
+
+    Example:
+      >>> y = jinsum.nn.SGConv(16, 7, K=2, rngs=nnx.Rngs(0))(x, A)   # (N, 7)
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, K: int = 1, add_self_loops: bool = True,
+                 use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if K < 0:
+            raise ValueError(f"SGConv: K must be >= 0 propagations, got {K}")
+        self.K, self.self_loops = K, 1.0 if add_self_loops else 0.0
+        self.linear = nnx.Linear(in_features, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
+        """`x` `(N, in_features)`, `A` `(N, N)` -> `(N, out_features)`."""
+        expect_adjacency("SGConv", A, x, (GroupCOO, BlockGroupCOO), self.linear.in_features)
+        scale = gcn_scale(A, x.dtype, self.self_loops)
+        for _ in range(self.K):
+            x = gcn_propagate(A, x, scale, self.self_loops)
+        return self.linear(x)
+
+
+class APPNP(nnx.Module):
+    """Personalised-PageRank propagation (PyG's `APPNP`, no parameters): `h_0 = x`,
+    `h_{k+1} = (1 - alpha) D^-1/2 (A + I) D^-1/2 h_k + alpha x`, `K` times.
+
+    Example:
+      >>> y = jinsum.nn.APPNP(K=10, alpha=0.1)(mlp(x), A)
+    """
+
+    def __init__(self, K: int, alpha: float, *, add_self_loops: bool = True):
+        if K < 0 or not 0 <= alpha <= 1:
+            raise ValueError(f"APPNP: K must be >= 0 and alpha in [0, 1], got K={K}, alpha={alpha}")
+        self.K, self.alpha, self.self_loops = K, alpha, 1.0 if add_self_loops else 0.0
+
+    def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
+        """`x` `(N, F)`, `A` `(N, N)` -> `(N, F)`."""
+        expect_adjacency("APPNP", A, x, (GroupCOO, BlockGroupCOO))
+        scale = gcn_scale(A, x.dtype, self.self_loops)
+        h = x
+        for _ in range(self.K):
+            h = (1 - self.alpha) * gcn_propagate(A, h, scale, self.self_loops) + self.alpha * x
+        return h

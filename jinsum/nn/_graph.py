@@ -96,16 +96,18 @@ def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
     return jinsum.einsum("ik,kn->in", A.astype(h.dtype), h)
 
 
-def aggregate_extreme(A: GroupCOO, h: jax.Array, reduction: str = "max", *, empty: float | None = 0.0
-                      ) -> jax.Array:
-    """The largest (`"max"`) or smallest (`"min"`) of the rows of `h` over each row's stored entries: `(M, F)` from
-    `h` `(K, F)`. Edge weights are ignored. Rows without entries hold `empty` (0, as PyG's max aggregation), or with
-    `empty=None` the reduction's identity (-inf for max, +inf for min).
+def aggregate_extreme(A: GroupCOO, h: jax.Array, reduction: str = "max", *, weighted: bool = False,
+                      empty: float | None = 0.0) -> jax.Array:
+    """The largest (`"max"`) or smallest (`"min"`) of the rows of `h` over each row's stored entries, times the
+    entry's value if `weighted`: `(M, F)` from `h` `(K, F)`. Rows without entries hold `empty` (0, as PyG's max
+    aggregation), or with `empty=None` the reduction's identity (-inf for max, +inf for min).
 
-    One statement, `C[Ai[g],n] max= h[Ak[g,p],n]` (group padding takes no part: a format binds its columns with
-    the padding out of range); its gradient goes to each output element's first maximal entry."""
+    One statement, `C[Ai[g],n] max= h[Ak[g,p],n]` (or `... max= Av[g,p] * h[Ak[g,p],n]`; group padding takes no
+    part: a format binds its columns with the padding out of range); its gradient goes to each output element's
+    first maximal entry."""
     rows = jax.ShapeDtypeStruct((A.shape[0], h.shape[1]), h.dtype)
-    out = jinsum.einsum(f"C[Ai[g],n] {reduction}= H[Ak[g,p],n]", A=A, H=h, C=rows)
+    weight = "Av[g,p] * " if weighted else ""
+    out = jinsum.einsum(f"C[Ai[g],n] {reduction}= {weight}H[Ak[g,p],n]", A=A.astype(h.dtype), H=h, C=rows)
     if empty is None:
         return out
     return jnp.where(out == (-jnp.inf if reduction == "max" else jnp.inf), empty, out)
