@@ -4,8 +4,8 @@ The data are generated, with a known signal: each graph has 12-30 nodes and is d
 families with the same numbers of nodes and edges: preferential attachment (Barabasi-Albert, each new node linked to
 2 existing nodes chosen in proportion to their degree: a few hubs) or uniform random edges (Erdos-Renyi: no hubs).
 The class is the family. Every node's feature is the constant 1, so the model must read the structure: degree and
-neighbourhood statistics (counts of walks, which GIN's sums compute), pooled per graph. Graphs are split at random 60% / 20% /
-20% into train / validation / test.
+neighbourhood statistics (counts of walks, which GIN's sums compute), pooled per graph. Graphs are split at random
+60% / 20% / 20% into train / validation / test.
 
 Both systems train the same model from the same initial parameters, full batch with Adam: three GIN layers (2-layer
 MLPs), the mean and the maximum of each graph's node states, and a 2-layer classifier.

@@ -1,4 +1,4 @@
-"""GraphSAGE (mean and max aggregation) and GIN on PubMed's real graph and on an R-MAT graph, with SYNTHETIC features and labels.
+"""GraphSAGE (mean and max aggregation) and GIN on PubMed's graph and an R-MAT graph, SYNTHETIC features and labels.
 
 The graphs are real or standard: PubMed's citation graph (19,717 nodes, 88,648 directed edges) and an R-MAT graph
 (`jinsum.datasets.rmat`, Graph500 parameters, `2**scale` nodes, skewed degrees). The features and labels are NOT
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
                 fits[name] = _common.fit(model_cls(conv, *sizes, rngs=nnx.Rngs(args.seed)), optax.adam(0.01), task,
                                          graph, epochs=epochs, desc=name, smoke=args.smoke)
             rows += _common.fit_rows(fits)
-    _common.print_table(f"GraphSAGE (mean, max) and GIN, SYNTHETIC features ({args.features}) and labels ({args.classes} "
-                        f"classes), hidden {args.hidden}, {epochs} epochs, seed {args.seed}",
+    _common.print_table(f"GraphSAGE (mean, max) and GIN, SYNTHETIC features ({args.features}) and labels "
+                        f"({args.classes} classes), hidden {args.hidden}, {epochs} epochs, seed {args.seed}",
                         _common.FIT_HEADER, rows)
     stats = jax.devices()[0].memory_stats()
     print("device memory_stats: " + ("unavailable on this backend" if stats is None else
