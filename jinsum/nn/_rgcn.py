@@ -22,7 +22,7 @@ class RelationalGraph:
     Attributes:
       src, dst, rel: int32 `(E,)`, the source, destination and relation of each edge, sorted by `dst` (the
         messages are then summed by a sorted segment reduction).
-      norm: float32 `(E,)`, `1 / c_{dst,rel}`: one over the number of edges of the edge's relation into its
+      norm: float `(E,)` (float64 where JAX's x64 mode is on), `1 / c_{dst,rel}`: one over the number of edges of the edge's relation into its
         destination, so each relation's messages are averaged.
       num_nodes, num_relations: `N` and `R`.
     """
@@ -68,11 +68,12 @@ def relational_graph(src, dst, rel, num_nodes: int, num_relations: int) -> Relat
     pair = dst.astype(np.int64) * num_relations + rel
     count = np.bincount(pair, minlength=num_nodes * num_relations)[pair]
     return RelationalGraph(as_jax_array(src), as_jax_array(dst), as_jax_array(rel),
-                           as_jax_array((1 / count).astype(np.float32)), num_nodes, num_relations)
+                           as_jax_array(1 / count), num_nodes, num_relations)
 
 
 class RGCNConv(nnx.Module):
-    """`out_i = x_i W_0 + sum_r sum_{j in N_r(i)} x_j W_r / c_{i,r} + b`, over typed edges.
+    """`out_i = x_i W_0 + sum_r sum_{j in N_r(i)} x_j W_r / c_{i,r} + b`, over typed edges (`c_{i,r} = 1` with
+    `aggr="add"`).
 
     All messages of all relations are one indirect Einsum with the relation as an index, on node features
     transformed by every relation first (`H = x W_r`, one dense product): `O[dst[e],f] += norm[e] *
@@ -89,19 +90,23 @@ class RGCNConv(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, num_relations: int, num_bases: int | None = None,
-                 root_weight: bool = True, use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 aggr: str = "mean", root_weight: bool = True, use_bias: bool = True, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
           in_features, out_features: feature sizes of the input and the output.
           num_relations: `R`, the number of edge types.
           num_bases: share `num_bases` basis matrices among the relations; `None` gives each its own weight.
+          aggr: `"mean"` (PyG's default: each relation's messages averaged, `1 / c_{i,r}`) or `"add"` (summed).
           root_weight: add the node's own transformed features `x_i W_0`.
           use_bias: add a learned bias `b`.
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
           rngs: initialises the weights.
         """
-        self.num_relations = num_relations
+        if aggr not in ("mean", "add"):
+            raise ValueError(f"RGCNConv: aggr must be 'mean' or 'add', got {aggr!r}")
+        self.num_relations, self.aggr = num_relations, aggr
         # Fan-in is the input features (axis -2) of every relation or basis weight.
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         if num_bases is None:
@@ -132,7 +137,8 @@ class RGCNConv(nnx.Module):
         dtype = jnp.result_type(x, weight)
         H = jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype))
         zeros = jax.ShapeDtypeStruct((x.shape[0], weight.shape[-1]), dtype)
-        edges = dict(R=graph.dst, C=graph.src, T=graph.rel, N=graph.norm.astype(dtype), H=H)
+        norm = graph.norm if self.aggr == "mean" else jnp.ones_like(graph.norm)
+        edges = dict(R=graph.dst, C=graph.src, T=graph.rel, N=norm.astype(dtype), H=H)
         if self.comp is None:
             out = jinsum.einsum("O[R[e],f] += N[e] * H[C[e],T[e],f]", sorted_indices=("R",), O=zeros, **edges)
         else:  # W_r = sum_b comp[r,b] V_b: H holds x V_b, and each edge weighs the bases by its relation's comp
