@@ -162,9 +162,9 @@ def _extremal_tangent(out, env, tangent_of, spec: Spec):
     flags = dict(sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32, deterministic=spec.deterministic)
     winners = bind(statement, {**env, lhs: out}, winners=True, **flags)
     none = winners == WINNER_NONE
-    tangent = jnp.where(none, ad.instantiate_zeros(lhs_tangent), 0).astype(out.dtype)
+    initial = ad.instantiate_zeros(lhs_tangent)
     if not terms:
-        return tangent
+        return jnp.where(none, initial, 0).astype(out.dtype)
     # Winner `count - a` -> the coordinates of assignment `a` over the reduced variables (row-major); -1 for none,
     # which reads 0 in the tangent terms (and drops their transposes' writes).
     taken = set(spec.names)
@@ -175,13 +175,15 @@ def _extremal_tangent(out, env, tangent_of, spec: Spec):
         coordinates[v] = name
         env[name] = jnp.where(none, -1, remaining % spec.extent[v]).astype(jnp.int32)
         remaining = remaining // spec.extent[v]
+    tangent = jnp.zeros(out.shape, out.dtype)
     for k, i in enumerate(terms):
         factor = statement.factors[i]
         name = _derive.fresh_name("d" + factor.tensor, taken)
         term = _derive.at_winners(statement, coordinates, name, i)
         tangent = bind(term, {**env, lhs: tangent, name: ad.instantiate_zeros(tangent_of[factor.tensor])},
-                       check_indices=False, **flags)
-    return tangent
+                       check_indices=False, zero_lhs=k == 0, **flags)
+    # (Where the initial value stands, the terms read nothing; without reduced variables they read anyway.)
+    return jnp.where(none, initial, tangent).astype(out.dtype)
 
 
 ad.primitive_jvps[jinsum_p] = _jvp

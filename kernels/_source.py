@@ -431,7 +431,7 @@ class _Writer:
             position = self._tile_axis("lanes", v) if v in self.tiled else f"v_{v}"
             terms.append(position if stride == 1 else f"{position} * {stride}")
             stride *= spec.extent[v]
-        return f"{spec.term_count} - ({' + '.join(reversed(terms))})"
+        return f"{spec.term_count} - ({' + '.join(reversed(terms))})" if terms else "1"  # (one term per element)
 
     def _written_value(self) -> str:
         """The accumulator reduced over a summed lane variable (the last axis)."""

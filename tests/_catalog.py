@@ -175,6 +175,9 @@ EXTREMA = [
          lambda rng, dtype: dict(C=_values(rng, (13, 6), dtype), A=_values(rng, (13, 11), dtype),
                                  B=_values(rng, (11, 6), dtype)), ("C", "A", "B")),
     Case("score_max", "S[Ai[g]] max= X[Ai[g],d] * Y[Ak[g,p],d]", _extreme_scores, ("S", "X", "Y")),
+    Case("elementwise_max", "C[i,n] max= A[i,n] * B[i,n]",  # no reduced variable: one term per element
+         lambda rng, dtype: dict(C=_values(rng, (7, 6), dtype), A=_values(rng, (7, 6), dtype),
+                                 B=_values(rng, (7, 6), dtype)), ("C", "A", "B")),
     Case("pool_max", "Out[b[i],n] max= X[i,n]",
          lambda rng, dtype: dict(Out=np.full((4, 6), -np.inf, dtype), b=_group_rows(rng, 4, 19),
                                  X=_values(rng, (19, 6), dtype)), ("X",)),
