@@ -197,3 +197,56 @@ def test_rgcn(aggr, num_bases, rng):
         grad = jax.grad(lambda x: (ours(x, graph) * probe).sum())(jnp.asarray(x))
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def _copy_all(ours, theirs, names):
+    for name in names:
+        _copy_linear(getattr(ours, name), getattr(theirs, name))
+
+
+@pytest.mark.parametrize("heads, concat, beta", [(1, True, False), (3, True, True), (2, False, True)])
+def test_transformer(heads, concat, beta, rng):
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        theirs = pyg.TransformerConv(F_IN, F_OUT, heads=heads, concat=concat, beta=beta).double()
+        ours = jnn.TransformerConv(F_IN, F_OUT, heads=heads, concat=concat, beta=beta, param_dtype=jnp.float64,
+                                   rngs=nnx.Rngs(0))
+        _copy_all(ours, theirs, ["lin_query", "lin_key", "lin_value", "lin_skip"] + ["lin_beta"] * beta)
+        _compare(ours, theirs, rng.standard_normal((N, F_IN)), _edges(rng), rng)
+
+
+@pytest.mark.parametrize("layer", ["SAGEConv mean", "SAGEConv max", "GraphConv add", "TransformerConv"])
+def test_bipartite(layer, rng):
+    """Sources and destinations of different counts and widths: `x = (x_src, x_dst)`, `A` `(N_dst, N_src)`."""
+    n_src, n_dst, f_src, f_dst = 17, 9, 5, 3
+    edge_index = np.unique(np.stack([rng.integers(0, n_src, 40), rng.integers(1, n_dst, 40)]), axis=1)  # dst 0: none
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        f64 = dict(param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        name, *aggr = layer.split()
+        if name == "SAGEConv":
+            theirs = pyg.SAGEConv((f_src, f_dst), F_OUT, aggr=aggr[0]).double()
+            ours = jnn.SAGEConv((f_src, f_dst), F_OUT, aggr=aggr[0], **f64)
+            _copy_linear(ours.lin_neighbors, theirs.lin_l)
+            ours.bias[...] = jnp.asarray(theirs.lin_l.bias.detach().numpy())
+            _copy_linear(ours.lin_root, theirs.lin_r)
+        elif name == "GraphConv":
+            theirs = pyg.GraphConv((f_src, f_dst), F_OUT, aggr=aggr[0]).double()
+            ours = jnn.GraphConv((f_src, f_dst), F_OUT, aggr=aggr[0], **f64)
+            _copy_all(ours, theirs, ["lin_rel", "lin_root"])
+        else:
+            theirs = pyg.TransformerConv((f_src, f_dst), F_OUT, heads=2).double()
+            ours = jnn.TransformerConv((f_src, f_dst), F_OUT, heads=2, **f64)
+            _copy_all(ours, theirs, ["lin_query", "lin_key", "lin_value", "lin_skip"])
+        A = jnn.adjacency(edge_index, (n_src, n_dst))
+        x_src, x_dst = rng.standard_normal((n_src, f_src)), rng.standard_normal((n_dst, f_dst))
+        ts, td = torch.tensor(x_src, requires_grad=True), torch.tensor(x_dst, requires_grad=True)
+        expected = theirs((ts, td), torch.from_numpy(edge_index))
+        probe = rng.standard_normal(expected.shape)
+        (expected * torch.from_numpy(probe)).sum().backward()
+        out = ours((jnp.asarray(x_src), jnp.asarray(x_dst)), A)
+        grads = jax.grad(lambda s, d: (ours((s, d), A) * probe).sum(), argnums=(0, 1))(jnp.asarray(x_src),
+                                                                                     jnp.asarray(x_dst))
+        np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grads[0], ts.grad.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grads[1], td.grad.numpy(), rtol=1e-12, atol=1e-12)

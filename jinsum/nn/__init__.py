@@ -8,8 +8,10 @@ Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on t
 
 Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (mean, sum or max aggregation),
 `GINConv` (SpMM; also on a `BlockGroupCOO`), `GraphConv`, `EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax,
-multi-head SpMM), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. Many small
-graphs: `batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`.
+multi-head SpMM), `TransformerConv` (the same fused attention), `RGCNConv` on a `RelationalGraph`, and
+`BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and TransformerConv take a bipartite `(x_src, x_dst)`
+with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs: `batch_graphs`, then `global_add_pool` /
+`global_mean_pool` / `global_max_pool`.
 """
 
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
@@ -31,3 +33,4 @@ from jinsum.nn._rgcn import RelationalGraph as RelationalGraph
 from jinsum.nn._rgcn import RGCNConv as RGCNConv
 from jinsum.nn._rgcn import relational_graph as relational_graph
 from jinsum.nn._sage import SAGEConv as SAGEConv
+from jinsum.nn._transformer import TransformerConv as TransformerConv

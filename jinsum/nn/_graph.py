@@ -15,9 +15,10 @@ import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
 
 
-def adjacency(edge_index, num_nodes: int, *, values=None, group_size: int | None = None,
+def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, group_size: int | None = None,
               self_loops: bool = False) -> GroupCOO:
-    """The `(N, N)` adjacency of a graph given as an edge index, for the layers of `jinsum.nn`.
+    """The `(N, N)` adjacency of a graph given as an edge index, for the layers of `jinsum.nn`; `(N_dst, N_src)`
+    for a bipartite graph, `num_nodes=(N_src, N_dst)` (PyG's `size`).
 
     Runs on the host (NumPy): call it once, outside the jitted training step, and pass the result to every
     layer call; its index arrays then stay fixed while the step is compiled once.
@@ -41,6 +42,8 @@ def adjacency(edge_index, num_nodes: int, *, values=None, group_size: int | None
       >>> A = jinsum.nn.adjacency(np.array([[0, 1, 1], [1, 2, 0]]), num_nodes=3)
       >>> A.todense()   # A[1, 0], A[2, 1], A[0, 1] are 1
     """
+    if isinstance(num_nodes, tuple):
+        return _bipartite_adjacency(edge_index, num_nodes, values, group_size, self_loops)
     A = GroupCOO.from_edge_index(edge_index, values, num_nodes=num_nodes, group_size=group_size)
     if self_loops:
         csr = A.to_scipy()
@@ -49,12 +52,39 @@ def adjacency(edge_index, num_nodes: int, *, values=None, group_size: int | None
     return A.with_transpose()
 
 
-def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | None = None) -> None:
-    """Raises a clear error unless `A` is a square adjacency in one of `formats` over the `N` rows of `x`, and `x`
-    has `in_features` columns (where given)."""
-    if in_features is not None and (x.ndim != 2 or x.shape[1] != in_features):
-        raise ValueError(f"{layer}: expected node features of shape (N, {in_features}) (the layer's in_features), "
-                         f"got {tuple(x.shape)}")
+def _bipartite_adjacency(edge_index, num_nodes: tuple[int, int], values, group_size, self_loops) -> GroupCOO:
+    """`(N_dst, N_src)` adjacency of a bipartite graph: `A[dst, src] = weight`, duplicate edges summed."""
+    if self_loops:
+        raise ValueError(f"jinsum.nn.adjacency: a bipartite graph (num_nodes={num_nodes}) has no self loops")
+    num_src, num_dst = num_nodes
+    edge_index = np.asarray(edge_index)
+    bounds = np.array([[num_src], [num_dst]])
+    if edge_index.ndim != 2 or edge_index.shape[0] != 2 or ((edge_index < 0) | (edge_index >= bounds)).any():
+        raise ValueError(f"jinsum.nn.adjacency: expected an edge index (2, E) of sources < {num_src} and destinations "
+                         f"< {num_dst}, got shape {edge_index.shape}")
+    weights = np.ones(edge_index.shape[1], np.float32) if values is None else np.asarray(values)
+    csr = sp.coo_matrix((weights, (edge_index[1], edge_index[0])), shape=(num_dst, num_src)).tocsr()
+    return GroupCOO.from_scipy(csr, group_size=group_size).with_transpose()
+
+
+def node_features(layer: str, x) -> tuple[jax.Array, jax.Array]:
+    """`(x_src, x_dst)`: a layer's input, node features `(N, F)` or a bipartite pair `(x_src, x_dst)`."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"{layer}: a bipartite input is a pair (x_src, x_dst), got {len(x)} arrays")
+        return x[0], x[1]
+    return x, x
+
+
+def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | None = None, *, sources=None,
+                     source_features: int | None = None) -> None:
+    """Raises a clear error unless `A` is an adjacency in one of `formats` from the rows of `sources` (default: `x`,
+    a square adjacency) to the `N` rows of `x`, and `x` / `sources` have `in_features` / `source_features` columns
+    (where given)."""
+    for name, features, width in (("", x, in_features), ("source ", sources, source_features)):
+        if features is not None and width is not None and (features.ndim != 2 or features.shape[1] != width):
+            raise ValueError(f"{layer}: expected {name}node features of shape (N, {width}) (the layer's "
+                             f"in_features), got {tuple(features.shape)}")
     if not isinstance(A, formats):
         names = " or ".join(f"jinsum.{f.__name__}" for f in formats)
         got = (f"an array {jnp.dtype(A.dtype).name}{list(A.shape)}" if isinstance(A, (jax.Array, np.ndarray))
@@ -62,7 +92,12 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
         raise TypeError(
             f"{layer}: expected the adjacency as a {names}, got {got}. Convert an edge index (2, E) once, outside "
             "the jitted step, with `A = jinsum.nn.adjacency(edge_index, num_nodes)` and pass A to every call")
-    if len(A.shape) != 2 or A.shape[0] != A.shape[1] or A.shape[1] != x.shape[0]:
+    if sources is not None and sources is not x:
+        if len(A.shape) != 2 or A.shape != (x.shape[0], sources.shape[0]):
+            raise ValueError(f"{layer}: expected a bipartite adjacency of shape (N_dst, N_src) = "
+                             f"{(x.shape[0], sources.shape[0])} with scalar entries, got {A!r}; build it with "
+                             "jinsum.nn.adjacency(edge_index, (N_src, N_dst))")
+    elif len(A.shape) != 2 or A.shape[0] != A.shape[1] or A.shape[1] != x.shape[0]:
         raise ValueError(
             f"{layer}: expected a square (N, N) adjacency with scalar entries over the N = {x.shape[0]} rows of the "
             f"node features {tuple(x.shape)}, got {A!r}; build it with jinsum.nn.adjacency(edge_index, N)")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jinsum.formats import GroupCOO
-from jinsum.nn._graph import aggregate, aggregate_extreme, expect_adjacency, row_sums
+from jinsum.nn._graph import aggregate, aggregate_extreme, expect_adjacency, node_features, row_sums
 
 AGGREGATIONS = ("add", "mean", "max")
 
@@ -18,28 +18,32 @@ class GraphConv(nnx.Module):
     `"add"`: one SpMM, `A @ x`; `"mean"`: that over the number of in-edges (a sorted segment count of the stored
     entries); `"max"`: `C[Ai[g],n] max= Av[g,p] * x[Ak[g,p],n]`, 0 for nodes without in-edges.
 
-    Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`.
+    Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`; bipartite:
+    `x = (x_src, x_dst)`, `in_features = (F_src, F_dst)` and `A` `(N_dst, N_src)` -> `(N_dst, out_features)`.
 
     Example:
       >>> y = jinsum.nn.GraphConv(16, 32, aggr="mean", rngs=nnx.Rngs(0))(x, A)   # (N, 32)
     """
 
-    def __init__(self, in_features: int, out_features: int, *, aggr: str = "add", use_bias: bool = True,
+    def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "add", use_bias: bool = True,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates `lin_rel` (`W_2`, with the bias `b`) and `lin_root` (`W_1`), as PyG names them."""
         if aggr not in AGGREGATIONS:
             raise ValueError(f"GraphConv: aggr must be one of {AGGREGATIONS}, got {aggr!r}")
         self.aggr = aggr
-        self.lin_rel = nnx.Linear(in_features, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
-        self.lin_root = nnx.Linear(in_features, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, in_features)
+        self.lin_rel = nnx.Linear(in_src, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        self.lin_root = nnx.Linear(in_dst, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, A: GroupCOO) -> jax.Array:
-        """`x` `(N, in_features)`, `A` a `GroupCOO` `(N, N)` -> `(N, out_features)`."""
-        expect_adjacency("GraphConv", A, x, in_features=self.lin_rel.in_features)
+    def __call__(self, x: jax.Array | tuple[jax.Array, jax.Array], A: GroupCOO) -> jax.Array:
+        """`x` `(N, in_features)` or `(x_src, x_dst)`, `A` a `GroupCOO` `(N_dst, N_src)` -> `(N_dst, out_features)`."""
+        x_src, x = node_features("GraphConv", x)
+        expect_adjacency("GraphConv", A, x, in_features=self.lin_root.in_features, sources=x_src,
+                         source_features=self.lin_rel.in_features)
         if self.aggr == "max":
-            messages = aggregate_extreme(A, x, "max", weighted=True)
+            messages = aggregate_extreme(A, x_src, "max", weighted=True)
         else:
-            messages = aggregate(A, x)
+            messages = aggregate(A, x_src)
             if self.aggr == "mean":
                 count = row_sums(A.with_values((A.Av != 0).astype(x.dtype)))[:, None]
                 messages = messages / jnp.maximum(count, 1)

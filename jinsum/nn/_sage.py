@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.nn._graph import aggregate, aggregate_extreme, expect_adjacency, row_sums
+from jinsum.nn._graph import aggregate, aggregate_extreme, expect_adjacency, node_features, row_sums
 
 AGGREGATIONS = ("mean", "sum", "max")
 
@@ -24,7 +24,8 @@ class SAGEConv(nnx.Module):
     Nodes without in-edges aggregate 0. Sums and means commute with `W_l`, so their SpMM runs on whichever of `x` and
     `x W_l` is narrower; the maximum takes `x` (or its projection).
 
-    Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`.
+    Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`; bipartite:
+    `x = (x_src, x_dst)`, `in_features = (F_src, F_dst)` and `A` `(N_dst, N_src)` -> `(N_dst, out_features)`.
 
     Example:
       >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
@@ -32,13 +33,14 @@ class SAGEConv(nnx.Module):
       >>> y = sage(x, A)                                             # (N, 32)
     """
 
-    def __init__(self, in_features: int, out_features: int, *, aggr: str = "mean", normalize: bool = False,
+    def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "mean", normalize: bool = False,
                  project: bool = False, use_bias: bool = True, root_weight: bool = True, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
-          in_features, out_features: feature sizes of the input and the output.
+          in_features, out_features: feature sizes of the input (of the sources and the destinations, for a
+            bipartite graph) and the output.
           aggr: `"mean"`, `"sum"` or `"max"` over each node's in-edges.
           normalize: L2-normalise each output row (as `torch.nn.functional.normalize`, eps 1e-12).
           project: first replace the neighbours' features by `ReLU(W_p x + b_p)` (a learned `in -> in` layer).
@@ -50,20 +52,22 @@ class SAGEConv(nnx.Module):
         if aggr not in AGGREGATIONS:
             raise ValueError(f"SAGEConv: aggr must be one of {AGGREGATIONS}, got {aggr!r}")
         self.aggr, self.normalize = aggr, normalize
-        self.project = (nnx.Linear(in_features, in_features, param_dtype=param_dtype, rngs=rngs) if project
-                        else None)
-        self.lin_neighbors = nnx.Linear(in_features, out_features, use_bias=False, param_dtype=param_dtype,
-                                        rngs=rngs)
-        self.lin_root = (nnx.Linear(in_features, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, in_features)
+        self.in_features = (in_src, in_dst)
+        self.project = nnx.Linear(in_src, in_src, param_dtype=param_dtype, rngs=rngs) if project else None
+        self.lin_neighbors = nnx.Linear(in_src, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.lin_root = (nnx.Linear(in_dst, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
                          if root_weight else None)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
-        """`x` `(N, in_features)`, `A` a `GroupCOO` (or, for mean and sum, a `BlockGroupCOO`) `(N, N)` ->
-        `(N, out_features)`."""
+    def __call__(self, x: jax.Array | tuple[jax.Array, jax.Array], A: GroupCOO | BlockGroupCOO) -> jax.Array:
+        """`x` `(N, in_features)` or `(x_src, x_dst)`, `A` a `GroupCOO` (or, for mean and sum, a `BlockGroupCOO`)
+        `(N_dst, N_src)` -> `(N_dst, out_features)`."""
         formats = (GroupCOO,) if self.aggr == "max" else (GroupCOO, BlockGroupCOO)
-        expect_adjacency("SAGEConv", A, x, formats, self.lin_neighbors.in_features)
-        neighbors = x if self.project is None else jax.nn.relu(self.project(x))
+        x_src, x = node_features("SAGEConv", x)
+        expect_adjacency("SAGEConv", A, x, formats, self.in_features[1], sources=x_src,
+                         source_features=self.in_features[0])
+        neighbors = x_src if self.project is None else jax.nn.relu(self.project(x_src))
         if self.aggr == "max":
             out = self.lin_neighbors(aggregate_extreme(A, neighbors, "max"))
         else:
@@ -71,7 +75,7 @@ class SAGEConv(nnx.Module):
             if self.aggr == "mean":
                 deg = row_sums(A, x.dtype)[:, None]
                 scale = 1 / jnp.where(deg != 0, deg, 1)
-            if self.lin_neighbors.out_features < self.lin_neighbors.in_features:
+            if self.lin_neighbors.out_features < self.lin_neighbors.in_features:  # (aggregate the narrower)
                 out = aggregate(A, self.lin_neighbors(neighbors)) * scale
             else:
                 out = self.lin_neighbors(aggregate(A, neighbors) * scale)
