@@ -250,3 +250,37 @@ def test_bipartite(layer, rng):
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grads[0], ts.grad.numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grads[1], td.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("edge_dim", [None, 3])
+def test_gine(edge_dim, rng):
+    """Per-edge messages, duplicate edges kept apart (as in PyG), edge features in the edge index's order."""
+    edge_index = _edges(rng)
+    edge_index = np.concatenate([edge_index, edge_index[:, :4]], axis=1)[:, rng.permutation(edge_index.shape[1] + 4)]
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        theirs = pyg.GINEConv(torch.nn.Sequential(torch.nn.Linear(F_IN, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)),
+                              eps=0.3, train_eps=True, edge_dim=edge_dim).double()
+        rngs = nnx.Rngs(0)
+        mlp = nnx.Sequential(nnx.Linear(F_IN, 6, param_dtype=jnp.float64, rngs=rngs), nnx.relu,
+                             nnx.Linear(6, 2, param_dtype=jnp.float64, rngs=rngs))
+        _copy_linear(mlp.layers[0], theirs.nn[0])
+        _copy_linear(mlp.layers[2], theirs.nn[2])
+        ours = jnn.GINEConv(mlp, eps=0.3, train_eps=True, edge_dim=edge_dim, in_features=F_IN,
+                            param_dtype=jnp.float64, rngs=rngs)
+        ours.eps[...] = jnp.asarray(theirs.eps.item())  # (PyG's 0.3 went through float32)
+        if edge_dim:
+            _copy_linear(ours.lin, theirs.lin)
+        edges = jnn.edge_list(edge_index, N)
+        x = rng.standard_normal((N, F_IN))
+        attr = rng.standard_normal((edge_index.shape[1], edge_dim or F_IN))
+        tx, ta = torch.tensor(x, requires_grad=True), torch.tensor(attr, requires_grad=True)
+        expected = theirs(tx, torch.from_numpy(edge_index), ta)
+        probe = rng.standard_normal(expected.shape)
+        (expected * torch.from_numpy(probe)).sum().backward()
+        out = jax.jit(lambda x, e, a: ours(x, e, a))(jnp.asarray(x), edges, jnp.asarray(attr))
+        grads = jax.grad(lambda x, a: (ours(x, edges, a) * probe).sum(), argnums=(0, 1))(jnp.asarray(x),
+                                                                                        jnp.asarray(attr))
+        np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grads[0], tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grads[1], ta.grad.numpy(), rtol=1e-12, atol=1e-12)

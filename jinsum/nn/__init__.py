@@ -7,11 +7,11 @@ Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on t
     y = nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A)
 
 Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (mean, sum or max aggregation),
-`GINConv` (SpMM; also on a `BlockGroupCOO`), `GraphConv`, `EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax,
-multi-head SpMM), `TransformerConv` (the same fused attention), `RGCNConv` on a `RelationalGraph`, and
-`BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and TransformerConv take a bipartite `(x_src, x_dst)`
-with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs: `batch_graphs`, then `global_add_pool` /
-`global_mean_pool` / `global_max_pool`.
+`GINConv` (SpMM; also on a `BlockGroupCOO`), `GINEConv` (edge features, on an `edge_list`), `GraphConv`,
+`EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax, multi-head SpMM), `TransformerConv` (the same fused
+attention), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and
+TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
+`batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`.
 """
 
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
@@ -23,7 +23,10 @@ from jinsum.nn._gcn import APPNP as APPNP
 from jinsum.nn._gcn import GCNConv as GCNConv
 from jinsum.nn._gcn import SGConv as SGConv
 from jinsum.nn._gin import GINConv as GINConv
+from jinsum.nn._gine import GINEConv as GINEConv
+from jinsum.nn._graph import EdgeList as EdgeList
 from jinsum.nn._graph import adjacency as adjacency
+from jinsum.nn._graph import edge_list as edge_list
 from jinsum.nn._graph_conv import GraphConv as GraphConv
 from jinsum.nn._pool import batch_graphs as batch_graphs
 from jinsum.nn._pool import global_add_pool as global_add_pool

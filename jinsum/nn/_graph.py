@@ -6,6 +6,8 @@ sources into it. It is built once, outside `jit`, by `adjacency`; layers take it
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +67,43 @@ def _bipartite_adjacency(edge_index, num_nodes: tuple[int, int], values, group_s
     weights = np.ones(edge_index.shape[1], np.float32) if values is None else np.asarray(values)
     csr = sp.coo_matrix((weights, (edge_index[1], edge_index[0])), shape=(num_dst, num_src)).tocsr()
     return GroupCOO.from_scipy(csr, group_size=group_size).with_transpose()
+
+
+@dataclasses.dataclass(frozen=True)
+class EdgeList:
+    """A graph's edges one by one, sorted by destination, for layers whose messages depend on per-edge features
+    (duplicate edges stay separate messages, as in PyG). Build it with `edge_list`.
+
+    A pytree: `src`, `dst` int32 `(E,)` (sorted by `dst`) and `order` (E,), the position in the caller's edge order
+    of each sorted edge (edge features given in that order are read as `edge_attr[order]`); `num_nodes` is static.
+    """
+
+    src: jax.Array
+    dst: jax.Array
+    order: jax.Array
+    num_nodes: int
+
+
+jax.tree_util.register_dataclass(EdgeList, data_fields=["src", "dst", "order"], meta_fields=["num_nodes"])
+
+
+def edge_list(edge_index, num_nodes: int) -> EdgeList:
+    """`edge_index` (2, E) (sources, destinations) as an `EdgeList`, on the host: call it once, outside `jit`.
+
+    Example:
+      >>> edges = jinsum.nn.edge_list(edge_index, num_nodes=N)
+      >>> y = jinsum.nn.GINEConv(mlp)(x, edges, edge_attr)       # edge_attr (E, F) in edge_index's order
+    """
+    edge_index = np.asarray(edge_index)
+    if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not np.issubdtype(edge_index.dtype, np.integer):
+        raise ValueError(f"jinsum.nn.edge_list: expected an integer edge index of shape (2, E), got "
+                         f"{edge_index.dtype}{list(edge_index.shape)}")
+    if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= num_nodes):
+        raise ValueError(f"jinsum.nn.edge_list: node indices must lie in [0, {num_nodes}), got "
+                         f"[{edge_index.min()}, {edge_index.max()}]")
+    order = np.argsort(edge_index[1], kind="stable")
+    src, dst = edge_index[:, order].astype(np.int32)
+    return EdgeList(jnp.asarray(src), jnp.asarray(dst), jnp.asarray(order.astype(np.int32)), int(num_nodes))
 
 
 def node_features(layer: str, x) -> tuple[jax.Array, jax.Array]:
