@@ -284,3 +284,28 @@ def test_gine(edge_dim, rng):
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grads[0], tx.grad.numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grads[1], ta.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads, concat, self_loops, edge_dim, share", [
+    (1, True, True, None, False), (3, True, True, 2, False), (2, False, False, None, True), (2, True, False, 2, False)])
+def test_gatv2(heads, concat, self_loops, edge_dim, share, rng):
+    edge_index = _edges(rng)  # (with a stored self loop, which add_self_loops replaces)
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        options = dict(heads=heads, concat=concat, add_self_loops=self_loops, edge_dim=edge_dim, share_weights=share)
+        theirs = pyg.GATv2Conv(F_IN, F_OUT, **options).double()
+        ours = jnn.GATv2Conv(F_IN, F_OUT, **options, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        _copy_all(ours, theirs, ["lin_l", "lin_r"] + ["lin_edge"] * bool(edge_dim))
+        ours.att[...] = jnp.asarray(theirs.att.detach().numpy()[0])
+        ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
+        edges = jnn.edge_list(edge_index, N)
+        x = rng.standard_normal((N, F_IN))
+        attr = rng.standard_normal((edge_index.shape[1], edge_dim)) if edge_dim else None
+        tx = torch.tensor(x, requires_grad=True)
+        expected = theirs(tx, torch.from_numpy(edge_index), None if attr is None else torch.from_numpy(attr))
+        probe = rng.standard_normal(expected.shape)
+        (expected * torch.from_numpy(probe)).sum().backward()
+        out = ours(jnp.asarray(x), edges, attr)
+        grad = jax.grad(lambda x: (ours(x, edges, attr) * probe).sum())(jnp.asarray(x))
+        np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-12)

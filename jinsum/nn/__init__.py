@@ -8,10 +8,11 @@ Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on t
 
 Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (mean, sum or max aggregation),
 `GINConv` (SpMM; also on a `BlockGroupCOO`), `GINEConv` (edge features, on an `edge_list`), `GraphConv`,
-`EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax, multi-head SpMM), `TransformerConv` (the same fused
-attention), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and
-TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
-`batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`.
+`EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax, multi-head SpMM), `GATv2Conv` (edge by edge, on an
+`edge_list`), `TransformerConv` (the same fused attention as GAT), `RGCNConv` on a `RelationalGraph`, and
+`BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and TransformerConv take a bipartite `(x_src, x_dst)`
+with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs: `batch_graphs`, then `global_add_pool` /
+`global_mean_pool` / `global_max_pool`.
 """
 
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
@@ -19,6 +20,7 @@ from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
 from jinsum.nn._gat import GATConv as GATConv
+from jinsum.nn._gatv2 import GATv2Conv as GATv2Conv
 from jinsum.nn._gcn import APPNP as APPNP
 from jinsum.nn._gcn import GCNConv as GCNConv
 from jinsum.nn._gcn import SGConv as SGConv
