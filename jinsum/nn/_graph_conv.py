@@ -25,8 +25,8 @@ class GraphConv(nnx.Module):
       >>> y = jinsum.nn.GraphConv(16, 32, aggr="mean", rngs=nnx.Rngs(0))(x, A)   # (N, 32)
     """
 
-    def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "add", use_bias: bool = True,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "add",
+                 use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates `lin_rel` (`W_2`, with the bias `b`) and `lin_root` (`W_1`), as PyG names them."""
         if aggr not in AGGREGATIONS:
             raise ValueError(f"GraphConv: aggr must be one of {AGGREGATIONS}, got {aggr!r}")

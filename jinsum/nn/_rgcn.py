@@ -22,8 +22,8 @@ class RelationalGraph:
     Attributes:
       src, dst, rel: int32 `(E,)`, the source, destination and relation of each edge, sorted by `dst` (the
         messages are then summed by a sorted segment reduction).
-      norm: float `(E,)` (float64 where JAX's x64 mode is on), `1 / c_{dst,rel}`: one over the number of edges of the edge's relation into its
-        destination, so each relation's messages are averaged.
+      norm: float `(E,)` (float64 where JAX's x64 mode is on), `1 / c_{dst,rel}`: one over the number of edges of
+        the edge's relation into its destination, so each relation's messages are averaged.
       num_nodes, num_relations: `N` and `R`.
     """
 

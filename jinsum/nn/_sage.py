@@ -33,9 +33,9 @@ class SAGEConv(nnx.Module):
       >>> y = sage(x, A)                                             # (N, 32)
     """
 
-    def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "mean", normalize: bool = False,
-                 project: bool = False, use_bias: bool = True, root_weight: bool = True, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "mean",
+                 normalize: bool = False, project: bool = False, use_bias: bool = True, root_weight: bool = True,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
