@@ -44,12 +44,13 @@ def _compare(ours, theirs, x, edge_index, rng):
     np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("aggr", ["mean", "sum", "max"])
+@pytest.mark.parametrize("aggr", ["mean", "sum", "max", ("mean", "max", "min", "std")], ids=str)
 @pytest.mark.parametrize("normalize, project", [(False, False), (True, True)])
 def test_sage(aggr, normalize, project, rng):
     with jax.enable_x64(True):
         torch.manual_seed(0)
-        theirs = pyg.SAGEConv(F_IN, F_OUT, aggr=aggr, normalize=normalize, project=project).double()
+        theirs = pyg.SAGEConv(F_IN, F_OUT, aggr=aggr if isinstance(aggr, str) else list(aggr), normalize=normalize,
+                              project=project).double()
         ours = jnn.SAGEConv(F_IN, F_OUT, aggr=aggr, normalize=normalize, project=project, param_dtype=jnp.float64,
                             rngs=nnx.Rngs(0))
         _copy_linear(ours.lin_neighbors, theirs.lin_l)

@@ -6,7 +6,7 @@ Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on t
     conv = jinsum.nn.GCNConv(F, 64, rngs=nnx.Rngs(0))
     y = nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A)
 
-Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (mean, sum or max aggregation),
+Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (mean, sum, max, ... or several),
 `GINConv` (SpMM; also on a `BlockGroupCOO`), `GINEConv` (edge features, on an `edge_list`), `GraphConv`,
 `EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax, multi-head SpMM), `GATv2Conv` (edge by edge, on an
 `edge_list`), `TransformerConv` (the same fused attention as GAT), `RGCNConv` on a `RelationalGraph`, and
@@ -15,6 +15,8 @@ with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs: `batch_graphs`,
 `global_mean_pool` / `global_max_pool`.
 """
 
+from jinsum.nn._aggregation import aggregate_by as aggregate_by
+from jinsum.nn._aggregation import multi_aggregate as multi_aggregate
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
 from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention

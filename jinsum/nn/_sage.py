@@ -1,4 +1,4 @@
-"""GraphSAGE convolution (Hamilton et al., 2017) on a sparse adjacency, with mean, sum or max aggregation."""
+"""GraphSAGE convolution (Hamilton et al., 2017) on a sparse adjacency: mean, sum, max, ... or several aggregations."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.nn._graph import aggregate, aggregate_extreme, expect_adjacency, node_features, row_sums
+from jinsum.nn._aggregation import AGGREGATIONS, multi_aggregate
+from jinsum.nn._graph import aggregate, expect_adjacency, node_features, row_sums
 
-AGGREGATIONS = ("mean", "sum", "max")
 
 
 class SAGEConv(nnx.Module):
@@ -20,7 +20,9 @@ class SAGEConv(nnx.Module):
       in-edges for an unweighted graph), one sorted segment sum `D[Ai[g]] += Av[g,p]` and one SpMM;
     - `"sum"`: `(A @ x)_i`, weighted by the edge values;
     - `"max"`: the elementwise maximum of the in-neighbours' features, `C[Ai[g],n] max= x[Ak[g,p],n]` (edge values
-      ignored); its gradient goes to each output element's first maximal neighbour.
+      ignored); its gradient goes to each output element's first maximal neighbour;
+    - `"min"`, `"var"`, `"std"`, or a list of aggregations concatenated (PNA's `["mean", "max", "min", "std"]`;
+      `jinsum.nn.multi_aggregate`).
     Nodes without in-edges aggregate 0. Sums and means commute with `W_l`, so their SpMM runs on whichever of `x` and
     `x W_l` is narrower; the maximum takes `x` (or its projection).
 
@@ -41,7 +43,7 @@ class SAGEConv(nnx.Module):
         Args:
           in_features, out_features: feature sizes of the input (of the sources and the destinations, for a
             bipartite graph) and the output.
-          aggr: `"mean"`, `"sum"` or `"max"` over each node's in-edges.
+          aggr: `"mean"`, `"sum"`, `"max"`, `"min"`, `"var"`, `"std"` over each node's in-edges, or a list of them.
           normalize: L2-normalise each output row (as `torch.nn.functional.normalize`, eps 1e-12).
           project: first replace the neighbours' features by `ReLU(W_p x + b_p)` (a learned `in -> in` layer).
           use_bias: add a learned bias `b`.
@@ -49,13 +51,15 @@ class SAGEConv(nnx.Module):
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
           rngs: initialises the weights.
         """
-        if aggr not in AGGREGATIONS:
-            raise ValueError(f"SAGEConv: aggr must be one of {AGGREGATIONS}, got {aggr!r}")
-        self.aggr, self.normalize = aggr, normalize
+        aggrs = [aggr] if isinstance(aggr, str) else list(aggr)
+        if not aggrs or any(a not in AGGREGATIONS for a in aggrs):
+            raise ValueError(f"SAGEConv: aggr must be one of {AGGREGATIONS} or a list of them, got {aggr!r}")
+        self.aggrs, self.normalize = tuple(aggrs), normalize
         in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, in_features)
         self.in_features = (in_src, in_dst)
         self.project = nnx.Linear(in_src, in_src, param_dtype=param_dtype, rngs=rngs) if project else None
-        self.lin_neighbors = nnx.Linear(in_src, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.lin_neighbors = nnx.Linear(len(aggrs) * in_src, out_features, use_bias=False, param_dtype=param_dtype,
+                                        rngs=rngs)
         self.lin_root = (nnx.Linear(in_dst, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
                          if root_weight else None)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
@@ -63,16 +67,17 @@ class SAGEConv(nnx.Module):
     def __call__(self, x: jax.Array | tuple[jax.Array, jax.Array], A: GroupCOO | BlockGroupCOO) -> jax.Array:
         """`x` `(N, in_features)` or `(x_src, x_dst)`, `A` a `GroupCOO` (or, for mean and sum, a `BlockGroupCOO`)
         `(N_dst, N_src)` -> `(N_dst, out_features)`."""
-        formats = (GroupCOO,) if self.aggr == "max" else (GroupCOO, BlockGroupCOO)
+        linear = self.aggrs in (("mean",), ("sum",))  # (these commute with W_l and take a block format too)
+        formats = (GroupCOO, BlockGroupCOO) if linear else (GroupCOO,)
         x_src, x = node_features("SAGEConv", x)
         expect_adjacency("SAGEConv", A, x, formats, self.in_features[1], sources=x_src,
                          source_features=self.in_features[0])
         neighbors = x_src if self.project is None else jax.nn.relu(self.project(x_src))
-        if self.aggr == "max":
-            out = self.lin_neighbors(aggregate_extreme(A, neighbors, "max"))
+        if not linear:
+            out = self.lin_neighbors(multi_aggregate(A, neighbors, self.aggrs))
         else:
             scale = 1
-            if self.aggr == "mean":
+            if self.aggrs == ("mean",):
                 deg = row_sums(A, x.dtype)[:, None]
                 scale = 1 / jnp.where(deg != 0, deg, 1)
             if self.lin_neighbors.out_features < self.lin_neighbors.in_features:  # (aggregate the narrower)
