@@ -310,3 +310,41 @@ def test_gatv2(heads, concat, self_loops, edge_dim, share, rng):
         grad = jax.grad(lambda x: (ours(x, edges, attr) * probe).sum())(jnp.asarray(x))
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads, concat, self_loops, edge_dim", [
+    (1, True, True, None), (3, True, True, 2), (2, False, False, 2)])
+def test_gat_edge_by_edge(heads, concat, self_loops, edge_dim, rng):
+    """GATConv on an EdgeList: edge features in the scores, and the attention weights against PyG's."""
+    edge_index = _edges(rng)  # (with a stored self loop, which add_self_loops replaces)
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        options = dict(heads=heads, concat=concat, add_self_loops=self_loops, edge_dim=edge_dim)
+        theirs = pyg.GATConv(F_IN, F_OUT, **options).double()
+        ours = jnn.GATConv(F_IN, F_OUT, **options, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        _copy_linear(ours.linear, theirs.lin)
+        for name in ("att_src", "att_dst") + ("att_edge",) * bool(edge_dim):
+            getattr(ours, name)[...] = jnp.asarray(getattr(theirs, name).detach().numpy()[0])
+        if edge_dim:
+            _copy_linear(ours.lin_edge, theirs.lin_edge)
+        ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
+        edges = jnn.edge_list(edge_index, N)
+        x = rng.standard_normal((N, F_IN))
+        attr = rng.standard_normal((edge_index.shape[1], edge_dim)) if edge_dim else None
+        tx = torch.tensor(x, requires_grad=True)
+        expected, (pairs, alpha) = theirs(tx, torch.from_numpy(edge_index),
+                                          None if attr is None else torch.from_numpy(attr),
+                                          return_attention_weights=True)
+        probe = rng.standard_normal(expected.shape)
+        (expected * torch.from_numpy(probe)).sum().backward()
+        out, (weights, own) = ours(jnp.asarray(x), edges, attr, return_attention_weights=True)
+        grad = jax.grad(lambda x: (ours(x, edges, attr) * probe).sum())(jnp.asarray(x))
+        np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
+        # PyG's weights: the edges without self loops, in order, then one self loop per node (when added).
+        pairs, alpha = pairs.numpy(), alpha.detach().numpy()
+        kept = edge_index[0] != edge_index[1] if self_loops else np.ones(edge_index.shape[1], bool)
+        np.testing.assert_allclose(np.asarray(weights)[kept], alpha[:kept.sum()], rtol=1e-12, atol=1e-12)
+        if self_loops:
+            assert (np.asarray(weights)[~kept] == 0).all()
+            np.testing.assert_allclose(own, alpha[kept.sum():], rtol=1e-12, atol=1e-12)

@@ -8,11 +8,11 @@ Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on t
 
 Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (mean, sum, max, ... or several),
 `GINConv` (SpMM; also on a `BlockGroupCOO`), `GINEConv` (edge features, on an `edge_list`), `GraphConv`,
-`EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax, multi-head SpMM), `GATv2Conv` (edge by edge, on an
-`edge_list`), `TransformerConv` (the same fused attention as GAT), `RGCNConv` on a `RelationalGraph`, and
-`BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and TransformerConv take a bipartite `(x_src, x_dst)`
-with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs: `batch_graphs`, then `global_add_pool` /
-`global_mean_pool` / `global_max_pool`.
+`EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax, multi-head SpMM; on an `edge_list`: edge features and
+attention weights), `GATv2Conv` (edge by edge, on an `edge_list`), `TransformerConv` (the same fused attention as
+GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and
+TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
+`batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`.
 """
 
 from jinsum.nn._aggregation import aggregate_by as aggregate_by

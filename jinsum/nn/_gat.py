@@ -10,7 +10,7 @@ from flax import nnx
 import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.nn._dropout import dropout_seed
-from jinsum.nn._graph import expect_adjacency
+from jinsum.nn._graph import EdgeList, edge_softmax_aggregate, expect_adjacency, self_loop_features
 
 
 class GATConv(nnx.Module):
@@ -32,6 +32,13 @@ class GATConv(nnx.Module):
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] != 0` for each edge ->
     `(N, heads * out_features)` if `concat`, else `(N, out_features)` (the mean over heads).
 
+    Edge by edge: given an `EdgeList` (`jinsum.nn.edge_list`) instead of `A`, the layer computes each edge's score
+    and `edge_softmax_aggregate` (a `max=` per node for the shift, sorted segment sums), which also takes edge
+    features (`edge_dim`: `alpha_ij` gains `a_edge . W_e e_ij`; a self loop's features are the mean of the node's
+    in-edges', PyG's `fill_value="mean"`) and returns the attention weights (`return_attention_weights`: per edge
+    `(E, heads)` in the edge index's order, 0 for stored self loops, and per node `(N, heads)` for the added ones;
+    PyG returns them as one list with the self loops appended). No attention dropout on that path.
+
     Example:
       >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
       >>> gat = jinsum.nn.GATConv(16, 8, heads=4, dropout=0.6, rngs=nnx.Rngs(0))
@@ -40,7 +47,7 @@ class GATConv(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, heads: int = 1, concat: bool = True,
                  negative_slope: float = 0.2, dropout: float = 0.0, add_self_loops: bool = True,
-                 use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 edge_dim: int | None = None, use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
@@ -52,6 +59,7 @@ class GATConv(nnx.Module):
           dropout: dropout rate on the attention weights, while the module is not in `eval()` mode (draws from
             the `dropout` stream of `rngs`, else its default stream).
           add_self_loops: every node attends to itself (stored self loops are replaced).
+          edge_dim: width of the edge features that enter the scores (edge by edge, on an `EdgeList`).
           use_bias: add a learned bias to the output.
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
           rngs: initialises the parameters and seeds the dropout.
@@ -66,14 +74,27 @@ class GATConv(nnx.Module):
         init = nnx.initializers.glorot_uniform()
         self.att_src = nnx.Param(init(rngs.params(), (heads, out_features), param_dtype))
         self.att_dst = nnx.Param(init(rngs.params(), (heads, out_features), param_dtype))
+        self.lin_edge = (nnx.Linear(edge_dim, heads * out_features, use_bias=False, param_dtype=param_dtype,
+                                    rngs=rngs) if edge_dim is not None else None)
+        self.att_edge = (nnx.Param(init(rngs.params(), (heads, out_features), param_dtype)) if edge_dim is not None
+                         else None)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)  # holds the rate, the train/eval switch and the stream
         width = heads * out_features if concat else out_features
         self.bias = nnx.Param(jnp.zeros((width,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array, A: GroupCOO) -> jax.Array:
-        """`x` `(N, in_features)`, `A` a `GroupCOO` `(N, N)` -> `(N, heads * out_features)` or `(N, out_features)`."""
-        expect_adjacency("GATConv", A, x, in_features=self.linear.in_features)
+    def __call__(self, x: jax.Array, A: GroupCOO | EdgeList, edge_attr: jax.Array | None = None, *,
+                 return_attention_weights: bool = False):
+        """`x` `(N, in_features)`, `A` a `GroupCOO` `(N, N)` or an `EdgeList` -> `(N, heads * out_features)` or
+        `(N, out_features)`; with `return_attention_weights` (an `EdgeList`), also `(per edge, per node)`."""
         n = x.shape[0]
+        if (edge_attr is None) != (self.lin_edge is None):
+            raise ValueError("GATConv: pass edge_attr exactly when the layer was built with edge_dim")
+        if isinstance(A, EdgeList):
+            return self._edge_by_edge(x, A, edge_attr, return_attention_weights)
+        if edge_attr is not None or return_attention_weights:
+            raise TypeError("GATConv: edge features and attention weights need the edges one by one: pass "
+                            "jinsum.nn.edge_list(edge_index, num_nodes) instead of the adjacency")
+        expect_adjacency("GATConv", A, x, in_features=self.linear.in_features)
         h = self.linear(x).reshape(n, self.heads, self.out_features)
         s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...])
         s_dst = jnp.einsum("nhf,hf->nh", h, self.att_dst[...])
@@ -83,6 +104,39 @@ class GATConv(nnx.Module):
         out = jinsum.attention(jnp.stack([s_dst, ones], -1), jnp.stack([ones, s_src], -1), h, A, scale=1.0,
                                score_mod=lambda s, b, head, i, j: jax.nn.leaky_relu(s, slope),
                                self_loops=self.add_self_loops, dropout=rate, seed=seed)
-        out = out.reshape(n, -1) if self.concat else out.mean(axis=1)
+        return self._finish(out)
+
+    def _finish(self, out: jax.Array) -> jax.Array:
+        out = out.reshape(out.shape[0], -1) if self.concat else out.mean(axis=1)
         return out if self.bias is None else out + self.bias[...]
+
+    def _edge_by_edge(self, x, edges: EdgeList, edge_attr, return_attention_weights: bool):
+        if edges.num_nodes != x.shape[0]:
+            raise ValueError(f"GATConv: the edge list has {edges.num_nodes} nodes, x {tuple(x.shape)}")
+        if self.dropout.rate > 0 and not self.dropout.deterministic:
+            raise NotImplementedError("GATConv: attention dropout runs in the fused path (pass the adjacency, "
+                                      "a GroupCOO); on an EdgeList, set dropout=0 or call .eval()")
+        n, heads = x.shape[0], self.heads
+        h = self.linear(x).reshape(n, heads, self.out_features)
+        s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...])
+        s_dst = jnp.einsum("nhf,hf->nh", h, self.att_dst[...])
+        scores, own = s_src[edges.src] + s_dst[edges.dst], s_src + s_dst
+        if edge_attr is not None:
+            attr = edge_attr[edges.order]
+            att_edge = self.att_edge[...]
+
+            def edge_score(features):
+                return jnp.einsum("ehf,hf->eh", self.lin_edge(features).reshape(-1, heads, self.out_features),
+                                  att_edge)
+
+            scores, own = scores + edge_score(attr), own + edge_score(self_loop_features(edges, attr))
+        scores = jax.nn.leaky_relu(scores, self.negative_slope)
+        if self.add_self_loops:  # (stored self loops are replaced by one per node)
+            scores = jnp.where((edges.src == edges.dst)[:, None], -jnp.inf, scores)
+        own = jax.nn.leaky_relu(own, self.negative_slope) if self.add_self_loops else None
+        out, weights, own_weights = edge_softmax_aggregate(edges, scores, h, own)
+        out = self._finish(out)
+        if not return_attention_weights:
+            return out
+        return out, (jnp.zeros_like(weights).at[edges.order].set(weights), own_weights)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jinsum
-from jinsum.nn._graph import EdgeList
+from jinsum.nn._graph import EdgeList, edge_softmax_aggregate, self_loop_features
 
 
 class GATv2Conv(nnx.Module):
@@ -17,9 +17,8 @@ class GATv2Conv(nnx.Module):
 
     The score is not a dot product of a source and a destination term (the LeakyReLU comes first), so it is
     computed edge by edge on an `EdgeList`: the endpoints' rows gathered (`M[e,h,c] = XL[S[e],h,c]`), the scores,
-    their per-node maximum `Shift[D[e],h] max= S[e,h]` (the softmax's shift; no gradient), the weights'
-    sums `Z[D[e],h] += W[e,h]` and the output `O[D[e],h,c] += W[e,h] * XL[S[e],h,c]`, all sorted segment
-    reductions. With `add_self_loops`, stored self loops are ignored and every node attends to itself once, its
+    then `edge_softmax_aggregate` (the shift a `max=` per node, the sums and the output sorted segment
+    reductions). With `add_self_loops`, stored self loops are ignored and every node attends to itself once, its
     edge features (with `edge_dim`) the mean of its in-edges' (PyG's `fill_value="mean"`).
 
     Shapes: `x` `(N, in_features)`, `edges` an `EdgeList` over `N` nodes, `edge_attr` `(E, edge_dim)` in the
@@ -63,37 +62,16 @@ class GATv2Conv(nnx.Module):
             return jinsum.einsum("M[e,h,c] = T[I[e],h,c]", M=jax.ShapeDtypeStruct((count, H, C), table.dtype),
                                  T=table, I=index)
 
-        def per_node(statement, values, shape, fill):
-            return jinsum.einsum(statement, Out=jnp.full(shape, fill, values.dtype), D=edges.dst, V=values,
-                                 sorted_indices=("D",))
-
-        sources = gather(left, edges.src)
-        pairs = sources + gather(right, edges.dst)
+        pairs = gather(left, edges.src) + gather(right, edges.dst)
+        own = left + right
         if edge_attr is not None:
             attr = edge_attr[edges.order]
             pairs = pairs + self.lin_edge(attr).reshape(count, H, C)
+            own = own + self.lin_edge(self_loop_features(edges, attr)).reshape(n, H, C)
         scores = self._score(pairs)
-        if self.add_self_loops:
-            scores = jnp.where((edges.src == edges.dst)[:, None], -jnp.inf, scores)  # (replaced by one per node)
-            own = left + right
-            if edge_attr is not None:  # the self loop's features: the mean of the node's other in-edges'
-                kept = (edges.src != edges.dst)[:, None].astype(attr.dtype)
-                total = per_node("Out[D[e],f] += V[e,f]", attr * kept, (n, attr.shape[1]), 0)
-                number = per_node("Out[D[e],f] += V[e,f]", kept, (n, 1), 0)
-                own = own + self.lin_edge(total / jnp.maximum(number, 1)).reshape(n, H, C)
-            own_scores = self._score(own)
-        shift = per_node("Out[D[e],h] max= V[e,h]", jax.lax.stop_gradient(scores), (n, H), -jnp.inf)
-        if self.add_self_loops:
-            shift = jnp.maximum(shift, jax.lax.stop_gradient(own_scores))
-        shift = jnp.where(jnp.isneginf(shift), 0, shift)
-        weights = jnp.exp(scores - shift[edges.dst])
-        totals = per_node("Out[D[e],h] += V[e,h]", weights, (n, H), 0)
-        out = jinsum.einsum("O[D[e],h,c] += W[e,h] * X[S[e],h,c]", O=jax.ShapeDtypeStruct((n, H, C), left.dtype),
-                            D=edges.dst, W=weights, X=left, S=edges.src, sorted_indices=("D",))
-        if self.add_self_loops:
-            own_weights = jnp.exp(own_scores - shift)
-            totals, out = totals + own_weights, out + own_weights[..., None] * left
-        out = out / jnp.where(totals > 0, totals, 1)[..., None]
+        if self.add_self_loops:  # (stored self loops are replaced by one per node)
+            scores = jnp.where((edges.src == edges.dst)[:, None], -jnp.inf, scores)
+        out, _, _ = edge_softmax_aggregate(edges, scores, left, self._score(own) if self.add_self_loops else None)
         out = out.reshape(n, H * C) if self.concat else out.mean(axis=1)
         return out if self.bias is None else out + self.bias[...]
 
