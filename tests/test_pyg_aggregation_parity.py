@@ -174,22 +174,23 @@ def test_propagation_layers(layer, rng):
 
 
 @pytest.mark.parametrize("aggr", ["mean", "add"])
-@pytest.mark.parametrize("num_bases", [None, 2])
-def test_rgcn(aggr, num_bases, rng):
+@pytest.mark.parametrize("num_bases, num_blocks", [(None, None), (2, None), (None, 2)])
+def test_rgcn(aggr, num_bases, num_blocks, rng):
     edge_index = _edges(rng)
     rel = rng.integers(0, 3, edge_index.shape[1])
     with jax.enable_x64(True):
         graph = jnn.relational_graph(edge_index[0], edge_index[1], rel, N, 3)  # (its 1 / c in float64)
         torch.manual_seed(0)
-        theirs = pyg.RGCNConv(F_IN, F_OUT, 3, num_bases=num_bases, aggr=aggr).double()
-        ours = jnn.RGCNConv(F_IN, F_OUT, num_relations=3, num_bases=num_bases, aggr=aggr, param_dtype=jnp.float64,
-                            rngs=nnx.Rngs(0))
+        f_in = 6 if num_blocks else F_IN  # (blocks divide the widths)
+        theirs = pyg.RGCNConv(f_in, F_OUT, 3, num_bases=num_bases, num_blocks=num_blocks, aggr=aggr).double()
+        ours = jnn.RGCNConv(f_in, F_OUT, num_relations=3, num_bases=num_bases, num_blocks=num_blocks, aggr=aggr,
+                            param_dtype=jnp.float64, rngs=nnx.Rngs(0))
         ours.weight[...] = jnp.asarray(theirs.weight.detach().numpy())
         if num_bases:
             ours.comp[...] = jnp.asarray(theirs.comp.detach().numpy())
         ours.root.kernel[...] = jnp.asarray(theirs.root.detach().numpy())
         ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
-        x = rng.standard_normal((N, F_IN))
+        x = rng.standard_normal((N, f_in))
         x_torch = torch.tensor(x, requires_grad=True)
         expected = theirs(x_torch, torch.from_numpy(edge_index), torch.from_numpy(rel))
         probe = rng.standard_normal(expected.shape)

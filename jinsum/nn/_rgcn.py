@@ -90,7 +90,7 @@ class RGCNConv(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, num_relations: int, num_bases: int | None = None,
-                 aggr: str = "mean", root_weight: bool = True, use_bias: bool = True, param_dtype=jnp.float32,
+                 num_blocks: int | None = None, aggr: str = "mean", root_weight: bool = True, use_bias: bool = True, param_dtype=jnp.float32,
                  rngs: nnx.Rngs):
         """Creates the parameters.
 
@@ -98,6 +98,8 @@ class RGCNConv(nnx.Module):
           in_features, out_features: feature sizes of the input and the output.
           num_relations: `R`, the number of edge types.
           num_bases: share `num_bases` basis matrices among the relations; `None` gives each its own weight.
+          num_blocks: make each relation's weight block-diagonal, `num_blocks` blocks of `(in_features / num_blocks,
+            out_features / num_blocks)` (PyG's block-diagonal decomposition; not with `num_bases`).
           aggr: `"mean"` (PyG's default: each relation's messages averaged, `1 / c_{i,r}`) or `"add"` (summed).
           root_weight: add the node's own transformed features `x_i W_0`.
           use_bias: add a learned bias `b`.
@@ -109,7 +111,17 @@ class RGCNConv(nnx.Module):
         self.num_relations, self.aggr = num_relations, aggr
         # Fan-in is the input features (axis -2) of every relation or basis weight.
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        if num_bases is None:
+        if num_bases is not None and num_blocks is not None:
+            raise ValueError("RGCNConv: num_bases and num_blocks are two decompositions of the weights; pick one")
+        if num_blocks is not None and (in_features % num_blocks or out_features % num_blocks):
+            raise ValueError(f"RGCNConv: num_blocks = {num_blocks} must divide in_features = {in_features} and "
+                             f"out_features = {out_features}")
+        self.num_blocks = num_blocks
+        if num_blocks is not None:
+            shape = (num_relations, num_blocks, in_features // num_blocks, out_features // num_blocks)
+            self.weight = nnx.Param(init(rngs.params(), shape, param_dtype))
+            self.comp = None
+        elif num_bases is None:
             self.weight = nnx.Param(init(rngs.params(), (num_relations, in_features, out_features), param_dtype))
             self.comp = None
         else:
@@ -135,8 +147,12 @@ class RGCNConv(nnx.Module):
         # on the XLA lowering, gather a whole weight matrix per edge.
         weight = self.weight[...]
         dtype = jnp.result_type(x, weight)
-        H = jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype))
-        zeros = jax.ShapeDtypeStruct((x.shape[0], weight.shape[-1]), dtype)
+        if self.num_blocks is None:
+            H = jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype))
+        else:  # each block of the input features by its block of the weight
+            blocks = x.astype(dtype).reshape(x.shape[0], self.num_blocks, -1)
+            H = jnp.einsum("nbc,rbcf->nrbf", blocks, weight.astype(dtype)).reshape(x.shape[0], self.num_relations, -1)
+        zeros = jax.ShapeDtypeStruct((x.shape[0], H.shape[-1]), dtype)
         norm = graph.norm if self.aggr == "mean" else jnp.ones_like(graph.norm)
         edges = dict(R=graph.dst, C=graph.src, T=graph.rel, N=norm.astype(dtype), H=H)
         if self.comp is None:
