@@ -349,3 +349,31 @@ def test_gat_edge_by_edge(heads, concat, self_loops, edge_dim, rng):
         if self_loops:
             assert (np.asarray(weights)[~kept] == 0).all()
             np.testing.assert_allclose(own, alpha[kept.sum():], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads, concat", [(1, True), (3, False)])
+def test_gat_bipartite(heads, concat, rng):
+    n_src, n_dst, f_src, f_dst = 17, 9, 5, 3
+    edge_index = np.unique(np.stack([rng.integers(0, n_src, 40), rng.integers(1, n_dst, 40)]), axis=1)  # dst 0: none
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        theirs = pyg.GATConv((f_src, f_dst), F_OUT, heads=heads, concat=concat, add_self_loops=False).double()
+        ours = jnn.GATConv((f_src, f_dst), F_OUT, heads=heads, concat=concat, add_self_loops=False,
+                           param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        _copy_linear(ours.linear, theirs.lin_src)
+        _copy_linear(ours.lin_dst, theirs.lin_dst)
+        for name in ("att_src", "att_dst"):
+            getattr(ours, name)[...] = jnp.asarray(getattr(theirs, name).detach().numpy()[0])
+        ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
+        A = jnn.adjacency(edge_index, (n_src, n_dst))
+        x_src, x_dst = rng.standard_normal((n_src, f_src)), rng.standard_normal((n_dst, f_dst))
+        ts, td = torch.tensor(x_src, requires_grad=True), torch.tensor(x_dst, requires_grad=True)
+        expected = theirs((ts, td), torch.from_numpy(edge_index))
+        probe = rng.standard_normal(expected.shape)
+        (expected * torch.from_numpy(probe)).sum().backward()
+        out = ours((jnp.asarray(x_src), jnp.asarray(x_dst)), A)
+        grads = jax.grad(lambda s, d: (ours((s, d), A) * probe).sum(), argnums=(0, 1))(jnp.asarray(x_src),
+                                                                                     jnp.asarray(x_dst))
+        np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grads[0], ts.grad.numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(grads[1], td.grad.numpy(), rtol=1e-12, atol=1e-12)

@@ -10,7 +10,7 @@ from flax import nnx
 import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.nn._dropout import dropout_seed
-from jinsum.nn._graph import EdgeList, edge_softmax_aggregate, expect_adjacency, self_loop_features
+from jinsum.nn._graph import EdgeList, edge_softmax_aggregate, expect_adjacency, node_features, self_loop_features
 
 
 class GATConv(nnx.Module):
@@ -45,13 +45,14 @@ class GATConv(nnx.Module):
       >>> y = gat(x, A)                       # (N, 32); gat.eval() turns the attention dropout off
     """
 
-    def __init__(self, in_features: int, out_features: int, *, heads: int = 1, concat: bool = True,
+    def __init__(self, in_features: int | tuple[int, int], out_features: int, *, heads: int = 1, concat: bool = True,
                  negative_slope: float = 0.2, dropout: float = 0.0, add_self_loops: bool = True,
                  edge_dim: int | None = None, use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
-          in_features: feature size of the input.
+          in_features: feature size of the input; `(F_src, F_dst)` for a bipartite graph (then `x = (x_src, x_dst)`,
+            `A` `(N_dst, N_src)` and no self loops).
           out_features: feature size of each head.
           heads: number of attention heads `H`.
           concat: concatenate the heads' outputs (`H * out_features`), else average them.
@@ -69,8 +70,11 @@ class GATConv(nnx.Module):
                              f"out_features={out_features}")
         self.heads, self.out_features, self.concat = heads, out_features, concat
         self.negative_slope, self.add_self_loops = negative_slope, add_self_loops
-        self.linear = nnx.Linear(in_features, heads * out_features, use_bias=False, param_dtype=param_dtype,
-                                 rngs=rngs)
+        in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, None)
+        self.linear = nnx.Linear(in_src, heads * out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        # A bipartite layer transforms the destinations by their own weight (PyG's lin_dst; lin_src is `linear`).
+        self.lin_dst = (nnx.Linear(in_dst, heads * out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+                        if in_dst is not None else None)
         init = nnx.initializers.glorot_uniform()
         self.att_src = nnx.Param(init(rngs.params(), (heads, out_features), param_dtype))
         self.att_dst = nnx.Param(init(rngs.params(), (heads, out_features), param_dtype))
@@ -82,11 +86,13 @@ class GATConv(nnx.Module):
         width = heads * out_features if concat else out_features
         self.bias = nnx.Param(jnp.zeros((width,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array, A: GroupCOO | EdgeList, edge_attr: jax.Array | None = None, *,
-                 return_attention_weights: bool = False):
+    def __call__(self, x: jax.Array | tuple[jax.Array, jax.Array], A: GroupCOO | EdgeList,
+                 edge_attr: jax.Array | None = None, *, return_attention_weights: bool = False):
         """`x` `(N, in_features)`, `A` a `GroupCOO` `(N, N)` or an `EdgeList` -> `(N, heads * out_features)` or
         `(N, out_features)`; with `return_attention_weights` (an `EdgeList`), also `(per edge, per node)`."""
-        n = x.shape[0]
+        if (self.lin_dst is not None) != isinstance(x, (tuple, list)):
+            raise ValueError("GATConv: a layer built with in_features=(F_src, F_dst) takes x = (x_src, x_dst), "
+                             "and only it")
         if (edge_attr is None) != (self.lin_edge is None):
             raise ValueError("GATConv: pass edge_attr exactly when the layer was built with edge_dim")
         if isinstance(A, EdgeList):
@@ -94,14 +100,20 @@ class GATConv(nnx.Module):
         if edge_attr is not None or return_attention_weights:
             raise TypeError("GATConv: edge features and attention weights need the edges one by one: pass "
                             "jinsum.nn.edge_list(edge_index, num_nodes) instead of the adjacency")
-        expect_adjacency("GATConv", A, x, in_features=self.linear.in_features)
-        h = self.linear(x).reshape(n, self.heads, self.out_features)
+        x_src, x = node_features("GATConv", x)
+        if self.lin_dst is not None and self.add_self_loops:
+            raise ValueError("GATConv: a bipartite graph has no self loops; build the layer with add_self_loops=False")
+        expect_adjacency("GATConv", A, x, sources=x_src, source_features=self.linear.in_features,
+                         in_features=None if self.lin_dst is None else self.lin_dst.in_features)
+        h = self.linear(x_src).reshape(x_src.shape[0], self.heads, self.out_features)
+        h_dst = h if self.lin_dst is None else self.lin_dst(x).reshape(x.shape[0], self.heads, self.out_features)
         s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...])
-        s_dst = jnp.einsum("nhf,hf->nh", h, self.att_dst[...])
-        ones = jnp.ones_like(s_src)
+        s_dst = jnp.einsum("nhf,hf->nh", h_dst, self.att_dst[...])
         slope = self.negative_slope
         rate, seed = dropout_seed(self.dropout)
-        out = jinsum.attention(jnp.stack([s_dst, ones], -1), jnp.stack([ones, s_src], -1), h, A, scale=1.0,
+        queries = jnp.stack([s_dst, jnp.ones_like(s_dst)], -1)  # (queries . keys = s_dst + s_src)
+        keys = jnp.stack([jnp.ones_like(s_src), s_src], -1)
+        out = jinsum.attention(queries, keys, h, A, scale=1.0,
                                score_mod=lambda s, b, head, i, j: jax.nn.leaky_relu(s, slope),
                                self_loops=self.add_self_loops, dropout=rate, seed=seed)
         return self._finish(out)
@@ -111,8 +123,9 @@ class GATConv(nnx.Module):
         return out if self.bias is None else out + self.bias[...]
 
     def _edge_by_edge(self, x, edges: EdgeList, edge_attr, return_attention_weights: bool):
-        if edges.num_nodes != x.shape[0]:
-            raise ValueError(f"GATConv: the edge list has {edges.num_nodes} nodes, x {tuple(x.shape)}")
+        if self.lin_dst is not None or edges.num_nodes != x.shape[0]:
+            raise ValueError(f"GATConv: an edge list is of one node set: expected x (N, F) over its {edges.num_nodes} "
+                             f"nodes and a layer with one in_features, got {type(x).__name__}")
         if self.dropout.rate > 0 and not self.dropout.deterministic:
             raise NotImplementedError("GATConv: attention dropout runs in the fused path (pass the adjacency, "
                                       "a GroupCOO); on an EdgeList, set dropout=0 or call .eval()")

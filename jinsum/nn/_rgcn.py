@@ -90,8 +90,8 @@ class RGCNConv(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, num_relations: int, num_bases: int | None = None,
-                 num_blocks: int | None = None, aggr: str = "mean", root_weight: bool = True, use_bias: bool = True, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+                 num_blocks: int | None = None, aggr: str = "mean", root_weight: bool = True, use_bias: bool = True,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
