@@ -12,6 +12,8 @@ from flax import nnx
 
 import jinsum.nn as jnn
 
+from conftest import ON_GPU
+
 torch = pytest.importorskip("torch")
 pyg = pytest.importorskip("torch_geometric.nn", reason="the parity tests need torch_geometric (the test extra)")
 
@@ -374,6 +376,8 @@ def test_gat_bipartite(heads, concat, rng):
         out = ours((jnp.asarray(x_src), jnp.asarray(x_dst)), A)
         grads = jax.grad(lambda s, d: (ours((s, d), A) * probe).sum(), argnums=(0, 1))(jnp.asarray(x_src),
                                                                                      jnp.asarray(x_dst))
-        np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(grads[0], ts.grad.numpy(), rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(grads[1], td.grad.numpy(), rtol=1e-12, atol=1e-12)
+        # (On a GPU the fused attention chain's float64 kernels agree to ~3e-7, as test_nn's GAT test shows.)
+        tolerance = dict(rtol=1e-6, atol=1e-8) if ON_GPU else dict(rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(out, expected.detach().numpy(), **tolerance)
+        np.testing.assert_allclose(grads[0], ts.grad.numpy(), **tolerance)
+        np.testing.assert_allclose(grads[1], td.grad.numpy(), **tolerance)
