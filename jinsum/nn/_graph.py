@@ -165,7 +165,8 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
     """Raises a clear error unless `A` is an adjacency in one of `formats` from the rows of `sources` (default: `x`,
     a square adjacency) to the `N` rows of `x`, and `x` / `sources` have `in_features` / `source_features` columns
     (where given)."""
-    for name, features, width in (("", x, in_features), ("source ", sources, source_features)):
+    bipartite = sources is not None and sources is not x
+    for name, features, width in (("", x, in_features), ("source " if bipartite else "", sources, source_features)):
         if features is not None and width is not None and (features.ndim != 2 or features.shape[1] != width):
             raise ValueError(f"{layer}: expected {name}node features of shape (N, {width}) (the layer's "
                              f"in_features), got {tuple(features.shape)}")
@@ -176,7 +177,7 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
         raise TypeError(
             f"{layer}: expected the adjacency as a {names}, got {got}. Convert an edge index (2, E) once, outside "
             "the jitted step, with `A = jinsum.nn.adjacency(edge_index, num_nodes)` and pass A to every call")
-    if sources is not None and sources is not x:
+    if bipartite:
         if len(A.shape) != 2 or A.shape != (x.shape[0], sources.shape[0]):
             raise ValueError(f"{layer}: expected a bipartite adjacency of shape (N_dst, N_src) = "
                              f"{(x.shape[0], sources.shape[0])} with scalar entries, got {A!r}; build it with "
