@@ -28,6 +28,7 @@ from jinsum import _chain_reference, _derive, _lower_chain, _primitive
 from jinsum._lang import statement_variables
 from jinsum._lang._chain import Chain
 from jinsum._lower_chain import SCHEDULE
+from jinsum._avals import varying
 
 # Operands that describe the pattern (and the work lists derived from it): never differentiated, and batching
 # them runs a loop.
@@ -80,7 +81,7 @@ def _abstract_eval(primitive: Primitive, outputs: tuple[str, ...]):
             if aval.shape != expected.shape or aval.dtype != expected.dtype:
                 raise TypeError(f"jinsum: {primitive.name} operand {name} is {aval.str_short()}, but {chain!r} was "
                                 f"checked for {expected.str_short()}")
-        return [_aval(chain, name) for name in outputs]
+        return [varying(_aval(chain, name).shape, _aval(chain, name).dtype, avals) for name in outputs]
     return rule
 
 

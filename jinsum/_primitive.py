@@ -19,6 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
 from jinsum import _config, _derive
+from jinsum._avals import varying
 from jinsum._lang import WINNER_NONE, Access, ColumnOrder, Operand, Spec, Statement, check, tensor_names, walk
 
 
@@ -101,7 +102,7 @@ def _abstract_eval(*avals, spec: Spec):
         if aval.shape != expected.shape or aval.dtype != expected.dtype:
             raise TypeError(f"jinsum: operand {expected.name} is {aval.str_short()}, but {spec!r} was checked for "
                             f"{expected.dtype}{list(expected.shape)}")
-    return jax.core.ShapedArray(spec.lhs.shape, spec.out_dtype)
+    return varying(spec.lhs.shape, spec.out_dtype, avals)
 
 
 jinsum_p.def_impl(_impl)
@@ -249,7 +250,7 @@ def _unwritten(cotangent, env, spec: Spec):
     if statement.accumulate:
         return cotangent
     if _derive.overwrites_everything(statement):
-        return ad.Zero(jax.core.ShapedArray(spec.lhs.shape, spec.lhs.dtype))
+        return ad.Zero(varying(spec.lhs.shape, spec.lhs.dtype, [jax.core.get_aval(cotangent)]))
     zeros_name = _derive.fresh_name("zeros", set(spec.names))
     mask = _derive.unwritten_mask(statement, zeros_name)
     zeros = jnp.zeros([spec.extent[v] for v in spec.loop_variables], spec.lhs.dtype)

@@ -1,7 +1,12 @@
 import os
 import zlib
 
-import jax
+# The sharding tests (tests/test_shard.py) split work over 4 devices: on a CPU, XLA pretends to have them. This must
+# be set before JAX starts its backends; other tests run on the first device as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 from hypothesis import settings

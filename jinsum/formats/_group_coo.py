@@ -57,16 +57,19 @@ class TransposedIndex(NamedTuple):
     slots: jax.Array
 
 
-def transposed_index(where: str, Ai, Ak, nonzero: np.ndarray, shape: tuple[int, int], dtype) -> TransposedIndex:
+def transposed_index(where: str, Ai, Ak, nonzero: np.ndarray, shape: tuple[int, int], dtype,
+                     group_size: int | None = None) -> TransposedIndex:
     """The slots of a grouped format (`Ai (G,)`, `Ak (G, P)`) where `nonzero` (bool `(G * P,)`) in column order, and
-    grouped as the transpose of a `(rows, columns) = shape` grid; built on the host (`with_transpose`)."""
+    grouped as the transpose of a `(rows, columns) = shape` grid (`group_size` entries per group, by default the
+    format's rule); built on the host (`with_transpose`)."""
     columns = host_array(where, Ak).reshape(-1)
     slots = np.flatnonzero(nonzero)
     order = slots[np.argsort(columns[slots], kind="stable")]
     starts = np.searchsorted(columns[order], np.arange(shape[1] + 1), side="left")
     rows = host_array(where, Ai)[order // Ak.shape[1]]
     # The transpose in groups: the entries' rows as its columns, their slots (+ 1: padding becomes -1) as values.
-    grouped = groups_from_csr(starts, rows, order + 1, default_group_size(np.diff(starts)), np.int64, shape[0])
+    group_size = default_group_size(np.diff(starts)) if group_size is None else group_size
+    grouped = groups_from_csr(starts, rows, order + 1, group_size, np.int64, shape[0])
     return TransposedIndex(*(jnp.asarray(x, dtype) for x in (order, starts, grouped[0], grouped[1], grouped[2] - 1)))
 
 

@@ -15,6 +15,8 @@ import scipy.sparse as sp
 
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.shard import PartitionedGroupCOO, matmul, per_part
+from jinsum.shard import row_sums as partitioned_row_sums
 
 
 def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, group_size: int | None = None,
@@ -166,6 +168,8 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
     a square adjacency) to the `N` rows of `x`, and `x` / `sources` have `in_features` / `source_features` columns
     (where given)."""
     bipartite = sources is not None and sources is not x
+    if isinstance(A, PartitionedGroupCOO) and GroupCOO in formats:
+        return _expect_partitioned(layer, A, x, in_features, bipartite)
     for name, features, width in (("", x, in_features), ("source " if bipartite else "", sources, source_features)):
         if features is not None and width is not None and (features.ndim != 2 or features.shape[1] != width):
             raise ValueError(f"{layer}: expected {name}node features of shape (N, {width}) (the layer's "
@@ -188,6 +192,20 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
             f"node features {tuple(x.shape)}, got {A!r}; build it with jinsum.nn.adjacency(edge_index, N)")
 
 
+def _expect_partitioned(layer: str, A: PartitionedGroupCOO, x, in_features: int | None, bipartite: bool) -> None:
+    rows = A.num_parts * A.layout.rows_per_part
+    if bipartite:
+        raise NotImplementedError(f"{layer}: a partitioned adjacency splits one set of nodes; bipartite inputs "
+                                  "(x_src, x_dst) are not supported on it")
+    if len(A.shape) != 2:
+        raise ValueError(f"{layer}: expected an adjacency with scalar entries, got {A!r}")
+    if x.ndim != 2 or x.shape[0] != rows or (in_features is not None and x.shape[1] != in_features):
+        width = "F" if in_features is None else in_features
+        raise ValueError(f"{layer}: expected node features laid out by the partition, ({rows}, {width}) = "
+                         f"{A.num_parts} parts of {A.layout.rows_per_part} rows (A.shard_rows(x)), got "
+                         f"{tuple(x.shape)}")
+
+
 def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
     """`A.sum(axis=1)` as an indirect Einsum over the stored entries: `(M, *A.dense_shape)`.
 
@@ -197,6 +215,8 @@ def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
     Example:
       >>> deg = row_sums(A)            # in-degrees (weighted) of an adjacency A[dst, src]
     """
+    if isinstance(A, PartitionedGroupCOO):
+        return partitioned_row_sums(A, dtype)
     A = A.astype(A.dtype if dtype is None else dtype)
     if isinstance(A, BlockGroupCOO):
         (bm, _), rows = A.block_shape, A.num_block_rows
@@ -212,22 +232,28 @@ def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
 
     An adjacency that carries its entries in column order (`jinsum.nn.adjacency` builds it so) keeps them through
     the cast: the gradient with respect to `h` is then the forward SpMM's kernel over the transpose instead of an
-    atomic addition per edge."""
+    atomic addition per edge. On a `PartitionedGroupCOO` (`jinsum.shard`), `h` and the result are row-sharded."""
+    if isinstance(A, PartitionedGroupCOO):
+        return matmul(A, h)
     return jinsum.einsum("ik,kn->in", A.astype(h.dtype), h)
 
 
 def aggregate_extreme(A: GroupCOO, h: jax.Array, reduction: str = "max", *, weighted: bool = False,
-                      empty: float | None = 0.0) -> jax.Array:
+                      empty: float | None = 0.0, out: jax.Array | None = None) -> jax.Array:
     """The largest (`"max"`) or smallest (`"min"`) of the rows of `h` over each row's stored entries, times the
     entry's value if `weighted`: `(M, F)` from `h` `(K, F)`. Rows without entries hold `empty` (0, as PyG's max
     aggregation), or with `empty=None` the reduction's identity (-inf for max, +inf for min).
 
     One statement, `C[Ai[g],n] max= h[Ak[g,p],n]` (or `... max= Av[g,p] * h[Ak[g,p],n]`; group padding takes no
     part: a format binds its columns with the padding out of range); its gradient goes to each output element's
-    first maximal entry."""
-    rows = jax.ShapeDtypeStruct((A.shape[0], h.shape[1]), h.dtype)
-    weight = "Av[g,p] * " if weighted else ""
-    out = jinsum.einsum(f"C[Ai[g],n] {reduction}= {weight}H[Ak[g,p],n]", A=A.astype(h.dtype), H=h, C=rows)
+    first maximal entry. With `out`, its elements take part too (the statement's initial value)."""
+    if isinstance(A, PartitionedGroupCOO):
+        out = per_part(lambda part, h, out=None: aggregate_extreme(part, h, reduction, weighted=weighted, empty=None,
+                                                                   out=out), A, columns=(h,))
+    else:
+        rows = jax.ShapeDtypeStruct((A.shape[0], h.shape[1]), h.dtype) if out is None else out
+        weight = "Av[g,p] * " if weighted else ""
+        out = jinsum.einsum(f"C[Ai[g],n] {reduction}= {weight}H[Ak[g,p],n]", A=A.astype(h.dtype), H=h, C=rows)
     if empty is None:
         return out
     return jnp.where(out == (-jnp.inf if reduction == "max" else jnp.inf), empty, out)

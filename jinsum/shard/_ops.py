@@ -1,0 +1,198 @@
+"""Products over a `PartitionedGroupCOO`: each device runs the ordinary statements (and so the generated kernels) on
+its part, inside one `jax.shard_map`.
+
+A device's result is its local matrix's product with its own rows, into which its remote matrix's product with
+the rows it received is then added (or maximised) in place. Derivatives need nothing here: reverse mode transposes the
+exchange too (a `ppermute` runs backwards, the gather of the rows to send becomes a scatter-add of their
+cotangents, an `all_gather` becomes a `psum_scatter`), so the gradient with respect to the dense operand comes
+back row-sharded on the same split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+import jinsum
+from jinsum.formats import GroupCOO
+from jinsum.shard._partition import PartitionedGroupCOO
+
+def _exchange(A: PartitionedGroupCOO, send: jax.Array, x: jax.Array) -> jax.Array:
+    """The rows of `x` (this device's block) that this device's remote matrix reads, received from the others."""
+    if A.plan.exchange == "all_gather":
+        return jax.lax.all_gather(x, A.axis, tiled=True)
+    parts, pieces, start = A.num_parts, [], 0
+    for k, count in enumerate(A.plan.shift_rows, start=1):
+        rows = jnp.take(x, send[start:start + count], axis=0, indices_are_sorted=True)
+        pieces.append(jax.lax.ppermute(rows, A.axis, perm=[(s, (s + k) % parts) for s in range(parts)]))
+        start += count
+    return jnp.concatenate(pieces) if pieces else jnp.zeros((1, *x.shape[1:]), x.dtype)
+
+
+def per_part(fn: Callable, A: PartitionedGroupCOO, *, rows: Sequence[jax.Array] = (),
+             columns: Sequence[jax.Array] = (), replicated: Sequence = ()):
+    """`fn` on every device: over its local matrix, then over its remote matrix into that result.
+
+    `fn(part, *rows, *columns, *replicated, out=None)` takes a `GroupCOO` over the device's rows (local: `(R, R)`;
+    remote: `(R, rows received)`) and arrays, and returns an array `(R, ...)`; called again with `out=` the first
+    result, it combines its own into it (`C[Ai[g],n] += ...` with `C=out` writes into the buffer in place: no
+    second output, no addition after). A `fn` that returns a `GroupCOO` (new values at the entries, an SDDMM) is
+    called once per matrix without `out`.
+
+    Args:
+      fn: as above.
+      A: the partitioned matrix.
+      rows: row-sharded arrays `(D * R, ...)` read at the part's own rows (the destinations).
+      columns: row-sharded arrays `(D * R, ...)` read at the part's columns: the local matrix sees the device's
+        block, the remote one the rows received by the plan's exchange.
+      replicated: pytrees the same on every device (weights).
+
+    Returns:
+      A row-sharded `(D * R, ...)` array, or, if `fn` returned formats, `A` with their values.
+    """
+    size = A.num_parts * A.layout.rows_per_part
+    for name, group in (("rows", rows), ("columns", columns)):
+        for x in group:
+            if x.ndim < 1 or x.shape[0] != size:
+                raise ValueError(f"jinsum.shard: expected {name} operands laid out by the partition, "
+                                 f"({size}, ...) = {A.num_parts} parts of {A.layout.rows_per_part} rows "
+                                 f"(PartitionedGroupCOO.shard_rows), got shape {tuple(x.shape)}")
+    returns_format = []
+
+    def body(local, remote, send, rows, columns, replicated):
+        local, remote, send = jax.tree.map(lambda a: a[0], (local, remote, send))
+        # The exchange does not wait for the local product: XLA runs the two at once.
+        received = [_exchange(A, send, x) for x in columns]
+        mine = fn(local, *rows, *columns, *replicated)
+        if isinstance(mine, GroupCOO):
+            returns_format.append(True)
+            return mine.Av[None], fn(remote, *rows, *received, *replicated).Av[None]
+        return fn(remote, *rows, *received, *replicated, out=mine)
+
+    spec = PartitionSpec(A.axis)
+    in_specs = (spec, spec, spec, spec, spec, PartitionSpec())
+    sharded = jax.shard_map(body, mesh=A.mesh, in_specs=in_specs, out_specs=spec)
+    out = sharded(A.local, A.remote, A.send, tuple(rows), tuple(columns), tuple(replicated))
+    return A.with_values(*out) if returns_format else out
+
+
+def spmm(part: GroupCOO, x: jax.Array, out: jax.Array | None = None) -> jax.Array:
+    """`part @ x` (`x` `(K, F)`), added into `out` in place when given: one statement,
+    `C[Ai[g],n] += Av[g,p] * X[Ak[g,p],n]`."""
+    C = jax.ShapeDtypeStruct((part.shape[0], x.shape[1]), x.dtype) if out is None else out
+    return jinsum.einsum("C[Ai[g],n] += Av[g,p] * X[Ak[g,p],n]", C=C, A=part.astype(x.dtype), X=x)
+
+
+def matmul(A: PartitionedGroupCOO, x: jax.Array) -> jax.Array:
+    """`A @ x` for row-sharded `x` `(D * R, F)`: `(D * R, F)`, row-sharded on the same split."""
+    if x.ndim != 2:
+        raise ValueError(f"jinsum.shard.matmul: expected x of shape (rows, F), got {tuple(x.shape)}; use "
+                         "jinsum.shard.einsum for more axes")
+    return per_part(spmm, A, columns=(x,))
+
+
+def row_sums(A: PartitionedGroupCOO, dtype=None) -> jax.Array:
+    """`A.sum(axis=1)` laid out by the partition: `(D * R,)` (no exchange)."""
+    if A.dense_shape:
+        raise ValueError(f"jinsum.shard.row_sums: expected scalar entries, got dense_shape {A.dense_shape}")
+    dtype = dtype or A.dtype
+
+    def sums(part, out=None):
+        D = jax.ShapeDtypeStruct((part.shape[0],), dtype) if out is None else out
+        return jinsum.einsum("D[Ai[g]] += Av[g,p]", D=D, A=part.astype(dtype))
+
+    return per_part(sums, A)
+
+
+def einsum(subscripts: str, *operands):
+    """`jinsum.einsum(subscripts, *operands)` in NumPy's notation with one `PartitionedGroupCOO` operand `A`
+    (subscripts `rc...`): operands whose first subscript is `r` are read at the part's rows, those whose first is
+    `c` at its columns (exchanged), the rest are replicated. The output's first subscript must be `r` (a
+    row-sharded result), or the output must be `A`'s subscripts (an SDDMM: `A` with new values).
+
+    Example:
+      >>> y = jinsum.shard.einsum("ik,kn->in", P, x)               # P @ x
+      >>> scores = jinsum.shard.einsum("ik,in,kn->ik", P, q, k)    # q_i . k_k at P's entries
+    """
+    inputs_text, _, output = subscripts.replace(" ", "").partition("->")
+    inputs = inputs_text.split(",")
+    if len(inputs) != len(operands):
+        raise ValueError(f"jinsum.shard.einsum: {subscripts!r} names {len(inputs)} operand(s) but {len(operands)} "
+                         "were given")
+    sparse = [k for k, x in enumerate(operands) if isinstance(x, PartitionedGroupCOO)]
+    if len(sparse) != 1:
+        raise ValueError(f"jinsum.shard.einsum: expected exactly one PartitionedGroupCOO operand, got {len(sparse)}")
+    [s] = sparse
+    A, (r, c) = operands[s], inputs[s][:2]
+    if output != inputs[s] and not output.startswith(r):
+        raise ValueError(f"jinsum.shard.einsum: the output {output!r} must start with the partitioned rows {r!r} "
+                         f"(a row-sharded result) or equal {inputs[s]!r} (an SDDMM)")
+    kinds = []
+    for k, (letters, x) in enumerate(zip(inputs, operands)):
+        if k == s:
+            continue
+        if letters[:1] in (r, c):
+            kinds.append("rows" if letters[0] == r else "columns")
+        elif r in letters or c in letters:
+            raise ValueError(f"jinsum.shard.einsum: operand {k} ({letters!r}) uses {r!r} or {c!r} in another "
+                             "place than its first axis; the rows of the split must come first")
+        else:
+            kinds.append("replicated")
+    dense = [x for k, x in enumerate(operands) if k != s]
+    groups = {kind: [x for x, m in zip(dense, kinds) if m == kind] for kind in ("rows", "columns", "replicated")}
+
+    def fn(part, *arrays, out=None):
+        arrays, by_kind = list(arrays), {}
+        for kind in ("rows", "columns", "replicated"):
+            by_kind[kind] = arrays[:len(groups[kind])]
+            del arrays[:len(groups[kind])]
+        it = {kind: iter(v) for kind, v in by_kind.items()}
+        ordered = [next(it[m]) for m in kinds]
+        result = jinsum.einsum(subscripts, *ordered[:s], part, *ordered[s:])
+        return result if out is None else out + result
+
+    return per_part(fn, A, rows=groups["rows"], columns=groups["columns"], replicated=groups["replicated"])
+
+
+def _merge_softmax(first, second):
+    """Two softmax-weighted sums over disjoint keys, `(out, lse)` each (`lse` +inf where a query had no key), as
+    the one sum over all their keys (FlashDecoding's combine of key splits)."""
+    (o1, l1), (o2, l2) = first, second
+    l1, l2 = (jnp.where(jnp.isposinf(lse), -jnp.inf, lse) for lse in (l1, l2))
+    shift = jnp.maximum(l1, l2)
+    shift = jnp.where(jnp.isneginf(shift), 0, shift)
+    w1, w2 = jnp.exp(l1 - shift), jnp.exp(l2 - shift)
+    total = w1 + w2
+    out = (o1 * w1[..., None].astype(o1.dtype) + o2 * w2[..., None].astype(o2.dtype))
+    return out / jnp.where(total > 0, total, 1)[..., None].astype(out.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: PartitionedGroupCOO, *, self_loops: bool = False,
+              dropout: float = 0.0, seed=None, **options) -> jax.Array:
+    """`jinsum.attention(q, k, v, pattern)` over a partitioned pattern: `q` `(D * R, H, D_k)` read at the part's
+    rows, `k`, `v` at its columns (exchanged), row-sharded `(D * R, H, E)` out.
+
+    Each device attends over its local keys, then over the keys it received, and combines the two with their
+    log-sum-exps. `self_loops` (graph attention) adds each node to its local keys. Dropout draws from `seed`
+    folded with the device and the part, so no two parts share a mask. Other keyword arguments go to
+    `jinsum.attention` (`scale`, `score_mod`, ...; not `causal` or `key_padding_mask`, which read global indices).
+    """
+    if {"causal", "key_padding_mask"} & set(options):
+        raise NotImplementedError("jinsum.shard.attention: causal and key_padding_mask read global key indices; "
+                                  "not supported on a partitioned pattern")
+    if dropout and seed is None:
+        raise ValueError("jinsum.shard.attention: dropout needs a seed")
+    seeds = () if not dropout else (jax.random.key(seed) if isinstance(seed, int) else seed,)
+
+    def attend(part, q, k, v, *seed, out=None):
+        remote = out is not None  # (per_part calls the local matrix first, without `out`)
+        if dropout:
+            seed = jax.random.fold_in(seed[0], 2 * jax.lax.axis_index(A.axis) + remote)
+        result = jinsum.attention(q, k, v, part, self_loops=self_loops and not remote, dropout=dropout,
+                                  seed=seed if dropout else None, return_lse=True, **options)
+        return result if out is None else _merge_softmax(out, result)
+
+    return per_part(attend, A, rows=(q,), columns=(k, v), replicated=seeds)

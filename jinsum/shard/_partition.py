@@ -1,0 +1,388 @@
+"""A `GroupCOO` split by output rows into one part per device of a mesh axis, and the plan of its halo exchange.
+
+Every part holds about the same number of stored entries plus rows (the work of an SpMM over the part: one
+gathered row of the dense operand per entry, one written row per row): either contiguous ranges of rows, or rows
+dealt out by length (`split`). Node features follow the same split: the rows a device owns lie, in order, in its
+block of `R = rows_per_part` rows of a `(D * R, ...)` array sharded along the axis (`shard_rows`), the tail of
+each block zero padding.
+
+Each part is stored as two matrices over the part's rows: `local`, whose columns are the device's own rows, and
+`remote`, whose columns are the rows it receives from the others before each product, so that the product of the
+local matrix can run while the rows are in flight. The rows travel one of two ways (`HaloPlan.exchange`):
+- `"halo"`: at shift `k = 1 .. D-1` every device `s` sends device `(s + k) % D` exactly the rows that device reads
+  from it (a `ppermute`); the remote columns index the received rows, shift after shift.
+- `"all_gather"`: every device receives every block (an `all_gather`); the remote columns index that.
+`partition` picks the one that moves fewer rows, unless told.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jinsum.formats import GroupCOO
+from jinsum.formats._convert import default_group_size, groups_from_csr, host_array
+from jinsum.formats._group_coo import TransposedIndex, transposed_index
+
+EXCHANGES = ("auto", "halo", "all_gather")
+SPLITS = ("auto", "contiguous", "dealt")
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloPlan:
+    """How each device gets the rows of the dense operand its part reads from other devices (static, hashable).
+
+    Attributes:
+      exchange: `"halo"` (a `ppermute` per shift of only the rows read) or `"all_gather"` (every row).
+      shift_rows: for `"halo"`, the rows sent at shift `k = 1 .. D-1` (each device's count padded to the largest).
+      needed: for each device, the distinct rows of other devices its part reads (unpadded).
+      rows_per_part: `R`, the rows of each device's block.
+    """
+
+    exchange: str
+    shift_rows: tuple[int, ...]
+    needed: tuple[int, ...]
+    rows_per_part: int
+
+    @property
+    def received_rows(self) -> int:
+        """Rows each device receives per exchange, padding included (`"all_gather"`: the other `D - 1` blocks)."""
+        if self.exchange == "halo":
+            return sum(self.shift_rows)
+        return len(self.needed) * self.rows_per_part - self.rows_per_part
+
+    @property
+    def columns(self) -> int:
+        """The number of columns of the remote matrices: rows of the received buffer."""
+        return sum(self.shift_rows) if self.exchange == "halo" else len(self.needed) * self.rows_per_part
+
+
+class Layout:
+    """Which device owns each row, and where (static: compared and hashed by identity, as it holds arrays).
+
+    Row `n` lives on device `owner[n]` at position `owner[n] * rows_per_part + local[n]` of a row-sharded
+    `(D * R, ...)` array; a device's rows keep their order (`local` increases with `n` on each device).
+    """
+
+    __slots__ = ("owner", "local", "rows_per_part", "split")
+
+    def __init__(self, owner: np.ndarray, parts: int, split: str):
+        self.owner, self.split = owner, split
+        counts = np.bincount(owner, minlength=parts)
+        self.local = np.arange(owner.size) - np.concatenate([[0], np.cumsum(counts)])[:-1][owner] if \
+            split == "contiguous" else _ranks(owner, parts)
+        self.rows_per_part = max(1, int(counts.max()) if counts.size else 1)
+
+    def rows_per_device(self, parts: int) -> list[int]:
+        return np.bincount(self.owner, minlength=parts).tolist()
+
+    def positions(self) -> np.ndarray:
+        """int `(N,)`: each row's position in the sharded `(D * R, ...)` arrays."""
+        return self.owner.astype(np.int64) * self.rows_per_part + self.local
+
+
+def _ranks(owner: np.ndarray, parts: int) -> np.ndarray:
+    """Each row's rank among the rows of its device, in row order."""
+    order = np.argsort(owner, kind="stable")
+    counts = np.bincount(owner, minlength=parts)
+    ranks = np.empty(owner.size, np.int64)
+    ranks[order] = np.arange(owner.size) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return ranks
+
+
+@jax.tree_util.register_pytree_node_class
+class PartitionedGroupCOO:
+    """A square sparse matrix split by rows over a mesh axis; build it with :func:`partition`.
+
+    A pytree whose arrays all have a leading axis of one part per device (`local` and `remote` are `GroupCOO`s of
+    stacked arrays, padded to equal shapes; `send` holds, for the `"halo"` exchange, the local rows each device
+    sends at each shift), so it is placed with `NamedSharding(mesh, P(axis))` and passes through `jit` and `grad`.
+    Static: the mesh, the axis, the logical `shape`, the `Layout` and the `HaloPlan`.
+    """
+
+    __slots__ = ("local", "remote", "send", "mesh", "axis", "shape", "layout", "plan")
+
+    def __init__(self, local: GroupCOO, remote: GroupCOO, send, mesh: Mesh, axis: str, shape: tuple[int, ...],
+                 layout: Layout, plan: HaloPlan):
+        self.local, self.remote, self.send = local, remote, send
+        self.mesh, self.axis, self.shape, self.layout, self.plan = mesh, axis, shape, layout, plan
+
+    def tree_flatten(self):
+        return (self.local, self.remote, self.send), (self.mesh, self.axis, self.shape, self.layout, self.plan)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def dtype(self):
+        return self.local.dtype
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        return self.shape[2:]
+
+    @property
+    def num_parts(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    @property
+    def sharding(self) -> NamedSharding:
+        """Where row-sharded arrays (node features, the parts) live: `NamedSharding(mesh, P(axis))`."""
+        return NamedSharding(self.mesh, PartitionSpec(self.axis))
+
+    def __repr__(self) -> str:
+        dims = ", ".join(map(str, self.shape))
+        return (f"PartitionedGroupCOO({jnp.dtype(self.dtype).name}[{dims}], {self.num_parts} parts of "
+                f"{self.layout.rows_per_part} rows over axis {self.axis!r}, split={self.layout.split!r}, "
+                f"exchange={self.plan.exchange!r}, "
+                f"{self.plan.received_rows} rows received per device)")
+
+    def astype(self, dtype) -> PartitionedGroupCOO:
+        """The same partition with its values cast to the floating `dtype`."""
+        return self.with_parts(self.local.astype(dtype), self.remote.astype(dtype))
+
+    def with_parts(self, local: GroupCOO, remote: GroupCOO) -> PartitionedGroupCOO:
+        """The same partition over new stacked parts."""
+        return PartitionedGroupCOO(local, remote, self.send, self.mesh, self.axis, self.shape, self.layout,
+                                   self.plan)
+
+    def with_values(self, local_values, remote_values) -> PartitionedGroupCOO:
+        """The same structure with new stacked values `(D, G, P, *dense_shape)` of the local and remote parts (the
+        scores of an SDDMM, say); like `GroupCOO.with_values`, it drops the entries in column order."""
+        def stacked(part, values):
+            if values.shape[:3] != part.Ak.shape:
+                raise ValueError(f"PartitionedGroupCOO.with_values: expected values of shape (D, G, P, ...) with "
+                                 f"(D, G, P) = {part.Ak.shape}, got {tuple(values.shape)}")
+            shape = (*part.shape[:2], *values.shape[3:])
+            return GroupCOO.tree_unflatten((shape, part.nnz), (part.Ai, part.Ak, values, None))
+        dense = local_values.shape[3:]
+        return PartitionedGroupCOO(stacked(self.local, local_values), stacked(self.remote, remote_values),
+                                   self.send, self.mesh, self.axis, (*self.shape[:2], *dense), self.layout,
+                                   self.plan)
+
+    # -- node features in the partition's layout --------------------------------------------------------------
+
+    def shard_rows(self, x) -> jax.Array:
+        """`x` `(N, ...)` laid out as the partition's rows, `(D * R, ...)` (zeros in each block's padding), placed
+        row-sharded on the mesh. Host arrays are placed directly; inside `jit` it is a scatter and a sharding
+        constraint."""
+        x = jnp.asarray(x) if isinstance(x, jax.core.Tracer) else np.asarray(x)
+        if x.ndim < 1 or x.shape[0] != self.shape[0]:
+            raise ValueError(f"PartitionedGroupCOO.shard_rows: expected an array of {self.shape[0]} rows (one per "
+                             f"row of the matrix), got shape {tuple(x.shape)}")
+        size = self.num_parts * self.layout.rows_per_part
+        if isinstance(x, np.ndarray):
+            out = np.zeros((size, *x.shape[1:]), x.dtype)
+            out[self.layout.positions()] = x
+            return jax.device_put(out, self.sharding)
+        out = jnp.zeros((size, *x.shape[1:]), x.dtype).at[self.layout.positions()].set(x)
+        return jax.lax.with_sharding_constraint(out, self.sharding)
+
+    def unshard_rows(self, y) -> jax.Array:
+        """The inverse of `shard_rows`: `(N, ...)` in the matrix's row order from `(D * R, ...)`."""
+        size = self.num_parts * self.layout.rows_per_part
+        if y.ndim < 1 or y.shape[0] != size:
+            raise ValueError(f"PartitionedGroupCOO.unshard_rows: expected the partition's {size} rows "
+                             f"({self.num_parts} parts of {self.layout.rows_per_part}), got shape {tuple(y.shape)}")
+        if not isinstance(y, jax.core.Tracer):
+            return jnp.asarray(np.asarray(y)[self.layout.positions()])
+        # On a mesh of explicit axes, the gathered rows' sharding must be named: replicated.
+        return y.at[self.layout.positions()].get(out_sharding=NamedSharding(self.mesh, PartitionSpec()))
+
+    @property
+    def row_mask(self) -> jax.Array:
+        """bool `(D * R,)`, row-sharded: True at the positions of real rows, False at padding (for losses)."""
+        return self.shard_rows(np.ones(self.shape[0], bool))
+
+
+def _owners(row_lengths: np.ndarray, parts: int, split: str) -> np.ndarray:
+    """The device of each row: contiguous ranges of about equal `entries + rows`, or the rows dealt out."""
+    if split == "contiguous":
+        cost = np.cumsum(row_lengths.astype(np.int64) + 1)
+        cuts = np.searchsorted(cost, (cost[-1] if cost.size else 0) * np.arange(1, parts) / parts, side="left")
+        return np.searchsorted(cuts, np.arange(row_lengths.size), side="right").astype(np.int32)
+    # Longest rows first, dealt 0, 1, ..., D-1, D-1, ..., 0, 0, 1, ...: equal rows (+-1) and near-equal entries.
+    order = np.argsort(-row_lengths, kind="stable")
+    turn = np.arange(row_lengths.size) % (2 * parts)
+    owner = np.empty(row_lengths.size, np.int32)
+    owner[order] = np.where(turn < parts, turn, 2 * parts - 1 - turn)
+    return owner
+
+
+def _entries(A: GroupCOO):
+    """The stored entries of `A` whose value is nonzero, in row order: rows, columns, values."""
+    where = "jinsum.shard.partition"
+    Ai, Ak, Av = (host_array(where, x) for x in (A.Ai, A.Ak, A.Av))
+    values = Av.reshape(Ak.size, *A.dense_shape)
+    keep = values.reshape(Ak.size, -1).any(axis=1)
+    return np.repeat(Ai, Ak.shape[1])[keep].astype(np.int64), Ak.reshape(-1)[keep].astype(np.int64), values[keep]
+
+
+def _grouped(rows, cols, values, shape: tuple[int, int], group_size: int):
+    """`GroupCOO` arrays of COO entries (duplicates kept: a maximum over them must see each), sorted by row, then
+    column."""
+    order = np.argsort(rows * max(shape[1], 1) + cols, kind="stable")
+    indptr = np.zeros(shape[0] + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=shape[0]), out=indptr[1:])
+    return groups_from_csr(indptr, cols[order], values[order], group_size, values.dtype, shape[1])
+
+
+def _stack(parts: list, shape: tuple[int, ...], dense: tuple[int, ...], where: str) -> GroupCOO:
+    """Equal-shaped `GroupCOO` arrays of every part (padding groups: last row, column 0, value 0) with their
+    transposed indices, stacked along a leading axis."""
+    rows, cols = shape
+
+    def nonzero(Av):  # (each slot: a value nonzero anywhere in its dense dimensions)
+        return (Av.reshape(Av.shape[0] * Av.shape[1], int(np.prod(dense))) != 0).any(axis=1)
+
+    lengths = np.concatenate([np.bincount(Ak.reshape(-1)[nonzero(Av)], minlength=cols) for _, Ak, Av in parts])
+    column_group = default_group_size(lengths)
+    num_groups = max(1, max(Ai.size for Ai, _, _ in parts))
+    Ais, Aks, Avs, indices = [], [], [], []
+    for Ai, Ak, Av in parts:
+        pad = num_groups - Ai.size
+        Ais.append(np.concatenate([Ai, np.full(pad, rows - 1, Ai.dtype)]).astype(np.int32))
+        Aks.append(np.concatenate([Ak, np.zeros((pad, Ak.shape[1]), Ak.dtype)]).astype(np.int32))
+        Avs.append(np.concatenate([Av, np.zeros((pad, *Av.shape[1:]), Av.dtype)]))
+        indices.append(transposed_index(where, Ais[-1], Aks[-1], nonzero(Avs[-1]), shape, jnp.int32, column_group))
+    t_entries = max(1, max(t.perm.size for t in indices))
+    t_groups = max(1, max(t.columns.size for t in indices))
+
+    def padded(x, size, fill):
+        x = np.asarray(x)
+        return np.concatenate([x, np.full((size - x.shape[0], *x.shape[1:]), fill, x.dtype)])
+
+    transposed = TransposedIndex(
+        perm=np.stack([padded(t.perm, t_entries, 0) for t in indices]),
+        starts=np.stack([np.asarray(t.starts) for t in indices]),
+        columns=np.stack([padded(t.columns, t_groups, max(cols - 1, 0)) for t in indices]),
+        rows=np.stack([padded(t.rows, t_groups, 0) for t in indices]),
+        slots=np.stack([padded(t.slots, t_groups, -1) for t in indices]),
+    )
+    nnz = max(int(nonzero(Av).sum()) for _, _, Av in parts)
+    arrays = (np.stack(Ais), np.stack(Aks), np.stack(Avs), transposed)
+    return GroupCOO.tree_unflatten(((rows, cols, *dense), nnz), arrays)
+
+
+def _mesh_axis(mesh, axis) -> str:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"jinsum.shard.partition: expected a jax.sharding.Mesh, got {mesh!r}; make one with "
+                        "jax.make_mesh((jax.device_count(),), ('x',))")
+    if axis is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(f"jinsum.shard.partition: the mesh has axes {mesh.axis_names}; name the one to split "
+                             "the rows over with axis=...")
+        return mesh.axis_names[0]
+    if axis not in mesh.axis_names:
+        raise ValueError(f"jinsum.shard.partition: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    return axis
+
+
+def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
+    """The plan of moving the rows each part reads from other devices, and those rows: `needed[d][s]`, the
+    distinct rows of device `s` that part `d` reads (sorted). Also the part of each entry (`part`), and the
+    entries in part order (`order`, `first`)."""
+    part = layout.owner[rows]
+    order = np.argsort(part, kind="stable")  # (stays in row order within a part)
+    first = np.searchsorted(part[order], np.arange(parts + 1))
+    col_owner = layout.owner[cols]
+    needed = []
+    for d in range(parts):
+        mine = order[first[d]:first[d + 1]]
+        needed.append([np.unique(cols[mine][col_owner[mine] == s]) if s != d else None for s in range(parts)])
+    shift_rows = tuple(max(needed[d][(d - k) % parts].size for d in range(parts)) for k in range(1, parts))
+    counts = tuple(sum(n.size for n in row if n is not None) for row in needed)
+    R = layout.rows_per_part
+    if exchange == "auto":
+        exchange = "halo" if sum(shift_rows) < (parts - 1) * R else "all_gather"
+    plan = HaloPlan(exchange, shift_rows if exchange == "halo" else (), counts, R)
+    return plan, needed, order, first
+
+
+def partition(A: GroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = "auto",
+              exchange: str = "auto") -> PartitionedGroupCOO:
+    """Splits a square `GroupCOO` by rows into one part per device along `axis` of `mesh`, on the host.
+
+    Call it once, outside `jit`, like building the matrix itself; lay node features out with
+    `shard_rows` and read results back with `unshard_rows`.
+
+    Args:
+      A: a concrete square `GroupCOO` `(N, N, *dense_shape)` (an adjacency: rows and columns are the same nodes,
+        so one split serves both). Zero-valued slots (group padding) are left out.
+      mesh: the `jax.sharding.Mesh`.
+      axis: the mesh axis to split over; may be omitted for a mesh of one axis.
+      split: `"contiguous"`: ranges of rows of about equal entries + rows (keeps the locality of a well-ordered
+        graph: fewer rows to exchange); `"dealt"`: rows sorted by length dealt out in turn (equal rows and
+        entries whatever the order: a power-law graph's hubs are spread); `"auto"`: the one whose devices hold
+        fewer rows, own and received.
+      exchange: `"halo"`, `"all_gather"`, or `"auto"`: the one that moves fewer rows per product.
+
+    Returns:
+      A `PartitionedGroupCOO`, its arrays placed row-sharded on the mesh (`A.sharding`).
+
+    Example:
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
+      >>> P = jinsum.shard.partition(jinsum.nn.adjacency(edge_index, N), mesh)
+      >>> y = P.unshard_rows(P @ P.shard_rows(x))        # == A @ x
+    """
+    where = "jinsum.shard.partition"
+    if not isinstance(A, GroupCOO):
+        raise TypeError(f"{where}: expected a jinsum.GroupCOO, got {A!r}")
+    if A.shape[0] != A.shape[1]:
+        raise ValueError(f"{where}: expected a square matrix (rows and columns the same nodes, split alike), got "
+                         f"shape {A.shape}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"{where}: exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if split not in SPLITS:
+        raise ValueError(f"{where}: split must be one of {SPLITS}, got {split!r}")
+    axis = _mesh_axis(mesh, axis)
+    parts = mesh.shape[axis]
+    rows, cols, values = _entries(A)
+    lengths = np.bincount(rows, minlength=A.shape[0])
+    candidates = []
+    for name in (("contiguous", "dealt") if split == "auto" else (split,)):
+        layout = Layout(_owners(lengths, parts, name), parts, name)
+        candidates.append((layout, *_halo_plan(rows, cols, layout, parts, exchange)))
+    layout, plan, needed, order, first = min(candidates, key=lambda c: c[0].rows_per_part + c[1].received_rows)
+    R, offsets = layout.rows_per_part, np.concatenate([[0], np.cumsum(plan.shift_rows)]).astype(np.int64)
+
+    local_parts, remote_parts = [], []
+    for d in range(parts):
+        entries = order[first[d]:first[d + 1]]
+        r, c, v = layout.local[rows[entries]], cols[entries], values[entries]
+        o = layout.owner[c]
+        mine = o == d
+        c_remote, o_remote = c[~mine], o[~mine]
+        remote_cols = np.empty(c_remote.size, np.int64)
+        for s in range(parts):
+            at = o_remote == s
+            if s == d or not at.any():
+                continue
+            if plan.exchange == "halo":
+                remote_cols[at] = offsets[(d - s) % parts - 1] + np.searchsorted(needed[d][s], c_remote[at])
+            else:
+                remote_cols[at] = s * R + layout.local[c_remote[at]]
+        local_parts.append((r[mine], layout.local[c[mine]], v[mine]))
+        remote_parts.append((r[~mine], remote_cols, v[~mine]))
+
+    def grouped(entries, columns):
+        group_size = default_group_size(np.concatenate([np.bincount(r, minlength=R) for r, _, _ in entries]))
+        return [_grouped(r, c, v, (R, columns), group_size) for r, c, v in entries]
+
+    columns = max(plan.columns, 1)
+    local = _stack(grouped(local_parts, R), (R, R), A.dense_shape, where)
+    remote = _stack(grouped(remote_parts, columns), (R, columns), A.dense_shape, where)
+    send = np.zeros((parts, max(sum(plan.shift_rows), 1)), np.int32)
+    for s in range(parts):
+        for k in range(1, parts if plan.exchange == "halo" else 1):
+            rows_sent = layout.local[needed[(s + k) % parts][s]]
+            # Padding repeats the last row sent: the indices stay sorted (a cheaper gather, and its transpose).
+            send[s, offsets[k - 1]:offsets[k]] = rows_sent[-1] if rows_sent.size else 0
+            send[s, offsets[k - 1]:offsets[k - 1] + rows_sent.size] = rows_sent
+    result = PartitionedGroupCOO(local, remote, send, mesh, axis, A.shape, layout, plan)
+    return jax.device_put(result, result.sharding)

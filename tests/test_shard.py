@@ -1,0 +1,278 @@
+"""`jinsum.shard`: every product over a partitioned matrix, and its gradient, equals the single-device result.
+
+Runs on up to 4 devices (on a CPU, `conftest.py` makes XLA pretend to have 4), on graphs with empty rows, a hub row
+whose entries come from every device, an empty part, and duplicate columns; references are float64 NumPy (dense
+products) and the same call on the whole matrix.
+"""
+
+import jax
+import jax.test_util
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import jinsum
+import jinsum.nn as jnn
+import jinsum.shard
+from jinsum.formats import GroupCOO
+
+pytestmark = pytest.mark.filterwarnings("ignore::jinsum.FallbackWarning")
+
+DEVICES = jax.devices()[:4]
+
+
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def mesh(count: int = len(DEVICES)) -> Mesh:
+    return Mesh(np.array(DEVICES[:count]), ("x",))
+
+
+def graph(rng, n: int = 41, edges: int = 160, *, duplicates: bool = False) -> GroupCOO:
+    """A weighted adjacency with a hub (row 3 reads from everywhere), empty rows, and optionally duplicate
+    columns in a row (stored twice, as a GroupCOO may hold them)."""
+    src, dst = rng.integers(0, n, (2, edges))
+    dst[:40] = 3
+    dst[dst >= n - 6] = 0  # the last rows are empty
+    A = GroupCOO.from_edge_index(np.stack([src, dst]), rng.uniform(0.5, 1.5, edges), num_nodes=n, dtype=np.float64)
+    if duplicates:  # every slot of the first group again, in a group of its own (same row, same columns)
+        A = GroupCOO(jnp.concatenate([A.Ai[:1], A.Ai]), jnp.concatenate([A.Ak[:1], A.Ak]),
+                     jnp.concatenate([A.Av[:1], A.Av]), A.shape)
+    return A.with_transpose()
+
+
+def dense(A: GroupCOO) -> np.ndarray:
+    out = np.zeros(A.shape)
+    np.add.at(out, (np.repeat(np.asarray(A.Ai), A.group_size), np.asarray(A.Ak).ravel()),
+              np.asarray(A.Av).reshape(-1, *A.dense_shape))
+    return out
+
+
+SPLITS = [("dealt", "halo"), ("contiguous", "halo"), ("dealt", "all_gather"), ("contiguous", "all_gather")]
+
+
+# -- the partition ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("split", ["dealt", "contiguous"])
+def test_layout_places_every_row_once_and_balances(rng, split):
+    A = graph(rng, n=203, edges=900)
+    P = jinsum.shard.partition(A, mesh(), split=split)
+    positions = P.layout.positions()
+    assert len(set(positions.tolist())) == A.shape[0]
+    assert positions.max() < P.num_parts * P.layout.rows_per_part
+    counts = P.layout.rows_per_device(P.num_parts)
+    assert sum(counts) == A.shape[0]
+    if split == "dealt":
+        assert max(counts) - min(counts) <= 1
+    else:  # ranges in order
+        assert np.all(np.diff(P.layout.owner) >= 0)
+    x = rng.standard_normal((A.shape[0], 3))
+    np.testing.assert_array_equal(P.unshard_rows(P.shard_rows(x)), x)
+    assert P.shard_rows(x).sharding.spec == P.sharding.spec
+
+
+def test_halo_plan_moves_only_the_rows_read(rng):
+    A = graph(rng, n=120, edges=300)
+    P = jinsum.shard.partition(A, mesh(), split="dealt", exchange="halo")
+    owner = P.layout.owner
+    rows, cols = np.nonzero(dense(A))
+    for d in range(P.num_parts):
+        read = cols[owner[rows] == d]
+        assert P.plan.needed[d] == np.unique(read[owner[read] != d]).size
+    assert P.plan.received_rows == sum(P.plan.shift_rows) <= (P.num_parts - 1) * P.layout.rows_per_part
+    assert jinsum.shard.partition(A, mesh(), exchange="auto").plan.received_rows <= P.plan.received_rows
+
+
+# -- products ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("split,exchange", SPLITS)
+@pytest.mark.parametrize("duplicates", [False, True])
+def test_spmm_and_gradient_equal_one_device(rng, split, exchange, duplicates):
+    A = graph(rng, duplicates=duplicates)
+    P = jinsum.shard.partition(A, mesh(), split=split, exchange=exchange)
+    x = rng.standard_normal((A.shape[0], 5))
+    xs = P.shard_rows(x)
+    out = jax.jit(lambda P, x: P @ x)(P, xs)
+    assert out.sharding.spec == P.sharding.spec  # row-sharded like the input: the next layer needs no resharding
+    np.testing.assert_allclose(P.unshard_rows(out), dense(A) @ x, rtol=1e-12, atol=1e-12)
+
+    def loss(x, P):
+        return jnp.sum(jnp.sin(P @ x) * P.shard_rows(np.arange(A.shape[0] * 5.0).reshape(-1, 5) / 100))
+
+    def reference(x):
+        return jnp.sum(jnp.sin(A @ x) * np.arange(A.shape[0] * 5.0).reshape(-1, 5) / 100)
+
+    grad = jax.jit(jax.grad(loss))(xs, P)
+    assert grad.sharding.spec == P.sharding.spec
+    np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(reference)(x), rtol=1e-12, atol=1e-12)
+    if (split, exchange, duplicates) == ("dealt", "halo", True):  # (numerical derivatives: slow, so once)
+        jax.test_util.check_grads(jax.jit(lambda x: loss(x, P)), (xs,), order=1, modes=["fwd", "rev"])
+
+
+def test_one_device_and_an_empty_part(rng):
+    A = graph(rng, n=3, edges=5)  # fewer rows than devices: some parts own nothing
+    for count in sorted({1, len(DEVICES)}):
+        P = jinsum.shard.partition(A, mesh(count))
+        x = rng.standard_normal((3, 2))
+        np.testing.assert_allclose(P.unshard_rows(P @ P.shard_rows(x)), dense(A) @ x, atol=1e-12)
+
+
+def test_row_sums_sddmm_and_multi_head(rng):
+    A = graph(rng)
+    P = jinsum.shard.partition(A, mesh())
+    n = A.shape[0]
+    np.testing.assert_allclose(P.unshard_rows(jinsum.shard.row_sums(P)), dense(A).sum(1), atol=1e-12)
+    q, k, v = (rng.standard_normal((n, 4)) for _ in range(3))
+    S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))  # an SDDMM: P's entries
+    assert isinstance(S, jinsum.shard.PartitionedGroupCOO)
+    np.testing.assert_allclose(P.unshard_rows(S @ P.shard_rows(v)), (dense(A) * (q @ k.T)) @ v, atol=1e-12)
+    grad = jax.jit(jax.grad(lambda k: jnp.sum((jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), k) @
+                                       P.shard_rows(v)) ** 2)))(P.shard_rows(k))
+    reference = jax.grad(lambda k: jnp.sum(((dense(A) * (q @ k.T)) @ v) ** 2))(k)
+    np.testing.assert_allclose(P.unshard_rows(grad), reference, atol=1e-10)
+
+    heads = GroupCOO(A.Ai, A.Ak, jnp.stack([A.Av, 2 * A.Av, -A.Av], -1), (n, n, 3)).with_transpose()
+    H = jinsum.shard.partition(heads, mesh())
+    x = rng.standard_normal((n, 3, 2))
+    out = jinsum.shard.einsum("ikh,khf->ihf", H, H.shard_rows(x))
+    np.testing.assert_allclose(H.unshard_rows(out), np.einsum("ikh,khf->ihf", dense(heads), x), atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["max", "min"])
+def test_extreme_aggregation_and_gradient(rng, reduction):
+    A = graph(rng)
+    P = jinsum.shard.partition(A, mesh())
+    x = rng.standard_normal((A.shape[0], 4))
+    ours = jnn.aggregate_by(P, P.shard_rows(x), reduction)
+    np.testing.assert_array_equal(P.unshard_rows(ours), jnn.aggregate_by(A, x, reduction))
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnn.aggregate_by(P, x, reduction) ** 2)))(P.shard_rows(x))
+    reference = jax.grad(lambda x: jnp.sum(jnn.aggregate_by(A, x, reduction) ** 2))(x)
+    np.testing.assert_allclose(P.unshard_rows(grad), reference, atol=1e-12)
+
+
+def test_attention_merges_the_parts(rng):
+    A = graph(rng)
+    P = jinsum.shard.partition(A, mesh())
+    n = A.shape[0]
+    q, k, v = rng.standard_normal((n, 2, 3)), rng.standard_normal((n, 2, 3)), rng.standard_normal((n, 2, 4))
+
+    def ours(q, k, v):
+        return jinsum.shard.attention(P.shard_rows(q), P.shard_rows(k), P.shard_rows(v), P, self_loops=True)
+
+    np.testing.assert_allclose(P.unshard_rows(ours(q, k, v)), jinsum.attention(q, k, v, A, self_loops=True),
+                               atol=1e-12)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(P.unshard_rows(ours(*a)) ** 2), argnums=(0, 1, 2)))(q, k, v)
+    reference = jax.grad(lambda *a: jnp.sum(jinsum.attention(*a, A, self_loops=True) ** 2), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(grads, reference):
+        np.testing.assert_allclose(g, r, atol=1e-10)
+
+
+def test_communication_counts_the_exchange(rng):
+    A = graph(rng)
+    P = jinsum.shard.partition(A, mesh(), exchange="halo")
+    xs = P.shard_rows(rng.standard_normal((A.shape[0], 5)))
+    forward = jinsum.shard.communication(lambda x: P @ x, xs)
+    assert forward == {"ppermute": P.plan.received_rows * 5 * 8}
+    backward = jinsum.shard.communication(jax.grad(lambda x: jnp.sum(P @ x)), xs)
+    assert backward == {"ppermute": 2 * P.plan.received_rows * 5 * 8}  # the exchange, and its transpose
+
+
+# -- layers --------------------------------------------------------------------------------------------------------
+
+LAYERS = {
+    "GCN": lambda: jnn.GCNConv(6, 5, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    "SGConv": lambda: jnn.SGConv(6, 5, K=2, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    "SAGE mean": lambda: jnn.SAGEConv(6, 5, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    "SAGE max+std": lambda: jnn.SAGEConv(6, 5, aggr=["max", "std"], rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    "GIN": lambda: jnn.GINConv(nnx.Linear(6, 5, rngs=nnx.Rngs(0), param_dtype=jnp.float64)),
+    "GraphConv max": lambda: jnn.GraphConv(6, 5, aggr="max", rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    "GAT": lambda: jnn.GATConv(6, 3, heads=2, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_layer_on_a_partitioned_adjacency(rng, name):
+    A = graph(rng)
+    P = jinsum.shard.partition(A, mesh())
+    layer = LAYERS[name]()
+    x = rng.standard_normal((A.shape[0], 6))
+    np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), layer(x, A), rtol=1e-10, atol=1e-10)
+
+    def loss(layer, x, graph, mask):
+        return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph)), 0))
+
+    ours = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, P.shard_rows(x), P, P.row_mask)
+    theirs = nnx.grad(loss, argnums=(0, 1))(layer, x, A, np.ones(A.shape[0], bool))
+    np.testing.assert_allclose(P.unshard_rows(ours[1]), theirs[1], rtol=1e-9, atol=1e-10)
+    for a, b in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(theirs[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_rgcn_on_a_partitioned_relational_adjacency(rng):
+    n, relations = 37, 3
+    src, dst = rng.integers(0, n, (2, 150))
+    rel = rng.integers(0, relations, 150)
+    g = jnn.relational_graph(src, dst, rel, n, relations)
+    P = jinsum.shard.partition(jnn.relational_adjacency(g), mesh())
+    for aggr in ("mean", "add"):
+        conv = jnn.RGCNConv(4, 5, relations, aggr=aggr, num_bases=2, rngs=nnx.Rngs(0), param_dtype=jnp.float64)
+        x = rng.standard_normal((n, 4))
+        np.testing.assert_allclose(P.unshard_rows(conv(P.shard_rows(x), P)), conv(x, g), atol=1e-12)
+        grad = jax.grad(lambda x: jnp.sum(jnp.tanh(conv(x, P))))(P.shard_rows(x))
+        np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.tanh(conv(x, g))))(x),
+                                   atol=1e-12)
+
+
+def test_gcn_training_matches_one_device(rng):
+    A = graph(rng, n=90, edges=500)
+    P = jinsum.shard.partition(A, mesh())
+    x, y = rng.standard_normal((90, 8)), rng.integers(0, 3, 90)
+
+    def train(graph, x, y, mask):
+        model = nnx.Sequential(jnn.GCNConv(8, 16, rngs=nnx.Rngs(0), param_dtype=jnp.float64))
+        head = jnn.GCNConv(16, 3, rngs=nnx.Rngs(1), param_dtype=jnp.float64)
+        optimizer = nnx.Optimizer((model, head), optax.adam(0.05), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, head, optimizer, x, y, mask, graph):
+            def loss_fn(modules):
+                logits = modules[1](nnx.relu(modules[0].layers[0](x, graph)), graph)
+                losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+                return jnp.sum(jnp.where(mask, losses, 0)) / jnp.sum(mask)
+            loss, grads = nnx.value_and_grad(loss_fn)((model, head))
+            optimizer.update((model, head), grads)
+            return loss
+
+        return [float(step(model, head, optimizer, x, y, mask, graph)) for _ in range(5)]
+
+    single = train(A, x, y, np.ones(90, bool))
+    sharded = train(P, P.shard_rows(x), P.shard_rows(y), P.row_mask)
+    np.testing.assert_allclose(sharded, single, rtol=1e-10)
+    assert single[-1] < single[0]
+
+
+# -- errors --------------------------------------------------------------------------------------------------------
+
+def test_errors_name_the_problem(rng):
+    A = graph(rng)
+    with pytest.raises(ValueError, match="square"):
+        jinsum.shard.partition(GroupCOO.from_dense(np.ones((3, 4))), mesh())
+    with pytest.raises(ValueError, match="axis 'y' is not an axis"):
+        jinsum.shard.partition(A, mesh(), axis="y")
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        jinsum.shard.partition(A, mesh(), exchange="broadcast")
+    with pytest.raises(TypeError, match="Mesh"):
+        jinsum.shard.partition(A, DEVICES)
+    P = jinsum.shard.partition(A, mesh())
+    with pytest.raises(ValueError, match=r"laid out by the partition.*shard_rows"):
+        P @ jnp.ones((A.shape[0], 2))
+    with pytest.raises(ValueError, match=r"laid out by the partition.*shard_rows"):
+        jnn.GCNConv(2, 2, rngs=nnx.Rngs(0))(jnp.ones((A.shape[0], 2)), P)
+    with pytest.raises(ValueError, match="rows"):
+        P.shard_rows(np.ones((A.shape[0] + 1, 2)))
