@@ -12,7 +12,8 @@ Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (me
 attention weights), `GATv2Conv` (edge by edge, on an `edge_list`), `TransformerConv` (the same fused attention as
 GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and
 TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
-`batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`.
+`batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`. Several devices: GCN, SGConv, APPNP,
+SAGE, GIN, GraphConv, GAT and RGCN (on a `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency.
 """
 
 from jinsum.nn._aggregation import aggregate_by as aggregate_by
@@ -38,6 +39,7 @@ from jinsum.nn._pool import global_max_pool as global_max_pool
 from jinsum.nn._pool import global_mean_pool as global_mean_pool
 from jinsum.nn._rgcn import RelationalGraph as RelationalGraph
 from jinsum.nn._rgcn import RGCNConv as RGCNConv
+from jinsum.nn._rgcn import relational_adjacency as relational_adjacency
 from jinsum.nn._rgcn import relational_graph as relational_graph
 from jinsum.nn._sage import SAGEConv as SAGEConv
 from jinsum.nn._transformer import TransformerConv as TransformerConv

@@ -10,7 +10,9 @@ import numpy as np
 from flax import nnx
 
 import jinsum
+from jinsum.formats import GroupCOO
 from jinsum.formats._convert import as_jax_array, host_array
+from jinsum.shard import PartitionedGroupCOO, per_part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +134,18 @@ class RGCNConv(nnx.Module):
                      if root_weight else None)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array, graph: RelationalGraph) -> jax.Array:
-        """`x` `(N, in_features)`, `graph` a `RelationalGraph` -> `(N, out_features)`."""
+    def __call__(self, x: jax.Array, graph: RelationalGraph | PartitionedGroupCOO) -> jax.Array:
+        """`x` `(N, in_features)`, `graph` a `RelationalGraph` -> `(N, out_features)`; or, on several devices, `x`
+        laid out by `graph`, a partitioned `relational_adjacency`."""
+        if isinstance(graph, PartitionedGroupCOO):
+            out = self._partitioned(x, graph)
+        else:
+            out = self._messages(x, graph)
+        if self.root is not None:
+            out = out + self.root(x)
+        return out if self.bias is None else out + self.bias[...]
+
+    def _messages(self, x: jax.Array, graph: RelationalGraph) -> jax.Array:
         if not isinstance(graph, RelationalGraph):
             raise TypeError(f"RGCNConv: expected a jinsum.nn.RelationalGraph, got {type(graph).__name__}. Build it "
                             "once, outside the jitted step, with jinsum.nn.relational_graph(src, dst, rel, "
@@ -142,24 +154,70 @@ class RGCNConv(nnx.Module):
             raise ValueError(f"RGCNConv: expected a graph over the N = {x.shape[0]} rows of x {tuple(x.shape)} "
                              f"with num_relations = {self.num_relations}, got num_nodes = {graph.num_nodes} and "
                              f"num_relations = {graph.num_relations}")
-        # Transform first: every node by every relation (or basis) in one dense product, so that each edge
-        # gathers a single row of H. Edge by edge, `X[C[e],c] * W[T[e],c,f]` would cost c times more work and,
-        # on the XLA lowering, gather a whole weight matrix per edge.
-        weight = self.weight[...]
-        dtype = jnp.result_type(x, weight)
-        if self.num_blocks is None:
-            H = jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype))
-        else:  # each block of the input features by its block of the weight
-            blocks = x.astype(dtype).reshape(x.shape[0], self.num_blocks, -1)
-            H = jnp.einsum("nbc,rbcf->nrbf", blocks, weight.astype(dtype)).reshape(x.shape[0], self.num_relations, -1)
+        H, dtype = self._transform(x, self.weight[...])
         zeros = jax.ShapeDtypeStruct((x.shape[0], H.shape[-1]), dtype)
         norm = graph.norm if self.aggr == "mean" else jnp.ones_like(graph.norm)
         edges = dict(R=graph.dst, C=graph.src, T=graph.rel, N=norm.astype(dtype), H=H)
         if self.comp is None:
-            out = jinsum.einsum("O[R[e],f] += N[e] * H[C[e],T[e],f]", sorted_indices=("R",), O=zeros, **edges)
-        else:  # W_r = sum_b comp[r,b] V_b: H holds x V_b, and each edge weighs the bases by its relation's comp
-            out = jinsum.einsum("O[R[e],f] += N[e] * Comp[T[e],b] * H[C[e],b,f]", sorted_indices=("R",), O=zeros,
-                                Comp=self.comp[...].astype(dtype), **edges)
-        if self.root is not None:
-            out = out + self.root(x)
-        return out if self.bias is None else out + self.bias[...]
+            return jinsum.einsum("O[R[e],f] += N[e] * H[C[e],T[e],f]", sorted_indices=("R",), O=zeros, **edges)
+        # W_r = sum_b comp[r,b] V_b: H holds x V_b, and each edge weighs the bases by its relation's comp
+        return jinsum.einsum("O[R[e],f] += N[e] * Comp[T[e],b] * H[C[e],b,f]", sorted_indices=("R",), O=zeros,
+                             Comp=self.comp[...].astype(dtype), **edges)
+
+    def _transform(self, x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jnp.dtype]:
+        """`H` `(N, R or bases, out_features)`: every node by every relation (or basis) in one dense product, so
+        that each edge gathers a single row of H. Edge by edge, `X[C[e],c] * W[T[e],c,f]` would cost c times more
+        work and, on the XLA lowering, gather a whole weight matrix per edge."""
+        dtype = jnp.result_type(x, weight)
+        if self.num_blocks is None:
+            return jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype)), dtype
+        blocks = x.astype(dtype).reshape(x.shape[0], self.num_blocks, -1)  # each block by its block of the weight
+        H = jnp.einsum("nbc,rbcf->nrbf", blocks, weight.astype(dtype))
+        return H.reshape(x.shape[0], self.num_relations, -1), dtype
+
+    def _partitioned(self, x: jax.Array, A: PartitionedGroupCOO) -> jax.Array:
+        """The messages over a partitioned `relational_adjacency` (`A[dst, src, rel]` = edges of the type): the
+        devices exchange rows of `x` (narrower than `H`) and transform what they read; the means' counts
+        `c_{i,r}` are row sums of `A`, taken over both parts of each device before the messages."""
+        if A.dense_shape != (self.num_relations,):
+            raise ValueError(f"RGCNConv: expected a partitioned relational_adjacency with {self.num_relations} "
+                             f"relations (shape (N, N, {self.num_relations})), got {A!r}")
+        dtype = jnp.result_type(x, self.weight[...])
+
+        def counts(part, out=None):
+            zeros = jax.ShapeDtypeStruct((part.shape[0], self.num_relations), dtype) if out is None else out
+            return jinsum.einsum("C[Ai[g],r] += Av[g,p,r]", C=zeros, A=part.astype(dtype))
+
+        if self.aggr == "mean":
+            c = per_part(counts, A)
+            scale = 1 / jnp.where(c > 0, c, 1)
+        else:
+            scale = jnp.ones((x.shape[0], self.num_relations), dtype)
+        comp = () if self.comp is None else (self.comp[...].astype(dtype),)
+
+        def messages(part, scale, x, weight, *comp, out=None):
+            H, _ = self._transform(x, weight)
+            zeros = jax.ShapeDtypeStruct((part.shape[0], H.shape[-1]), dtype) if out is None else out
+            arrays = dict(O=zeros, A=part.astype(dtype), S=scale, H=H)
+            if not comp:
+                return jinsum.einsum("O[Ai[g],f] += Av[g,p,r] * S[Ai[g],r] * H[Ak[g,p],r,f]", **arrays)
+            return jinsum.einsum("O[Ai[g],f] += Av[g,p,r] * S[Ai[g],r] * Comp[r,b] * H[Ak[g,p],b,f]",
+                                 Comp=comp[0], **arrays)
+
+        return per_part(messages, A, rows=(scale,), columns=(x,), replicated=(self.weight[...], *comp))
+
+
+def relational_adjacency(graph: RelationalGraph) -> GroupCOO:
+    """A `RelationalGraph` as a `GroupCOO` `(N, N, R)`: `A[dst, src, r]` the number of edges of type `r` from
+    `src` to `dst`, for `jinsum.shard.partition` (`RGCNConv` takes the partition). Host side; it stores `R` values
+    per (destination, source) pair, so it suits graphs of few relations.
+
+    Example:
+      >>> P = jinsum.shard.partition(jinsum.nn.relational_adjacency(g), mesh)
+      >>> y = conv(P.shard_rows(x), P)
+    """
+    where = "jinsum.nn.relational_adjacency"
+    src, dst, rel = (host_array(where, a) for a in (graph.src, graph.dst, graph.rel))
+    values = np.zeros((src.size, graph.num_relations), np.float32)
+    values[np.arange(src.size), rel] = 1
+    return GroupCOO.from_edge_index(np.stack([src, dst]), values, num_nodes=graph.num_nodes).with_transpose()
