@@ -22,6 +22,8 @@ from jinsum.formats import GroupCOO
 pytestmark = pytest.mark.filterwarnings("ignore::jinsum.FallbackWarning")
 
 DEVICES = jax.devices()[:4]
+# The fused attention's float64 kernels on a GPU agree with the XLA lowering to ~3e-7 (tests/test_gpu_attention.py).
+ATTENTION_ATOL = 1e-6 if jax.default_backend() == "gpu" else 1e-10
 
 
 @pytest.fixture(autouse=True)
@@ -166,11 +168,11 @@ def test_attention_merges_the_parts(rng):
         return jinsum.shard.attention(P.shard_rows(q), P.shard_rows(k), P.shard_rows(v), P, self_loops=True)
 
     np.testing.assert_allclose(P.unshard_rows(ours(q, k, v)), jinsum.attention(q, k, v, A, self_loops=True),
-                               atol=1e-12)
+                               atol=ATTENTION_ATOL)
     grads = jax.jit(jax.grad(lambda *a: jnp.sum(P.unshard_rows(ours(*a)) ** 2), argnums=(0, 1, 2)))(q, k, v)
     reference = jax.grad(lambda *a: jnp.sum(jinsum.attention(*a, A, self_loops=True) ** 2), argnums=(0, 1, 2))(q, k, v)
     for g, r in zip(grads, reference):
-        np.testing.assert_allclose(g, r, atol=1e-10)
+        np.testing.assert_allclose(g, r, atol=ATTENTION_ATOL)
 
 
 def test_communication_counts_the_exchange(rng):
@@ -202,16 +204,17 @@ def test_layer_on_a_partitioned_adjacency(rng, name):
     P = jinsum.shard.partition(A, mesh())
     layer = LAYERS[name]()
     x = rng.standard_normal((A.shape[0], 6))
-    np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), layer(x, A), rtol=1e-10, atol=1e-10)
+    atol = ATTENTION_ATOL if name == "GAT" else 1e-10
+    np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), layer(x, A), rtol=1e-10, atol=atol)
 
     def loss(layer, x, graph, mask):
         return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph)), 0))
 
     ours = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, P.shard_rows(x), P, P.row_mask)
     theirs = nnx.grad(loss, argnums=(0, 1))(layer, x, A, np.ones(A.shape[0], bool))
-    np.testing.assert_allclose(P.unshard_rows(ours[1]), theirs[1], rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(P.unshard_rows(ours[1]), theirs[1], rtol=1e-9, atol=atol)
     for a, b in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(theirs[0])):
-        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
 
 
 def test_rgcn_on_a_partitioned_relational_adjacency(rng):

@@ -74,7 +74,8 @@ def per_part(fn: Callable, A: PartitionedGroupCOO, *, rows: Sequence[jax.Array] 
 
     spec = PartitionSpec(A.axis)
     in_specs = (spec, spec, spec, spec, spec, PartitionSpec())
-    sharded = jax.shard_map(body, mesh=A.mesh, in_specs=in_specs, out_specs=spec)
+    # Under jit even when called eagerly: an eager shard_map would dispatch every statement of the body alone.
+    sharded = jax.jit(jax.shard_map(body, mesh=A.mesh, in_specs=in_specs, out_specs=spec))
     out = sharded(A.local, A.remote, A.send, tuple(rows), tuple(columns), tuple(replicated))
     return A.with_values(*out) if returns_format else out
 
