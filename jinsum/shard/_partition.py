@@ -71,11 +71,8 @@ class Layout:
     __slots__ = ("owner", "local", "rows_per_part", "split")
 
     def __init__(self, owner: np.ndarray, parts: int, split: str):
-        self.owner, self.split = owner, split
-        counts = np.bincount(owner, minlength=parts)
-        self.local = np.arange(owner.size) - np.concatenate([[0], np.cumsum(counts)])[:-1][owner] if \
-            split == "contiguous" else _ranks(owner, parts)
-        self.rows_per_part = max(1, int(counts.max()) if counts.size else 1)
+        self.owner, self.split, self.local = owner, split, _ranks(owner, parts)
+        self.rows_per_part = max(1, int(np.bincount(owner, minlength=parts).max()))
 
     def rows_per_device(self, parts: int) -> list[int]:
         return np.bincount(self.owner, minlength=parts).tolist()
