@@ -114,7 +114,7 @@ def wide(A, P, width: int, devices, mesh) -> None:
         record(workload, "1 GPU", None, None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
     x1 = None  # (free the single GPU's features before the sharded run)
     try:
-        xs = features(P.sharding, P.num_parts * P.layout.rows_per_part)
+        xs = features(P.sharding, P.padded_rows)
         many = run(f"{len(devices)} GPUs", model_fn, P, xs, P.shard_rows(y), P.row_mask,
                    NamedSharding(mesh, PartitionSpec()), 2, 3, NO_AUTOTUNING)
         record(workload, f"{len(devices)} GPUs", 1e3 * many["seconds"], many["memory"], many["received"],

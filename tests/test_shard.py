@@ -67,7 +67,7 @@ def test_layout_places_every_row_once_and_balances(rng, split):
     P = jinsum.shard.partition(A, mesh(), split=split)
     positions = P.layout.positions()
     assert len(set(positions.tolist())) == A.shape[0]
-    assert positions.max() < P.num_parts * P.layout.rows_per_part
+    assert positions.max() < P.padded_rows
     counts = P.layout.rows_per_device(P.num_parts)
     assert sum(counts) == A.shape[0]
     if split == "dealt":
@@ -132,7 +132,7 @@ def test_row_sums_sddmm_and_multi_head(rng):
     np.testing.assert_allclose(P.unshard_rows(jinsum.shard.row_sums(P)), dense(A).sum(1), atol=1e-12)
     q, k, v = (rng.standard_normal((n, 4)) for _ in range(3))
     S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))  # an SDDMM: P's entries
-    assert isinstance(S, jinsum.shard.PartitionedGroupCOO)
+    assert isinstance(S, jinsum.shard.Partitioned)
     np.testing.assert_allclose(P.unshard_rows(S @ P.shard_rows(v)), (dense(A) * (q @ k.T)) @ v, atol=1e-12)
     grad = jax.jit(jax.grad(lambda k: jnp.sum((jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), k) @
                                        P.shard_rows(v)) ** 2)))(P.shard_rows(k))
@@ -144,6 +144,26 @@ def test_row_sums_sddmm_and_multi_head(rng):
     x = rng.standard_normal((n, 3, 2))
     out = jinsum.shard.einsum("ikh,khf->ihf", H, H.shard_rows(x))
     np.testing.assert_allclose(H.unshard_rows(out), np.einsum("ikh,khf->ihf", dense(heads), x), atol=1e-12)
+
+
+@pytest.mark.parametrize("exchange", ["halo", "all_gather"])
+def test_block_format_spmm_sddmm_and_gcn(rng, exchange):
+    n = 42  # (not a whole number of 4-row blocks)
+    mask = rng.random((n, n)) < 0.08
+    mask[5] = True  # a hub block row
+    B = jinsum.BlockGroupCOO.from_dense(np.where(mask, rng.uniform(0.5, 1.5, (n, n)), 0), block_shape=(4, 4),
+                                        dtype=np.float64).with_transpose()
+    P = jinsum.shard.partition(B, mesh(), exchange=exchange)
+    assert P.format is jinsum.BlockGroupCOO and P.padded_rows % 4 == 0
+    x, q, k = (rng.standard_normal((n, 3)) for _ in range(3))
+    np.testing.assert_allclose(P.unshard_rows(P @ P.shard_rows(x)), B.todense() @ x, atol=1e-12)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(P @ x))))(P.shard_rows(x))
+    np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(B @ x)))(x), atol=1e-12)
+    S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))
+    dense = np.asarray(B.todense())
+    np.testing.assert_allclose(P.unshard_rows(S @ P.shard_rows(x)), (dense * (q @ k.T)) @ x, atol=1e-12)
+    conv = jnn.GCNConv(3, 2, rngs=nnx.Rngs(0), param_dtype=jnp.float64)
+    np.testing.assert_allclose(P.unshard_rows(conv(P.shard_rows(x), P)), conv(x, B), atol=1e-12)
 
 
 @pytest.mark.parametrize("reduction", ["max", "min"])

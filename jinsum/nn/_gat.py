@@ -113,7 +113,7 @@ class GATConv(nnx.Module):
         rate, seed = dropout_seed(self.dropout)
         queries = jnp.stack([s_dst, jnp.ones_like(s_dst)], -1)  # (queries . keys = s_dst + s_src)
         keys = jnp.stack([jnp.ones_like(s_src), s_src], -1)
-        attend = jinsum.shard.attention if isinstance(A, jinsum.shard.PartitionedGroupCOO) else jinsum.attention
+        attend = jinsum.shard.attention if isinstance(A, jinsum.shard.Partitioned) else jinsum.attention
         out = attend(queries, keys, h, A, scale=1.0, score_mod=lambda s, b, head, i, j: jax.nn.leaky_relu(s, slope),
                      self_loops=self.add_self_loops, dropout=rate, seed=seed)
         return self._finish(out)

@@ -15,7 +15,7 @@ import scipy.sparse as sp
 
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.shard import PartitionedGroupCOO, matmul, per_part
+from jinsum.shard import Partitioned, matmul, per_part
 from jinsum.shard import row_sums as partitioned_row_sums
 
 
@@ -168,7 +168,7 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
     a square adjacency) to the `N` rows of `x`, and `x` / `sources` have `in_features` / `source_features` columns
     (where given)."""
     bipartite = sources is not None and sources is not x
-    if isinstance(A, PartitionedGroupCOO) and GroupCOO in formats:
+    if isinstance(A, Partitioned) and A.format in formats:
         return _expect_partitioned(layer, A, x, in_features, bipartite)
     for name, features, width in (("", x, in_features), ("source " if bipartite else "", sources, source_features)):
         if features is not None and width is not None and (features.ndim != 2 or features.shape[1] != width):
@@ -192,8 +192,8 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
             f"node features {tuple(x.shape)}, got {A!r}; build it with jinsum.nn.adjacency(edge_index, N)")
 
 
-def _expect_partitioned(layer: str, A: PartitionedGroupCOO, x, in_features: int | None, bipartite: bool) -> None:
-    rows = A.num_parts * A.layout.rows_per_part
+def _expect_partitioned(layer: str, A: Partitioned, x, in_features: int | None, bipartite: bool) -> None:
+    rows = A.padded_rows
     if bipartite:
         raise NotImplementedError(f"{layer}: a partitioned adjacency splits one set of nodes; bipartite inputs "
                                   "(x_src, x_dst) are not supported on it")
@@ -202,7 +202,7 @@ def _expect_partitioned(layer: str, A: PartitionedGroupCOO, x, in_features: int 
     if x.ndim != 2 or x.shape[0] != rows or (in_features is not None and x.shape[1] != in_features):
         width = "F" if in_features is None else in_features
         raise ValueError(f"{layer}: expected node features laid out by the partition, ({rows}, {width}) = "
-                         f"{A.num_parts} parts of {A.layout.rows_per_part} rows (A.shard_rows(x)), got "
+                         f"{A.num_parts} devices x {rows // A.num_parts} rows (A.shard_rows(x)), got "
                          f"{tuple(x.shape)}")
 
 
@@ -215,7 +215,7 @@ def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
     Example:
       >>> deg = row_sums(A)            # in-degrees (weighted) of an adjacency A[dst, src]
     """
-    if isinstance(A, PartitionedGroupCOO):
+    if isinstance(A, Partitioned):
         return partitioned_row_sums(A, dtype)
     A = A.astype(A.dtype if dtype is None else dtype)
     if isinstance(A, BlockGroupCOO):
@@ -232,8 +232,8 @@ def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
 
     An adjacency that carries its entries in column order (`jinsum.nn.adjacency` builds it so) keeps them through
     the cast: the gradient with respect to `h` is then the forward SpMM's kernel over the transpose instead of an
-    atomic addition per edge. On a `PartitionedGroupCOO` (`jinsum.shard`), `h` and the result are row-sharded."""
-    if isinstance(A, PartitionedGroupCOO):
+    atomic addition per edge. On a `Partitioned` (`jinsum.shard`), `h` and the result are row-sharded."""
+    if isinstance(A, Partitioned):
         return matmul(A, h)
     return jinsum.einsum("ik,kn->in", A.astype(h.dtype), h)
 
@@ -247,7 +247,7 @@ def aggregate_extreme(A: GroupCOO, h: jax.Array, reduction: str = "max", *, weig
     One statement, `C[Ai[g],n] max= h[Ak[g,p],n]` (or `... max= Av[g,p] * h[Ak[g,p],n]`; group padding takes no
     part: a format binds its columns with the padding out of range); its gradient goes to each output element's
     first maximal entry. With `out`, its elements take part too (the statement's initial value)."""
-    if isinstance(A, PartitionedGroupCOO):
+    if isinstance(A, Partitioned):
         out = per_part(lambda part, h, out=None: aggregate_extreme(part, h, reduction, weighted=weighted, empty=None,
                                                                    out=out), A, columns=(h,))
     else:

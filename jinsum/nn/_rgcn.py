@@ -12,7 +12,7 @@ from flax import nnx
 import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.formats._convert import as_jax_array, host_array
-from jinsum.shard import PartitionedGroupCOO, per_part
+from jinsum.shard import Partitioned, per_part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +134,10 @@ class RGCNConv(nnx.Module):
                      if root_weight else None)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array, graph: RelationalGraph | PartitionedGroupCOO) -> jax.Array:
+    def __call__(self, x: jax.Array, graph: RelationalGraph | Partitioned) -> jax.Array:
         """`x` `(N, in_features)`, `graph` a `RelationalGraph` -> `(N, out_features)`; or, on several devices, `x`
         laid out by `graph`, a partitioned `relational_adjacency`."""
-        if isinstance(graph, PartitionedGroupCOO):
+        if isinstance(graph, Partitioned):
             out = self._partitioned(x, graph)
         else:
             out = self._messages(x, graph)
@@ -175,7 +175,7 @@ class RGCNConv(nnx.Module):
         H = jnp.einsum("nbc,rbcf->nrbf", blocks, weight.astype(dtype))
         return H.reshape(x.shape[0], self.num_relations, -1), dtype
 
-    def _partitioned(self, x: jax.Array, A: PartitionedGroupCOO) -> jax.Array:
+    def _partitioned(self, x: jax.Array, A: Partitioned) -> jax.Array:
         """The messages over a partitioned `relational_adjacency` (`A[dst, src, rel]` = edges of the type): the
         devices exchange rows of `x` (narrower than `H`) and transform what they read; the means' counts
         `c_{i,r}` are row sums of `A`, taken over both parts of each device before the messages."""

@@ -1,5 +1,5 @@
-"""Sparse products over several devices with JAX's own machinery: a square `GroupCOO` split by rows over a mesh
-axis (`partition`), node features laid out on the same split, and products that run the ordinary statements on
+"""Sparse products over several devices with JAX's own machinery: a square `GroupCOO` (or `BlockGroupCOO`) split by
+rows over a mesh axis (`partition`), node features laid out on the same split, and products that run the ordinary statements on
 each device's part inside `jax.shard_map`, exchanging only the rows of the dense operand a part reads.
 
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
@@ -7,7 +7,7 @@ each device's part inside `jax.shard_map`, exchanging only the rows of the dense
     x = P.shard_rows(features)                           # (D * R, F), row-sharded
     y = jax.jit(lambda P, x: P @ x)(P, x)                # row-sharded like x; P.unshard_rows(y) == A @ features
 
-`jinsum.nn` layers (GCN, SGConv, APPNP, SAGE, GIN, GraphConv, GAT, RGCN) take a `PartitionedGroupCOO` where they
+`jinsum.nn` layers (GCN, SGConv, APPNP, SAGE, GIN, GraphConv, GAT, RGCN) take a `Partitioned` where they
 take an adjacency.
 """
 
@@ -21,7 +21,7 @@ from jinsum.shard._partition import EXCHANGES as EXCHANGES
 from jinsum.shard._partition import SPLITS as SPLITS
 from jinsum.shard._partition import HaloPlan as HaloPlan
 from jinsum.shard._partition import Layout as Layout
-from jinsum.shard._partition import PartitionedGroupCOO as PartitionedGroupCOO
+from jinsum.shard._partition import Partitioned as Partitioned
 from jinsum.shard._partition import partition as partition
 
-PartitionedGroupCOO.__matmul__ = matmul
+Partitioned.__matmul__ = matmul

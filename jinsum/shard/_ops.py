@@ -1,4 +1,4 @@
-"""Products over a `PartitionedGroupCOO`: each device runs the ordinary statements (and so the generated kernels) on
+"""Products over a `Partitioned`: each device runs the ordinary statements (and so the generated kernels) on
 its part, inside one `jax.shard_map`.
 
 A device's result is its local matrix's product with its own rows, into which its remote matrix's product with
@@ -17,22 +17,26 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 import jinsum
-from jinsum.formats import GroupCOO
-from jinsum.shard._partition import PartitionedGroupCOO
+from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.shard._partition import Partitioned
 
-def _exchange(A: PartitionedGroupCOO, send: jax.Array, x: jax.Array) -> jax.Array:
-    """The rows of `x` (this device's block) that this device's remote matrix reads, received from the others."""
+def _exchange(A: Partitioned, send: jax.Array, x: jax.Array) -> jax.Array:
+    """The rows of `x` (this device's rows) that this device's remote matrix reads, received from the others (in
+    blocks of rows, for a block format)."""
     if A.plan.exchange == "all_gather":
         return jax.lax.all_gather(x, A.axis, tiled=True)
+    block = A.layout.block
+    blocks = x.reshape(x.shape[0] // block, block, *x.shape[1:])
     parts, pieces, start = A.num_parts, [], 0
     for k, count in enumerate(A.plan.shift_rows, start=1):
-        rows = jnp.take(x, send[start:start + count], axis=0, indices_are_sorted=True)
+        rows = jnp.take(blocks, send[start:start + count], axis=0, indices_are_sorted=True)
         pieces.append(jax.lax.ppermute(rows, A.axis, perm=[(s, (s + k) % parts) for s in range(parts)]))
         start += count
-    return jnp.concatenate(pieces) if pieces else jnp.zeros((1, *x.shape[1:]), x.dtype)
+    received = jnp.concatenate(pieces) if pieces else jnp.zeros((1, *blocks.shape[1:]), x.dtype)
+    return received.reshape(-1, *x.shape[1:])
 
 
-def per_part(fn: Callable, A: PartitionedGroupCOO, *, rows: Sequence[jax.Array] = (),
+def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
              columns: Sequence[jax.Array] = (), replicated: Sequence = ()):
     """`fn` on every device: over its local matrix, then over its remote matrix into that result.
 
@@ -53,13 +57,12 @@ def per_part(fn: Callable, A: PartitionedGroupCOO, *, rows: Sequence[jax.Array] 
     Returns:
       A row-sharded `(D * R, ...)` array, or, if `fn` returned formats, `A` with their values.
     """
-    size = A.num_parts * A.layout.rows_per_part
     for name, group in (("rows", rows), ("columns", columns)):
         for x in group:
-            if x.ndim < 1 or x.shape[0] != size:
+            if x.ndim < 1 or x.shape[0] != A.padded_rows:
                 raise ValueError(f"jinsum.shard: expected {name} operands laid out by the partition, "
-                                 f"({size}, ...) = {A.num_parts} parts of {A.layout.rows_per_part} rows "
-                                 f"(PartitionedGroupCOO.shard_rows), got shape {tuple(x.shape)}")
+                                 f"({A.padded_rows}, ...) = {A.num_parts} devices x {A.padded_rows // A.num_parts} "
+                                 f"rows (Partitioned.shard_rows), got shape {tuple(x.shape)}")
     returns_format = []
 
     def body(local, remote, send, rows, columns, replicated):
@@ -67,7 +70,7 @@ def per_part(fn: Callable, A: PartitionedGroupCOO, *, rows: Sequence[jax.Array] 
         # The exchange does not wait for the local product: XLA runs the two at once.
         received = [_exchange(A, send, x) for x in columns]
         mine = fn(local, *rows, *columns, *replicated)
-        if isinstance(mine, GroupCOO):
+        if isinstance(mine, (GroupCOO, BlockGroupCOO)):
             returns_format.append(True)
             return mine.Av[None], fn(remote, *rows, *received, *replicated).Av[None]
         return fn(remote, *rows, *received, *replicated, out=mine)
@@ -80,14 +83,21 @@ def per_part(fn: Callable, A: PartitionedGroupCOO, *, rows: Sequence[jax.Array] 
     return A.with_values(*out) if returns_format else out
 
 
-def spmm(part: GroupCOO, x: jax.Array, out: jax.Array | None = None) -> jax.Array:
+def spmm(part: GroupCOO | BlockGroupCOO, x: jax.Array, out: jax.Array | None = None) -> jax.Array:
     """`part @ x` (`x` `(K, F)`), added into `out` in place when given: one statement,
-    `C[Ai[g],n] += Av[g,p] * X[Ak[g,p],n]`."""
-    C = jax.ShapeDtypeStruct((part.shape[0], x.shape[1]), x.dtype) if out is None else out
-    return jinsum.einsum("C[Ai[g],n] += Av[g,p] * X[Ak[g,p],n]", C=C, A=part.astype(x.dtype), X=x)
+    `C[Ai[g],n] += Av[g,p] * X[Ak[g,p],n]` (blocks: `C[Ai[g],m,n] += Av[g,m,k,p] * X[Ak[g,p],k,n]`)."""
+    if isinstance(part, GroupCOO):
+        C = jax.ShapeDtypeStruct((part.shape[0], x.shape[1]), x.dtype) if out is None else out
+        return jinsum.einsum("C[Ai[g],n] += Av[g,p] * X[Ak[g,p],n]", C=C, A=part.astype(x.dtype), X=x)
+    (bm, bk), width = part.block_shape, x.shape[1]
+    C = (jax.ShapeDtypeStruct((part.shape[0] // bm, bm, width), x.dtype) if out is None
+         else out.reshape(-1, bm, width))
+    out = jinsum.einsum("C[Ai[g],m,n] += Av[g,m,k,p] * X[Ak[g,p],k,n]", C=C, A=part.astype(x.dtype),
+                        X=x.reshape(-1, bk, width))
+    return out.reshape(-1, width)
 
 
-def matmul(A: PartitionedGroupCOO, x: jax.Array) -> jax.Array:
+def matmul(A: Partitioned, x: jax.Array) -> jax.Array:
     """`A @ x` for row-sharded `x` `(D * R, F)`: `(D * R, F)`, row-sharded on the same split."""
     if x.ndim != 2:
         raise ValueError(f"jinsum.shard.matmul: expected x of shape (rows, F), got {tuple(x.shape)}; use "
@@ -95,21 +105,21 @@ def matmul(A: PartitionedGroupCOO, x: jax.Array) -> jax.Array:
     return per_part(spmm, A, columns=(x,))
 
 
-def row_sums(A: PartitionedGroupCOO, dtype=None) -> jax.Array:
+def row_sums(A: Partitioned, dtype=None) -> jax.Array:
     """`A.sum(axis=1)` laid out by the partition: `(D * R,)` (no exchange)."""
     if A.dense_shape:
         raise ValueError(f"jinsum.shard.row_sums: expected scalar entries, got dense_shape {A.dense_shape}")
     dtype = dtype or A.dtype
 
     def sums(part, out=None):
-        D = jax.ShapeDtypeStruct((part.shape[0],), dtype) if out is None else out
-        return jinsum.einsum("D[Ai[g]] += Av[g,p]", D=D, A=part.astype(dtype))
+        result = jinsum.einsum("ik->i", part.astype(dtype))
+        return result if out is None else out + result
 
     return per_part(sums, A)
 
 
 def einsum(subscripts: str, *operands):
-    """`jinsum.einsum(subscripts, *operands)` in NumPy's notation with one `PartitionedGroupCOO` operand `A`
+    """`jinsum.einsum(subscripts, *operands)` in NumPy's notation with one `Partitioned` operand `A`
     (subscripts `rc...`): operands whose first subscript is `r` are read at the part's rows, those whose first is
     `c` at its columns (exchanged), the rest are replicated. The output's first subscript must be `r` (a
     row-sharded result), or the output must be `A`'s subscripts (an SDDMM: `A` with new values).
@@ -123,9 +133,9 @@ def einsum(subscripts: str, *operands):
     if len(inputs) != len(operands):
         raise ValueError(f"jinsum.shard.einsum: {subscripts!r} names {len(inputs)} operand(s) but {len(operands)} "
                          "were given")
-    sparse = [k for k, x in enumerate(operands) if isinstance(x, PartitionedGroupCOO)]
+    sparse = [k for k, x in enumerate(operands) if isinstance(x, Partitioned)]
     if len(sparse) != 1:
-        raise ValueError(f"jinsum.shard.einsum: expected exactly one PartitionedGroupCOO operand, got {len(sparse)}")
+        raise ValueError(f"jinsum.shard.einsum: expected exactly one Partitioned operand, got {len(sparse)}")
     [s] = sparse
     A, (r, c) = operands[s], inputs[s][:2]
     if output != inputs[s] and not output.startswith(r):
@@ -171,7 +181,7 @@ def _merge_softmax(first, second):
     return out / jnp.where(total > 0, total, 1)[..., None].astype(out.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: PartitionedGroupCOO, *, self_loops: bool = False,
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_loops: bool = False,
               dropout: float = 0.0, seed=None, **options) -> jax.Array:
     """`jinsum.attention(q, k, v, pattern)` over a partitioned pattern: `q` `(D * R, H, D_k)` read at the part's
     rows, `k`, `v` at its columns (exchanged), row-sharded `(D * R, H, E)` out.

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jinsum.formats import GroupCOO
+from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.formats._convert import default_group_size, groups_from_csr, host_array
 from jinsum.formats._group_coo import TransposedIndex, transposed_index
 
@@ -62,24 +62,31 @@ class HaloPlan:
 
 
 class Layout:
-    """Which device owns each row, and where (static: compared and hashed by identity, as it holds arrays).
+    """Which device owns each row (block of `block` rows, for a block format), and where (static: compared and
+    hashed by identity, as it holds arrays).
 
-    Row `n` lives on device `owner[n]` at position `owner[n] * rows_per_part + local[n]` of a row-sharded
-    `(D * R, ...)` array; a device's rows keep their order (`local` increases with `n` on each device).
+    Block `b` lives on device `owner[b]` as its `local[b]`-th of `rows_per_part` blocks; a device's blocks keep
+    their order (`local` increases with `b` on each device). Row `n` of a row-sharded `(D * R * block, ...)` array
+    is then at `(owner[b] * R + local[b]) * block + n % block`, `b = n // block`.
     """
 
-    __slots__ = ("owner", "local", "rows_per_part", "split")
+    __slots__ = ("owner", "local", "rows_per_part", "split", "block", "num_rows")
 
-    def __init__(self, owner: np.ndarray, parts: int, split: str):
+    def __init__(self, owner: np.ndarray, parts: int, split: str, block: int, num_rows: int):
         self.owner, self.split, self.local = owner, split, _ranks(owner, parts)
         self.rows_per_part = max(1, int(np.bincount(owner, minlength=parts).max()))
+        self.block, self.num_rows = block, num_rows
 
     def rows_per_device(self, parts: int) -> list[int]:
-        return np.bincount(self.owner, minlength=parts).tolist()
+        """The rows each device owns (blocks times their rows, the last block's padding included)."""
+        return (np.bincount(self.owner, minlength=parts) * self.block).tolist()
 
     def positions(self) -> np.ndarray:
-        """int `(N,)`: each row's position in the sharded `(D * R, ...)` arrays."""
-        return self.owner.astype(np.int64) * self.rows_per_part + self.local
+        """int `(N,)`: each row's position in the sharded `(D * R * block, ...)` arrays."""
+        rows = np.arange(self.num_rows)
+        blocks = rows // self.block
+        return (self.owner[blocks].astype(np.int64) * self.rows_per_part + self.local[blocks]) * self.block + \
+            rows % self.block
 
 
 def _ranks(owner: np.ndarray, parts: int) -> np.ndarray:
@@ -92,11 +99,11 @@ def _ranks(owner: np.ndarray, parts: int) -> np.ndarray:
 
 
 @jax.tree_util.register_pytree_node_class
-class PartitionedGroupCOO:
+class Partitioned:
     """A square sparse matrix split by rows over a mesh axis; build it with :func:`partition`.
 
-    A pytree whose arrays all have a leading axis of one part per device (`local` and `remote` are `GroupCOO`s of
-    stacked arrays, padded to equal shapes; `send` holds, for the `"halo"` exchange, the local rows each device
+    A pytree whose arrays all have a leading axis of one part per device (`local` and `remote` are `GroupCOO`s, or
+    `BlockGroupCOO`s, of stacked arrays, padded to equal shapes; `send` holds, for the `"halo"` exchange, the local rows each device
     sends at each shift), so it is placed with `NamedSharding(mesh, P(axis))` and passes through `jit` and `grad`.
     Static: the mesh, the axis, the logical `shape`, the `Layout` and the `HaloPlan`.
     """
@@ -128,39 +135,54 @@ class PartitionedGroupCOO:
         return self.mesh.shape[self.axis]
 
     @property
+    def format(self) -> type:
+        """`GroupCOO` or `BlockGroupCOO`: what each device's parts are."""
+        return type(self.local)
+
+    @property
+    def padded_rows(self) -> int:
+        """The rows of a row-sharded array laid out by the partition: `D * R` (times the block rows)."""
+        return self.num_parts * self.layout.rows_per_part * self.layout.block
+
+    @property
     def sharding(self) -> NamedSharding:
         """Where row-sharded arrays (node features, the parts) live: `NamedSharding(mesh, P(axis))`."""
         return NamedSharding(self.mesh, PartitionSpec(self.axis))
 
     def __repr__(self) -> str:
         dims = ", ".join(map(str, self.shape))
-        return (f"PartitionedGroupCOO({jnp.dtype(self.dtype).name}[{dims}], {self.num_parts} parts of "
+        return (f"Partitioned({jnp.dtype(self.dtype).name}[{dims}], {self.num_parts} parts of "
                 f"{self.layout.rows_per_part} rows over axis {self.axis!r}, split={self.layout.split!r}, "
                 f"exchange={self.plan.exchange!r}, "
+                f"{'' if self.layout.block == 1 else f'blocks of {self.layout.block} rows, '}"
                 f"{self.plan.received_rows} rows received per device)")
 
-    def astype(self, dtype) -> PartitionedGroupCOO:
+    def astype(self, dtype) -> Partitioned:
         """The same partition with its values cast to the floating `dtype`."""
         return self.with_parts(self.local.astype(dtype), self.remote.astype(dtype))
 
-    def with_parts(self, local: GroupCOO, remote: GroupCOO) -> PartitionedGroupCOO:
+    def with_parts(self, local: GroupCOO, remote: GroupCOO) -> Partitioned:
         """The same partition over new stacked parts."""
-        return PartitionedGroupCOO(local, remote, self.send, self.mesh, self.axis, self.shape, self.layout,
+        return Partitioned(local, remote, self.send, self.mesh, self.axis, self.shape, self.layout,
                                    self.plan)
 
-    def with_values(self, local_values, remote_values) -> PartitionedGroupCOO:
-        """The same structure with new stacked values `(D, G, P, *dense_shape)` of the local and remote parts (the
-        scores of an SDDMM, say); like `GroupCOO.with_values`, it drops the entries in column order."""
+    def with_values(self, local_values, remote_values) -> Partitioned:
+        """The same structure with new stacked values of the local and remote parts, `(D, *part.Av.shape)` (a
+        `GroupCOO`'s dense dimensions may change: the scores of an SDDMM, per head); like the formats'
+        `with_values`, it drops the entries in column order."""
         def stacked(part, values):
-            if values.shape[:3] != part.Ak.shape:
-                raise ValueError(f"PartitionedGroupCOO.with_values: expected values of shape (D, G, P, ...) with "
-                                 f"(D, G, P) = {part.Ak.shape}, got {tuple(values.shape)}")
-            shape = (*part.shape[:2], *values.shape[3:])
-            return GroupCOO.tree_unflatten((shape, part.nnz), (part.Ai, part.Ak, values, None))
-        dense = local_values.shape[3:]
-        return PartitionedGroupCOO(stacked(self.local, local_values), stacked(self.remote, remote_values),
-                                   self.send, self.mesh, self.axis, (*self.shape[:2], *dense), self.layout,
-                                   self.plan)
+            kept = 3 if self.format is GroupCOO else values.ndim  # (dimensions that must stay)
+            if values.shape[:kept] != part.Av.shape[:kept]:
+                raise ValueError(f"Partitioned.with_values: expected values of shape {part.Av.shape[:kept]}, then "
+                                 f"any dense dimensions, got {tuple(values.shape)}")
+            _, aux = part.tree_flatten()
+            if self.format is GroupCOO:
+                aux = ((*part.shape[:2], *values.shape[3:]), part.nnz)
+            return self.format.tree_unflatten(aux, (part.Ai, part.Ak, values, None))
+
+        shape = (*self.shape[:2], *local_values.shape[3:]) if self.format is GroupCOO else self.shape
+        return Partitioned(stacked(self.local, local_values), stacked(self.remote, remote_values), self.send,
+                           self.mesh, self.axis, shape, self.layout, self.plan)
 
     # -- node features in the partition's layout --------------------------------------------------------------
 
@@ -170,9 +192,9 @@ class PartitionedGroupCOO:
         constraint."""
         x = jnp.asarray(x) if isinstance(x, jax.core.Tracer) else np.asarray(x)
         if x.ndim < 1 or x.shape[0] != self.shape[0]:
-            raise ValueError(f"PartitionedGroupCOO.shard_rows: expected an array of {self.shape[0]} rows (one per "
+            raise ValueError(f"Partitioned.shard_rows: expected an array of {self.shape[0]} rows (one per "
                              f"row of the matrix), got shape {tuple(x.shape)}")
-        size = self.num_parts * self.layout.rows_per_part
+        size = self.padded_rows
         if isinstance(x, np.ndarray):
             out = np.zeros((size, *x.shape[1:]), x.dtype)
             out[self.layout.positions()] = x
@@ -182,10 +204,9 @@ class PartitionedGroupCOO:
 
     def unshard_rows(self, y) -> jax.Array:
         """The inverse of `shard_rows`: `(N, ...)` in the matrix's row order from `(D * R, ...)`."""
-        size = self.num_parts * self.layout.rows_per_part
-        if y.ndim < 1 or y.shape[0] != size:
-            raise ValueError(f"PartitionedGroupCOO.unshard_rows: expected the partition's {size} rows "
-                             f"({self.num_parts} parts of {self.layout.rows_per_part}), got shape {tuple(y.shape)}")
+        if y.ndim < 1 or y.shape[0] != self.padded_rows:
+            raise ValueError(f"Partitioned.unshard_rows: expected the partition's {self.padded_rows} rows, got shape "
+                             f"{tuple(y.shape)}")
         if not isinstance(y, jax.core.Tracer):
             return jnp.asarray(np.asarray(y)[self.layout.positions()])
         # On a mesh of explicit axes, the gathered rows' sharding must be named: replicated.
@@ -211,31 +232,39 @@ def _owners(row_lengths: np.ndarray, parts: int, split: str) -> np.ndarray:
     return owner
 
 
-def _entries(A: GroupCOO):
-    """The stored entries of `A` whose value is nonzero, in row order: rows, columns, values."""
+def _entries(A: GroupCOO | BlockGroupCOO):
+    """The stored entries (blocks) of `A` whose value is nonzero, in row order: rows, columns (block rows and
+    columns for a block format) and values (`(n, *dense_shape)`; `(n, bm, bk)` blocks)."""
     where = "jinsum.shard.partition"
     Ai, Ak, Av = (host_array(where, x) for x in (A.Ai, A.Ak, A.Av))
-    values = Av.reshape(Ak.size, *A.dense_shape)
-    keep = values.reshape(Ak.size, -1).any(axis=1)
+    if isinstance(A, BlockGroupCOO):  # (G, bm, bk, P) -> one (bm, bk) block per slot
+        values = np.moveaxis(Av, 3, 1).reshape(Ak.size, *A.block_shape)
+    else:
+        values = Av.reshape(Ak.size, *A.dense_shape)
+    keep = values.reshape(Ak.size, -1).any(axis=1) if Ak.size else np.zeros(0, bool)
     return np.repeat(Ai, Ak.shape[1])[keep].astype(np.int64), Ak.reshape(-1)[keep].astype(np.int64), values[keep]
 
 
-def _grouped(rows, cols, values, shape: tuple[int, int], group_size: int):
-    """`GroupCOO` arrays of COO entries (duplicates kept: a maximum over them must see each), sorted by row, then
-    column."""
+def _grouped(rows, cols, values, shape: tuple[int, int], group_size: int, block: bool):
+    """`GroupCOO` (`BlockGroupCOO`, with `block`) arrays of COO entries (duplicates kept: a maximum over them must
+    see each), sorted by row, then column."""
     order = np.argsort(rows * max(shape[1], 1) + cols, kind="stable")
     indptr = np.zeros(shape[0] + 1, np.int64)
     np.cumsum(np.bincount(rows, minlength=shape[0]), out=indptr[1:])
-    return groups_from_csr(indptr, cols[order], values[order], group_size, values.dtype, shape[1])
+    Ai, Ak, Av = groups_from_csr(indptr, cols[order], values[order], group_size, values.dtype, shape[1])
+    return Ai, Ak, (np.moveaxis(Av, 1, 3) if block else Av)
 
 
-def _stack(parts: list, shape: tuple[int, ...], dense: tuple[int, ...], where: str) -> GroupCOO:
-    """Equal-shaped `GroupCOO` arrays of every part (padding groups: last row, column 0, value 0) with their
-    transposed indices, stacked along a leading axis."""
+def _stack(parts: list, shape: tuple[int, int], A: GroupCOO | BlockGroupCOO, where: str) -> GroupCOO | BlockGroupCOO:
+    """Equal-shaped arrays of every part, formats like `A` over a `shape` grid of (block) rows and columns (padding
+    groups: last row, column 0, value 0), with their transposed indices, stacked along a leading axis."""
     rows, cols = shape
+    block = isinstance(A, BlockGroupCOO)
 
-    def nonzero(Av):  # (each slot: a value nonzero anywhere in its dense dimensions)
-        return (Av.reshape(Av.shape[0] * Av.shape[1], int(np.prod(dense))) != 0).any(axis=1)
+    def nonzero(Av):  # (each slot: a value nonzero anywhere in its dense dimensions or block)
+        if block:
+            return (Av != 0).any(axis=(1, 2)).reshape(-1)
+        return (Av.reshape(Av.shape[0] * Av.shape[1], int(np.prod(A.dense_shape))) != 0).any(axis=1)
 
     lengths = np.concatenate([np.bincount(Ak.reshape(-1)[nonzero(Av)], minlength=cols) for _, Ak, Av in parts])
     column_group = default_group_size(lengths)
@@ -263,7 +292,10 @@ def _stack(parts: list, shape: tuple[int, ...], dense: tuple[int, ...], where: s
     )
     nnz = max(int(nonzero(Av).sum()) for _, _, Av in parts)
     arrays = (np.stack(Ais), np.stack(Aks), np.stack(Avs), transposed)
-    return GroupCOO.tree_unflatten(((rows, cols, *dense), nnz), arrays)
+    if block:
+        (bm, bk) = A.block_shape
+        return BlockGroupCOO.tree_unflatten(((rows * bm, cols * bk), A.block_shape, nnz), arrays)
+    return GroupCOO.tree_unflatten(((rows, cols, *A.dense_shape), nnz), arrays)
 
 
 def _mesh_axis(mesh, axis) -> str:
@@ -302,15 +334,17 @@ def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
 
 
 def partition(A: GroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = "auto",
-              exchange: str = "auto") -> PartitionedGroupCOO:
-    """Splits a square `GroupCOO` by rows into one part per device along `axis` of `mesh`, on the host.
+              exchange: str = "auto") -> Partitioned:
+    """Splits a square `GroupCOO` (`BlockGroupCOO`) by rows (block rows) into one part per device along `axis` of
+    `mesh`, on the host.
 
     Call it once, outside `jit`, like building the matrix itself; lay node features out with
     `shard_rows` and read results back with `unshard_rows`.
 
     Args:
       A: a concrete square `GroupCOO` `(N, N, *dense_shape)` (an adjacency: rows and columns are the same nodes,
-        so one split serves both). Zero-valued slots (group padding) are left out.
+        so one split serves both), or a `BlockGroupCOO` of square blocks (split by block rows; the dense operands
+        then move in blocks of rows). Zero-valued slots (group padding) are left out.
       mesh: the `jax.sharding.Mesh`.
       axis: the mesh axis to split over; may be omitted for a mesh of one axis.
       split: `"contiguous"`: ranges of rows of about equal entries + rows (keeps the locality of a well-ordered
@@ -320,7 +354,7 @@ def partition(A: GroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = 
       exchange: `"halo"`, `"all_gather"`, or `"auto"`: the one that moves fewer rows per product.
 
     Returns:
-      A `PartitionedGroupCOO`, its arrays placed row-sharded on the mesh (`A.sharding`).
+      A `Partitioned`, its arrays placed row-sharded on the mesh (`A.sharding`).
 
     Example:
       >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
@@ -328,11 +362,15 @@ def partition(A: GroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = 
       >>> y = P.unshard_rows(P @ P.shard_rows(x))        # == A @ x
     """
     where = "jinsum.shard.partition"
-    if not isinstance(A, GroupCOO):
-        raise TypeError(f"{where}: expected a jinsum.GroupCOO, got {A!r}")
+    if not isinstance(A, (GroupCOO, BlockGroupCOO)):
+        raise TypeError(f"{where}: expected a jinsum.GroupCOO or BlockGroupCOO, got {A!r}")
     if A.shape[0] != A.shape[1]:
         raise ValueError(f"{where}: expected a square matrix (rows and columns the same nodes, split alike), got "
                          f"shape {A.shape}")
+    block = A.block_shape[0] if isinstance(A, BlockGroupCOO) else 1
+    if isinstance(A, BlockGroupCOO) and A.block_shape[0] != A.block_shape[1]:
+        raise ValueError(f"{where}: expected square blocks (block rows and block columns split alike), got "
+                         f"block_shape {A.block_shape}")
     if exchange not in EXCHANGES:
         raise ValueError(f"{where}: exchange must be one of {EXCHANGES}, got {exchange!r}")
     if split not in SPLITS:
@@ -340,10 +378,10 @@ def partition(A: GroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = 
     axis = _mesh_axis(mesh, axis)
     parts = mesh.shape[axis]
     rows, cols, values = _entries(A)
-    lengths = np.bincount(rows, minlength=A.shape[0])
+    lengths = np.bincount(rows, minlength=-(-A.shape[0] // block))
     candidates = []
     for name in (("contiguous", "dealt") if split == "auto" else (split,)):
-        layout = Layout(_owners(lengths, parts, name), parts, name)
+        layout = Layout(_owners(lengths, parts, name), parts, name, block, A.shape[0])
         candidates.append((layout, *_halo_plan(rows, cols, layout, parts, exchange)))
     layout, plan, needed, order, first = min(candidates, key=lambda c: c[0].rows_per_part + c[1].received_rows)
     R, offsets = layout.rows_per_part, np.concatenate([[0], np.cumsum(plan.shift_rows)]).astype(np.int64)
@@ -369,11 +407,12 @@ def partition(A: GroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = 
 
     def grouped(entries, columns):
         group_size = default_group_size(np.concatenate([np.bincount(r, minlength=R) for r, _, _ in entries]))
-        return [_grouped(r, c, v, (R, columns), group_size) for r, c, v in entries]
+        return [_grouped(r, c, v, (R, columns), group_size, isinstance(A, BlockGroupCOO))
+                for r, c, v in entries]
 
     columns = max(plan.columns, 1)
-    local = _stack(grouped(local_parts, R), (R, R), A.dense_shape, where)
-    remote = _stack(grouped(remote_parts, columns), (R, columns), A.dense_shape, where)
+    local = _stack(grouped(local_parts, R), (R, R), A, where)
+    remote = _stack(grouped(remote_parts, columns), (R, columns), A, where)
     send = np.zeros((parts, max(sum(plan.shift_rows), 1)), np.int32)
     for s in range(parts):
         for k in range(1, parts if plan.exchange == "halo" else 1):
@@ -381,5 +420,5 @@ def partition(A: GroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = 
             # Padding repeats the last row sent: the indices stay sorted (a cheaper gather, and its transpose).
             send[s, offsets[k - 1]:offsets[k]] = rows_sent[-1] if rows_sent.size else 0
             send[s, offsets[k - 1]:offsets[k - 1] + rows_sent.size] = rows_sent
-    result = PartitionedGroupCOO(local, remote, send, mesh, axis, A.shape, layout, plan)
+    result = Partitioned(local, remote, send, mesh, axis, A.shape, layout, plan)
     return jax.device_put(result, result.sharding)
