@@ -250,7 +250,7 @@ def _unwritten(cotangent, env, spec: Spec):
     if statement.accumulate:
         return cotangent
     if _derive.overwrites_everything(statement):
-        return ad.Zero(varying(spec.lhs.shape, spec.lhs.dtype, [jax.core.get_aval(cotangent)]))
+        return ad.Zero(varying(spec.lhs.shape, spec.lhs.dtype, [jax.typeof(cotangent)]))
     zeros_name = _derive.fresh_name("zeros", set(spec.names))
     mask = _derive.unwritten_mask(statement, zeros_name)
     zeros = jnp.zeros([spec.extent[v] for v in spec.loop_variables], spec.lhs.dtype)
