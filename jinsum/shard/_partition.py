@@ -313,9 +313,9 @@ def _mesh_axis(mesh, axis) -> str:
 
 
 def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
-    """The plan of moving the rows each part reads from other devices, and those rows: `needed[d][s]`, the
-    distinct rows of device `s` that part `d` reads (sorted). Also the part of each entry (`part`), and the
-    entries in part order (`order`, `first`)."""
+    """The plan of moving the rows each part reads from other devices; those rows, `needed[d][s]`: the distinct
+    rows of device `s` that part `d` reads (sorted); and the entries in part order: part `d`'s are
+    `order[first[d]:first[d + 1]]`."""
     part = layout.owner[rows]
     order = np.argsort(part, kind="stable")  # (stays in row order within a part)
     first = np.searchsorted(part[order], np.arange(parts + 1))
@@ -333,7 +333,7 @@ def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
     return plan, needed, order, first
 
 
-def partition(A: GroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = "auto",
+def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = "auto",
               exchange: str = "auto") -> Partitioned:
     """Splits a square `GroupCOO` (`BlockGroupCOO`) by rows (block rows) into one part per device along `axis` of
     `mesh`, on the host.
