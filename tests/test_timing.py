@@ -18,6 +18,7 @@ def test_device_time_of_a_copy_is_bound_by_memory_bandwidth():
     x = jnp.ones((1 << 28,), jnp.float32)  # 1 GiB read, 1 GiB written: about 0.7 ms at 3 TB/s
     double = jax.jit(lambda x: 2 * x)
     device, host = device_time(double, x), time_calls(double, x)
-    assert 2 * x.nbytes / 4e12 < device <= host * 1.05  # no faster than HBM allows, no slower than the host sees
+    # No faster than HBM allows (5 TB/s: above an H200's 4.8), no slower than the host sees.
+    assert 2 * x.nbytes / 5e12 < device <= host * 1.05
     small = jnp.ones(1000)
     assert device_time(double, small) < 0.2 * time_calls(double, small)  # tiny: dispatch-bound on the host
