@@ -20,6 +20,9 @@ import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.shard._partition import Partitioned
 
+KINDS = ("rows", "columns", "replicated")
+
+
 def _exchange(A: Partitioned, send: jax.Array, x: jax.Array) -> jax.Array:
     """The rows of `x` (this device's rows) that this device's remote matrix reads, received from the others (in
     blocks of rows, for a block format)."""
@@ -153,15 +156,14 @@ def einsum(subscripts: str, *operands):
         else:
             kinds.append("replicated")
     dense = [x for k, x in enumerate(operands) if k != s]
-    groups = {kind: [x for x, m in zip(dense, kinds) if m == kind] for kind in ("rows", "columns", "replicated")}
+    # per_part passes the operands grouped by kind; `order[j]` is where the j-th of them stands among `dense`.
+    order = sorted(range(len(dense)), key=lambda i: KINDS.index(kinds[i]))
+    groups = {kind: [dense[i] for i in order if kinds[i] == kind] for kind in KINDS}
 
     def fn(part, *arrays, out=None):
-        arrays, by_kind = list(arrays), {}
-        for kind in ("rows", "columns", "replicated"):
-            by_kind[kind] = arrays[:len(groups[kind])]
-            del arrays[:len(groups[kind])]
-        it = {kind: iter(v) for kind, v in by_kind.items()}
-        ordered = [next(it[m]) for m in kinds]
+        ordered = [None] * len(arrays)
+        for j, array in zip(order, arrays):
+            ordered[j] = array
         result = jinsum.einsum(subscripts, *ordered[:s], part, *ordered[s:])
         return result if out is None else out + result
 
