@@ -117,6 +117,18 @@ def test_spmm_and_gradient_equal_one_device(rng, split, exchange, duplicates):
         jax.test_util.check_grads(jax.jit(lambda x: loss(x, P)), (xs,), order=1, modes=["fwd", "rev"])
 
 
+@pytest.mark.parametrize("split", ["dealt", "contiguous"])
+def test_two_devices(rng, split):
+    """Two devices: one shift, each device's halo is every row the other reads from it."""
+    A = graph(rng, duplicates=True)
+    P = jinsum.shard.partition(A, mesh(2), split=split, exchange="halo")
+    assert P.plan.shift_rows == (max(P.plan.needed),)
+    x = rng.standard_normal((A.shape[0], 5))
+    np.testing.assert_allclose(P.unshard_rows(P @ P.shard_rows(x)), dense(A) @ x, atol=1e-12)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(P @ x))))(P.shard_rows(x))
+    np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
+
+
 def test_one_device_and_an_empty_part(rng):
     A = graph(rng, n=3, edges=5)  # fewer rows than devices: some parts own nothing
     for count in sorted({1, len(DEVICES)}):
@@ -146,14 +158,14 @@ def test_row_sums_sddmm_and_multi_head(rng):
     np.testing.assert_allclose(H.unshard_rows(out), np.einsum("ikh,khf->ihf", dense(heads), x), atol=1e-12)
 
 
-@pytest.mark.parametrize("exchange", ["halo", "all_gather"])
-def test_block_format_spmm_sddmm_and_gcn(rng, exchange):
+@pytest.mark.parametrize("exchange,devices", [("halo", 4), ("all_gather", 4), ("halo", 2)])
+def test_block_format_spmm_sddmm_and_gcn(rng, exchange, devices):
     n = 42  # (not a whole number of 4-row blocks)
     mask = rng.random((n, n)) < 0.08
     mask[5] = True  # a hub block row
     B = jinsum.BlockGroupCOO.from_dense(np.where(mask, rng.uniform(0.5, 1.5, (n, n)), 0), block_shape=(4, 4),
                                         dtype=np.float64).with_transpose()
-    P = jinsum.shard.partition(B, mesh(), exchange=exchange)
+    P = jinsum.shard.partition(B, mesh(devices), exchange=exchange)
     assert P.format is jinsum.BlockGroupCOO and P.padded_rows % 4 == 0
     x, q, k = (rng.standard_normal((n, 3)) for _ in range(3))
     np.testing.assert_allclose(P.unshard_rows(P @ P.shard_rows(x)), B.todense() @ x, atol=1e-12)
