@@ -12,15 +12,28 @@ Graph: R-MAT (directed, Graph500 parameters; scale 22: 4.2M nodes, ~64M edges), 
 - A wide model: `--wide` input features (generated on the devices), the same GCN; tried on one GPU first (expected
   to run out of memory), then on all; compiled without XLA's autotuning of matmuls (it would copy the features).
 Results: `--out`/sharded_<device>.{md,csv}.
+
+    python benchmarks/sharded.py --compile-only 2 4 8 [--scale 22] [--wide 7168]
+
+Memory per device on D GPUs of this machine's kind without having them: each workload compiled (never run) for a
+compile-only topology of D GPUs (`jax.experimental.topologies`), the partition built on as many host devices; XLA's
+memory analysis of that program is the one a real run of D GPUs allocates. Nothing but Triton's compile needs a GPU
+(one, of the kind). Beside it, the SpMM of device 0's part run alone on this GPU, its exchange replaced by a copy of
+the rows it sends: the per-device work without NCCL, a bound on what D GPUs can reach. Results:
+`--out`/sharded_compiled_<device>.{md,csv}.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import pathlib
 import sys
 import time
+
+if "--compile-only" in sys.argv:  # (the host devices that hold the partition; XLA reads this once, at start)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=64".strip()
 
 import jax
 import jax.numpy as jnp
@@ -35,17 +48,20 @@ from jinsum.timing import kernel_times, time_calls
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from _training import package_versions  # noqa: E402
-from sharded_gcn.main import GCN, memory_per_device, planted_task, run  # noqa: E402
+from sharded_gcn.main import GCN, memory_per_device, planted_task, run, train_step  # noqa: E402
 
 ROWS: list[dict] = []
 # XLA tries matmul configurations on copies of the operands: tens of GiB for the wide model's features.
 NO_AUTOTUNING = {"xla_gpu_autotune_level": 0}
 
 
-def record(workload: str, system: str, ms: float | None, memory: int | None, received: int | None, note: str = ""):
-    ROWS.append(dict(workload=workload, system=system, ms=ms, memory_gib=None if memory is None else memory / 2**30,
+def record(workload: str, system: str, ms: float | None, memory: int | None, received: int | None, note: str = "",
+           failed: bool = False):
+    """A row of the results: `ms` None where nothing was timed (a compile only, or a failure)."""
+    ROWS.append(dict(workload=workload, system=system, ms="failed" if failed else ms,
+                     memory_gib=None if memory is None else memory / 2**30,
                      received_mib=None if received is None else received / 2**20, note=note))
-    shown = "failed" if ms is None else f"{ms:.3f} ms"
+    shown = "failed" if failed else "" if ms is None else f"{ms:.3f} ms"
     mem = "" if memory is None else f"{memory / 2**30:.2f} GiB/device"
     print(f"  {workload:<34} {system:<12} {shown:>12} {mem:>16}  {note}", flush=True)
 
@@ -111,7 +127,7 @@ def wide(A, P, width: int, devices, mesh) -> None:
                   jax.device_put(np.ones(n, bool), devices[0]), one_mesh, 2, 3, NO_AUTOTUNING)
         record(workload, "1 GPU", 1e3 * one["seconds"], one["memory"], 0)
     except Exception as error:  # noqa: BLE001 (running out of memory is the expected outcome)
-        record(workload, "1 GPU", None, None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
+        record(workload, "1 GPU", None, None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", failed=True)
     x1 = None  # (free the single GPU's features before the sharded run)
     try:
         xs = features(P.sharding, P.padded_rows)
@@ -121,7 +137,92 @@ def wide(A, P, width: int, devices, mesh) -> None:
                f"losses {many['losses'][0]:.3f} -> {many['losses'][-1]:.3f}")
     except Exception as error:  # noqa: BLE001
         record(workload, f"{len(devices)} GPUs", None, None, None,
-               f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
+               f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", failed=True)
+
+
+def on_mesh(P: jinsum.shard.Partitioned, mesh: Mesh) -> jinsum.shard.Partitioned:
+    """`P`'s structure over another mesh of as many devices, its arrays as shapes (a compile-only mesh holds no
+    data)."""
+    sharding = NamedSharding(mesh, PartitionSpec(P.axis))
+    arrays = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (P.local, P.remote, P.send))
+    return jinsum.shard.Partitioned(*arrays, mesh, P.axis, P.shape, P.layout, P.plan)
+
+
+def device_alone(P: jinsum.shard.Partitioned, x_np: np.ndarray) -> tuple[float, str]:
+    """Seconds per SpMM of device 0's part alone on this GPU, the rows it would receive replaced by a copy of those
+    it sends (same count, no NCCL), and its kernels."""
+    from jinsum.shard._ops import spmm  # noqa: PLC0415 (the product P @ x runs on each part)
+
+    gpu = jax.devices()[0]
+    local, remote, send = jax.tree.map(lambda a: jax.device_put(np.asarray(a)[0], gpu), (P.local, P.remote, P.send))
+    x = jax.device_put(np.asarray(P.shard_rows(x_np))[: P.layout.rows_per_part], gpu)
+    plan = P.plan if P.plan.exchange == "halo" else None
+
+    def part(local, remote, send, x):
+        if plan is None:  # all_gather: every block received; here D copies of its own
+            received = jnp.tile(x, (P.num_parts, 1))
+        else:
+            received = jnp.concatenate([jnp.take(x, send[start:start + count], axis=0) for start, count in
+                                        zip(np.cumsum((0, *plan.shift_rows[:-1])), plan.shift_rows)])
+        return spmm(remote, received, out=spmm(local, x))
+
+    compiled = jax.jit(part).lower(local, remote, send, x).compile()
+    return time_calls(compiled, local, remote, send, x, calls=20), top_kernels(compiled, local, remote, send, x)
+
+
+def compile_only(A, x_np, counts: list[int], split: str, width: int) -> list[str]:
+    """Memory per device of the SpMM, the GCN step and (`width`) the wide GCN step on 1 GPU and on each of `counts`,
+    from compiles for compile-only topologies; the lines of the results' header."""
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    gpu = jax.devices()[0]
+    n, features = x_np.shape
+    capacity = gpu.memory_stats().get("bytes_limit") if gpu.memory_stats() else None
+
+    def gcn_memory(graph, width, sharding, replicated, rows):
+        step, state = train_step(GCN(width, 256, 40, rngs=nnx.Rngs(0)))
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), state)
+        x, y, mask = (jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in
+                      (((rows, width), np.float32), ((rows,), np.int32), ((rows,), np.bool_)))
+        compiled = jax.jit(step, donate_argnums=0).lower(state, x, y, mask, graph).compile(NO_AUTOTUNING)
+        return memory_per_device(compiled), sum(jinsum.shard.communication(step, state, x, y, mask, graph).values())
+
+    def note(memory):
+        if capacity is None or memory <= capacity:
+            return "compiled"
+        return f"compiled; over the {capacity / 2**30:.0f} GiB JAX's allocator has of one {gpu.device_kind}"
+
+    one = jax.sharding.SingleDeviceSharding(gpu)
+    A1, x1 = jax.device_put((A, x_np), gpu)
+    compiled = jax.jit(lambda A, x: A @ x).lower(A1, x1).compile()
+    record(f"SpMM F={features} fp32", "1 GPU", 1e3 * time_calls(compiled, A1, x1, calls=20),
+           memory_per_device(compiled), 0, f"run; {top_kernels(compiled, A1, x1)}")
+    del x1
+    workloads = [("GCN step", features)] + ([("GCN step (wide)", width)] if width else [])
+    for name, w in workloads:
+        memory, _ = gcn_memory(A1, w, one, one, n)
+        record(f"{name} {w}->256->40", "1 GPU", None, memory, 0, note(memory))
+    del A1
+    header = []
+    for parts in counts:
+        mesh = topologies.make_mesh(topologies.get_topology_desc(platform="cuda", topology=f"1x1x{parts}"),
+                                    (parts,), ("x",))
+        started = time.perf_counter()
+        host = jinsum.shard.partition(A, Mesh(np.array(jax.devices("cpu")[:parts]), ("x",)), split=split)
+        header.append(f"{parts} GPUs: {host!r}, {time.perf_counter() - started:.0f} s to partition.")
+        print(header[-1], flush=True)
+        P = on_mesh(host, mesh)
+        sharding, replicated = P.sharding, NamedSharding(mesh, PartitionSpec())
+        xs = jax.ShapeDtypeStruct((P.padded_rows, features), np.float32, sharding=sharding)
+        compiled = jax.jit(lambda P, x: P @ x).lower(P, xs).compile()
+        received = sum(jinsum.shard.communication(lambda P, x: P @ x, P, xs).values())
+        seconds, kernels = device_alone(host, x_np)
+        record(f"SpMM F={features} fp32", f"{parts} GPUs", None, memory_per_device(compiled), received,
+               f"compiled; device 0's part alone on one GPU (no NCCL): {1e3 * seconds:.3f} ms, {kernels}")
+        for name, w in workloads:
+            memory, received = gcn_memory(P, w, sharding, replicated, P.padded_rows)
+            record(f"{name} {w}->256->40", f"{parts} GPUs", None, memory, received, note(memory))
+    return header
 
 
 def main() -> None:
@@ -130,42 +231,48 @@ def main() -> None:
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--wide", type=int, default=7168, help="input width of the wide model (0: skip)")
     p.add_argument("--split", default="auto", choices=jinsum.shard.SPLITS)
+    p.add_argument("--compile-only", type=int, nargs="+", metavar="D",
+                   help="compile for D GPUs of this kind (each D given) instead of running on the visible ones")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args()
     devices = jax.devices()
-    mesh = Mesh(np.array(devices), ("x",))
     started = time.perf_counter()
     A, x, y = planted_task(args.scale, args.features, 40, planted=False)
     print(f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges ({time.perf_counter() - started:.1f} s)", flush=True)
-    started = time.perf_counter()
-    P = jinsum.shard.partition(A, mesh, split=args.split)
-    print(f"{P}\n  rows per device {P.layout.rows_per_device(P.num_parts)}, remote rows read {list(P.plan.needed)} "
-          f"({time.perf_counter() - started:.1f} s to partition)", flush=True)
-    spmm(A, P, x, devices)
-    gcn(A, P, x, y, devices, mesh)
-    if args.wide:
-        wide(A, P, args.wide, devices, mesh)
+    if args.compile_only:
+        header = compile_only(A, x, args.compile_only, args.split, args.wide)
+        stem, title = "sharded_compiled", f"Memory per device, compiled for D x {devices[0].device_kind}"
+    else:
+        mesh = Mesh(np.array(devices), ("x",))
+        started = time.perf_counter()
+        P = jinsum.shard.partition(A, mesh, split=args.split)
+        header = [f"{P!r}; rows per device {P.layout.rows_per_device(P.num_parts)}, distinct remote rows read per "
+                  f"device {list(P.plan.needed)} ({time.perf_counter() - started:.1f} s to partition)."]
+        print(header[0], flush=True)
+        spmm(A, P, x, devices)
+        gcn(A, P, x, y, devices, mesh)
+        if args.wide:
+            wide(A, P, args.wide, devices, mesh)
+        stem, title = "sharded", f"Sharded SpMM and GCN steps: {len(devices)} x {devices[0].device_kind}"
 
     name = devices[0].device_kind.replace(" ", "_")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"sharded_{name}.csv", "w", newline="") as f:
+    with open(out / f"{stem}_{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(ROWS[0]))
         writer.writeheader()
         writer.writerows(ROWS)
     versions = ", ".join(f"{k} {v}" for k, v in package_versions().items())
-    lines = [f"# Sharded SpMM and GCN steps: {len(devices)} x {devices[0].device_kind}", "",
-             f"`python benchmarks/sharded.py {' '.join(sys.argv[1:])}`; {versions}.", "",
-             f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges. {P!r}; rows per device "
-             f"{P.layout.rows_per_device(P.num_parts)}, distinct remote rows read per device {list(P.plan.needed)}.",
+    lines = [f"# {title}", "", f"`python benchmarks/sharded.py {' '.join(sys.argv[1:])}`; {versions}.", "",
+             f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges.", *header,
              "", "| workload | system | ms | memory per device (GiB) | received per device per call (MiB) | note |",
              "|---|---|---:|---:|---:|---|"]
     for r in ROWS:
-        ms = "failed" if r["ms"] is None else f"{r['ms']:.3f}"
+        ms = r["ms"] if r["ms"] in (None, "failed") else f"{r['ms']:.3f}"
         mem = "" if r["memory_gib"] is None else f"{r['memory_gib']:.2f}"
         rec = "" if r["received_mib"] is None else f"{r['received_mib']:.1f}"
-        lines.append(f"| {r['workload']} | {r['system']} | {ms} | {mem} | {rec} | {r['note']} |")
-    (out / f"sharded_{name}.md").write_text("\n".join(lines) + "\n")
+        lines.append(f"| {r['workload']} | {r['system']} | {ms or ''} | {mem} | {rec} | {r['note']} |")
+    (out / f"{stem}_{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
