@@ -5,7 +5,11 @@ they take about half a minute on two CPU cores.
 """
 
 import importlib.util
+import os
 import re
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,20 @@ def test_example_smoke(path, capsys):
     for system in systems:
         assert any(system in line for line in out.splitlines()), f"{path}: no summary line for {system!r}:\n{out}"
     assert not re.search(r"\bnan\b", out, re.IGNORECASE), out
+
+
+def test_sharded_gcn_runs_as_two_processes():
+    """The multi-host recipe of the README, on one machine: two processes of two CPU devices each (Gloo between
+    them) train on one mesh of four, and each reports losses equal to its single-device run (else it exits 1)."""
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    processes = [subprocess.Popen([sys.executable, str(EXAMPLES / "sharded_gcn/main.py"), "--smoke", "--coordinator",
+                                   f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in processes]
+    for i, (p, out) in enumerate(zip(processes, outputs)):
+        assert p.returncode == 0, f"process {i}:\n{out}"
+        assert f"process {i} of 2" in out and "4 devices:" in out and "largest loss difference" in out, out

@@ -4,6 +4,14 @@
 
 No GPUs? Pretend: `XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/sharded_gcn/main.py`.
 
+Several processes (hosts) run the same program over all their devices: start one per host with its id,
+
+    python examples/sharded_gcn/main.py --coordinator host0:1234 --num-processes 2 --process-id 0   # on host 0
+    python examples/sharded_gcn/main.py --coordinator host0:1234 --num-processes 2 --process-id 1   # on host 1
+
+(`jax.distributed.initialize`; NCCL between GPUs, Gloo between CPU processes, so two processes of one machine with
+`XLA_FLAGS=--xla_force_host_platform_device_count=2` each try it out). Each process prints its own devices' lines.
+
 The graph is split by rows over a mesh axis of all devices (`jinsum.shard.partition`, balanced by edges + nodes),
 node features and labels are laid out on the same split (`P.shard_rows`), and the jitted training step runs each
 layer's SpMM per device on its part, exchanging only the rows its part reads; the weights are replicated and XLA
@@ -123,14 +131,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--classes", type=int, default=40)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--smoke", action="store_true", help="a tiny graph and 3 steps (CI)")
+    p.add_argument("--coordinator", help="host:port of process 0, to run as one of several processes")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
         args.scale, args.steps, args.features, args.hidden = 9, 3, 16, 32
-    devices = jax.devices()
+    if args.coordinator:  # (before anything starts JAX's backends)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    devices = jax.devices()  # (every process's: the mesh spans them all)
     mesh = Mesh(np.array(devices), ("x",))
     started = time.perf_counter()
     A, x, y = planted_task(args.scale, args.features, args.classes)
-    print(f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges; {len(devices)} x {devices[0].device_kind} "
+    where = f"; process {jax.process_index()} of {jax.process_count()}" if jax.process_count() > 1 else ""
+    print(f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges; {len(devices)} x {devices[0].device_kind}{where} "
           f"({time.perf_counter() - started:.1f} s to build)")
     started = time.perf_counter()
     P = jinsum.shard.partition(A, mesh)
@@ -141,9 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         return GCN(args.features, args.hidden, args.classes, rngs=nnx.Rngs(0))
 
     calls = 3 if args.smoke else 10
-    single_device = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
-    one = run("1 device", model_fn, jax.device_put(A, devices[0]), *jax.device_put((x, y), devices[0]),
-              jax.device_put(np.ones(len(y), bool), devices[0]), single_device, args.steps, calls)
+    device = jax.local_devices()[0]  # (one of this process's own)
+    single_device = NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    one = run("1 device", model_fn, jax.device_put(A, device), *jax.device_put((x, y), device),
+              jax.device_put(np.ones(len(y), bool), device), single_device, args.steps, calls)
     many = run(f"{len(devices)} devices", model_fn, P, P.shard_rows(x), P.shard_rows(y), P.row_mask,
                NamedSharding(mesh, PartitionSpec()), args.steps, calls)
     gap = np.max(np.abs(np.array(one["losses"]) - np.array(many["losses"])))
