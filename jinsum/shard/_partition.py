@@ -255,47 +255,88 @@ def _grouped(rows, cols, values, shape: tuple[int, int], group_size: int, block:
     return Ai, Ak, (np.moveaxis(Av, 1, 3) if block else Av)
 
 
-def _stack(parts: list, shape: tuple[int, int], A: GroupCOO | BlockGroupCOO, where: str) -> GroupCOO | BlockGroupCOO:
-    """Equal-shaped arrays of every part, formats like `A` over a `shape` grid of (block) rows and columns (padding
-    groups: last row, column 0, value 0), with their transposed indices, stacked along a leading axis."""
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """What every part of one kind (local or remote matrices) is padded to, computed from every part's entries, so
+    that processes building different parts agree: the group size and the groups of the rows, the group size and
+    the groups of the transposed index's columns, and the most entries of a part."""
+
+    group_size: int
+    groups: int
+    column_group: int
+    column_groups: int
+    entries: int
+
+    @classmethod
+    def of(cls, everyone: list, shape: tuple[int, int]) -> _Sizes:
+        """From the `(rows, columns)` of every part's entries, over a `shape` grid (`ceil(L / P)` groups a row)."""
+        row_lengths = [np.bincount(r, minlength=shape[0]) for r, _ in everyone]
+        column_lengths = [np.bincount(c, minlength=shape[1]) for _, c in everyone]
+        group_size = default_group_size(np.concatenate(row_lengths))
+        column_group = default_group_size(np.concatenate(column_lengths))
+
+        def most_groups(lengths, size):
+            return max(int((-(-length // size)).sum()) for length in lengths)
+
+        return cls(group_size, most_groups(row_lengths, group_size), column_group,
+                   most_groups(column_lengths, column_group), max(r.size for r, _ in everyone))
+
+
+def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | BlockGroupCOO,
+           where: str) -> GroupCOO | BlockGroupCOO:
+    """Formats like `A` over a `shape` grid of (block) rows and columns, of the parts' entries `(rows, columns,
+    values)`, with their transposed indices, padded to `sizes` (padding groups: last row, column 0, value 0) and
+    stacked along a leading axis."""
     rows, cols = shape
     block = isinstance(A, BlockGroupCOO)
-
-    def nonzero(Av):  # (each slot: a value nonzero anywhere in its dense dimensions or block)
-        if block:
-            return (Av != 0).any(axis=(1, 2)).reshape(-1)
-        return (Av.reshape(Av.shape[0] * Av.shape[1], int(np.prod(A.dense_shape))) != 0).any(axis=1)
-
-    lengths = np.concatenate([np.bincount(Ak.reshape(-1)[nonzero(Av)], minlength=cols) for _, Ak, Av in parts])
-    column_group = default_group_size(lengths)
-    num_groups = max(1, max(Ai.size for Ai, _, _ in parts))
-    Ais, Aks, Avs, indices = [], [], [], []
-    for Ai, Ak, Av in parts:
-        pad = num_groups - Ai.size
-        Ais.append(np.concatenate([Ai, np.full(pad, rows - 1, Ai.dtype)]).astype(np.int32))
-        Aks.append(np.concatenate([Ak, np.zeros((pad, Ak.shape[1]), Ak.dtype)]).astype(np.int32))
-        Avs.append(np.concatenate([Av, np.zeros((pad, *Av.shape[1:]), Av.dtype)]))
-        indices.append(transposed_index(where, Ais[-1], Aks[-1], nonzero(Avs[-1]), shape, jnp.int32, column_group))
-    t_entries = max(1, max(t.perm.size for t in indices))
-    t_groups = max(1, max(t.columns.size for t in indices))
+    groups, entries, column_groups = (max(1, n) for n in (sizes.groups, sizes.entries, sizes.column_groups))
 
     def padded(x, size, fill):
         x = np.asarray(x)
         return np.concatenate([x, np.full((size - x.shape[0], *x.shape[1:]), fill, x.dtype)])
 
+    Ais, Aks, Avs, indices = [], [], [], []
+    for r, c, v in parts:
+        Ai, Ak, Av = _grouped(r, c, v, shape, sizes.group_size, block)
+        Ais.append(padded(Ai, groups, rows - 1).astype(np.int32))
+        Aks.append(padded(Ak, groups, 0).astype(np.int32))
+        Avs.append(padded(Av, groups, 0))
+        # (each slot: a value nonzero anywhere in its dense dimensions or block)
+        nonzero = (Avs[-1] != 0).any(axis=(1, 2)).reshape(-1) if block else \
+            (Avs[-1].reshape(groups * Ak.shape[1], -1) != 0).any(axis=1)
+        indices.append(transposed_index(where, Ais[-1], Aks[-1], nonzero, shape, jnp.int32, sizes.column_group))
     transposed = TransposedIndex(
-        perm=np.stack([padded(t.perm, t_entries, 0) for t in indices]),
+        perm=np.stack([padded(t.perm, entries, 0) for t in indices]),
         starts=np.stack([np.asarray(t.starts) for t in indices]),
-        columns=np.stack([padded(t.columns, t_groups, max(cols - 1, 0)) for t in indices]),
-        rows=np.stack([padded(t.rows, t_groups, 0) for t in indices]),
-        slots=np.stack([padded(t.slots, t_groups, -1) for t in indices]),
+        columns=np.stack([padded(t.columns, column_groups, max(cols - 1, 0)) for t in indices]),
+        rows=np.stack([padded(t.rows, column_groups, 0) for t in indices]),
+        slots=np.stack([padded(t.slots, column_groups, -1) for t in indices]),
     )
-    nnz = max(int(nonzero(Av).sum()) for _, _, Av in parts)
     arrays = (np.stack(Ais), np.stack(Aks), np.stack(Avs), transposed)
     if block:
         (bm, bk) = A.block_shape
-        return BlockGroupCOO.tree_unflatten(((rows * bm, cols * bk), A.block_shape, nnz), arrays)
-    return GroupCOO.tree_unflatten(((rows, cols, *A.dense_shape), nnz), arrays)
+        return BlockGroupCOO.tree_unflatten(((rows * bm, cols * bk), A.block_shape, sizes.entries), arrays)
+    return GroupCOO.tree_unflatten(((rows, cols, *A.dense_shape), sizes.entries), arrays)
+
+
+def _parts_here(mesh: Mesh, axis: str) -> list[int]:
+    """The parts (positions along `axis`) that this process's devices hold: the only ones it builds."""
+    position = mesh.axis_names.index(axis)
+    coordinate = {device.id: index[position] for index, device in np.ndenumerate(mesh.devices)}
+    return sorted({coordinate[device.id] for device in mesh.local_devices})
+
+
+def _placed(tree, here: list[int], parts: int, sharding: NamedSharding):
+    """Arrays stacked over the parts `here` as global arrays of all `parts` (the leading axis), each process giving
+    its own devices their parts."""
+    position = {d: k for k, d in enumerate(here)}
+
+    def place(stacked):
+        stacked = np.asarray(stacked)
+        return jax.make_array_from_callback((parts, *stacked.shape[1:]), sharding,
+                                            lambda index: stacked[position[index[0].start or 0]][None])
+
+    return jax.tree.map(place, tree)
 
 
 def _mesh_axis(mesh, axis) -> str:
@@ -339,7 +380,8 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
     `mesh`, on the host.
 
     Call it once, outside `jit`, like building the matrix itself; lay node features out with
-    `shard_rows` and read results back with `unshard_rows`.
+    `shard_rows` and read results back with `unshard_rows`. In a program of several processes (hosts), each
+    process builds only the parts of its own devices.
 
     Args:
       A: a concrete square `GroupCOO` `(N, N, *dense_shape)` (an adjacency: rows and columns are the same nodes,
@@ -386,10 +428,14 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
     layout, plan, needed, order, first = min(candidates, key=lambda c: c[0].rows_per_part + c[1].received_rows)
     R, offsets = layout.rows_per_part, np.concatenate([[0], np.cumsum(plan.shift_rows)]).astype(np.int64)
 
-    local_parts, remote_parts = [], []
+    # Every part's entries are located (cheap: the sizes all parts are padded to come from them); the parts this
+    # process's devices hold are built (the sort, the groups and the transposed indices).
+    here = _parts_here(mesh, axis)
+    located = {"local": [], "remote": []}  # every part's (rows, columns) of its entries
+    built = {"local": [], "remote": []}  # this process's parts' (rows, columns, values)
     for d in range(parts):
         entries = order[first[d]:first[d + 1]]
-        r, c, v = layout.local[rows[entries]], cols[entries], values[entries]
+        r, c = layout.local[rows[entries]], cols[entries]
         o = layout.owner[c]
         mine = o == d
         c_remote, o_remote = c[~mine], o[~mine]
@@ -402,23 +448,22 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
                 remote_cols[at] = offsets[(d - s) % parts - 1] + np.searchsorted(needed[d][s], c_remote[at])
             else:
                 remote_cols[at] = s * R + layout.local[c_remote[at]]
-        local_parts.append((r[mine], layout.local[c[mine]], v[mine]))
-        remote_parts.append((r[~mine], remote_cols, v[~mine]))
+        located["local"].append((r[mine], layout.local[c[mine]]))
+        located["remote"].append((r[~mine], remote_cols))
+        if d in here:
+            v = values[entries]
+            built["local"].append((*located["local"][-1], v[mine]))
+            built["remote"].append((*located["remote"][-1], v[~mine]))
 
-    def grouped(entries, columns):
-        group_size = default_group_size(np.concatenate([np.bincount(r, minlength=R) for r, _, _ in entries]))
-        return [_grouped(r, c, v, (R, columns), group_size, isinstance(A, BlockGroupCOO))
-                for r, c, v in entries]
-
-    columns = max(plan.columns, 1)
-    local = _stack(grouped(local_parts, R), (R, R), A, where)
-    remote = _stack(grouped(remote_parts, columns), (R, columns), A, where)
-    send = np.zeros((parts, max(sum(plan.shift_rows), 1)), np.int32)
-    for s in range(parts):
+    shapes = {"local": (R, R), "remote": (R, max(plan.columns, 1))}
+    local, remote = (_stack(built[kind], _Sizes.of(located[kind], shapes[kind]), shapes[kind], A, where)
+                     for kind in ("local", "remote"))
+    send = np.zeros((len(here), max(sum(plan.shift_rows), 1)), np.int32)
+    for row, s in zip(send, here):
         for k in range(1, parts if plan.exchange == "halo" else 1):
             rows_sent = layout.local[needed[(s + k) % parts][s]]
             # Padding repeats the last row sent: the indices stay sorted (a cheaper gather, and its transpose).
-            send[s, offsets[k - 1]:offsets[k]] = rows_sent[-1] if rows_sent.size else 0
-            send[s, offsets[k - 1]:offsets[k - 1] + rows_sent.size] = rows_sent
-    result = Partitioned(local, remote, send, mesh, axis, A.shape, layout, plan)
-    return jax.device_put(result, result.sharding)
+            row[offsets[k - 1]:offsets[k]] = rows_sent[-1] if rows_sent.size else 0
+            row[offsets[k - 1]:offsets[k - 1] + rows_sent.size] = rows_sent
+    sharding = NamedSharding(mesh, PartitionSpec(axis))
+    return Partitioned(*_placed((local, remote, send), here, parts, sharding), mesh, axis, A.shape, layout, plan)
