@@ -227,6 +227,11 @@ LAYERS = {
     "GIN": lambda: jnn.GINConv(nnx.Linear(6, 5, rngs=nnx.Rngs(0), param_dtype=jnp.float64)),
     "GraphConv max": lambda: jnn.GraphConv(6, 5, aggr="max", rngs=nnx.Rngs(0), param_dtype=jnp.float64),
     "GAT": lambda: jnn.GATConv(6, 3, heads=2, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    "Transformer": lambda: jnn.TransformerConv(6, 3, heads=2, beta=True, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    "EdgeConv": lambda: jnn.EdgeConv(6, 5, rngs=nnx.Rngs(0), param_dtype=jnp.float64),
+    "EdgeConv nn": lambda: jnn.EdgeConv(6, 5, nn=nnx.Sequential(
+        nnx.Linear(12, 7, rngs=nnx.Rngs(0), param_dtype=jnp.float64), jnp.tanh,
+        nnx.Linear(7, 5, rngs=nnx.Rngs(1), param_dtype=jnp.float64)), rngs=nnx.Rngs(0)),
 }
 
 
@@ -236,7 +241,7 @@ def test_layer_on_a_partitioned_adjacency(rng, name):
     P = jinsum.shard.partition(A, mesh())
     layer = LAYERS[name]()
     x = rng.standard_normal((A.shape[0], 6))
-    atol = ATTENTION_ATOL if name == "GAT" else 1e-10
+    atol = ATTENTION_ATOL if name in ("GAT", "Transformer") else 1e-10
     np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), layer(x, A), rtol=1e-10, atol=atol)
 
     def loss(layer, x, graph, mask):

@@ -11,6 +11,7 @@ from flax import nnx
 import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.nn._graph import aggregate_extreme, expect_adjacency
+from jinsum.shard import Partitioned, per_part
 
 
 class EdgeConv(nnx.Module):
@@ -24,6 +25,7 @@ class EdgeConv(nnx.Module):
     element's first maximal edge. Edge values are ignored.
 
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] != 0` for each edge -> `(N, out_features)`.
+    `A` may be a `jinsum.shard` partition, `x` then laid out by it.
 
     Example:
       >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
@@ -61,12 +63,27 @@ class EdgeConv(nnx.Module):
                 root = root + self.nn.bias[...]
             largest = aggregate_extreme(A, x @ neighbor, empty=None)
             return jnp.where(largest == -jnp.inf, 0, root + largest)
-        G, P = A.Ak.shape
-        center = jnp.broadcast_to(x[A.Ai][:, None, :], (G, P, x.shape[1]))
-        neighbor = jinsum.einsum("M[g,p,n] = X[Ak[g,p],n]", M=jax.ShapeDtypeStruct((G, P, x.shape[1]), x.dtype),
-                                 X=x, A=A)
-        messages = self.nn(jnp.concatenate([center, neighbor - center], axis=-1))
-        messages = jnp.where((A.Av != 0)[:, :, None], messages, -jnp.inf)  # group padding takes no part
-        out = jinsum.einsum("C[Ai[g],n] max= M[g,p,n]", A=A, M=messages,
-                            C=jax.ShapeDtypeStruct((x.shape[0], messages.shape[-1]), messages.dtype))
+        if isinstance(A, Partitioned):  # each device over its parts, `nn`'s parameters replicated
+            graphdef, state = nnx.split(self.nn)
+
+            def on_part(part, x_dst, x_src, state, out=None):
+                return _largest_message(part, x_dst, x_src, nnx.merge(graphdef, state), out)
+
+            out = per_part(on_part, A, rows=(x,), columns=(x,), replicated=(state,))
+        else:
+            out = _largest_message(A, x, x, self.nn)
         return jnp.where(out == -jnp.inf, 0, out)
+
+
+def _largest_message(A: GroupCOO, x_dst: jax.Array, x_src: jax.Array, nn, out: jax.Array | None = None) -> jax.Array:
+    """`max_{j -> i} nn([x_i, x_j - x_i])` over the stored entries of `A` (rows `x_dst`, columns `x_src`), -inf where
+    a row has none; with `out`, its elements take part too."""
+    G, P = A.Ak.shape
+    center = jnp.broadcast_to(x_dst[A.Ai][:, None, :], (G, P, x_dst.shape[1]))
+    neighbor = jinsum.einsum("M[g,p,n] = X[Ak[g,p],n]", M=jax.ShapeDtypeStruct((G, P, x_src.shape[1]), x_src.dtype),
+                             X=x_src, A=A)
+    messages = nn(jnp.concatenate([center, neighbor - center], axis=-1))
+    messages = jnp.where((A.Av != 0)[:, :, None], messages, -jnp.inf)  # group padding takes no part
+    if out is None:
+        out = jax.ShapeDtypeStruct((x_dst.shape[0], messages.shape[-1]), messages.dtype)
+    return jinsum.einsum("C[Ai[g],n] max= M[g,p,n]", A=A, M=messages, C=out)

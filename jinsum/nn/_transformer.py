@@ -24,7 +24,8 @@ class TransformerConv(nnx.Module):
     Nodes without in-edges aggregate 0.
 
     Shapes: `x` `(N, in_features)` or `(x_src, x_dst)`, `A` `(N_dst, N_src)` with `A[dst, src] != 0` for each edge
-    -> `(N_dst, heads * out_features)` if `concat`, else `(N_dst, out_features)`.
+    -> `(N_dst, heads * out_features)` if `concat`, else `(N_dst, out_features)`. `A` may be a `jinsum.shard`
+    partition (one node set), `x` then laid out by it.
 
     Example:
       >>> conv = jinsum.nn.TransformerConv(16, 8, heads=4, rngs=nnx.Rngs(0))
@@ -60,7 +61,8 @@ class TransformerConv(nnx.Module):
         q = self.lin_query(x).reshape(x.shape[0], H, C)
         k = self.lin_key(x_src).reshape(x_src.shape[0], H, C)
         v = self.lin_value(x_src).reshape(x_src.shape[0], H, C)
-        out = jinsum.attention(q, k, v, A, scale=1 / math.sqrt(C))
+        attend = jinsum.shard.attention if isinstance(A, jinsum.shard.Partitioned) else jinsum.attention
+        out = attend(q, k, v, A, scale=1 / math.sqrt(C))
         out = out.reshape(x.shape[0], H * C) if self.concat else out.mean(axis=1)
         if self.lin_skip is None:
             return out

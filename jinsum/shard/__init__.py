@@ -7,8 +7,8 @@ each device's part inside `jax.shard_map`, exchanging only the rows of the dense
     x = P.shard_rows(features)                           # (D * R, F), row-sharded
     y = jax.jit(lambda P, x: P @ x)(P, x)                # row-sharded like x; P.unshard_rows(y) == A @ features
 
-`jinsum.nn` layers (GCN, SGConv, APPNP, SAGE, GIN, GraphConv, GAT, RGCN) take a `Partitioned` where they
-take an adjacency.
+`jinsum.nn` layers (GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv, RGCN) take a
+`Partitioned` where they take an adjacency.
 """
 
 from jinsum.shard._communication import communication as communication
