@@ -33,6 +33,8 @@ def x64():
 
 
 def mesh(count: int = len(DEVICES)) -> Mesh:
+    if count > len(DEVICES):  # (a machine of one GPU)
+        pytest.skip(f"needs {count} devices, {len(DEVICES)} visible")
     return Mesh(np.array(DEVICES[:count]), ("x",))
 
 
