@@ -17,6 +17,14 @@ import jinsum.nn as jnn
 N, F_IN = 11, 5
 
 
+@pytest.fixture(autouse=True)
+def full_precision_matmuls():
+    """On a GPU, JAX's float32 dense products (the layers' linear maps, the attention reference) default to
+    TensorFloat-32, 1e-3 off a float64 reference: full precision here, so the comparisons test the sparse algebra."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _graph(rng, num_nodes=N, num_edges=30, weighted=False):
     """An edge index over `num_nodes` nodes where nodes 0 and 1 receive no edge, one edge is repeated and node
     3 has a self loop; with `weighted`, positive weights."""
