@@ -256,6 +256,50 @@ def test_layer_on_a_partitioned_adjacency(rng, name):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
 
 
+EDGE_LAYERS = {  # layers whose messages depend on each edge's features: (layer, takes edge features)
+    "GINE": lambda: jnn.GINEConv(nnx.Linear(6, 5, rngs=nnx.Rngs(0), param_dtype=jnp.float64), edge_dim=3,
+                                 in_features=6, train_eps=True, param_dtype=jnp.float64, rngs=nnx.Rngs(1)),
+    "GATv2": lambda: jnn.GATv2Conv(6, 3, heads=2, edge_dim=3, param_dtype=jnp.float64, rngs=nnx.Rngs(0)),
+    "GATv2 no self loops": lambda: jnn.GATv2Conv(6, 3, heads=2, edge_dim=3, add_self_loops=False,
+                                                 param_dtype=jnp.float64, rngs=nnx.Rngs(0)),
+    "GAT": lambda: jnn.GATConv(6, 3, heads=2, edge_dim=3, concat=False, param_dtype=jnp.float64, rngs=nnx.Rngs(0)),
+}
+
+
+def edge_graph(rng, n: int = 41, count: int = 170):
+    """An edge index with a hub (node 3 receives from everywhere), empty rows, duplicate edges and self loops, and
+    edge features."""
+    src, dst = rng.integers(0, n, (2, count))
+    dst[:40] = 3
+    dst[dst >= n - 6] = 0
+    src[40:44], dst[40:44] = [7, 7, 9, 9], [5, 5, 9, 9]  # a duplicate edge, a self loop twice
+    return np.stack([src, dst]), rng.standard_normal((count, 3))
+
+
+@pytest.mark.parametrize("name", EDGE_LAYERS)
+def test_edge_layer_on_a_partitioned_edge_adjacency(rng, name):
+    edge_index, attr = edge_graph(rng)
+    n = 41
+    layer = EDGE_LAYERS[name]()
+    x = rng.standard_normal((n, 6))
+    edges = jnn.edge_list(edge_index, n)
+    A = jnn.edge_adjacency(edge_index, n, attr)
+    reference = layer(x, edges, attr)
+    np.testing.assert_allclose(layer(x, A), reference, rtol=1e-10, atol=1e-10)  # the same edges, in a format
+    for count in sorted({2, len(DEVICES)}):
+        P = jinsum.shard.partition(A, mesh(count))
+        np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), reference, rtol=1e-10, atol=1e-10)
+
+    def loss(layer, x, graph, mask, *attr):
+        return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph, *attr)), 0))
+
+    ours = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, P.shard_rows(x), P, P.row_mask)
+    theirs = nnx.grad(loss, argnums=(0, 1))(layer, x, edges, np.ones(n, bool), attr)
+    np.testing.assert_allclose(P.unshard_rows(ours[1]), theirs[1], rtol=1e-9, atol=1e-10)
+    for a, b in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(theirs[0])):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+
+
 def test_rgcn_on_a_partitioned_relational_adjacency(rng):
     n, relations = 37, 3
     src, dst = rng.integers(0, n, (2, 150))

@@ -14,7 +14,8 @@ GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_
 TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
 `batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`. Several devices: GCN, SGConv, APPNP,
 SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a `relational_adjacency`) take a
-`jinsum.shard.partition` of the adjacency.
+`jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a partition of an
+`edge_adjacency` (the edges one by one, their features in its values).
 """
 
 from jinsum.nn._aggregation import aggregate_by as aggregate_by
@@ -23,6 +24,7 @@ from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
 from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
+from jinsum.nn._edges import edge_adjacency as edge_adjacency
 from jinsum.nn._gat import GATConv as GATConv
 from jinsum.nn._gatv2 import GATv2Conv as GATv2Conv
 from jinsum.nn._gcn import APPNP as APPNP

@@ -10,7 +10,9 @@ from flax import nnx
 import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.nn._dropout import dropout_seed
-from jinsum.nn._graph import EdgeList, edge_softmax_aggregate, expect_adjacency, node_features, self_loop_features
+from jinsum.nn._edges import SoftmaxSums, attend, edges_of, feature_sums_over, is_edge_adjacency, mean_features
+from jinsum.nn._graph import EdgeList, expect_adjacency, node_features
+from jinsum.shard import Partitioned, per_part
 
 
 class GATConv(nnx.Module):
@@ -32,12 +34,14 @@ class GATConv(nnx.Module):
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] != 0` for each edge ->
     `(N, heads * out_features)` if `concat`, else `(N, out_features)` (the mean over heads).
 
-    Edge by edge: given an `EdgeList` (`jinsum.nn.edge_list`) instead of `A`, the layer computes each edge's score
-    and `edge_softmax_aggregate` (a `max=` per node for the shift, sorted segment sums), which also takes edge
-    features (`edge_dim`: `alpha_ij` gains `a_edge . W_e e_ij`; a self loop's features are the mean of the node's
-    in-edges', PyG's `fill_value="mean"`) and returns the attention weights (`return_attention_weights`: per edge
-    `(E, heads)` in the edge index's order, 0 for stored self loops, and per node `(N, heads)` for the added ones;
-    PyG returns them as one list with the self loops appended). No attention dropout on that path.
+    Edge by edge: given an `EdgeList` (`jinsum.nn.edge_list`) or an `edge_adjacency` instead of `A`, the layer
+    computes each edge's score and the softmax sums (a `max=` per node for the shift, sorted segment sums), which
+    also take edge features (`edge_dim`: `alpha_ij` gains `a_edge . W_e e_ij`; a self loop's features are the mean
+    of the node's in-edges', PyG's `fill_value="mean"`). On an `EdgeList` it returns the attention weights
+    (`return_attention_weights`: per edge `(E, heads)` in the edge index's order, 0 for stored self loops, and per
+    node `(N, heads)` for the added ones; PyG returns them as one list with the self loops appended). An
+    `edge_adjacency` can be partitioned (`jinsum.shard`): each device attends over its local edges, then its remote
+    ones. No attention dropout on that path.
 
     Example:
       >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
@@ -60,7 +64,8 @@ class GATConv(nnx.Module):
           dropout: dropout rate on the attention weights, while the module is not in `eval()` mode (draws from
             the `dropout` stream of `rngs`, else its default stream).
           add_self_loops: every node attends to itself (stored self loops are replaced).
-          edge_dim: width of the edge features that enter the scores (edge by edge, on an `EdgeList`).
+          edge_dim: width of the edge features that enter the scores (edge by edge: an `EdgeList` or an
+            `edge_adjacency`).
           use_bias: add a learned bias to the output.
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
           rngs: initialises the parameters and seeds the dropout.
@@ -93,13 +98,12 @@ class GATConv(nnx.Module):
         if (self.lin_dst is not None) != isinstance(x, (tuple, list)):
             raise ValueError("GATConv: a layer built with in_features=(F_src, F_dst) takes x = (x_src, x_dst), "
                              "and only it")
-        if (edge_attr is None) != (self.lin_edge is None):
-            raise ValueError("GATConv: pass edge_attr exactly when the layer was built with edge_dim")
-        if isinstance(A, EdgeList):
+        if isinstance(A, EdgeList) or is_edge_adjacency(A):
             return self._edge_by_edge(x, A, edge_attr, return_attention_weights)
-        if edge_attr is not None or return_attention_weights:
+        if edge_attr is not None or return_attention_weights or self.lin_edge is not None:
             raise TypeError("GATConv: edge features and attention weights need the edges one by one: pass "
-                            "jinsum.nn.edge_list(edge_index, num_nodes) instead of the adjacency")
+                            "jinsum.nn.edge_list(edge_index, num_nodes) or jinsum.nn.edge_adjacency(edge_index, "
+                            "num_nodes, edge_attr) instead of the adjacency")
         x_src, x = node_features("GATConv", x)
         if self.lin_dst is not None and self.add_self_loops:
             raise ValueError("GATConv: a bipartite graph has no self loops; build the layer with add_self_loops=False")
@@ -122,34 +126,70 @@ class GATConv(nnx.Module):
         out = out.reshape(out.shape[0], -1) if self.concat else out.mean(axis=1)
         return out if self.bias is None else out + self.bias[...]
 
-    def _edge_by_edge(self, x, edges: EdgeList, edge_attr, return_attention_weights: bool):
-        if self.lin_dst is not None or edges.num_nodes != x.shape[0]:
-            raise ValueError(f"GATConv: an edge list is of one node set: expected x (N, F) over its {edges.num_nodes} "
+    def _edge_by_edge(self, x, edges, edge_attr, return_attention_weights: bool):
+        """On an `EdgeList` (with `edge_attr` if the layer has `edge_dim`), or an `edge_adjacency` (or its
+        partition) carrying the edge features."""
+        width = 0 if self.lin_edge is None else self.lin_edge.in_features
+        if isinstance(edges, EdgeList):
+            rows = edges.num_nodes
+            if (edge_attr is None) != (self.lin_edge is None):
+                raise ValueError("GATConv: pass edge_attr exactly when the layer was built with edge_dim")
+        else:
+            rows = edges.padded_rows if isinstance(edges, Partitioned) else edges.shape[0]
+            if edges.dense_shape != (1 + width,):
+                raise ValueError(f"GATConv: expected an edge_adjacency with edge features of width {width} (the "
+                                 f"layer's edge_dim), got {edges!r}")
+            if return_attention_weights:
+                raise NotImplementedError("GATConv: attention weights come in the edge index's order from an EdgeList "
+                                          "(jinsum.nn.edge_list), not from an edge_adjacency")
+        if self.lin_dst is not None or isinstance(x, (tuple, list)) or rows != x.shape[0]:
+            raise ValueError(f"GATConv: edges one by one are of one node set: expected x (N, F) over its {rows} "
                              f"nodes and a layer with one in_features, got {type(x).__name__}")
         if self.dropout.rate > 0 and not self.dropout.deterministic:
             raise NotImplementedError("GATConv: attention dropout runs in the fused path (pass the adjacency, "
-                                      "a GroupCOO); on an EdgeList, set dropout=0 or call .eval()")
-        n, heads = x.shape[0], self.heads
-        h = self.linear(x).reshape(n, heads, self.out_features)
+                                      "a GroupCOO); on edges one by one, set dropout=0 or call .eval()")
+        n, H, C = x.shape[0], self.heads, self.out_features
+        h = self.linear(x).reshape(n, H, C)
         s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...])
         s_dst = jnp.einsum("nhf,hf->nh", h, self.att_dst[...])
-        scores, own = s_src[edges.src] + s_dst[edges.dst], s_src + s_dst
-        if edge_attr is not None:
-            attr = edge_attr[edges.order]
-            att_edge = self.att_edge[...]
+        edge_layer = () if self.lin_edge is None else nnx.split(self.lin_edge)
+        params = () if self.lin_edge is None else (self.att_edge[...], *edge_layer[1:])
 
-            def edge_score(features):
-                return jnp.einsum("ehf,hf->eh", self.lin_edge(features).reshape(-1, heads, self.out_features),
-                                  att_edge)
+        def edge_score(features, att_edge, *edge_state):
+            projected = nnx.merge(edge_layer[0], *edge_state)(features).reshape(-1, H, C)
+            return jnp.einsum("ehf,hf->eh", projected, att_edge)
 
-            scores, own = scores + edge_score(attr), own + edge_score(self_loop_features(edges, attr))
-        scores = jax.nn.leaky_relu(scores, self.negative_slope)
-        if self.add_self_loops:  # (stored self loops are replaced by one per node)
-            scores = jnp.where((edges.src == edges.dst)[:, None], -jnp.inf, scores)
-        own = jax.nn.leaky_relu(own, self.negative_slope) if self.add_self_loops else None
-        out, weights, own_weights = edge_softmax_aggregate(edges, scores, h, own)
-        out = self._finish(out)
+        def scores_of(view, s_src, s_dst, params, local: bool):
+            scores = view.gather(s_src) + view.gather(s_dst, at="dst")
+            if params:
+                scores = scores + edge_score(view.attr, *params)
+            scores = jax.nn.leaky_relu(scores, self.negative_slope)
+            if self.add_self_loops and local:  # (stored self loops are replaced by one per node)
+                scores = jnp.where((view.src == view.dst)[:, None], -jnp.inf, scores)
+            return scores
+
+        initial, own = (), None  # (the self loops' sums, where the layer adds them)
+        if self.add_self_loops:
+            own = s_src + s_dst
+            if params:
+                own = own + edge_score(mean_features(feature_sums_over(edges, edge_attr)), *params)
+            own = jax.nn.leaky_relu(own, self.negative_slope)
+            initial = tuple(SoftmaxSums.own(own, h))
+
+        def attend_part(part, s_dst, *rest, out=None):
+            start, (h, s_src, *params) = rest[:len(initial)], rest[len(initial):]
+            view = edges_of("GATConv", part, edge_attr)
+            scores = scores_of(view, s_src, s_dst, params, local=out is None)  # (the first part is the local one)
+            return attend(view, scores, h, out if out is not None else SoftmaxSums(*start) if start else None)
+
+        if isinstance(edges, Partitioned):
+            sums = per_part(attend_part, edges, rows=(s_dst, *initial), columns=(h, s_src), replicated=params)
+        else:
+            sums = attend_part(edges, s_dst, *initial, h, s_src, *params)
+        sums = SoftmaxSums(*sums)
+        out = self._finish(sums.result())
         if not return_attention_weights:
             return out
-        return out, (jnp.zeros_like(weights).at[edges.order].set(weights), own_weights)
-
+        view = edges_of("GATConv", edges, edge_attr)
+        weights = sums.weights(scores_of(view, s_src, s_dst, params, local=True), view.dst)
+        return out, (jnp.zeros_like(weights).at[edges.order].set(weights), None if own is None else sums.weights(own))

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import jinsum
-from jinsum.nn._graph import EdgeList, edge_softmax_aggregate, self_loop_features
+from jinsum.nn._edges import SoftmaxSums, attend, edges_of, feature_sums_over, is_edge_adjacency, mean_features
+from jinsum.nn._graph import EdgeList
+from jinsum.shard import Partitioned, per_part
 
 
 class GATv2Conv(nnx.Module):
@@ -16,13 +17,15 @@ class GATv2Conv(nnx.Module):
     `e_ij = a . LeakyReLU(W_l x_j + W_r x_i [+ W_e e_ji])` (PyG's `GATv2Conv`).
 
     The score is not a dot product of a source and a destination term (the LeakyReLU comes first), so it is
-    computed edge by edge on an `EdgeList`: the endpoints' rows gathered (`M[e,h,c] = XL[S[e],h,c]`), the scores,
-    then `edge_softmax_aggregate` (the shift a `max=` per node, the sums and the output sorted segment
-    reductions). With `add_self_loops`, stored self loops are ignored and every node attends to itself once, its
-    edge features (with `edge_dim`) the mean of its in-edges' (PyG's `fill_value="mean"`).
+    computed edge by edge: the endpoints' rows gathered (`M[e,h,c] = XL[S[e],h,c]`), the scores, then the softmax
+    sums (`jinsum.nn._edges.attend`: the shift a `max=` per node, the sums and the output sorted segment reductions).
+    With `add_self_loops`, stored self loops are ignored and every node attends to itself once, its edge features
+    (with `edge_dim`) the mean of its in-edges' (PyG's `fill_value="mean"`). On a partition each device attends over
+    its local edges, then its remote ones, and merges the two sums.
 
-    Shapes: `x` `(N, in_features)`, `edges` an `EdgeList` over `N` nodes, `edge_attr` `(E, edge_dim)` in the
-    edge index's order (with `edge_dim`) -> `(N, heads * out_features)` if `concat`, else `(N, out_features)`.
+    Shapes: `x` `(N, in_features)`; `edges` an `EdgeList` over `N` nodes with `edge_attr` `(E, edge_dim)` in the edge
+    index's order (with `edge_dim`), or an `edge_adjacency` carrying the features (or its `jinsum.shard` partition,
+    `x` then laid out by it) -> `(N, heads * out_features)` if `concat`, else `(N, out_features)`.
 
     Example:
       >>> edges = jinsum.nn.edge_list(edge_index, num_nodes=N)
@@ -47,33 +50,54 @@ class GATv2Conv(nnx.Module):
                          if edge_dim is not None else None)
         self.bias = nnx.Param(jnp.zeros((width if concat else out_features,), param_dtype)) if use_bias else None
 
-    def __call__(self, x: jax.Array, edges: EdgeList, edge_attr: jax.Array | None = None) -> jax.Array:
-        """`x` `(N, in_features)`, `edges` an `EdgeList`, `edge_attr` `(E, edge_dim)` with `edge_dim` -> see the
-        class."""
-        if not isinstance(edges, EdgeList) or edges.num_nodes != x.shape[0]:
-            raise TypeError(f"GATv2Conv: expected the edges as a jinsum.nn.EdgeList over the {x.shape[0]} rows of x "
-                            f"(jinsum.nn.edge_list(edge_index, num_nodes)), got {edges!r}")
-        if (edge_attr is None) != (self.lin_edge is None):
-            raise ValueError("GATv2Conv: pass edge_attr exactly when the layer was built with edge_dim")
-        n, count, (H, C) = x.shape[0], edges.src.shape[0], self.att.shape
+    def __call__(self, x: jax.Array, edges, edge_attr: jax.Array | None = None) -> jax.Array:
+        """`x` `(N, in_features)`; `edges` an `EdgeList` (with `edge_attr` `(E, edge_dim)` if the layer has
+        `edge_dim`), or an `edge_adjacency` carrying the features (or its partition) -> see the class."""
+        H, C = self.att.shape
+        width = 0 if self.lin_edge is None else self.lin_edge.in_features
+        if isinstance(edges, EdgeList):
+            if edges.num_nodes != x.shape[0]:
+                raise ValueError(f"GATv2Conv: expected x (N, F) over the {edges.num_nodes} nodes of the edge list, got "
+                                 f"{tuple(x.shape)}")
+            if (edge_attr is None) != (self.lin_edge is None):
+                raise ValueError("GATv2Conv: pass edge_attr exactly when the layer was built with edge_dim")
+        elif not is_edge_adjacency(edges):
+            raise TypeError(f"GATv2Conv: expected the edges as a jinsum.nn.EdgeList (jinsum.nn.edge_list(edge_index, "
+                            f"num_nodes)) or a jinsum.nn.edge_adjacency (or its partition), got {edges!r}")
+        elif edges.dense_shape != (1 + width,) or x.shape[0] != (edges.padded_rows if isinstance(
+                edges, Partitioned) else edges.shape[0]):
+            raise ValueError(f"GATv2Conv: expected an edge_adjacency with edge features of width {width} (the "
+                             f"layer's edge_dim) over the rows of x {tuple(x.shape)}, got {edges!r}")
+        n = x.shape[0]
         left, right = self.lin_l(x).reshape(n, H, C), self.lin_r(x).reshape(n, H, C)
-
-        def gather(table, index):
-            return jinsum.einsum("M[e,h,c] = T[I[e],h,c]", M=jax.ShapeDtypeStruct((count, H, C), table.dtype),
-                                 T=table, I=index)
-
-        pairs = gather(left, edges.src) + gather(right, edges.dst)
-        own = left + right
-        if edge_attr is not None:
-            attr = edge_attr[edges.order]
-            pairs = pairs + self.lin_edge(attr).reshape(count, H, C)
-            own = own + self.lin_edge(self_loop_features(edges, attr)).reshape(n, H, C)
-        scores = self._score(pairs)
+        lin_edge = () if self.lin_edge is None else nnx.split(self.lin_edge)
+        initial = ()  # (the self loops' sums, where the layer adds them)
         if self.add_self_loops:  # (stored self loops are replaced by one per node)
-            scores = jnp.where((edges.src == edges.dst)[:, None], -jnp.inf, scores)
-        out, _, _ = edge_softmax_aggregate(edges, scores, left, self._score(own) if self.add_self_loops else None)
+            own = left + right
+            if self.lin_edge is not None:
+                own = own + self.lin_edge(mean_features(feature_sums_over(edges, edge_attr))).reshape(n, H, C)
+            initial = tuple(SoftmaxSums.own(self._score(own, self.att[...]), left))
+
+        def attend_part(part, right, *rest, out=None):
+            start, (left, att, *edge_state) = rest[:len(initial)], rest[len(initial):]
+            view = edges_of("GATv2Conv", part, edge_attr)
+            pairs = view.gather(left) + view.gather(right, at="dst")
+            if edge_state:
+                pairs = pairs + nnx.merge(lin_edge[0], *edge_state)(view.attr).reshape(-1, H, C)
+            scores = self._score(pairs, att)
+            if self.add_self_loops and out is None:  # (the local part, or the whole graph: sources are own nodes)
+                scores = jnp.where((view.src == view.dst)[:, None], -jnp.inf, scores)
+            return attend(view, scores, left, out if out is not None else SoftmaxSums(*start) if start else None)
+
+        replicated = (self.att[...], *lin_edge[1:])
+        if isinstance(edges, Partitioned):
+            sums = per_part(attend_part, edges, rows=(right, *initial), columns=(left,), replicated=replicated)
+        else:
+            sums = attend_part(edges, right, *initial, left, *replicated)
+        out = SoftmaxSums(*sums).result()
         out = out.reshape(n, H * C) if self.concat else out.mean(axis=1)
         return out if self.bias is None else out + self.bias[...]
 
-    def _score(self, pairs: jax.Array) -> jax.Array:
-        return (jax.nn.leaky_relu(pairs, self.negative_slope) * self.att[...]).sum(-1)
+    def _score(self, pairs: jax.Array, att: jax.Array) -> jax.Array:
+        return (jax.nn.leaky_relu(pairs, self.negative_slope) * att).sum(-1)
+

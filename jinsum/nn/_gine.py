@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import jinsum
+from jinsum.nn._edges import edges_of, is_edge_adjacency
 from jinsum.nn._graph import EdgeList
+from jinsum.shard import Partitioned, per_part
 
 
 class GINEConv(nnx.Module):
@@ -15,16 +16,19 @@ class GINEConv(nnx.Module):
 
     Messages depend on each edge's features, so they are made edge by edge: the sources' rows gathered,
     `M[e,n] = X[src[e],n]`, the features added and ReLU'd, then summed into their destinations, `C[dst[e],n] +=
-    M[e,n]`, a sorted segment reduction (an `EdgeList` is sorted by destination). Duplicate edges are separate
-    messages. Without `edge_dim`, the edge features must have the nodes' width.
+    M[e,n]`, a sorted segment reduction. Duplicate edges are separate messages. Without `edge_dim`, the edge features
+    must have the nodes' width.
 
-    Shapes: `x` `(N, F)`, `edges` an `EdgeList` over `N` nodes, `edge_attr` `(E, edge_dim or F)` in the order of the
-    edge index the list was built from -> whatever `mlp` makes of `(N, F)`.
+    Shapes: `x` `(N, F)`; the graph either an `EdgeList` over `N` nodes with `edge_attr` `(E, edge_dim or F)` in the
+    order of the edge index the list was built from, or an `edge_adjacency` carrying the features (or its
+    `jinsum.shard` partition, `x` then laid out by it) -> whatever `mlp` makes of `(N, F)`.
 
     Example:
       >>> edges = jinsum.nn.edge_list(edge_index, num_nodes=N)
       >>> conv = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=16, rngs=nnx.Rngs(0))
       >>> y = conv(x, edges, edge_attr)                               # edge_attr (E, 4)
+      >>> P = jinsum.shard.partition(jinsum.nn.edge_adjacency(edge_index, N, edge_attr), mesh)
+      >>> y = conv(P.shard_rows(x), P)                                # the same, over the devices of the mesh
     """
 
     def __init__(self, mlp: nnx.Module, *, eps: float = 0.0, train_eps: bool = False, edge_dim: int | None = None,
@@ -39,24 +43,32 @@ class GINEConv(nnx.Module):
         self.lin = (nnx.Linear(edge_dim, in_features, param_dtype=param_dtype, rngs=rngs) if edge_dim is not None
                     else None)
 
-    def __call__(self, x: jax.Array, edges: EdgeList, edge_attr: jax.Array) -> jax.Array:
-        """`x` `(N, F)`, `edges` an `EdgeList`, `edge_attr` `(E, edge_dim or F)` -> `mlp(...)` of `(N, F)`."""
-        if not isinstance(edges, EdgeList):
-            raise TypeError(f"GINEConv: expected the edges as a jinsum.nn.EdgeList, got {type(edges).__name__}; "
-                            "build it once with jinsum.nn.edge_list(edge_index, num_nodes)")
+    def __call__(self, x: jax.Array, edges, edge_attr: jax.Array | None = None) -> jax.Array:
+        """`x` `(N, F)`; `edges` an `EdgeList` with `edge_attr` `(E, edge_dim or F)`, or an `edge_adjacency` (or its
+        partition) -> `mlp(...)` of `(N, F)`."""
         width = x.shape[1] if self.lin is None else self.lin.in_features
-        if edges.num_nodes != x.shape[0] or edge_attr.shape != (edges.src.shape[0], width):
-            raise ValueError(f"GINEConv: expected node features (N, F) over the {edges.num_nodes} nodes of the edge "
-                             f"list and edge features ({edges.src.shape[0]}, {width}), got {tuple(x.shape)} and "
-                             f"{tuple(edge_attr.shape)}")
-        features = edge_attr[edges.order]
-        if self.lin is not None:
-            features = self.lin(features)
-        count, width = edges.src.shape[0], x.shape[1]
-        sources = jinsum.einsum("M[e,n] = X[S[e],n]", M=jax.ShapeDtypeStruct((count, width), x.dtype), X=x,
-                                S=edges.src)
-        messages = jax.nn.relu(sources + features)
-        summed = jinsum.einsum("C[D[e],n] += M[e,n]", C=jax.ShapeDtypeStruct(x.shape, messages.dtype), D=edges.dst,
-                               M=messages, sorted_indices=("D",))
+        if isinstance(edges, EdgeList):
+            if edge_attr is None or edges.num_nodes != x.shape[0] or edge_attr.shape != (edges.src.shape[0], width):
+                raise ValueError(f"GINEConv: expected node features (N, F) over the {edges.num_nodes} nodes of the "
+                                 f"edge list and edge features ({edges.src.shape[0]}, {width}), got {tuple(x.shape)} "
+                                 f"and {None if edge_attr is None else tuple(edge_attr.shape)}")
+        elif not is_edge_adjacency(edges):
+            raise TypeError(f"GINEConv: expected the edges as a jinsum.nn.EdgeList (jinsum.nn.edge_list(edge_index, "
+                            f"num_nodes)) or a jinsum.nn.edge_adjacency (or its partition), got {edges!r}")
+        elif edges.dense_shape != (1 + width,) or x.shape[0] != (edges.padded_rows if isinstance(
+                edges, Partitioned) else edges.shape[0]):
+            raise ValueError(f"GINEConv: expected an edge_adjacency with edge features of width {width} (values of "
+                             f"1 + {width}) over the rows of x {tuple(x.shape)}, got {edges!r}")
+        lin = () if self.lin is None else nnx.split(self.lin)
+
+        def summed(part, x_src, *lin_state, out=None):
+            view = edges_of("GINEConv", part, edge_attr)
+            features = view.attr if not lin_state else nnx.merge(lin[0], *lin_state)(view.attr)
+            return view.sum_into(jax.nn.relu(view.gather(x_src) + features), out)
+
+        if isinstance(edges, Partitioned):
+            messages = per_part(summed, edges, columns=(x,), replicated=lin[1:])
+        else:
+            messages = summed(edges, x, *lin[1:])
         eps = self.eps[...] if isinstance(self.eps, nnx.Param) else self.eps
-        return self.mlp((1 + eps) * x + summed)
+        return self.mlp((1 + eps) * x + messages)

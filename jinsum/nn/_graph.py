@@ -108,51 +108,6 @@ def edge_list(edge_index, num_nodes: int) -> EdgeList:
     return EdgeList(jnp.asarray(src), jnp.asarray(dst), jnp.asarray(order.astype(np.int32)), int(num_nodes))
 
 
-def edge_softmax_aggregate(edges: EdgeList, scores: jax.Array, values: jax.Array,
-                           own_scores: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Attention over each node's in-edges, edge by edge: `out_i = sum_e softmax(scores)_e values[src[e]]` over the
-    edges into `i`, and, with `own_scores`, node `i` itself (a self loop, its value `values[i]`).
-
-    `scores` `(E, H)` in the list's order (-inf: the edge takes no part), `values` `(N, H, C)`, `own_scores` `(N, H)`.
-    The shift is `Shift[D[e],h] max= S[e,h]` (no gradient: it cancels), the weights' sums `Z[D[e],h] += W[e,h]` and
-    the output `O[D[e],h,c] += W[e,h] * V[S[e],h,c]`: sorted segment reductions. Nodes that attend to nothing get 0.
-
-    Returns `(out (N, H, C), weights (E, H), own_weights (N, H) or None)`, the weights normalised.
-    """
-    n, heads = values.shape[0], scores.shape[1]
-
-    def per_node(statement, v, fill):
-        return jinsum.einsum(statement, Out=jnp.full((n, heads), fill, v.dtype), D=edges.dst, V=v,
-                             sorted_indices=("D",))
-
-    shift = per_node("Out[D[e],h] max= V[e,h]", jax.lax.stop_gradient(scores), -jnp.inf)
-    if own_scores is not None:
-        shift = jnp.maximum(shift, jax.lax.stop_gradient(own_scores))
-    shift = jnp.where(jnp.isneginf(shift), 0, shift)
-    weights = jnp.exp(scores - shift[edges.dst])
-    totals = per_node("Out[D[e],h] += V[e,h]", weights, 0)
-    out = jinsum.einsum("O[D[e],h,c] += W[e,h] * X[S[e],h,c]", O=jax.ShapeDtypeStruct(values.shape, values.dtype),
-                        D=edges.dst, W=weights, X=values, S=edges.src, sorted_indices=("D",))
-    own_weights = None
-    if own_scores is not None:
-        own_weights = jnp.exp(own_scores - shift)
-        totals, out = totals + own_weights, out + own_weights[..., None] * values
-    safe = jnp.where(totals > 0, totals, 1)
-    return (out / safe[..., None], weights / safe[edges.dst],
-            None if own_weights is None else own_weights / safe)
-
-
-def self_loop_features(edges: EdgeList, attr: jax.Array) -> jax.Array:
-    """Each node's self-loop edge features, the mean of its other in-edges' (PyG's `fill_value="mean"`; 0 for a
-    node without any): `(N, D)` from `attr` `(E, D)` in the list's order."""
-    kept = (edges.src != edges.dst)[:, None].astype(attr.dtype)
-    zeros = jax.ShapeDtypeStruct((edges.num_nodes, attr.shape[1]), attr.dtype)
-    total = jinsum.einsum("Out[D[e],f] += V[e,f]", Out=zeros, D=edges.dst, V=attr * kept, sorted_indices=("D",))
-    count = jinsum.einsum("Out[D[e],f] += V[e,f]", Out=jax.ShapeDtypeStruct((edges.num_nodes, 1), attr.dtype),
-                          D=edges.dst, V=kept, sorted_indices=("D",))
-    return total / jnp.maximum(count, 1)
-
-
 def node_features(layer: str, x) -> tuple[jax.Array, jax.Array]:
     """`(x_src, x_dst)`: a layer's input, node features `(N, F)` or a bipartite pair `(x_src, x_dst)`."""
     if isinstance(x, (tuple, list)):

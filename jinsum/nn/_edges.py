@@ -1,0 +1,189 @@
+"""Edges one by one, for the layers whose messages depend on each edge (GINE, GATv2, GAT with edge features).
+
+Such a layer reads its graph as `Edges`: sources, destinations (sorted), edge features and which entries are edges.
+Two graphs give them:
+- an `EdgeList` (`edge_list`) with its edge features in the caller's edge order;
+- an `edge_adjacency`: the edges as the entries of a `GroupCOO` `(N, N, 1 + D)` whose values carry a 1 (an edge, not
+  group padding) and the edge's features. Being a format, it can be split over devices by `jinsum.shard.partition`,
+  which moves each edge, with its features, to the device of its destination; a device then reads the edges of its
+  local part and of its remote part (sources among the rows it receives) as two `Edges`.
+
+Attention over a node's in-edges may so come in pieces (self loop, local edges, remote edges): `SoftmaxSums` are the
+running sums of one, shifted by the largest score seen, merged piece by piece (as FlashAttention merges key blocks).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jinsum
+from jinsum.formats import GroupCOO
+from jinsum.formats._convert import default_group_size, groups_from_csr
+from jinsum.nn._graph import EdgeList, edge_list
+
+
+class Edges(NamedTuple):
+    """Edges sorted by destination: `src`, `dst` int `(E,)`, `attr` `(E, D)` or None, `valid` bool `(E,)` or None (all
+    are edges), into `num_nodes` destinations."""
+
+    src: jax.Array
+    dst: jax.Array
+    attr: jax.Array | None
+    valid: jax.Array | None
+    num_nodes: int
+
+    def gather(self, table: jax.Array, at: str = "src") -> jax.Array:
+        """`table[src]` (or `table[dst]`): one row per edge, `(E, *table.shape[1:])`."""
+        index = self.src if at == "src" else self.dst
+        flat = table.reshape(table.shape[0], -1)
+        rows = jinsum.einsum("M[e,n] = T[I[e],n]", M=jax.ShapeDtypeStruct((index.shape[0], flat.shape[1]), flat.dtype),
+                             T=flat, I=index)
+        return rows.reshape(index.shape[0], *table.shape[1:])
+
+    def sum_into(self, messages: jax.Array, out: jax.Array | None = None) -> jax.Array:
+        """`out[dst[e]] += messages[e]` over the edges (`valid` ones), a sorted segment sum: `(num_nodes, ...)`."""
+        if self.valid is not None:
+            messages = jnp.where(self.valid.reshape(-1, *[1] * (messages.ndim - 1)), messages, 0)
+        flat = messages.reshape(messages.shape[0], -1)
+        target = (jax.ShapeDtypeStruct((self.num_nodes, flat.shape[1]), flat.dtype) if out is None
+                  else out.reshape(self.num_nodes, -1))
+        summed = jinsum.einsum("C[D[e],n] += M[e,n]", C=target, D=self.dst, M=flat, sorted_indices=("D",))
+        return summed.reshape(self.num_nodes, *messages.shape[1:])
+
+
+def edges_of(layer: str, graph, edge_attr=None) -> Edges:
+    """The `Edges` of an `EdgeList` and its features `edge_attr` (in the caller's edge order), or of an
+    `edge_adjacency` (or one device's part of its partition), whose values carry the features."""
+    if isinstance(graph, EdgeList):
+        if edge_attr is not None and edge_attr.shape[0] != graph.src.shape[0]:
+            raise ValueError(f"{layer}: expected edge features of {graph.src.shape[0]} edges (one row per edge of "
+                             f"the edge index), got shape {tuple(edge_attr.shape)}")
+        attr = None if edge_attr is None else edge_attr[graph.order]
+        return Edges(graph.src, graph.dst, attr, None, graph.num_nodes)
+    if edge_attr is not None:
+        raise ValueError(f"{layer}: an edge_adjacency carries its edge features in its values; pass no edge_attr")
+    G, P = graph.Ak.shape
+    values = graph.Av.reshape(G * P, -1)
+    return Edges(graph.Ak.reshape(-1), jnp.repeat(graph.Ai, P, total_repeat_length=G * P),
+                 values[:, 1:] if values.shape[1] > 1 else None, values[:, 0] != 0, graph.shape[0])
+
+
+def is_edge_adjacency(graph) -> bool:
+    """A `GroupCOO` with one dense dimension, or a partition of one: what `edge_adjacency` makes."""
+    if isinstance(graph, jinsum.shard.Partitioned):
+        return graph.format is GroupCOO and len(graph.dense_shape) == 1
+    return isinstance(graph, GroupCOO) and len(graph.dense_shape) == 1
+
+
+def edge_adjacency(edge_index, num_nodes: int, edge_attr=None, *, group_size: int | None = None) -> GroupCOO:
+    """The edges one by one as the entries of a `GroupCOO` `(N, N, 1 + D)`: `A[dst, src, 0] = 1` marks an edge and
+    `A[dst, src, 1:]` are its features (`edge_attr` `(E, D)`, in `edge_index`'s order); duplicate edges stay separate
+    entries (separate messages). On the host, once.
+
+    `GINEConv`, `GATv2Conv` and `GATConv` take it, or its `jinsum.shard.partition` (which moves each edge and its
+    features to the device of its destination), in place of an `EdgeList` and edge features.
+
+    Example:
+      >>> A = jinsum.nn.edge_adjacency(edge_index, N, edge_attr)             # edge_attr (E, 4)
+      >>> P = jinsum.shard.partition(A, mesh)
+      >>> y = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=F, rngs=rngs)(P.shard_rows(x), P)
+    """
+    edges = edge_list(edge_index, num_nodes)  # (checks the index; sorted by destination, stably)
+    order, src, dst = (np.asarray(a) for a in (edges.order, edges.src, edges.dst))
+    if edge_attr is None:
+        features = np.zeros((order.size, 0), np.float32)
+    else:
+        features = np.asarray(edge_attr)
+        if features.ndim != 2 or features.shape[0] != order.size or not np.issubdtype(features.dtype, np.floating):
+            raise ValueError(f"jinsum.nn.edge_adjacency: expected floating edge features (E, D) = ({order.size}, D), "
+                             f"got {features.dtype}{list(features.shape)}")
+        features = features[order]
+    values = np.concatenate([np.ones((order.size, 1), features.dtype), features], axis=1)
+    lengths = np.bincount(dst, minlength=num_nodes)
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    group_size = default_group_size(lengths) if group_size is None else group_size
+    Ai, Ak, Av = groups_from_csr(indptr, src, values, group_size, values.dtype, num_nodes)
+    return GroupCOO(Ai, Ak, Av, (num_nodes, num_nodes, values.shape[1]))
+
+
+class SoftmaxSums(NamedTuple):
+    """The running sums of an attention over each node's in-edges: `shift` `(N, H)`, the largest score so far (-inf:
+    none; no gradient, it cancels), `totals` `(N, H)` = sum of `exp(score - shift)`, `out` `(N, H, C)` = the same
+    weights times the values. Pieces of a node's edges merge in any order; `result()` normalises."""
+
+    shift: jax.Array
+    totals: jax.Array
+    out: jax.Array
+
+    @classmethod
+    def own(cls, scores: jax.Array, values: jax.Array) -> SoftmaxSums:
+        """One self loop per node: `scores` `(N, H)`, `values` `(N, H, C)`."""
+        shift = jax.lax.stop_gradient(scores)
+        weights = jnp.exp(scores - shift)
+        return cls(shift, weights, weights[..., None] * values)
+
+    def result(self) -> jax.Array:
+        """`(N, H, C)`: the softmax-weighted sums (0 for a node that attends to nothing)."""
+        return self.out / jnp.where(self.totals > 0, self.totals, 1)[..., None]
+
+    def weights(self, scores: jax.Array, dst: jax.Array | None = None) -> jax.Array:
+        """The normalised weights of `scores` (`(E, H)` of edges into `dst`, or `(N, H)` of the nodes' self loops)
+        under these sums."""
+        shift, totals = (self.shift, self.totals) if dst is None else (self.shift[dst], self.totals[dst])
+        return jnp.exp(scores - _finite(shift)) / jnp.where(totals > 0, totals, 1)
+
+
+def _finite(shift):
+    return jnp.where(jnp.isneginf(shift), 0, shift)
+
+
+def attend(edges: Edges, scores: jax.Array, values: jax.Array, sums: SoftmaxSums | None = None) -> SoftmaxSums:
+    """`sums` with the edges added: `scores` `(E, H)` (-inf, or not `valid`: the edge takes no part), `values` the
+    sources' rows `(N_src, H, C)`.
+
+    The shift is `Shift[D[e],h] max= S[e,h]`, the weights' sums `Z[D[e],h] += W[e,h]` and the output
+    `O[D[e],h,c] += W[e,h] * V[S[e],h,c]`: sorted segment reductions; earlier sums are rescaled to the new shift."""
+    n, heads = edges.num_nodes, scores.shape[1]
+    if edges.valid is not None:
+        scores = jnp.where(edges.valid[:, None], scores, -jnp.inf)
+    largest = jinsum.einsum("Out[D[e],h] max= V[e,h]", Out=jnp.full((n, heads), -jnp.inf, scores.dtype), D=edges.dst,
+                            V=jax.lax.stop_gradient(scores), sorted_indices=("D",))
+    shift = largest if sums is None else jnp.maximum(sums.shift, largest)
+    weights = jnp.exp(scores - _finite(shift)[edges.dst])
+    totals = jinsum.einsum("Out[D[e],h] += V[e,h]", Out=jax.ShapeDtypeStruct((n, heads), weights.dtype), D=edges.dst,
+                           V=weights, sorted_indices=("D",))
+    out = jinsum.einsum("O[D[e],h,c] += W[e,h] * X[S[e],h,c]",
+                        O=jax.ShapeDtypeStruct((n, *values.shape[1:]), values.dtype), D=edges.dst, W=weights,
+                        X=values, S=edges.src, sorted_indices=("D",))
+    if sums is not None:  # (earlier pieces, from their shift to the new one; nothing where they had no edge)
+        scale = jnp.where(jnp.isneginf(sums.shift), 0, jnp.exp(sums.shift - _finite(shift)))
+        totals, out = totals + sums.totals * scale, out + sums.out * scale[..., None]
+    return SoftmaxSums(shift, totals, out)
+
+
+def feature_sums(edges: Edges, *, drop_self_loops: bool, out: jax.Array | None = None) -> jax.Array:
+    """`(N, 1 + D)`: per destination, the number of in-edges and the sum of their features, edges from the node itself
+    left out with `drop_self_loops` (PyG's `fill_value="mean"`: a self loop's features are the mean of the node's
+    other in-edges'); added into `out` if given."""
+    kept = (edges.src != edges.dst) if drop_self_loops else jnp.ones(edges.src.shape, bool)
+    kept = kept.astype(edges.attr.dtype)[:, None]
+    return edges.sum_into(jnp.concatenate([kept, edges.attr * kept], axis=1), out)
+
+
+def feature_sums_over(graph, edge_attr=None) -> jax.Array:
+    """`feature_sums` (self loops left out) over an `EdgeList` and its features, an `edge_adjacency`, or a partition
+    of one (summed over each device's two parts; the first, local, is the one whose sources are the device's own
+    nodes)."""
+    if isinstance(graph, jinsum.shard.Partitioned):
+        return jinsum.shard.per_part(
+            lambda part, out=None: feature_sums(edges_of("", part), drop_self_loops=out is None, out=out), graph)
+    return feature_sums(edges_of("", graph, edge_attr), drop_self_loops=True)
+
+
+def mean_features(sums: jax.Array) -> jax.Array:
+    """The means of `feature_sums`: `(N, D)`, 0 for a node without in-edges."""
+    return sums[:, 1:] / jnp.maximum(sums[:, :1], 1)
