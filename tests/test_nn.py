@@ -411,3 +411,24 @@ def test_layer_argument_errors(rng):
             conv(_features(rng, N, F_IN + 1), A)
     with pytest.raises(ValueError, match=r"GATConv: heads and out_features must be >= 1, got heads=0"):
         jnn.GATConv(F_IN, 3, heads=0, rngs=rngs)
+
+
+def test_edge_adjacency_errors(rng):
+    edge_index, _ = _graph(rng)
+    attr = rng.standard_normal((edge_index.shape[1], 2)).astype(np.float32)
+    E = jnn.edge_adjacency(edge_index, N, attr)
+    assert E.shape == (N, N, 3) and E.nnz == edge_index.shape[1]  # duplicate edges stay separate entries
+    x, rngs = _features(rng, N, F_IN), nnx.Rngs(0)
+    with pytest.raises(ValueError, match=r"expected floating edge features \(E, D\) = \(30, D\), got float32\[29, 2\]"):
+        jnn.edge_adjacency(edge_index, N, attr[:-1])
+    with pytest.raises(ValueError, match=r"GINEConv: expected an edge_adjacency whose edges carry 3 features"):
+        jnn.GINEConv(nnx.Linear(F_IN, 3, rngs=rngs), edge_dim=3, in_features=F_IN, rngs=rngs)(x, E)
+    with pytest.raises(ValueError, match=r"GATv2Conv: expected an edge_adjacency .* over the 11 rows of x, got x \(6"):
+        jnn.GATv2Conv(F_IN, 3, edge_dim=2, rngs=rngs)(x[:6], E)
+    with pytest.raises(TypeError, match=r"GATv2Conv: expected the edges as a jinsum.nn.EdgeList .* or a "
+                                        r"jinsum.nn.edge_adjacency"):
+        jnn.GATv2Conv(F_IN, 3, rngs=rngs)(x, jnn.adjacency(edge_index, N))
+    with pytest.raises(ValueError, match=r"carries its edge features in its values; pass no edge_attr"):
+        jnn.GATv2Conv(F_IN, 3, edge_dim=2, rngs=rngs)(x, E, attr)
+    with pytest.raises(NotImplementedError, match=r"attention weights come in the edge index's order"):
+        jnn.GATConv(F_IN, 3, edge_dim=2, rngs=rngs)(x, E, return_attention_weights=True)

@@ -79,6 +79,18 @@ def is_edge_adjacency(graph) -> bool:
     return isinstance(graph, GroupCOO) and len(graph.dense_shape) == 1
 
 
+def expect_edge_adjacency(layer: str, graph, x: jax.Array, width: int) -> None:
+    """Raises a clear error unless `graph` is an `edge_adjacency` (or a partition of one) over the rows of `x` whose
+    edges carry `width` features."""
+    if not is_edge_adjacency(graph):
+        raise TypeError(f"{layer}: expected the edges as a jinsum.nn.EdgeList (jinsum.nn.edge_list(edge_index, "
+                        f"num_nodes)) or a jinsum.nn.edge_adjacency (or its partition), got {graph!r}")
+    rows = graph.padded_rows if isinstance(graph, jinsum.shard.Partitioned) else graph.shape[0]
+    if graph.dense_shape != (1 + width,) or x.shape[0] != rows:
+        raise ValueError(f"{layer}: expected an edge_adjacency whose edges carry {width} features (values of 1 + "
+                         f"{width}) over the {rows} rows of x, got x {tuple(x.shape)} and {graph!r}")
+
+
 def edge_adjacency(edge_index, num_nodes: int, edge_attr=None, *, group_size: int | None = None) -> GroupCOO:
     """The edges one by one as the entries of a `GroupCOO` `(N, N, 1 + D)`: `A[dst, src, 0] = 1` marks an edge and
     `A[dst, src, 1:]` are its features (`edge_attr` `(E, D)`, in `edge_index`'s order); duplicate edges stay separate
@@ -107,7 +119,7 @@ def edge_adjacency(edge_index, num_nodes: int, edge_attr=None, *, group_size: in
     indptr = np.concatenate([[0], np.cumsum(lengths)])
     group_size = default_group_size(lengths) if group_size is None else group_size
     Ai, Ak, Av = groups_from_csr(indptr, src, values, group_size, values.dtype, num_nodes)
-    return GroupCOO(Ai, Ak, Av, (num_nodes, num_nodes, values.shape[1]))
+    return GroupCOO(Ai, Ak, Av, (num_nodes, num_nodes, values.shape[1]), nnz=order.size)
 
 
 class SoftmaxSums(NamedTuple):

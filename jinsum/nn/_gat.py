@@ -10,7 +10,8 @@ from flax import nnx
 import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.nn._dropout import dropout_seed
-from jinsum.nn._edges import SoftmaxSums, attend, edges_of, feature_sums_over, is_edge_adjacency, mean_features
+from jinsum.nn._edges import (SoftmaxSums, attend, edges_of, expect_edge_adjacency, feature_sums_over,
+                              is_edge_adjacency, mean_features)
 from jinsum.nn._graph import EdgeList, expect_adjacency, node_features
 from jinsum.shard import Partitioned, per_part
 
@@ -129,22 +130,20 @@ class GATConv(nnx.Module):
     def _edge_by_edge(self, x, edges, edge_attr, return_attention_weights: bool):
         """On an `EdgeList` (with `edge_attr` if the layer has `edge_dim`), or an `edge_adjacency` (or its
         partition) carrying the edge features."""
-        width = 0 if self.lin_edge is None else self.lin_edge.in_features
+        if self.lin_dst is not None or isinstance(x, (tuple, list)):
+            raise ValueError("GATConv: edges one by one are of one node set: expected x (N, F) and a layer with one "
+                             "in_features")
         if isinstance(edges, EdgeList):
-            rows = edges.num_nodes
+            if edges.num_nodes != x.shape[0]:
+                raise ValueError(f"GATConv: expected x (N, F) over the {edges.num_nodes} nodes of the edge list, got "
+                                 f"{tuple(x.shape)}")
             if (edge_attr is None) != (self.lin_edge is None):
                 raise ValueError("GATConv: pass edge_attr exactly when the layer was built with edge_dim")
         else:
-            rows = edges.padded_rows if isinstance(edges, Partitioned) else edges.shape[0]
-            if edges.dense_shape != (1 + width,):
-                raise ValueError(f"GATConv: expected an edge_adjacency with edge features of width {width} (the "
-                                 f"layer's edge_dim), got {edges!r}")
+            expect_edge_adjacency("GATConv", edges, x, 0 if self.lin_edge is None else self.lin_edge.in_features)
             if return_attention_weights:
                 raise NotImplementedError("GATConv: attention weights come in the edge index's order from an EdgeList "
                                           "(jinsum.nn.edge_list), not from an edge_adjacency")
-        if self.lin_dst is not None or isinstance(x, (tuple, list)) or rows != x.shape[0]:
-            raise ValueError(f"GATConv: edges one by one are of one node set: expected x (N, F) over its {rows} "
-                             f"nodes and a layer with one in_features, got {type(x).__name__}")
         if self.dropout.rate > 0 and not self.dropout.deterministic:
             raise NotImplementedError("GATConv: attention dropout runs in the fused path (pass the adjacency, "
                                       "a GroupCOO); on edges one by one, set dropout=0 or call .eval()")

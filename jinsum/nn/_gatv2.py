@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jinsum.nn._edges import SoftmaxSums, attend, edges_of, feature_sums_over, is_edge_adjacency, mean_features
+from jinsum.nn._edges import (SoftmaxSums, attend, edges_of, expect_edge_adjacency, feature_sums_over,
+                              mean_features)
 from jinsum.nn._graph import EdgeList
 from jinsum.shard import Partitioned, per_part
 
@@ -61,13 +62,8 @@ class GATv2Conv(nnx.Module):
                                  f"{tuple(x.shape)}")
             if (edge_attr is None) != (self.lin_edge is None):
                 raise ValueError("GATv2Conv: pass edge_attr exactly when the layer was built with edge_dim")
-        elif not is_edge_adjacency(edges):
-            raise TypeError(f"GATv2Conv: expected the edges as a jinsum.nn.EdgeList (jinsum.nn.edge_list(edge_index, "
-                            f"num_nodes)) or a jinsum.nn.edge_adjacency (or its partition), got {edges!r}")
-        elif edges.dense_shape != (1 + width,) or x.shape[0] != (edges.padded_rows if isinstance(
-                edges, Partitioned) else edges.shape[0]):
-            raise ValueError(f"GATv2Conv: expected an edge_adjacency with edge features of width {width} (the "
-                             f"layer's edge_dim) over the rows of x {tuple(x.shape)}, got {edges!r}")
+        else:
+            expect_edge_adjacency("GATv2Conv", edges, x, width)
         n = x.shape[0]
         left, right = self.lin_l(x).reshape(n, H, C), self.lin_r(x).reshape(n, H, C)
         lin_edge = () if self.lin_edge is None else nnx.split(self.lin_edge)

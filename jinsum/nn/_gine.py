@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jinsum.nn._edges import edges_of, is_edge_adjacency
+from jinsum.nn._edges import edges_of, expect_edge_adjacency
 from jinsum.nn._graph import EdgeList
 from jinsum.shard import Partitioned, per_part
 
@@ -52,13 +52,8 @@ class GINEConv(nnx.Module):
                 raise ValueError(f"GINEConv: expected node features (N, F) over the {edges.num_nodes} nodes of the "
                                  f"edge list and edge features ({edges.src.shape[0]}, {width}), got {tuple(x.shape)} "
                                  f"and {None if edge_attr is None else tuple(edge_attr.shape)}")
-        elif not is_edge_adjacency(edges):
-            raise TypeError(f"GINEConv: expected the edges as a jinsum.nn.EdgeList (jinsum.nn.edge_list(edge_index, "
-                            f"num_nodes)) or a jinsum.nn.edge_adjacency (or its partition), got {edges!r}")
-        elif edges.dense_shape != (1 + width,) or x.shape[0] != (edges.padded_rows if isinstance(
-                edges, Partitioned) else edges.shape[0]):
-            raise ValueError(f"GINEConv: expected an edge_adjacency with edge features of width {width} (values of "
-                             f"1 + {width}) over the rows of x {tuple(x.shape)}, got {edges!r}")
+        else:
+            expect_edge_adjacency("GINEConv", edges, x, width)
         lin = () if self.lin is None else nnx.split(self.lin)
 
         def summed(part, x_src, *lin_state, out=None):
