@@ -40,7 +40,8 @@ import numpy as np  # noqa: E402
 
 import jinsum  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
-from jinsum import _attention, _chain_reference  # noqa: E402
+from jinsum import _attention  # noqa: E402
+from jinsum._attention import _chain_reference
 from jinsum.datasets import rmat  # noqa: E402
 from jinsum.kernels import ChainConfig, forced_config  # noqa: E402
 from jinsum.timing import kernel_times, time_calls  # noqa: E402

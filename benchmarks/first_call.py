@@ -124,7 +124,7 @@ def _model(model_name, system, edge_index, nodes, nnx, jnp, jnn):
 def _instrument():
     """Seconds in Triton's front end and in Triton's compiler (or jinsum's cache in front of it), by wrapping
     the functions jax-triton calls."""
-    from jinsum._lower_triton import _jax_triton  # noqa: PLC0415
+    from jinsum._lowering._triton import _jax_triton  # noqa: PLC0415
 
     triton_lib = _jax_triton().triton_lib
     totals = ({"seconds": 0.0}, {"seconds": 0.0})

@@ -8,7 +8,8 @@ from collections.abc import Collection, Sequence
 
 import jax
 
-from jinsum import _einsum, _primitive
+from jinsum._frontend import _einsum
+from jinsum._rules import _primitive
 from jinsum._lang import Spec
 from jinsum.kernels import KernelConfig, forced_config, make_plan, store_tuned_config
 from jinsum.timing import time_calls

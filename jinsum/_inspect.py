@@ -7,7 +7,9 @@ from collections.abc import Callable, Collection, Iterator
 import jax
 import jax.numpy as jnp
 
-from jinsum import _attention_primitive, _deterministic, _einsum, _primitive
+from jinsum._attention import _chain_primitive
+from jinsum._rules import _deterministic, _primitive
+from jinsum._frontend import _einsum
 
 
 def equations(fn: Callable, *args) -> Iterator:
@@ -60,16 +62,19 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
     - `triton_source(fn, *args)`: every generated kernel that `fn(*args)` lowers to, in order (statements and
       fused attention chains; `jax.grad` of `fn` shows the backward kernels), each under a comment naming it.
     """
-    from jinsum import _lower_chain, _lower_triton, kernels  # noqa: PLC0415 (the code generator: here and on CUDA)
+    # The code generator and the launchers' planning (imported here: only kernel inspection needs them)
+    from jinsum import kernels  # noqa: PLC0415
+    from jinsum._attention import _chain_triton  # noqa: PLC0415
+    from jinsum._lowering import _triton  # noqa: PLC0415
 
     if callable(target):
         sources = []
         for eqn in equations(target, *args):
             if eqn.primitive is _primitive.jinsum_p:
-                found = [(str(spec.statement), spec, _lower_triton.plan_for(spec, config)) for spec in _lowered(eqn)]
-            elif eqn.primitive in (_attention_primitive.attention_p, _attention_primitive.attention_backward_p):
-                kinds = ("forward", "combine") if eqn.primitive is _attention_primitive.attention_p else ("dq", "dkdv")
-                plans = _lower_chain.plans(eqn.params["chain"], kinds)
+                found = [(str(spec.statement), spec, _triton.plan_for(spec, config)) for spec in _lowered(eqn)]
+            elif eqn.primitive in (_chain_primitive.attention_p, _chain_primitive.attention_backward_p):
+                kinds = ("forward", "combine") if eqn.primitive is _chain_primitive.attention_p else ("dq", "dkdv")
+                plans = _chain_triton.plans(eqn.params["chain"], kinds)
                 found = [(repr(eqn.params["chain"]), None, plans)]
             else:
                 continue
@@ -85,7 +90,7 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
     spec = _primitive.make_spec(statement, arrays, **flags)
     if _deterministic.rewritten(spec):  # deterministic mode: the statements it is rewritten into
         return triton_source(lambda ops: _primitive.bind(statement, ops, **flags), arrays, config=config)
-    plan = _lower_triton.plan_for(spec, config)
+    plan = _triton.plan_for(spec, config)
     if isinstance(plan, kernels.Fallback):
         raise ValueError(f"jinsum: {statement} has no generated kernel: {plan.reason}")
     return f"# {statement}\n{_legend(spec)}{kernels.generate(plan)}"

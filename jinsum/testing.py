@@ -13,7 +13,7 @@ import numpy as np
 
 from jinsum._lang import Access, Operand, Spec, Var, check, parse, tensor_names, walk
 from jinsum._inspect import equations, kernel_specs
-from jinsum._primitive import jinsum_p
+from jinsum._rules._primitive import jinsum_p
 
 __all__ = ["reference", "assert_allclose", "tolerance", "check_vmap", "random_operands", "specs_in",
            "kernel_specs_in"]

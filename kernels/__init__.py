@@ -1,7 +1,8 @@
 """The Triton code generator: checked statement (or attention chain) -> kernel plan -> Triton source -> kernel.
 
 Shipped inside the package as `jinsum.kernels`. The launchers (jax-triton, and Triton's interpreter for tests)
-live in `jinsum._lower_triton`; the `@triton.jit` helpers every generated kernel imports are in `helpers`.
+live in `jinsum._lowering._triton` (statements) and `jinsum._attention._chain_triton` (chains); the `@triton.jit`
+helpers every generated kernel imports are in `helpers`. Reads only the notation (`jinsum._lang`).
 """
 
 from jinsum.kernels._cache import cache_dir as cache_dir

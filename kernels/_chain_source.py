@@ -17,10 +17,9 @@ import functools
 
 import numpy as np
 
-from jinsum._dropout import threshold
 from jinsum._lang import Access, Var
 from jinsum.kernels._chain_plan import SUMS, ChainPlan
-from jinsum.kernels._score_mod import score_mod_lines
+from jinsum.kernels._elementwise_source import elementwise_lines
 from jinsum.kernels._source import offset
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
@@ -356,7 +355,7 @@ class _Writer:
         r = self.chain.roles
         b = f"v_{r.batch_index}" if r.batch_index else "0"
         head = f"v_{r.head}" if self.dot else self.spread("v_h", "h", self.score_axes)
-        lines, (value, derivative) = score_mod_lines(mod.value_and_slope.jaxpr, ["s", b, head, q_idx, kv_idx], "sm",
+        lines, (value, derivative) = elementwise_lines(mod.value_and_slope.jaxpr, ["s", b, head, q_idx, kv_idx], "sm",
                                                      self.acc_type)
         for line in lines:
             self.emit(line)
@@ -411,7 +410,7 @@ class _Writer:
             heads = chain.output.extent[chain.roles.head]
             counter = f"((glin.to(tl.int64) * {heads} + v_h[:, None]) * {entries} + {entry})"
         self.emit(f"bits = tl.randint(seed, {counter}.to(tl.uint32))")
-        self.emit(f"z = tl.where((bits >> 8).to(tl.int32) >= {threshold(chain.dropout)}, "
+        self.emit(f"z = tl.where((bits >> 8).to(tl.int32) >= {chain.dropout_threshold}, "
                   f"{1 / (1 - chain.dropout)!r}, 0.0)")
         return "z"
 

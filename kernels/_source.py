@@ -279,7 +279,7 @@ class _Writer:
         self.emit(f"row = {sorted_row}")
         self.depth -= 1
         # A row outside the left-hand side is dropped: its terms are not computed (deterministic mode pads its
-        # lists of rows with such rows, `jinsum._deterministic`).
+        # lists of rows with such rows, `jinsum._rules._deterministic`).
         self.emit(f"if {self._row_in_range()}:")
         self.depth += 1
         self._inner_loops()

@@ -13,7 +13,9 @@ import scipy.sparse as sp
 from jax.test_util import check_grads
 
 import jinsum
-from jinsum import _attention, _chain_reference, _lower_chain, _lower_triton
+from jinsum import _attention
+from jinsum._attention import _chain_reference, _chain_triton
+from jinsum._lowering import _triton
 from jinsum.kernels import ChainConfig, generate_chain, make_chain_plan
 from jinsum.testing import assert_allclose
 
@@ -265,8 +267,8 @@ def test_traced_schedule_equals_the_host_schedule(fmt, case, rng):
     """A pattern passed to a jitted function gets its work lists from XLA ops; they must equal NumPy's."""
     (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case)
     config = ChainConfig(entries=4, chunk=3)  # several pieces per long row and key
-    host = _lower_chain.schedule(*_attention.build_chain(q, k, v, pattern, **kwargs)[:2], config)
-    traced = jax.jit(lambda pattern: _lower_chain.schedule(
+    host = _chain_triton.schedule(*_attention.build_chain(q, k, v, pattern, **kwargs)[:2], config)
+    traced = jax.jit(lambda pattern: _chain_triton.schedule(
         *_attention.build_chain(q, k, v, pattern, **kwargs)[:2], config))(pattern)
     assert host.keys() == traced.keys()
     for name in host:
@@ -279,7 +281,7 @@ def test_count_below_matches_searchsorted(seed):
     values = np.sort(rng.integers(-3, 40, rng.integers(0, 60))).astype(np.int32)
     n = int(rng.integers(1, 50))
     expected = np.searchsorted(values, np.arange(n), side="left")
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: _lower_triton.count_below(v, n, jnp))(values)),
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: _triton.count_below(v, n, jnp))(values)),
                                   expected)
 
 
@@ -312,7 +314,7 @@ def test_fused_kernels_match_the_reference(fmt, case, config, dtype, rng):
     kwargs.update(dropout=case.get("dropout", 0.0), seed=11)
     chain, arrays, _ = _attention.build_chain(q, k, v, pattern, **kwargs)
     out, lse = _chain_reference.forward(chain, arrays)
-    fused_out, fused_lse = _lower_chain.interpret_forward(chain, arrays, config)
+    fused_out, fused_lse = _chain_triton.interpret_forward(chain, arrays, config)
     assert fused_out.dtype == dtype
     assert_allclose(fused_out, np.asarray(out, np.float64), dtype, err_msg="forward")
     finite = np.isfinite(np.asarray(lse))
@@ -322,7 +324,7 @@ def test_fused_kernels_match_the_reference(fmt, case, config, dtype, rng):
     d_out = rng.standard_normal(out.shape).astype(dtype)
     d_lse = np.where(finite, rng.standard_normal(lse.shape), 0).astype(np.float32)
     expected = _chain_reference.backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
-    fused = _lower_chain.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse},
+    fused = _chain_triton.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse},
                                             config)
     for name, actual, reference in zip("QKV", fused, expected):
         assert actual.dtype == dtype
@@ -336,7 +338,7 @@ def test_bfloat16_lanes_kernels(rng):
     (q, k, v, pattern), kwargs, _ = _case(rng, "graph", dict(score_mod=leaky, self_loops=True), jnp.bfloat16)
     chain, arrays, _ = _attention.build_chain(q, k, v, pattern, **kwargs)
     out, _ = _chain_reference.forward(chain, arrays)
-    assert_allclose(_lower_chain.interpret_forward(chain, arrays)[0], np.asarray(out, np.float64), jnp.bfloat16)
+    assert_allclose(_chain_triton.interpret_forward(chain, arrays)[0], np.asarray(out, np.float64), jnp.bfloat16)
 
 
 # --- what the generator emits, and when it does not ---------------------------------------------------------------
@@ -386,13 +388,13 @@ def test_unfused_fallbacks_say_why(rng):
     pattern = block_pattern(rng)
     q, k, v = _qkv(rng, *pattern.shape, dim=300)
     chain, arrays, _ = _attention.build_chain(q, k, v, pattern)
-    assert "300" in _lower_chain.plans(chain, ("forward",)).reason
+    assert "300" in _chain_triton.plans(chain, ("forward",)).reason
     with pytest.warns(jinsum.FallbackWarning, match="runs unfused: heads of 300"):
-        out, _ = _lower_chain.forward(chain, tuple(arrays[n] for n in chain.names))
+        out, _ = _chain_triton.forward(chain, tuple(arrays[n] for n in chain.names))
     assert_allclose(out, np.asarray(_chain_reference.forward(chain, arrays)[0], np.float64), np.float32)
     with jax.enable_x64(True):
         chain64, _, _ = _attention.build_chain(*(x.astype(np.float64) for x in _qkv(rng, *pattern.shape)), pattern)
-    assert "float64" in _lower_chain.plans(chain64, ("forward",)).reason
+    assert "float64" in _chain_triton.plans(chain64, ("forward",)).reason
     assert "runs on XLA" in jinsum.triton_source(lambda q: jinsum.attention(q, k, v, pattern), q)
 
 
@@ -429,14 +431,14 @@ def test_attention_backward_adds_no_dq_atomically(rng):
         chain, arrays, _ = _attention.build_chain(q, k, v, pattern)
     assert make_chain_plan(default, "dkdv").dq_in_dkdv
     assert not make_chain_plan(chain, "dkdv").dq_in_dkdv
-    plans = _lower_chain.plans(chain, ("forward", "dq", "dkdv"))
+    plans = _chain_triton.plans(chain, ("forward", "dq", "dkdv"))
     assert not any("atomic" in generate_chain(p) for p in plans.values())
     if not ON_GPU and importlib.util.find_spec("torch"):
         out, lse = _chain_reference.forward(chain, arrays)
         d_out = rng.standard_normal(out.shape).astype(np.float32)
         d_lse = np.zeros(lse.shape, np.float32)
         expected = _chain_reference.backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
-        fused = _lower_chain.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse})
+        fused = _chain_triton.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse})
         for name, actual, want in zip("QKV", fused, expected):
             assert_allclose(actual, np.asarray(want, np.float64), np.float32, err_msg=f"d{name}")
 

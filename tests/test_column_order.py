@@ -15,9 +15,9 @@ import scipy.sparse as sp
 from jax.test_util import check_grads
 
 import jinsum
-from jinsum import _derive
+from jinsum._rules import _derive
 from jinsum._lang import ColumnOrder, Operand, parse
-from jinsum._lower_triton import interpret
+from jinsum._lowering._triton import interpret
 from jinsum.kernels import make_plan
 from jinsum.testing import assert_allclose, check_vmap, random_operands, reference, specs_in
 
@@ -146,7 +146,7 @@ def test_a_gcn_step_shares_each_forward_kernel_with_its_backward():
     from flax import nnx  # noqa: PLC0415
 
     import jinsum.nn as jnn  # noqa: PLC0415
-    from jinsum._lower_triton import _metaparameters, plan_for  # noqa: PLC0415
+    from jinsum._lowering._triton import _metaparameters, plan_for  # noqa: PLC0415
     from jinsum.datasets import rmat  # noqa: PLC0415
     from jinsum.kernels import generate  # noqa: PLC0415
 
@@ -206,7 +206,7 @@ def test_block_spmm_gradient_runs_over_the_block_columns(rng):
         [spec] = _column_order_specs(jax.grad(loss, argnums=1), T, B)
         assert str(spec.statement) == "dX1[A_columns[h],_k,n] += Av_t[h,q,_m,_k] * Out[A_rows[h,q],_m,n]"
         check_grads(lambda B: T @ B, (B,), order=2, modes=("fwd", "rev"))
-    from jinsum._lower_triton import plan_for  # noqa: PLC0415
+    from jinsum._lowering._triton import plan_for  # noqa: PLC0415
 
     half = jinsum.BlockGroupCOO.from_dense(np.kron(rng.random((8, 8)) < 0.3, np.ones((32, 32))), block_shape=(32, 32),
                                            dtype=jnp.float16)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jinsum
-from jinsum import _derive, _deterministic, _lower_triton, _primitive
+from jinsum._rules import _derive, _deterministic, _primitive
+from jinsum._lowering import _triton
 from jinsum._lang import parse, tensor_names
 from jinsum.kernels import KernelConfig, canonical, generate, make_plan
 from jinsum.testing import assert_allclose, check_vmap, kernel_specs_in, random_operands, reference, specs_in
@@ -131,7 +132,7 @@ def test_the_cuda_lowering_refuses_an_atomic_plan_in_deterministic_mode():
     assert make_plan(spec).adds_atomically
     with pytest.raises(NotImplementedError, match=r"deterministic mode: O\[R\[e\],S\[e\]\] \+= X\[e\] would add "
                                                   r"into its left-hand side atomically"):
-        _lower_triton.evaluate(*arrays.values(), spec=spec)
+        _triton.evaluate(*arrays.values(), spec=spec)
 
 
 # --- every catalog statement and what it derives --------------------------------------------------------------------
@@ -185,7 +186,7 @@ def test_deterministic_plans_add_nothing_atomically(spec):
 def test_deterministic_kernels_match_the_reference(spec, rng):
     pytest.importorskip("torch")
     operands = random_operands(spec, rng)
-    assert_allclose(_lower_triton.interpret(spec, operands), reference(str(spec.statement), **operands), np.float32)
+    assert_allclose(_triton.interpret(spec, operands), reference(str(spec.statement), **operands), np.float32)
 
 
 @pytest.mark.parametrize("piece_groups", [2, _deterministic.PIECE_ENTRIES], ids=lambda p: f"pieces of {p}")
@@ -254,7 +255,7 @@ def test_the_rewritten_statements_run_in_the_interpreter(statement, sorted_indic
 
     def interpret(derived, arrays):
         ran.append(derived)
-        return jnp.asarray(_lower_triton.interpret(derived, {n: np.asarray(arrays[n]) for n in derived.names}))
+        return jnp.asarray(_triton.interpret(derived, {n: np.asarray(arrays[n]) for n in derived.names}))
 
     actual = _deterministic.evaluate(spec, {n: jnp.asarray(operands[n]) for n in spec.names}, interpret)
     assert len(ran) == 3 and all(not make_plan(canonical(s)).adds_atomically for s in ran)
@@ -279,7 +280,7 @@ def test_out_of_range_targets_are_dropped_as_before(rng):
     if not ON_GPU:
         operands = {"O": np.zeros((4, 2), np.float32), "X": np.asarray(X, np.float32),
                     "R_sorted": np.sort(np.asarray(R)), "e_at": np.argsort(np.asarray(R), stable=True).astype(np.int32)}
-        np.testing.assert_array_equal(_lower_triton.interpret(spec, operands), expected)
+        np.testing.assert_array_equal(_triton.interpret(spec, operands), expected)
 
 
 def test_triton_source_shows_the_statements_a_scatter_becomes(rng):

@@ -13,7 +13,8 @@ from jax.test_util import check_grads
 
 import jinsum
 import jinsum.nn._graph
-from jinsum import _lower_xla, _primitive
+from jinsum._lowering import _xla
+from jinsum._rules import _primitive
 from jinsum.testing import assert_allclose, check_vmap, reference
 
 from _catalog import CATALOG, EXTREMA, group_spmm
@@ -42,11 +43,11 @@ def _jinsum(case, operands):
 
 def _xla(case, operands):
     """The same statement forced onto the XLA lowering, on the same device."""
-    from jinsum import _einsum  # noqa: PLC0415
+    from jinsum._frontend import _einsum  # noqa: PLC0415
 
     statement, arrays, flags = _einsum.prepare(case.expression, operands, sorted_indices=_sorted(operands))
     spec = _primitive.make_spec(statement, arrays, **flags)
-    return jax.jit(functools.partial(_lower_xla.evaluate, spec=spec))(*(arrays[n] for n in spec.names))
+    return jax.jit(functools.partial(_xla.evaluate, spec=spec))(*(arrays[n] for n in spec.names))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -127,7 +128,7 @@ def test_block_spmm_gradient_over_the_block_columns_fp16(rng):
 @pytest.mark.parametrize("case", EXTREMA, ids=repr)
 def test_extrema_and_their_winners_on_gpu(case, dtype, rng):
     """max= / min= kernels against float64, and their winners against the XLA lowering's on the same result."""
-    from jinsum import _einsum  # noqa: PLC0415
+    from jinsum._frontend import _einsum  # noqa: PLC0415
 
     operands = case.make(rng, dtype)
     actual = _jinsum(case, operands)
@@ -136,7 +137,7 @@ def test_extrema_and_their_winners_on_gpu(case, dtype, rng):
     spec = _primitive.make_spec(statement, {**arrays, statement.lhs.tensor: actual}, **flags, winners=True)
     args = [actual if n == spec.lhs.name else arrays[n] for n in spec.names]
     kernel = jax.jit(lambda *args: _primitive.jinsum_p.bind(*args, spec=spec))(*args)
-    xla = jax.jit(functools.partial(_lower_xla.evaluate, spec=spec))(*args)
+    xla = jax.jit(functools.partial(_xla.evaluate, spec=spec))(*args)
     np.testing.assert_array_equal(kernel, xla)
 
 

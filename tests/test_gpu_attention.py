@@ -11,7 +11,8 @@ import pytest
 
 import jinsum
 import jinsum.nn as jnn
-from jinsum import _attention, _chain_reference
+from jinsum import _attention
+from jinsum._attention import _chain_reference
 from jinsum.testing import assert_allclose
 
 from conftest import ON_GPU

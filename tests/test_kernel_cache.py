@@ -1,4 +1,4 @@
-"""First calls: the persistent cache of compiled kernels (`jinsum._kernel_cache`) with a fake compiler (keys,
+"""First calls: the persistent cache of compiled kernels (`jinsum._lowering._kernel_cache`) with a fake compiler (keys,
 hits, corrupt entries, the size bound, the off switch, two processes writing at once), the autotune table under
 concurrent writers and corruption, and Triton started without torch. (A GPU test in test_gpu.py checks that a
 second process loads the first one's kernels through jax-triton.)"""
@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jinsum import _kernel_cache
+from jinsum._lowering import _kernel_cache
 
 
 @dataclasses.dataclass
@@ -158,7 +158,7 @@ def test_install_wraps_jax_tritons_compiler_once(cache):
 def test_two_processes_writing_the_same_entries(tmp_path):
     script = textwrap.dedent("""
         import dataclasses, sys
-        from jinsum import _kernel_cache
+        from jinsum._lowering import _kernel_cache
 
         @dataclasses.dataclass
         class Result:
@@ -199,7 +199,7 @@ def test_threads_compiling_the_same_kernels_at_once(cache):
 AUTOTUNE_WRITER = textwrap.dedent("""
     import sys
     import numpy as np
-    from jinsum import _primitive
+    from jinsum._rules import _primitive
     from jinsum._lang import parse
     from jinsum.kernels import KernelConfig, store_tuned_config
 
@@ -220,7 +220,7 @@ def test_processes_storing_tuned_configs_at_once_lose_none(tmp_path):
 
 
 def test_an_unreadable_autotune_table_is_ignored_with_a_warning(tmp_path, monkeypatch):
-    from jinsum import _primitive  # noqa: PLC0415
+    from jinsum._rules import _primitive  # noqa: PLC0415
     from jinsum._lang import parse  # noqa: PLC0415
     from jinsum.kernels import KernelConfig, _tuned, store_tuned_config, tuned_config  # noqa: PLC0415
 
@@ -243,7 +243,7 @@ def test_the_triton_specializer_starts_without_importing_torch():
     pytest.importorskip("torch")
     script = textwrap.dedent("""
         import sys
-        from jinsum._lower_triton import _start_triton_specializer_without_torch
+        from jinsum._lowering._triton import _start_triton_specializer_without_torch
         _start_triton_specializer_without_torch()
         assert "torch" not in sys.modules
         import torch
@@ -265,7 +265,8 @@ def _front_end_inputs(triton, rows: int = 300):
     from triton.backends.nvidia.compiler import CUDABackend  # noqa: PLC0415
 
     import jinsum  # noqa: PLC0415
-    from jinsum import _einsum, _primitive  # noqa: PLC0415
+    from jinsum._frontend import _einsum  # noqa: PLC0415
+    from jinsum._rules import _primitive
     from jinsum.kernels import KernelConfig, generate, load_kernel, make_plan  # noqa: PLC0415
 
     A = jinsum.GroupCOO.from_scipy(sp.random(rows, 200, 0.05, random_state=0, dtype=np.float32))

@@ -14,7 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jinsum
-from jinsum import ExpressionError, _einsum, _lower_triton, _primitive
+from jinsum import ExpressionError
+from jinsum._frontend import _einsum
+from jinsum._lowering import _triton
+from jinsum._rules import _primitive
 from jinsum.kernels import Fallback, KernelConfig, make_plan
 from jinsum.testing import assert_allclose, check_vmap, kernel_specs_in, reference
 
@@ -129,7 +132,7 @@ def test_random_statements_in_the_triton_interpreter(seed):
     if isinstance(make_plan(spec), Fallback):
         return
     for config in (KernelConfig(), KernelConfig(block=2, block_rows=2, window=3, num_stages=2)):
-        actual = _lower_triton.interpret(spec, {n: np.asarray(a) for n, a in arrays.items()}, config)
+        actual = _triton.interpret(spec, {n: np.asarray(a) for n, a in arrays.items()}, config)
         assert_allclose(actual, reference(expression, **draw.operands), np.float32, err_msg=f"{expression} {config}")
 
 

@@ -12,7 +12,9 @@ import pytest
 import scipy.sparse as sp
 
 import jinsum
-from jinsum import _einsum, _lower_xla, _primitive
+from jinsum._frontend import _einsum
+from jinsum._lowering import _xla
+from jinsum._rules import _primitive
 from jinsum._lang import ExpressionError, parse
 from jinsum.testing import assert_allclose, check_vmap, kernel_specs_in, reference
 
@@ -154,7 +156,7 @@ def test_kernels_and_their_winners_match(case, dtype, config, rng):
 
 
 def _check_kernel_and_winners(case, operands, dtype, config):
-    from jinsum._lower_triton import interpret
+    from jinsum._lowering._triton import interpret
 
     statement, arrays, flags = _prepare(case, operands)
     spec = _primitive.make_spec(statement, arrays, **flags)
@@ -166,7 +168,7 @@ def _check_kernel_and_winners(case, operands, dtype, config):
         #          terms that equal a result differ; test_gpu.py compares the GPU's winners)
     result = {**operands, statement.lhs.tensor: actual}
     winners = _primitive.make_spec(statement, {**arrays, statement.lhs.tensor: actual}, **flags, winners=True)
-    xla = _lower_xla.evaluate(*(jnp.asarray(result[n]) for n in winners.names), spec=winners)
+    xla = _xla.evaluate(*(jnp.asarray(result[n]) for n in winners.names), spec=winners)
     np.testing.assert_array_equal(interpret(winners, result, config), xla)
 
 
@@ -179,7 +181,7 @@ def test_winners_are_the_first_equal_terms(case):
     statement, arrays, flags = _prepare(case, operands)
     result = jinsum.einsum(case.expression, **operands)
     spec = _primitive.make_spec(statement, {**arrays, statement.lhs.tensor: result}, **flags, winners=True)
-    actual = _lower_xla.evaluate(*(result if n == spec.lhs.name else arrays[n] for n in spec.names), spec=spec)
+    actual = _xla.evaluate(*(result if n == spec.lhs.name else arrays[n] for n in spec.names), spec=spec)
     np.testing.assert_array_equal(actual, _winners_reference(case, operands))
 
 

@@ -11,8 +11,9 @@ import scipy.sparse as sp
 import pytest
 
 import jinsum
-from jinsum import _einsum, _primitive
-from jinsum._lower_triton import interpret
+from jinsum._frontend import _einsum
+from jinsum._rules import _primitive
+from jinsum._lowering._triton import interpret
 from jinsum.kernels import KernelConfig, generate, make_plan
 from jinsum.testing import assert_allclose, random_operands, reference, specs_in
 

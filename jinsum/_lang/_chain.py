@@ -63,9 +63,10 @@ class Chain:
       extra: the operands of `mask` and `key_mask`.
       roles: the variables' roles.
       scale: multiplies the raw scores, before `score_mod`.
-      score_mod: a traced `jinsum._score_mod.ScoreMod`, or None.
+      score_mod: a traced `jinsum._lang._elementwise.ScoreMod`, or None.
       causal: an entry attends only if `q_idx >= kv_idx`.
-      dropout: the rate at which attention weights are dropped (kept ones scale by `1 / (1 - rate)`).
+      dropout: the rate at which attention weights are dropped (kept ones scale by `1 / (1 - rate)`): a weight is
+        dropped iff the top 24 bits of its random word fall below `dropout_threshold`.
       self_loops: every row `i` also attends to key `i` (a stored entry with key `i` is masked instead); for graph
         attention with the same nodes as queries and keys.
       allow_tf32: float32 score and output products may use TensorFloat-32.
@@ -96,6 +97,12 @@ class Chain:
         if self.dropout:
             flags.append(f"dropout={self.dropout}")
         return f"Chain({'; '.join(parts)}; {', '.join(flags)})"
+
+    @property
+    def dropout_threshold(self) -> int:
+        """The 24-bit integer below which a weight's random bits drop it: the rule the XLA reference
+        (`jinsum._attention._random_bits`) and the generated kernels (`tl.randint`) both apply."""
+        return int(round(self.dropout * 2**24))
 
     # --- operands --------------------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """What both grouped formats share: their pytree reconstruction and the properties read off their arrays.
 
-`A @ B` is attached by `jinsum._format_rewrite`, which implements products over formats (the way JAX attaches
+`A @ B` is attached by `jinsum._frontend._format_rewrite`, which implements products over formats (the way JAX attaches
 array methods from the modules that implement them): the formats do not import the einsum machinery.
 """
 

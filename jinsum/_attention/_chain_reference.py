@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum import _dropout, _primitive
+from jinsum._attention import _random_bits
+from jinsum._rules import _primitive
 from jinsum._lang import Access, Statement, Var
 from jinsum._lang._chain import Chain
 
@@ -110,7 +111,7 @@ def _self_scores(chain: Chain, arrays: dict, lse_shape) -> jax.Array:
 
 
 def _kept(chain: Chain, arrays: dict, offsets) -> jax.Array:
-    keep = _dropout.keep(arrays["seed"], offsets, chain.dropout)
+    keep = _random_bits.keep(arrays["seed"], offsets, chain.dropout_threshold)
     return jnp.where(keep, 1 / (1 - chain.dropout), 0.0)
 
 

@@ -2,8 +2,8 @@
 
 Each attention weight has a counter (`offset`, see `dropout_offsets`) and the call a seed; the weight is kept
 iff the top 24 bits of Philox4x32-10 (`tl.randint(seed, offset)` in Triton, reimplemented here in `jax.numpy`)
-are at least `round(rate * 2**24)`. Nothing is stored between the forward and the backward: both draw the same
-bits again. Counters are taken modulo 2**32, so a chain of more than 2**32 weights reuses streams.
+are at least `Chain.dropout_threshold`, `round(rate * 2**24)`. Nothing is stored between the forward and the
+backward: both draw the same bits again. Counters are taken modulo 2**32, so a chain of more than 2**32 weights reuses streams.
 """
 
 from __future__ import annotations
@@ -14,15 +14,11 @@ _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 
 
-def threshold(rate: float) -> int:
-    """The 24-bit threshold below which a weight is dropped."""
-    return int(round(rate * 2**24))
-
-
-def keep(seed: jnp.ndarray, offsets: jnp.ndarray, rate: float) -> jnp.ndarray:
-    """Booleans shaped like `offsets` (uint32 counters): which weights survive dropout at `rate`."""
+def keep(seed: jnp.ndarray, offsets: jnp.ndarray, threshold: int) -> jnp.ndarray:
+    """Booleans shaped like `offsets` (uint32 counters): which weights survive, those whose top 24 bits are at
+    least `threshold` (`Chain.dropout_threshold`)."""
     bits = _philox(seed.astype(jnp.uint32), offsets.astype(jnp.uint32))
-    return (bits >> 8).astype(jnp.int32) >= threshold(rate)
+    return (bits >> 8).astype(jnp.int32) >= threshold
 
 
 def _umulhi(a, b):

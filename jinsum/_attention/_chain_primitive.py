@@ -24,11 +24,12 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jinsum import _chain_reference, _derive, _lower_chain, _primitive
+from jinsum._attention import _chain_reference, _chain_triton
+from jinsum._rules import _derive, _primitive
 from jinsum._lang import statement_variables
 from jinsum._lang._chain import Chain
-from jinsum._lower_chain import SCHEDULE
-from jinsum._avals import varying
+from jinsum._attention._chain_triton import SCHEDULE
+from jinsum._rules._avals import varying
 
 # Operands that describe the pattern (and the work lists derived from it): never differentiated, and batching
 # them runs a loop.
@@ -40,7 +41,7 @@ BACKWARD_INPUTS = ("O", "LSE", "dO", "dLSE")
 def bind(chain: Chain, arrays: dict) -> tuple[jax.Array, jax.Array]:
     """`(O, LSE)`: the chain on `arrays` (by name, `chain.names`), with its schedule computed here: on the host
     for a concrete pattern, and once for the forward and the backward."""
-    schedule = _lower_chain.schedule(chain, arrays)
+    schedule = _chain_triton.schedule(chain, arrays)
     operands = [arrays[n] for n in chain.names] + [schedule[n] for n in SCHEDULE]
     return tuple(attention_p.bind(*operands, chain=chain))
 
@@ -106,9 +107,9 @@ def _backward_reference(chain, arrays):
 
 
 for _primitive_, _outputs, _reference, _cuda in [
-        (attention_p, ("O", "LSE"), _forward_reference, _lower_chain.forward),
+        (attention_p, ("O", "LSE"), _forward_reference, _chain_triton.forward),
         (attention_tangent_p, ("O", "LSE"), _tangent_reference, None),
-        (attention_backward_p, ("Q", "K", "V"), _backward_reference, _lower_chain.backward)]:
+        (attention_backward_p, ("Q", "K", "V"), _backward_reference, _chain_triton.backward)]:
     _primitive_.def_impl(lambda *arrays, _p=_primitive_, chain: _compiled(_p, chain)(*arrays))
     _primitive_.def_abstract_eval(_abstract_eval(_primitive_, _outputs))
     mlir.register_lowering(_primitive_, mlir.lower_fun(_xla(_reference), multiple_results=True))

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum import _chain_reference
+from jinsum._attention import _chain_reference
 from jinsum._lang._chain import Chain
-from jinsum._lower_triton import FallbackWarning, _jax_triton, count_below, from_torch, row_starts, to_torch
+from jinsum._lowering._triton import FallbackWarning, _jax_triton, count_below, from_torch, row_starts, to_torch
 from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_config, chain_inputs, chain_outputs,
                             chain_sizes, generate_chain, load_kernel, make_chain_plan, scratch_shapes)
 

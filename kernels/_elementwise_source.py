@@ -1,4 +1,5 @@
-"""A traced `score_mod` (a jaxpr over scalars) -> Triton statements over tiles.
+"""A traced element-wise function (a jaxpr over scalars, `jinsum._lang._elementwise`) -> Triton statements over
+tiles. Attention's `score_mod` is one; masks and statement epilogues are written the same way.
 
 Every equation becomes one assignment; nested jaxprs (`jit`, `custom_jvp_call`) are inlined. Scalars broadcast
 like tiles in Triton, so the same statements compute the transform of a whole tile of scores. Only elementwise
@@ -33,7 +34,7 @@ _TRITON_DTYPES = {"int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1", "
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint")
 
 
-def score_mod_lines(jaxpr, inputs: list[str], prefix: str, float_type: str = "tl.float32"
+def elementwise_lines(jaxpr, inputs: list[str], prefix: str, float_type: str = "tl.float32"
                     ) -> tuple[list[str], list[str]]:
     """Triton assignments computing `jaxpr`'s outputs from the Triton expressions `inputs`.
 

@@ -18,8 +18,9 @@ from jax.experimental import checkify
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
-from jinsum import _config, _derive
-from jinsum._avals import varying
+from jinsum import _config
+from jinsum._rules import _derive
+from jinsum._rules._avals import varying
 from jinsum._lang import WINNER_NONE, Access, ColumnOrder, Operand, Spec, Statement, check, tensor_names, walk
 
 

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum import _format_rewrite, _primitive
+from jinsum._frontend import _format_rewrite
+from jinsum._rules import _primitive
 from jinsum._lang import Access, ExpressionError, Statement, Var, check_operand_names, parse, tensor_names, walk
 from jinsum.formats import BlockGroupCOO, GroupCOO
 

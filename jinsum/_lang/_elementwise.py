@@ -1,9 +1,13 @@
-"""A user's elementwise transform of attention scores (FlexAttention's `score_mod`), traced once to a jaxpr.
+"""A user's element-wise function, traced once to a jaxpr over scalars: the one home of that tracing.
+
+A statement or chain holds the traced function (so this lives with the notation); the XLA lowering applies it
+to arrays and the code generator writes it into kernels as register math (`jinsum.kernels._elementwise_source`).
+Today's one kind is attention's `score_mod` (FlexAttention's), below.
 
 `score_mod(score, b, h, q_idx, kv_idx) -> score` is written with `jax.numpy` on scalars: the float32 score and
 the int32 batch index, head, query position and key position. It is traced to a jaxpr over those scalars, and
 that jaxpr is what jinsum keeps: the XLA lowering applies the function to whole arrays, and the code generator
-translates the jaxpr into Triton expressions (`jinsum.kernels.score_mod_lines`). The derivative with respect to
+translates the jaxpr into Triton expressions (`jinsum.kernels._elementwise_source`). The derivative with respect to
 the score, which the backward kernels need, is the jaxpr of `jax.jvp` of the same function.
 
 A transform may close over Python numbers and concrete scalars (they become literals). It may not close over
@@ -42,7 +46,7 @@ class ScoreMod:
         return jax.vmap(self.fn)(*flat).reshape(shape)
 
 
-def trace(fn: Callable) -> ScoreMod:
+def trace_score_mod(fn: Callable) -> ScoreMod:
     """Traces `fn(score, b, h, q_idx, kv_idx)` on scalars; raises a clear error for what cannot be fused."""
     if not callable(fn):
         raise TypeError(f"jinsum.attention: score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got "

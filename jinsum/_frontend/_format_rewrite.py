@@ -18,7 +18,7 @@ from jax import lax
 
 import numpy as np
 
-from jinsum import _primitive
+from jinsum._rules import _primitive
 from jinsum._lang import ColumnOrder, parse
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.formats._base import GroupedFormat

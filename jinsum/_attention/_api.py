@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum import _attention_primitive, _primitive, _score_mod
+from jinsum._attention import _chain_primitive
+from jinsum._rules import _primitive
+from jinsum._lang import _elementwise
 from jinsum._lang import Access, Var, parse
 from jinsum._lang._chain import Chain, Roles
 from jinsum.formats import BlockGroupCOO, GroupCOO
@@ -67,7 +69,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
     chain, arrays, unpad = build_chain(q, k, v, pattern, scale=scale, score_mod=score_mod, causal=causal,
                                        key_padding_mask=key_padding_mask, dropout=dropout, seed=seed,
                                        self_loops=self_loops, allow_tf32=allow_tf32)
-    out, lse = _attention_primitive.bind(chain, arrays)
+    out, lse = _chain_primitive.bind(chain, arrays)
     out, lse = unpad(out), unpad(lse)
     return (out, lse) if return_lse else out
 
@@ -125,7 +127,7 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, causal=False, k
     output_spec = _primitive.make_spec(parse(output), {**arrays, "S": s_struct, "O": o_struct}, **flags)
     chain = Chain(scores_spec, output_spec, mask, key_mask, tuple(extra), roles,
                   scale=float(1 / math.sqrt(head_dim) if scale is None else scale),
-                  score_mod=None if score_mod is None else _score_mod.trace(score_mod), causal=bool(causal),
+                  score_mod=None if score_mod is None else _elementwise.trace_score_mod(score_mod), causal=bool(causal),
                   dropout=float(dropout), self_loops=bool(self_loops), allow_tf32=bool(allow_tf32)).check()
     if isinstance(pattern, GroupCOO) and pattern.transposed is not None:
         arrays["transposed"] = pattern.transposed  # the keys' entries, for the schedule (not an operand)

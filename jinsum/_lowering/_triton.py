@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum import _kernel_cache, _lower_xla
+from jinsum._lowering import _kernel_cache, _xla
 from jinsum._lang import Spec
 from jinsum.kernels import (Fallback, KernelConfig, KernelPlan, canonical, generate, kernel_inputs, load_kernel,
                             make_plan, tuned_config)
@@ -50,7 +50,7 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         if plan.reason != "JINSUM_TRITON=0":
             warnings.warn(f"jinsum: {spec.statement} runs on the XLA lowering: {plan.reason}", FallbackWarning,
                           stacklevel=2)
-        return _lower_xla.evaluate(*arrays, spec=spec)
+        return _xla.evaluate(*arrays, spec=spec)
     if spec.deterministic and plan.adds_atomically:
         raise NotImplementedError(
             f"jinsum: deterministic mode: {spec.statement} would add into its left-hand side atomically. "

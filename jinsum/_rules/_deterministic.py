@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jinsum import _derive
+from jinsum._rules import _derive
 from jinsum._lang import Access, Spec, Statement, Var, statement_variables, tensor_names
-from jinsum._primitive import make_spec
+from jinsum._rules._primitive import make_spec
 
 Kernel = Callable[[Spec, Mapping[str, jax.Array]], jax.Array]  # a statement's evaluation (a kernel) on arrays
 

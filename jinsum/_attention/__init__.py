@@ -1,0 +1,10 @@
+"""The fused attention chain: scores, masked softmax and the weighted sum as one primitive pair.
+
+Enters: `jinsum.attention(q, k, v, pattern, ...)`, built into a `Chain` (`jinsum._lang._chain`). Leaves: the
+forward and backward primitives (`_chain_primitive`), lowered unfused through `jinsum_p` statements
+(`_chain_reference`, every platform) or to generated chain kernels (`_chain_triton`, CUDA) from
+`jinsum.kernels`. Dropout's random bits (`_random_bits`) are drawn the same way on both.
+"""
+
+from jinsum._attention._api import attention as attention
+from jinsum._attention._api import build_chain as build_chain

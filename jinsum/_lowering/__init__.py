@@ -1,0 +1,37 @@
+"""The primitive's lowerings: the XLA one everywhere (`_xla`, the reference), a generated Triton kernel on CUDA
+(`_triton`, launched through jax-triton, with compiled kernels kept on disk by `_kernel_cache`); in deterministic
+mode a `+=` through index arrays is first rewritten into sorted segment reductions (`jinsum._rules._deterministic`),
+each evaluated by the same platform's lowering.
+
+Enters: a `Spec` and its operands at lowering time. Leaves: XLA operations, or a kernel plan handed to the code
+generator `jinsum.kernels` (plan -> Triton source), whose kernel it launches. Next stage: `jinsum.kernels`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.interpreters import mlir
+
+from jinsum._rules import _deterministic
+from jinsum._lowering import _triton, _xla
+from jinsum._lang import Spec
+from jinsum._rules._primitive import jinsum_p
+
+
+def _lowering(evaluate: Callable[..., jax.Array]):
+    """A lowering rule running `evaluate(*arrays, spec=spec)`, or deterministic mode's rewrite of the statement.
+    (Both read the statement's operands, `spec.names`; a column order's come after them.)"""
+
+    def rule(*arrays: jax.Array, spec: Spec) -> jax.Array:
+        if _deterministic.rewritten(spec):
+            return _deterministic.evaluate(spec, dict(zip(spec.arguments, arrays)),
+                                           lambda s, a: evaluate(*(a[n] for n in s.arguments), spec=s))
+        return evaluate(*arrays, spec=spec)
+
+    return mlir.lower_fun(rule, multiple_results=False)
+
+
+mlir.register_lowering(jinsum_p, _lowering(_xla.evaluate))
+mlir.register_lowering(jinsum_p, _lowering(_triton.evaluate), platform="cuda")
