@@ -31,4 +31,5 @@ from jinsum.formats import GroupCOO as GroupCOO
 from jinsum.formats import default_group_size as default_group_size
 
 __version__ = "0.1.0"
+from jinsum import sampling as sampling
 from jinsum import shard as shard

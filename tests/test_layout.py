@@ -23,6 +23,7 @@ STAGES = {
     "jinsum.formats": 0,                                # sparse formats: pytrees of index arrays, their builders
     "jinsum._rules": 1, "jinsum.kernels": 1,            # the primitive and its rules; the code generator
     "jinsum.datasets": 1,                               # graphs read or generated into formats
+    "jinsum.sampling": 1,                               # sub-graphs drawn on the device into formats
     "jinsum._frontend": 2, "jinsum._lowering": 2,       # statements bound to the primitive; its lowerings
     "jinsum._attention": 3,                             # the attention chain, through every stage above
     "jinsum._inspect": 4, "jinsum._autotune": 4,        # tools over the whole pipeline

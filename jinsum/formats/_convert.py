@@ -25,46 +25,13 @@ import numpy as np
 import scipy.sparse as sp
 from jax.experimental import sparse as jsparse
 
+from jinsum.formats._build import default_group_size, groups_from_rows
+
 _INT32_MAX = np.iinfo(np.int32).max
-_GROUP_SIZES = (32, 16, 8, 4, 2, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Group size and index dtype.
-
-
-def default_group_size(row_lengths) -> int:
-    """The group size the converters pick when none is given.
-
-    Among ``P`` in ``{1, 2, 4, 8, 16, 32}``, returns the largest whose padded storage
-    ``sum(ceil(L / P) * P)`` over the row lengths ``L`` is at most ``1.25 * sum(L)``: larger groups give the
-    kernels longer contiguous work per group, and the bound keeps the padding (zero-valued slots that are
-    still loaded and multiplied) at most a quarter of the real entries. ``P = 1`` never pads, so it is
-    returned when nothing larger qualifies, and for an empty matrix.
-
-    Args:
-      row_lengths: int array ``(M,)``, the number of stored entries of each row (of each block row, for
-        :class:`BlockGroupCOO`: the number of stored blocks).
-
-    Returns:
-      The group size ``P`` as a Python int.
-
-    Example: rows of lengths ``[4, 8]`` (``nnz = 12``) take 12 slots at ``P = 4`` and 16 at ``P = 8``
-    (more than 15), so the answer is 4.
-    """
-    lengths = np.asarray(row_lengths)
-    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
-        raise ValueError(
-            f"default_group_size: row_lengths must be a 1-D integer array (stored entries per row), got "
-            f"{lengths.dtype}{list(lengths.shape)}; pass e.g. np.diff(csr.indptr)"
-        )
-    lengths = lengths.astype(np.int64)
-    nnz = int(lengths.sum())
-    if nnz == 0:
-        # Every P pads nothing here; 1 is the natural choice for an empty matrix.
-        return 1
-    # 4 * padded <= 5 * nnz is padded <= 1.25 * nnz in exact integers. P = 1 always qualifies (no padding).
-    return next(p for p in _GROUP_SIZES if 4 * p * int((-(-lengths // p)).sum()) <= 5 * nnz)
+# Index dtype.
 
 
 def index_dtype(*dims: int) -> np.dtype:
@@ -384,11 +351,11 @@ def csr_from_bcoo(fmt: str, mat):
 
 
 def groups_from_csr(indptr, indices, data, group_size: int, dtype, num_cols: int):
-    """Groups of a canonical CSR: the heart of every converter.
+    """Groups of a canonical CSR, exactly as many as its rows need: every converter ends here, in the builder the
+    device path shares (`jinsum.formats._build.groups_from_rows`).
 
     A row with ``L`` entries becomes ``ceil(L / P)`` consecutive groups; its last group is padded with column 0
-    and value 0. Entry ``j`` of row ``r`` lands in slot ``first_slot[r] + j`` of the flattened ``(G * P)``
-    arrays, where ``first_slot[r] = P * (groups before r)``, so two scatters place everything at once.
+    and value 0.
 
     Args:
       indptr: ``(M + 1,)``; indices: ``(nnz,)`` columns; data: ``(nnz, *trailing)``.
@@ -400,20 +367,14 @@ def groups_from_csr(indptr, indices, data, group_size: int, dtype, num_cols: int
       NumPy ``Ai (G,)``, ``Ak (G, P)``, ``Av (G, P, *trailing)``.
     """
     indptr = np.asarray(indptr, np.int64)
-    data = np.asarray(data)
-    num_rows, p = indptr.size - 1, group_size
+    num_rows = indptr.size - 1
     lengths = np.diff(indptr)
-    groups = -(-lengths // p)
-    num_groups = int(groups.sum())
-    idx = index_dtype(num_rows, num_cols)
-    first_slot = p * (np.cumsum(groups) - groups)
-    slot = np.arange(indptr[-1], dtype=np.int64) + np.repeat(first_slot - indptr[:-1], lengths)
-    Ai = np.repeat(np.arange(num_rows, dtype=idx), groups)
-    Ak = np.zeros(num_groups * p, idx)
-    Ak[slot] = indices
-    Av = np.zeros((num_groups * p, *data.shape[1:]), dtype)
-    Av[slot] = data
-    return Ai, Ak.reshape(num_groups, p), Av.reshape(num_groups, p, *data.shape[1:])
+    num_groups = int((-(-lengths // group_size)).sum())
+    rows = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)
+    Ai, Ak, Av, _ = groups_from_rows(np, rows, np.asarray(indices), np.asarray(data), num_rows=num_rows,
+                                     group_size=group_size, num_groups=num_groups, dtype=dtype,
+                                     index_dtype=index_dtype(num_rows, num_cols))
+    return Ai, Ak, Av
 
 
 def blocks_from_csr(indptr, indices, data, shape: tuple[int, int], block_shape: tuple[int, int]):

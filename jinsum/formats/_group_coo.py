@@ -7,9 +7,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.experimental import sparse as jsparse
 
 from jinsum.formats._base import GroupedFormat
+from jinsum import _config
+from jinsum.formats._build import capacity_group_size, device_groups, device_transposed, transposed_from_slots
 from jinsum.formats._convert import (
     as_jax_array,
     check_floating,
@@ -25,6 +28,7 @@ from jinsum.formats._convert import (
     default_group_size,
     groups_from_csr,
     host_array,
+    index_dtype,
     to_scipy_csr,
     value_dtype,
 )
@@ -43,7 +47,8 @@ class TransposedIndex(NamedTuple):
 
     Attributes:
       perm: int ``(T,)``, the flat slots ``g * P + p`` of the entries whose value was nonzero (anywhere in its
-        dense dimensions) when the index was built, sorted by column (stably: by row within a column).
+        dense dimensions) when the index was built, sorted by column (stably: by row within a column). Built on the
+        device (static sizes), it lists the stored entries (explicit zeros too) and then every other slot.
       starts: int ``(K + 1,)``: column ``k``'s entries are ``perm[starts[k]:starts[k + 1]]``.
       columns, rows, slots: the same entries grouped as a `GroupCOO` of the transpose would be: group ``h`` of
         column ``columns[h]`` (``(H,)``, non-decreasing) holds ``Q`` entries, of rows ``rows[h]`` and flat slots
@@ -62,15 +67,10 @@ def transposed_index(where: str, Ai, Ak, nonzero: np.ndarray, shape: tuple[int, 
     """The slots of a grouped format (`Ai (G,)`, `Ak (G, P)`) where `nonzero` (bool `(G * P,)`) in column order, and
     grouped as the transpose of a `(rows, columns) = shape` grid (`group_size` entries per group, by default the
     format's rule); built on the host (`with_transpose`)."""
-    columns = host_array(where, Ak).reshape(-1)
-    slots = np.flatnonzero(nonzero)
-    order = slots[np.argsort(columns[slots], kind="stable")]
-    starts = np.searchsorted(columns[order], np.arange(shape[1] + 1), side="left")
-    rows = host_array(where, Ai)[order // Ak.shape[1]]
-    # The transpose in groups: the entries' rows as its columns, their slots (+ 1: padding becomes -1) as values.
-    group_size = default_group_size(np.diff(starts)) if group_size is None else group_size
-    grouped = groups_from_csr(starts, rows, order + 1, group_size, np.int64, shape[0])
-    return TransposedIndex(*(jnp.asarray(x, dtype) for x in (order, starts, grouped[0], grouped[1], grouped[2] - 1)))
+    Ai, Ak = host_array(where, Ai), host_array(where, Ak)
+    found = transposed_from_slots(np, Ai, Ak, nonzero, num_columns=shape[1], group_size=group_size, num_groups=None,
+                                  index_dtype=np.int64)
+    return TransposedIndex(*(jnp.asarray(x, dtype) for x in found))
 
 
 def _check_values(Av, groups: tuple[int, int]) -> None:
@@ -79,6 +79,21 @@ def _check_values(Av, groups: tuple[int, int]) -> None:
     if Av.ndim < 2 or Av.shape[:2] != groups:
         raise ValueError(
             f"{_FMT}: Av must have shape (G, P, *dense_shape) with (G, P) = {groups} to match Ak, got {Av.shape}"
+        )
+
+
+def _check_edge_index(where: str, edge_index) -> None:
+    if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not jnp.issubdtype(edge_index.dtype, jnp.integer):
+        raise ValueError(
+            f"{where}: edge_index must be an integer array of shape (2, E) (sources, destinations), got "
+            f"{edge_index.dtype}{list(edge_index.shape)}"
+        )
+
+
+def _check_edge_values(where: str, values, num_edges: int) -> None:
+    if values.ndim < 1 or values.shape[0] != num_edges:
+        raise ValueError(
+            f"{where}: values must have shape (E, *dense_shape) with E = {num_edges} edges, got {values.shape}"
         )
 
 
@@ -103,14 +118,17 @@ class GroupCOO(GroupedFormat):
       Av: floating ``(G, P, *dense_shape)``, the value of each slot.
 
       transposed: a :class:`TransposedIndex` of the entries in column order, or None: built on request by
-        :meth:`with_transpose` (``jinsum.nn.adjacency`` does) and dropped by :meth:`with_values`.
+        :meth:`with_transpose` (``jinsum.nn.adjacency`` does), and by the device builders.
+      overflow: for a format built on the device for a capacity (``from_edge_index(..., capacity=C)``), a boolean
+        scalar array, True when the input held more entries than the capacity (the rest were not kept); None for
+        a format built on the host. Check it outside ``jit``, or run under ``jinsum.check_indices`` and checkify.
 
-    The class is a pytree with children ``(Ai, Ak, Av, transposed)`` and static ``(shape, nnz)``, so it passes
+    The class is a pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, nnz)``, so it passes
     through ``jit``, ``grad`` and ``vmap``. Build it from other formats with :meth:`from_scipy`, :meth:`from_dense`,
     :meth:`from_bcoo` or :meth:`from_edge_index`; they pick ``P`` with :func:`default_group_size` unless told.
     """
 
-    __slots__ = ("Ai", "Ak", "Av", "transposed", "_shape", "_nnz")
+    __slots__ = ("Ai", "Ak", "Av", "transposed", "overflow", "_shape", "_nnz")
 
     def __init__(self, Ai, Ak, Av, shape, *, nnz: int | None = None):
         """Builds a GroupCOO from its arrays, validating them.
@@ -137,15 +155,16 @@ class GroupCOO(GroupedFormat):
                 f"{_FMT}: shape must be (M, K, *dense_shape) with dense_shape = Av.shape[2:] = {Av.shape[2:]}, "
                 f"got {shape}"
             )
-        self._set(Ai, Ak, Av, None, shape, check_nnz(_FMT, nnz, Ak.size, "entries"))
+        self._set(Ai, Ak, Av, None, None, shape, check_nnz(_FMT, nnz, Ak.size, "entries"))
 
-    def _set(self, Ai, Ak, Av, transposed, shape, nnz) -> None:
-        self.Ai, self.Ak, self.Av, self.transposed, self._shape, self._nnz = Ai, Ak, Av, transposed, shape, nnz
+    def _set(self, Ai, Ak, Av, transposed, overflow, shape, nnz) -> None:
+        self.Ai, self.Ak, self.Av, self.transposed, self.overflow = Ai, Ak, Av, transposed, overflow
+        self._shape, self._nnz = shape, nnz
 
     # -- pytree ------------------------------------------------------------------------------------------
 
     def tree_flatten(self):
-        return (self.Ai, self.Ak, self.Av, self.transposed), (self._shape, self._nnz)
+        return (self.Ai, self.Ak, self.Av, self.transposed, self.overflow), (self._shape, self._nnz)
 
     # -- properties --------------------------------------------------------------------------------------
 
@@ -203,45 +222,124 @@ class GroupCOO(GroupedFormat):
 
     @classmethod
     def from_edge_index(
-        cls, edge_index, values=None, *, num_nodes: int, group_size: int | None = None, dtype=None
+        cls, edge_index, values=None, *, num_nodes: int | tuple[int, int], capacity: int | None = None,
+        group_size: int | None = None, dtype=None
     ) -> GroupCOO:
-        """The ``num_nodes x num_nodes`` adjacency matrix of a graph given as an edge list.
+        """The adjacency matrix of a graph given as an edge list, on the host or, with a capacity, inside ``jit``.
 
         Args:
-          edge_index: int ``(2, E)``; row 0 holds sources and row 1 destinations (the PyG convention).
+          edge_index: int ``(2, E)``; row 0 holds sources and row 1 destinations (the PyG convention). With a
+            capacity, a column with a negative index is padding.
           values: ``(E,)`` or ``(E, *dense_shape)`` edge values; defaults to ones.
-          num_nodes: the number of nodes.
-          group_size: defaults to :func:`default_group_size`.
+          num_nodes: the number of nodes ``N``, for an ``N x N`` matrix; or ``(N_src, N_dst)`` (PyG's ``size``)
+            for the ``N_dst x N_src`` matrix of a bipartite graph.
+          capacity: None builds on the host from concrete arrays (NumPy; exact sizes, a new shape per graph).
+            An int ``C`` builds with `jax.numpy` from concrete or traced arrays (inside ``jit``, ``vmap``,
+            ``grad`` with respect to ``values``): the result holds at most ``C`` distinct entries, its shapes
+            depend only on ``C``, the node counts and the group size, and it carries its entries in column order
+            (`transposed`) and an ``overflow`` flag. Entries past the capacity (in row-major order) are not kept;
+            index values past the node counts are left out too (both are `checkify` errors under
+            ``jinsum.check_indices``).
+          group_size: defaults to :func:`default_group_size` on the host, and to the capacity's rule
+            (``jinsum.formats.capacity_group_size``) on the device.
           dtype: defaults to the dtype of ``values`` when floating, else float32.
 
         Returns:
           ``A`` with ``A[dst, src] = value`` (duplicate edges summed), so that ``A @ X`` aggregates the features
-          of each node's sources into it, as message passing does.
+          of each node's sources into it, as message passing does. Built for a capacity, ``A.nnz`` is the capacity
+          (an upper bound), and its padding (slots past the entries) has value 0, so it changes no result.
+
+        Example (a new sampled graph every step, one compile):
+          >>> @jax.jit
+          ... def step(edge_index, x):                       # edge_index (2, 4096), padded with -1
+          ...     A = GroupCOO.from_edge_index(edge_index, num_nodes=1000, capacity=4096)
+          ...     return A @ x, A.overflow
         """
         where = f"{_FMT}.from_edge_index"
+        num_src, num_dst = (num_nodes, num_nodes) if not isinstance(num_nodes, tuple) else num_nodes
+        num_src, num_dst = check_int(where, "num_nodes", num_src), check_int(where, "num_nodes", num_dst)
+        if capacity is not None:
+            return cls._from_edges_on_device(where, edge_index, values, (num_dst, num_src),
+                                             check_int(where, "capacity", capacity), group_size, dtype)
         edge_index = host_array(where, edge_index)
-        if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not np.issubdtype(edge_index.dtype, np.integer):
-            raise ValueError(
-                f"{where}: edge_index must be an integer array of shape (2, E) (sources, destinations), got "
-                f"{edge_index.dtype}{list(edge_index.shape)}"
-            )
-        num_nodes = check_int(where, "num_nodes", num_nodes)
-        bad = np.argwhere((edge_index < 0) | (edge_index >= num_nodes))
+        _check_edge_index(where, edge_index)
+        bounds = np.array([[num_src], [num_dst]])
+        bad = np.argwhere((edge_index < 0) | (edge_index >= bounds))
         if bad.size:
             i, e = bad[0]
             raise ValueError(
                 f"{where}: edge_index[{i}, {e}] = {edge_index[i, e]} is out of range: expected 0 <= node < "
-                f"num_nodes = {num_nodes}"
+                f"{int(bounds[i, 0])} ({'sources' if i == 0 else 'destinations'}); on the host there is no "
+                "padding (pass capacity= to build inside jit, where negative indices mark padding)"
             )
         num_edges = edge_index.shape[1]
         values = np.ones(num_edges, np.float32) if values is None else host_array(where, values)
-        if values.ndim < 1 or values.shape[0] != num_edges:
-            raise ValueError(
-                f"{where}: values must have shape (E, *dense_shape) with E = {num_edges} edges, got {values.shape}"
-            )
-        shape = (num_nodes, num_nodes, *values.shape[1:])
+        _check_edge_values(where, values, num_edges)
+        shape = (num_dst, num_src, *values.shape[1:])
         indptr, indices, data = csr_from_coo(edge_index[1], edge_index[0], values, shape[:2])
         return cls._from_csr(shape, indptr, indices, data, group_size, value_dtype(_FMT, values.dtype, dtype))
+
+    @classmethod
+    def _from_edges_on_device(cls, where, edge_index, values, shape, capacity, group_size, dtype) -> GroupCOO:
+        edge_index = as_jax_array(edge_index)
+        _check_edge_index(where, edge_index)
+        num_edges = edge_index.shape[1]
+        values = jnp.ones(num_edges, jnp.float32) if values is None else as_jax_array(values)
+        _check_edge_values(where, values, num_edges)
+        dtype = value_dtype(_FMT, values.dtype, dtype)
+        group_size = (capacity_group_size(capacity, shape[0]) if group_size is None
+                      else check_int(where, "group_size", group_size, minimum=1))
+        index = index_dtype(*shape)
+        Ai, Ak, Av, active, overflow, out_of_range = device_groups(
+            edge_index[1], edge_index[0], values.astype(dtype), shape=shape, capacity=capacity,
+            group_size=group_size, dtype=dtype, index_dtype=index)
+        if _config.check_indices.value:
+            checkify.check(~out_of_range, f"{where}: edge_index holds a node index past num_nodes = "
+                           f"(sources {shape[1]}, destinations {shape[0]}); negative indices mark padding")
+            checkify.check(~overflow, f"{where}: more distinct edges than capacity = {capacity}; those past it "
+                           "were not kept (raise the capacity)")
+        transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=shape[1], index_dtype=index))
+        return cls.tree_unflatten(((*shape, *values.shape[1:]), capacity), (Ai, Ak, Av, transposed, overflow))
+
+    @classmethod
+    def from_neighbors(cls, neighbors, values=None, *, num_sources: int, dtype=None) -> GroupCOO:
+        """The ``n x num_sources`` matrix of a fixed-fanout neighbor table, traceable (no sort for the forward).
+
+        Row ``i`` holds the ``k`` sampled neighbors ``neighbors[i]`` (a negative entry is padding: a row with fewer
+        neighbors than ``k``), each one group of size ``k``: ``Ai = arange(n)``, ``Ak = neighbors``. Repeated
+        neighbors (sampling with replacement) stay separate entries, so they count as often as drawn. The result
+        carries its entries in column order, built on the device (one sort), and ``overflow`` False.
+
+        Args:
+          neighbors: int ``(n, k)``, source node ids, negative for padding.
+          values: ``(n, k)`` or ``(n, k, *dense_shape)``; defaults to ones.
+          num_sources: the number of source nodes (columns).
+          dtype: defaults to the dtype of ``values`` when floating, else float32.
+        """
+        where = f"{_FMT}.from_neighbors"
+        num_sources = check_int(where, "num_sources", num_sources)
+        neighbors = as_jax_array(neighbors)
+        if neighbors.ndim != 2 or not jnp.issubdtype(neighbors.dtype, jnp.integer):
+            raise ValueError(f"{where}: neighbors must be an integer array (rows, k) of source ids (negative: "
+                             f"padding), got {neighbors.dtype}{list(neighbors.shape)}")
+        values = jnp.ones(neighbors.shape, jnp.float32) if values is None else as_jax_array(values)
+        if values.shape[:2] != neighbors.shape:
+            raise ValueError(f"{where}: values must have shape {neighbors.shape} + dense_shape to match neighbors, "
+                             f"got {values.shape}")
+        dtype = value_dtype(_FMT, values.dtype, dtype)
+        index = index_dtype(neighbors.shape[0], num_sources)
+        valid = (neighbors >= 0) & (neighbors < num_sources)
+        if _config.check_indices.value:
+            checkify.check(jnp.all(neighbors < num_sources), f"{where}: neighbors holds a source id past "
+                           f"num_sources = {num_sources}; negative ids mark padding")
+        Ai = jnp.arange(neighbors.shape[0], dtype=index)
+        Ak = jnp.where(valid, neighbors, 0).astype(index)
+        expand = valid.reshape(valid.shape + (1,) * (values.ndim - 2))
+        Av = jnp.where(expand, values, 0).astype(dtype)
+        transposed = TransposedIndex(*device_transposed(Ai, Ak, valid.reshape(-1), num_columns=num_sources,
+                                                        index_dtype=index))
+        shape = (neighbors.shape[0], num_sources, *values.shape[2:])
+        return cls.tree_unflatten((shape, Ak.size), (Ai, Ak, Av, transposed, jnp.zeros((), bool)))
 
     # -- export ------------------------------------------------------------------------------------------
 
@@ -285,23 +383,28 @@ class GroupCOO(GroupedFormat):
 
         Returns:
           A GroupCOO sharing ``Ai``, ``Ak`` and ``nnz``, with shape ``(M, K, *Av.shape[2:])``. Only shapes
-          are checked, so this is cheap and works under ``jit``. The transposed index is dropped: it lists the
-          entries that were nonzero, and the new values may differ in that (:meth:`astype` keeps it).
+          are checked, so this is cheap and works under ``jit``. The entries in column order (`transposed`) stay
+          while the slots ``(G, P)`` do, so gradients through the new values keep their atomic-free backward;
+          that index lists the entries that were stored (nonzero, for :meth:`with_transpose` on the host) when
+          it was built, so slots outside it (group padding) must stay zero, as for any product.
         """
         Av = as_jax_array(Av)
         _check_values(Av, self.Ak.shape)
-        return self.tree_unflatten((self._shape[:2] + Av.shape[2:], self._nnz), (self.Ai, self.Ak, Av, None))
+        transposed = self.transposed if Av.shape[:2] == self.Av.shape[:2] else None
+        return self.tree_unflatten((self._shape[:2] + Av.shape[2:], self._nnz),
+                                   (self.Ai, self.Ak, Av, transposed, self.overflow))
 
     def astype(self, dtype) -> GroupCOO:
         """The same matrix with its values cast to the floating ``dtype``. A cast keeps zeros zero, so the transposed
         index stays (unlike :meth:`with_values`)."""
         Av = self.Av.astype(dtype)
         check_floating(_FMT, Av)
-        return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed))
+        return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed, self.overflow))
 
     def with_transpose(self) -> GroupCOO:
-        """The same matrix carrying a :class:`TransposedIndex` (its entries in column order), built here on the
-        host; needs concrete arrays, so call it outside ``jit``, once per matrix.
+        """The same matrix carrying a :class:`TransposedIndex` (its entries in column order): built on the host from
+        concrete arrays (exact sizes; once per matrix, outside ``jit``), or inside ``jit`` from traced ones
+        (static sizes bounded by the slots, ``G * P``).
 
         The index lists the entries whose value is nonzero now (group padding is left out); it stays valid while
         the values keep their zeros, so :meth:`with_values` drops it.
@@ -312,7 +415,13 @@ class GroupCOO(GroupedFormat):
           >>> jinsum.attention(q, k, v, A)   # its backward over the keys reads A.transposed: no sort per call
         """
         where = f"{_FMT}.with_transpose"
+        if any(isinstance(x, jax.core.Tracer) for x in (self.Ai, self.Ak, self.Av)):
+            # Under jit: the same builder with static sizes (every slot with a nonzero value counts).
+            nonzero = (self.Av != 0).reshape(self.Ak.size, -1).any(axis=1)
+            transposed = TransposedIndex(*device_transposed(self.Ai, self.Ak, nonzero, num_columns=self._shape[1],
+                                                            index_dtype=self.index_dtype))
+            return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed, self.overflow))
         values = host_array(where, self.Av)
         nonzero = (values != 0).reshape(self.Ak.size, int(np.prod(self.dense_shape))).any(axis=1)
         transposed = transposed_index(where, self.Ai, self.Ak, nonzero, self._shape[:2], self.index_dtype)
-        return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed))
+        return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed, self.overflow))

@@ -1,0 +1,226 @@
+"""The one builder of grouped formats, for the host and the device alike.
+
+Every grouped format is built from entries sorted by row. The host converters (NumPy: exact sizes, any graph) and
+the device builders (`jax.numpy` inside `jit`: sizes bounded by a static capacity, contents traced) call the same
+functions here with `xp` set to `numpy` or `jax.numpy`, so the two paths cannot drift apart:
+
+* :func:`groups_from_rows` cuts sorted entries into groups of ``P`` slots (`Ai`, `Ak`, `Av`);
+* :func:`transposed_from_slots` orders a format's slots by column and groups them as its transpose (the
+  `TransposedIndex` that makes backward passes atomic-free).
+
+On the device the number of groups is a bound, :func:`group_bound`, that no input of the capacity exceeds; the
+groups past the real ones are padding: the last row's id (so `Ai` stays sorted and in range), column 0, value 0.
+Padding never changes a product, a maximum (zero-valued slots are bound out of range), or a gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_GROUP_SIZES = (32, 16, 8, 4, 2, 1)
+
+
+def default_group_size(row_lengths) -> int:
+    """The group size the converters pick when none is given.
+
+    Among ``P`` in ``{1, 2, 4, 8, 16, 32}``, returns the largest whose padded storage
+    ``sum(ceil(L / P) * P)`` over the row lengths ``L`` is at most ``1.25 * sum(L)``: larger groups give the
+    kernels longer contiguous work per group, and the bound keeps the padding (zero-valued slots that are
+    still loaded and multiplied) at most a quarter of the real entries. ``P = 1`` never pads, so it is
+    returned when nothing larger qualifies, and for an empty matrix.
+
+    Args:
+      row_lengths: int array ``(M,)``, the number of stored entries of each row (of each block row, for
+        :class:`BlockGroupCOO`: the number of stored blocks).
+
+    Returns:
+      The group size ``P`` as a Python int.
+
+    Example: rows of lengths ``[4, 8]`` (``nnz = 12``) take 12 slots at ``P = 4`` and 16 at ``P = 8``
+    (more than 15), so the answer is 4.
+    """
+    lengths = np.asarray(row_lengths)
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(
+            f"default_group_size: row_lengths must be a 1-D integer array (stored entries per row), got "
+            f"{lengths.dtype}{list(lengths.shape)}; pass e.g. np.diff(csr.indptr)"
+        )
+    lengths = lengths.astype(np.int64)
+    nnz = int(lengths.sum())
+    if nnz == 0:
+        # Every P pads nothing here; 1 is the natural choice for an empty matrix.
+        return 1
+    # 4 * padded <= 5 * nnz is padded <= 1.25 * nnz in exact integers. P = 1 always qualifies (no padding).
+    return next(p for p in _GROUP_SIZES if 4 * p * int((-(-lengths // p)).sum()) <= 5 * nnz)
+
+
+def group_bound(capacity: int, num_rows: int, group_size: int) -> int:
+    """The most groups that ``capacity`` entries over ``num_rows`` rows can need.
+
+    A row of ``L`` entries takes ``ceil(L / P)`` groups, at most ``(L + P - 1) / P``; summed over at most
+    ``min(num_rows, capacity)`` non-empty rows that is ``(C + (P - 1) min(N, C)) / P``.
+    """
+    if num_rows == 0:
+        return 0
+    return (capacity + (group_size - 1) * min(num_rows, capacity)) // group_size
+
+
+def capacity_group_size(capacity: int, num_rows: int) -> int:
+    """The group size of a format built for a capacity (it must be static, so it cannot look at row lengths as
+    `default_group_size` does): the largest ``P`` in ``{32, ..., 1}`` whose worst-case padding ``(P - 1) min(N, C)``
+    is at most a quarter of ``C``, the bound `default_group_size` keeps on the host."""
+    rows = min(num_rows, capacity)
+    return next(p for p in _GROUP_SIZES if 4 * (p - 1) * rows <= capacity)
+
+
+def _scatter(xp, target, index, values):
+    """``target[index] = values``, dropping indices ``>= len(target)``."""
+    if xp is np:
+        keep = index < target.shape[0]
+        target[index[keep]] = values[keep]
+        return target
+    return target.at[index].set(values.astype(target.dtype), mode="drop")
+
+
+def _cummax(xp, x):
+    return np.maximum.accumulate(x) if xp is np else jax.lax.cummax(x)
+
+
+def _row_lengths(xp, rows, num_rows: int):
+    """Entries per row of row ids in ``[0, num_rows]`` (``num_rows``: a dropped entry)."""
+    counts = np.bincount(rows, minlength=num_rows + 1) if xp is np else jnp.bincount(rows, length=num_rows + 1)
+    return counts[:num_rows]
+
+
+def group_slots(xp, rows, *, num_rows: int, group_size: int, num_groups: int):
+    """Where `groups_from_rows` puts each entry: its flat slot (``num_groups * P`` for a dropped one), and each
+    row's first group and number of groups."""
+    lengths = _row_lengths(xp, rows, num_rows)
+    groups = -(-lengths // group_size)
+    first_group = xp.cumsum(groups) - groups
+    row_start = xp.cumsum(lengths) - lengths
+    row = xp.minimum(rows, max(num_rows - 1, 0))
+    slot = first_group[row] * group_size + xp.arange(rows.shape[0]) - row_start[row]
+    return xp.where(rows < num_rows, slot, num_groups * group_size), first_group, groups
+
+
+def groups_from_rows(xp, rows, cols, data, *, num_rows: int, group_size: int, num_groups: int, dtype, index_dtype):
+    """Groups of entries sorted by row.
+
+    Entry ``j`` of row ``r`` goes to slot ``first_group[r] * P + j``: a row's entries fill its groups in the order
+    given, and its last group is padded with column 0 and value 0.
+
+    Args:
+      xp: `numpy` (host) or `jax.numpy` (traceable).
+      rows: int ``(n,)``, non-decreasing; an entry of row ``num_rows`` (which sorts last) is dropped.
+      cols: int ``(n,)`` columns; data: ``(n, *trailing)`` values.
+      num_rows: ``M``; group_size: ``P``.
+      num_groups: ``G``: exactly the groups needed on the host, `group_bound` on the device (the groups past the
+        real ones are padding of the last non-empty row).
+      dtype, index_dtype: of the values and of the index arrays.
+
+    Returns:
+      ``Ai (G,)``, ``Ak (G, P)``, ``Av (G, P, *trailing)``, and each entry's flat slot (``G * P``: dropped).
+    """
+    p = group_size
+    slot, first_group, groups = group_slots(xp, rows, num_rows=num_rows, group_size=p, num_groups=num_groups)
+    Ak = _scatter(xp, xp.zeros(num_groups * p, index_dtype), slot, cols)
+    Av = _scatter(xp, xp.zeros((num_groups * p, *data.shape[1:]), dtype), slot, data)
+    # Each row's id at its first group, then a running maximum: the row of every group (padding groups after the
+    # last real one take the last non-empty row's id).
+    ids = xp.arange(num_rows, dtype=index_dtype)
+    Ai = _scatter(xp, xp.zeros(num_groups, index_dtype), xp.where(groups > 0, first_group, num_groups), ids)
+    return _cummax(xp, Ai), Ak.reshape(num_groups, p), Av.reshape(num_groups, p, *data.shape[1:]), slot
+
+
+def transposed_from_slots(xp, Ai, Ak, active, *, num_columns: int, group_size: int | None, num_groups: int | None,
+                          index_dtype):
+    """A format's active slots in column order, and grouped as its transpose.
+
+    Args:
+      Ai, Ak: the format's ``(G,)`` and ``(G, P)`` index arrays.
+      active: bool ``(G * P,)``: the slots to list (stored entries; not padding).
+      num_columns: ``K``.
+      group_size: ``Q``, the transpose's group size; None on the host picks `default_group_size` of the columns.
+      num_groups: ``H``, the transpose's groups; None on the host takes exactly those needed.
+
+    Returns:
+      ``(perm, starts, columns, rows, slots)`` as a `TransposedIndex` holds them. On the host ``perm`` lists the
+      active slots only; on the device all ``G * P`` slots, the inactive ones last (past ``starts[K]``).
+    """
+    p = Ak.shape[1]
+    key = xp.where(active, Ak.reshape(-1), num_columns)
+    perm = np.argsort(key, kind="stable") if xp is np else jnp.argsort(key, stable=True)
+    key = key[perm]
+    counts = _row_lengths(xp, key, num_columns)
+    starts = xp.concatenate([xp.zeros(1, counts.dtype), xp.cumsum(counts)])
+    if group_size is None:
+        group_size = default_group_size(np.asarray(counts))
+    if num_groups is None:
+        num_groups = int((-(-np.asarray(counts) // group_size)).sum())
+    rows = Ai[perm // p]
+    # The transpose in groups: the entries' rows as its columns, their slots (+ 1: padding becomes -1) as values.
+    columns, rows, slots, _ = groups_from_rows(xp, key, rows, perm + 1, num_rows=num_columns, group_size=group_size,
+                                            num_groups=num_groups, dtype=index_dtype, index_dtype=index_dtype)
+    if xp is np:
+        perm = perm[:int(starts[-1])]
+    return perm, starts, columns, rows, slots - 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The device path: entries in any order, with padding, into a capacity.
+
+
+def unique_entries(rows, cols, values, *, shape: tuple[int, int], capacity: int):
+    """Entries ``(rows, cols, values)`` in any order -> the first ``capacity`` distinct ones in row-major order,
+    duplicates summed (as the host converters do), traceable.
+
+    An entry with a negative row or column is padding, and one past ``shape`` is out of range: both are left out
+    (`jinsum.check_indices` turns the latter into a `checkify` error). Returns ``(rows, cols, values, overflow,
+    out_of_range)`` of length ``capacity``, unused positions with row ``shape[0]``; ``overflow`` is True when more
+    distinct entries were given than fit (those past the capacity in row-major order are not kept).
+    """
+    num_rows, num_cols = shape
+    padding = (rows < 0) | (cols < 0)
+    valid = ~padding & (rows < num_rows) & (cols < num_cols)
+    out_of_range = jnp.any(~padding & ~valid)
+    row_key = jnp.where(valid, rows, num_rows).astype(jnp.int32)
+    col_key = jnp.where(valid, cols, 0).astype(jnp.int32)
+    row_key, col_key, order = jax.lax.sort((row_key, col_key, jnp.arange(rows.shape[0], dtype=jnp.int32)),
+                                           num_keys=2)
+    first = jnp.ones((1,), bool)
+    new = jnp.concatenate([first, (row_key[1:] != row_key[:-1]) | (col_key[1:] != col_key[:-1])])
+    new = new & (row_key < num_rows)
+    position = jnp.cumsum(new) - 1
+    overflow = position[-1] >= capacity if rows.shape[0] else jnp.zeros((), bool)
+    target = jnp.where((row_key < num_rows) & (position < capacity), position, capacity)
+    kept_rows = jnp.full(capacity, num_rows, jnp.int32).at[target].set(row_key, mode="drop")
+    kept_cols = jnp.zeros(capacity, jnp.int32).at[target].set(col_key, mode="drop")
+    accumulate = jnp.promote_types(values.dtype, jnp.float32)
+    kept_values = jnp.zeros((capacity, *values.shape[1:]), accumulate).at[target].add(
+        values[order].astype(accumulate), mode="drop")
+    return kept_rows, kept_cols, kept_values.astype(values.dtype), overflow, out_of_range
+
+
+def device_groups(rows, cols, values, *, shape: tuple[int, int], capacity: int, group_size: int, dtype,
+                  index_dtype):
+    """A grouped format's arrays from entries in any order, traceable: `unique_entries` then `groups_from_rows`
+    into `group_bound` groups. Returns ``(Ai, Ak, Av, active, overflow, out_of_range)``, ``active`` the slots that
+    hold an entry (``(G * P,)``)."""
+    rows, cols, values, overflow, out_of_range = unique_entries(rows, cols, values, shape=shape, capacity=capacity)
+    num_groups = group_bound(capacity, shape[0], group_size)
+    Ai, Ak, Av, slot = groups_from_rows(jnp, rows, cols, values, num_rows=shape[0], group_size=group_size,
+                                        num_groups=num_groups, dtype=dtype, index_dtype=index_dtype)
+    active = jnp.zeros(num_groups * group_size, bool).at[slot].set(True, mode="drop")
+    return Ai, Ak, Av, active, overflow, out_of_range
+
+
+def device_transposed(Ai, Ak, active, *, num_columns: int, index_dtype):
+    """`transposed_from_slots` with static sizes: every slot may be active, so the transpose's groups are bounded
+    by `group_bound` of all ``G * P`` slots over ``num_columns`` rows."""
+    slots = Ak.size
+    group_size = capacity_group_size(slots, num_columns)
+    return transposed_from_slots(jnp, Ai, Ak, active, num_columns=num_columns, group_size=group_size,
+                                 num_groups=group_bound(slots, num_columns, group_size), index_dtype=index_dtype)

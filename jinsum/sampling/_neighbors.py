@@ -1,0 +1,175 @@
+"""Uniform neighbor sampling inside `jit` (GraphSAGE's mini-batches, PyG's `NeighborLoader`), with static shapes.
+
+Every size is a worst case known before tracing: a batch of ``B`` seeds and fanouts ``(k_1, ..., k_L)`` reaches at
+most ``n_1 = B (1 + k_1)`` nodes after one hop, ``n_2 = n_1 (1 + k_2)`` after two, and so on. Each hop keeps the
+nodes it starts from as the first rows of the next (PyG's relabelling: ``x_dst = x_src[:n_dst]``), so a layer reads
+its destinations' own features as a prefix. Unused rows are padding (node id -1), which the adjacencies never
+reference with a nonzero value. Nothing depends on the data's shapes, so a jitted training step compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum.formats import GroupCOO
+from jinsum.formats._convert import check_int, host_array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CSRGraph:
+    """A graph kept on the device for sampling: each node's in-neighbors (the sources of its edges) as CSR.
+
+    Build it once on the host with :meth:`from_edge_index`; it is a pytree (``indptr`` int32 ``(N + 1,)``,
+    ``indices`` int32 ``(E,)``, ``num_nodes`` static), so a jitted step takes it as an argument.
+    """
+
+    indptr: jax.Array
+    indices: jax.Array
+    num_nodes: int = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def from_edge_index(cls, edge_index, num_nodes: int) -> CSRGraph:
+        """From an int ``(2, E)`` edge index (sources, destinations), on the host."""
+        where = "CSRGraph.from_edge_index"
+        num_nodes = check_int(where, "num_nodes", num_nodes)
+        edge_index = host_array(where, edge_index)
+        if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not np.issubdtype(edge_index.dtype, np.integer):
+            raise ValueError(f"{where}: edge_index must be an integer array (2, E), got "
+                             f"{edge_index.dtype}{list(edge_index.shape)}")
+        if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= num_nodes):
+            raise ValueError(f"{where}: edge_index holds node ids in [{edge_index.min()}, {edge_index.max()}], "
+                             f"outside [0, num_nodes = {num_nodes})")
+        if edge_index.shape[1] > np.iinfo(np.int32).max:
+            raise ValueError(f"{where}: {edge_index.shape[1]} edges do not fit int32 positions")
+        src, dst = edge_index
+        order = np.argsort(dst, kind="stable")
+        indptr = np.zeros(num_nodes + 1, np.int64)
+        np.cumsum(np.bincount(dst, minlength=num_nodes), out=indptr[1:])
+        return cls(jnp.asarray(indptr, jnp.int32), jnp.asarray(src[order], jnp.int32), num_nodes)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NeighborSample:
+    """What :func:`sample_neighbors` returns.
+
+    Attributes:
+      node_ids: int32 ``(n_L,)``: the original ids of the sampled nodes, the seeds first, -1 for padding rows;
+        gather features with ``x[jnp.maximum(node_ids, 0)]``.
+      adjacencies: one bipartite `GroupCOO` per layer, outermost hop first (the order a model applies them):
+        ``adjacencies[i]`` is ``(n_{L-1-i}, n_{L-i})``, its destinations the first rows of its sources. Each is
+        a fixed-fanout table (one group of ``k`` per destination) carrying its column order.
+      sizes: the static row counts ``(n_L, ..., n_1, B)``: layer ``i`` maps ``sizes[i]`` rows to ``sizes[i + 1]``.
+    """
+
+    node_ids: jax.Array
+    adjacencies: tuple[GroupCOO, ...]
+    sizes: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+
+
+def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = False) -> NeighborSample:
+    """Samples ``fanouts[0]`` in-neighbors of every seed, then ``fanouts[1]`` of every node reached, and so on.
+
+    Uniform over each node's in-edges; without replacement a node with fewer in-edges than the fanout keeps all
+    of them (Floyd's algorithm draws the others: every ``k``-subset equally likely). Traceable: shapes depend only
+    on ``len(seeds)`` and the fanouts.
+
+    Args:
+      graph: the full graph, a :class:`CSRGraph` on the device.
+      seeds: int ``(B,)`` node ids; -1 marks a padding seed (a short last batch).
+      fanouts: the neighbors per node at each hop, ``(k_1, ..., k_L)``.
+      key: a `jax.random` key.
+      replace: sample with replacement (a neighbor may repeat; its entries then count as often as drawn).
+
+    Returns:
+      A :class:`NeighborSample`.
+    """
+    fanouts = tuple(check_int("sample_neighbors", "fanout", k, minimum=1) for k in fanouts)
+    seeds = jnp.asarray(seeds)
+    if seeds.ndim != 1 or not jnp.issubdtype(seeds.dtype, jnp.integer):
+        raise ValueError(f"sample_neighbors: seeds must be a 1-D integer array of node ids, got "
+                         f"{seeds.dtype}{list(seeds.shape)}")
+    nodes = jnp.where((seeds >= 0) & (seeds < graph.num_nodes), seeds, -1).astype(jnp.int32)
+    tables = []
+    for hop, fanout in enumerate(fanouts):
+        neighbors = _draw(graph, nodes, fanout, jax.random.fold_in(key, hop), replace)
+        next_nodes, local = _relabel(nodes, neighbors)
+        tables.append(GroupCOO.from_neighbors(local, num_sources=next_nodes.shape[0]))
+        nodes = next_nodes
+    sizes = tuple(a.shape[1] for a in reversed(tables)) + (seeds.shape[0],)
+    return NeighborSample(nodes, tuple(reversed(tables)), sizes)
+
+
+def hop_sizes(batch_size: int, fanouts) -> tuple[int, ...]:
+    """The static row counts of a sample, seeds first: ``(B, B (1 + k_1), ...)``."""
+    sizes = [batch_size]
+    for k in fanouts:
+        sizes.append(sizes[-1] * (1 + k))
+    return tuple(sizes)
+
+
+def _draw(graph: CSRGraph, nodes, fanout: int, key, replace: bool):
+    """``(n, fanout)`` sampled in-neighbors of ``nodes`` (original ids; -1 where a node has fewer, or is padding)."""
+    real = nodes >= 0
+    start = graph.indptr[jnp.maximum(nodes, 0)]
+    degree = jnp.where(real, graph.indptr[jnp.maximum(nodes, 0) + 1] - start, 0)
+    uniform = jax.random.uniform(key, (nodes.shape[0], fanout))
+    if replace:
+        position = jnp.minimum(jnp.floor(uniform * degree[:, None]).astype(jnp.int32), degree[:, None] - 1)
+        present = degree[:, None] > 0
+    else:
+        position = _floyd(degree, uniform)
+        present = position < degree[:, None]
+    picked = graph.indices[jnp.clip(start[:, None] + position, 0, max(graph.indices.shape[0] - 1, 0))]
+    return jnp.where(present & (graph.indices.shape[0] > 0), picked, -1)
+
+
+def _floyd(degree, uniform):
+    """``k`` distinct positions in ``[0, degree)`` per row, each ``k``-subset equally likely (Floyd's algorithm:
+    at step ``s``, draw ``t`` in ``[0, degree - k + s]``; take ``t``, or ``degree - k + s`` if ``t`` was taken).
+    Rows with ``degree <= k`` take ``0, 1, ..., degree - 1`` and then ``degree`` (not present)."""
+    n, k = uniform.shape
+    chosen = jnp.zeros((n, k), jnp.int32)
+    for s in range(k):
+        top = degree - k + s  # inclusive upper end of this step's draw
+        t = jnp.floor(uniform[:, s] * (top + 1)).astype(jnp.int32)
+        t = jnp.minimum(t, top)
+        taken = jnp.any((chosen[:, :s] == t[:, None]), axis=1) if s else jnp.zeros(n, bool)
+        chosen = chosen.at[:, s].set(jnp.where(taken, top, t))
+    small = degree[:, None] <= k
+    return jnp.where(small, jnp.minimum(jnp.arange(k, dtype=jnp.int32), degree[:, None]), chosen)
+
+
+def _relabel(nodes, neighbors):
+    """The next hop's nodes (``nodes`` first, then each new neighbor once, in order of first appearance by id) and
+    the neighbor table in their local ids (-1 for padding).
+
+    One sort of the ``n (1 + k)`` candidates by (node id, position): a node's first copy is its local id's owner;
+    ``nodes`` keep their positions, new nodes are numbered after them.
+    """
+    n, k = neighbors.shape
+    size = n * (1 + k)
+    candidates = jnp.concatenate([nodes, neighbors.reshape(-1)])
+    big = jnp.iinfo(jnp.int32).max
+    node_key = jnp.where(candidates >= 0, candidates, big)
+    position = jnp.arange(size, dtype=jnp.int32)
+    node_key, sorted_position = jax.lax.sort((node_key, position), num_keys=2)
+    real = node_key != big
+    first = jnp.concatenate([jnp.ones(1, bool), node_key[1:] != node_key[:-1]]) & real
+    # A run's owner is its first copy: frontier nodes (positions < n) keep their position as local id, new nodes
+    # are numbered n, n + 1, ... in order of id. Every copy of the run reads its owner's id through the run index.
+    is_new = first & (sorted_position >= n)
+    new_rank = jnp.cumsum(is_new) - 1
+    run = jnp.cumsum(first) - 1
+    owner = jnp.where(sorted_position < n, sorted_position, n + new_rank)
+    run_local = jnp.zeros(size, jnp.int32).at[jnp.where(first, run, size)].set(owner, mode="drop")
+    local = jnp.full(size, -1, jnp.int32).at[sorted_position].set(jnp.where(real, run_local[run], -1))
+    next_nodes = jnp.full(size, -1, jnp.int32).at[:n].set(nodes)
+    next_nodes = next_nodes.at[jnp.where(is_new, n + new_rank, size)].set(node_key, mode="drop")
+    return next_nodes, local[n:].reshape(n, k)

@@ -1,0 +1,201 @@
+"""Formats built on the device (inside `jit`, for a static capacity) against the host converters and float64 SciPy:
+same products and gradients, padding that changes nothing, overflow reported and nothing else lost."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from jax.experimental import checkify
+from jax.test_util import check_grads
+
+import jinsum
+from jinsum.formats._build import capacity_group_size, group_bound
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _edges(rng, num_src, num_dst, num_edges, *, hubs=False, duplicates=False):
+    src = rng.integers(0, num_src, num_edges)
+    dst = rng.integers(0, num_dst, num_edges)
+    if hubs and num_edges:
+        dst[: num_edges // 2] = 0  # one row holds half the entries
+    if duplicates and num_edges > 1:
+        src[1::2], dst[1::2] = src[::2][: num_edges // 2], dst[::2][: num_edges // 2]
+    return np.stack([src, dst])
+
+
+def _reference(edge_index, values, shape):
+    """float64 SciPy matrix of the valid edges (duplicates summed)."""
+    keep = (edge_index >= 0).all(axis=0)
+    return sp.coo_matrix((values[keep], (edge_index[1, keep], edge_index[0, keep])), shape=shape).toarray()
+
+
+def _pad(edge_index, values, extra, rng):
+    """Padding columns (-1) scattered among the edges."""
+    total = edge_index.shape[1] + extra
+    at = np.sort(rng.choice(total, edge_index.shape[1], replace=False))
+    padded, padded_values = -np.ones((2, total), edge_index.dtype), np.zeros(total)
+    padded[:, at], padded_values[at] = edge_index, values
+    return padded, padded_values
+
+
+CASES = {  # name: (num_src, num_dst, edges, hubs, duplicates, padding)
+    "random": (37, 29, 150, False, False, 20),
+    "square": (40, 40, 200, False, False, 0),
+    "hub row": (30, 25, 160, True, False, 7),
+    "duplicates": (12, 10, 80, False, True, 5),
+    "empty graph": (9, 7, 0, False, False, 6),
+    "all padding": (9, 7, 0, False, False, 0),
+    "one row": (50, 1, 40, False, False, 3),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_device_format_equals_host_format_and_scipy(case, rng):
+    num_src, num_dst, num_edges, hubs, duplicates, padding = CASES[case]
+    edges = _edges(rng, num_src, num_dst, num_edges, hubs=hubs, duplicates=duplicates)
+    values = rng.normal(size=num_edges)
+    padded, padded_values = _pad(edges, values, padding, rng)
+    expected = _reference(edges, values, (num_dst, num_src))
+    capacity = max(num_edges, 1)
+
+    build = jax.jit(lambda e, v: jinsum.GroupCOO.from_edge_index(e, v, num_nodes=(num_src, num_dst),
+                                                                 capacity=capacity))
+    A = build(padded, padded_values)
+    assert not A.overflow and A.nnz == capacity
+    np.testing.assert_allclose(np.asarray(A.todense()), expected, rtol=1e-12, atol=1e-12)
+    P = capacity_group_size(capacity, num_dst)
+    assert A.Ak.shape == (group_bound(capacity, num_dst, P), P)
+
+    x = rng.normal(size=(num_src, 3))
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda A, x: A @ x)(A, x)), expected @ x, rtol=1e-10, atol=1e-10)
+    if num_edges:  # the host converter, same group size: the stored slots agree exactly
+        host = jinsum.GroupCOO.from_edge_index(edges, values, num_nodes=(num_src, num_dst), group_size=P)
+        G = host.num_groups
+        np.testing.assert_array_equal(np.asarray(A.Ai[:G]), np.asarray(host.Ai))
+        np.testing.assert_array_equal(np.asarray(A.Ak[:G]), np.asarray(host.Ak))
+        np.testing.assert_allclose(np.asarray(A.Av[:G]), np.asarray(host.Av), rtol=1e-12)
+        assert not np.asarray(A.Av[G:]).any()  # padding groups hold zeros
+
+
+@pytest.mark.parametrize("case", ["random", "hub row", "duplicates", "one row"])
+def test_device_column_order_gives_the_host_gradients(case, rng):
+    """The transpose over the device-built column order, checked against float64 and the host-built format."""
+    num_src, num_dst, num_edges, hubs, duplicates, padding = CASES[case]
+    edges = _edges(rng, num_src, num_dst, num_edges, hubs=hubs, duplicates=duplicates)
+    values = rng.normal(size=num_edges)
+    padded, padded_values = _pad(edges, values, padding, rng)
+    A = jinsum.GroupCOO.from_edge_index(padded, padded_values, num_nodes=(num_src, num_dst), capacity=num_edges)
+    assert A.transposed is not None
+    T = A.transposed
+    perm, starts = np.asarray(T.perm), np.asarray(T.starts)
+    cols = np.asarray(A.Ak).reshape(-1)[perm[:starts[-1]]]
+    assert (np.diff(cols) >= 0).all() and starts[-1] == len(set(map(tuple, edges.T)))
+    np.testing.assert_array_equal(np.diff(starts), np.bincount(cols, minlength=num_src))
+
+    dense = _reference(edges, values, (num_dst, num_src))
+    x, cotangent = rng.normal(size=(num_src, 4)), rng.normal(size=(num_dst, 4))
+    grad = jax.jit(jax.grad(lambda x, A: jnp.vdot(A @ x, cotangent)))(x, A)
+    np.testing.assert_allclose(np.asarray(grad), dense.T @ cotangent, rtol=1e-10, atol=1e-10)
+    # Gradient with respect to the values, through with_values (which keeps the column order).
+    def loss(v):
+        return jnp.vdot(A.with_values(v) @ x, cotangent)
+    assert A.with_values(A.Av * 2).transposed is T
+    check_grads(loss, (A.Av,), order=1, modes=("rev",))
+
+
+def test_capacity_exactly_full_and_overflowed(rng):
+    edges = _edges(rng, 20, 20, 60)
+    distinct = np.unique(edges.T, axis=0)
+    num = len(distinct)
+    full = jinsum.GroupCOO.from_edge_index(edges, num_nodes=20, capacity=num)
+    assert not full.overflow
+    np.testing.assert_allclose(np.asarray(full.todense()), _reference(edges, np.ones(60), (20, 20)))
+
+    short = jinsum.GroupCOO.from_edge_index(edges, num_nodes=20, capacity=num - 5)
+    assert short.overflow
+    # Exactly the first distinct entries in row-major order are kept; nothing else is lost or added.
+    kept = np.asarray(short.todense())
+    order = np.lexsort((distinct[:, 0], distinct[:, 1]))
+    expected = np.zeros((20, 20))
+    for s, d in distinct[order][: num - 5]:
+        expected[d, s] = ((edges[0] == s) & (edges[1] == d)).sum()
+    np.testing.assert_allclose(kept, expected)
+
+
+def test_overflow_and_bad_indices_are_checkify_errors(rng):
+    edges = np.array([[0, 1, 2, 3], [1, 2, 3, 0]])
+
+    def build(e, capacity):
+        return jinsum.GroupCOO.from_edge_index(e, num_nodes=4, capacity=capacity).Av.sum()
+
+    with jinsum.check_indices(True):
+        error, _ = checkify.checkify(jax.jit(build, static_argnums=1))(edges, 3)
+        with pytest.raises(checkify.JaxRuntimeError, match="more distinct edges than capacity = 3"):
+            error.throw()
+        error, _ = checkify.checkify(jax.jit(build, static_argnums=1))(np.array([[0, 7], [1, 2]]), 4)
+        with pytest.raises(checkify.JaxRuntimeError, match="past num_nodes"):
+            error.throw()
+        error, _ = checkify.checkify(jax.jit(build, static_argnums=1))(edges, 4)
+        error.throw()  # nothing to report
+
+
+def test_one_compile_for_many_graphs(rng):
+    build = jax.jit(lambda e, x: jinsum.GroupCOO.from_edge_index(e, num_nodes=30, capacity=100) @ x)
+    x = rng.normal(size=(30, 2))
+    for _ in range(10):
+        n = int(rng.integers(0, 100))
+        edges, _ = _pad(_edges(rng, 30, 30, n), np.ones(n), 100 - n, rng)
+        out = build(edges, x)
+        np.testing.assert_allclose(np.asarray(out), _reference(edges, np.ones(100), (30, 30)) @ x, atol=1e-12)
+    assert build._cache_size() == 1
+
+
+def test_from_neighbors_is_the_fixed_fanout_table(rng):
+    neighbors = rng.integers(-1, 15, (9, 4))
+    neighbors[3] = -1  # a row with no neighbor
+    values = rng.normal(size=(9, 4))
+    A = jax.jit(lambda n, v: jinsum.GroupCOO.from_neighbors(n, v, num_sources=15))(neighbors, values)
+    expected = np.zeros((9, 15))
+    for i, j in zip(*np.nonzero(neighbors >= 0)):
+        expected[i, neighbors[i, j]] += values[i, j]
+    np.testing.assert_allclose(np.asarray(A.todense()), expected)
+    x, cotangent = rng.normal(size=(15, 3)), rng.normal(size=(9, 3))
+    grad = jax.grad(lambda x: jnp.vdot(A @ x, cotangent))(x)
+    np.testing.assert_allclose(np.asarray(grad), expected.T @ cotangent, rtol=1e-10)
+    # max= ignores padding slots: a row of no neighbors holds -inf, as an empty row does
+    out = jinsum.einsum("C[Ai[g],n] max= B[Ak[g,p],n]", A=A, B=x, C=jax.ShapeDtypeStruct((9, 3), x.dtype))
+    assert np.isneginf(np.asarray(out[3])).all()
+
+
+def test_with_transpose_under_jit_equals_host(rng):
+    A = jinsum.GroupCOO.from_edge_index(_edges(rng, 25, 25, 90), num_nodes=25)
+    host = A.with_transpose().transposed
+    traced = jax.jit(lambda A: A.with_transpose().transposed)(A)
+    count = int(host.starts[-1])
+    np.testing.assert_array_equal(np.asarray(traced.perm[:count]), np.asarray(host.perm))
+    np.testing.assert_array_equal(np.asarray(traced.starts), np.asarray(host.starts))
+
+
+def test_with_values_keeps_the_column_order_only_for_the_same_slots(rng):
+    A = jinsum.GroupCOO.from_edge_index(_edges(rng, 10, 10, 30), num_nodes=10).with_transpose()
+    assert A.with_values(A.Av * 3).transposed is A.transposed
+    assert A.with_values(jnp.stack([A.Av, A.Av], -1)).transposed is A.transposed  # a dense axis: same slots
+
+
+def test_device_builder_rejects_bad_arguments_before_tracing():
+    with pytest.raises(ValueError, match=r"edge_index must be an integer array of shape \(2, E\)"):
+        jinsum.GroupCOO.from_edge_index(np.zeros((3, 4), np.int32), num_nodes=4, capacity=4)
+    with pytest.raises(ValueError, match=r"values must have shape \(E, \*dense_shape\) with E = 4"):
+        jinsum.GroupCOO.from_edge_index(np.zeros((2, 4), np.int32), np.ones(3), num_nodes=4, capacity=4)
+    with pytest.raises(TypeError, match="capacity must be an int"):
+        jinsum.GroupCOO.from_edge_index(np.zeros((2, 4), np.int32), num_nodes=4, capacity=4.5)
+    with pytest.raises(ValueError, match="out of range"):
+        jinsum.GroupCOO.from_edge_index(np.array([[0, -1], [1, 1]]), num_nodes=4)

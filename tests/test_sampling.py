@@ -1,0 +1,148 @@
+"""Neighbor sampling on the device: real neighbors only, no repeats without replacement, fanouts respected, uniform
+(chi-square), reproducible per key, and one compile for a whole epoch of batches."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+import jinsum
+from jinsum.sampling import CSRGraph, hop_sizes, sample_neighbors
+
+
+def _graph(rng, num_nodes=60, num_edges=400):
+    src, dst = rng.integers(0, num_nodes, num_edges), rng.integers(0, num_nodes, num_edges)
+    dst[:80] = 0  # a hub: degree > every fanout
+    dst[80:82] = 1  # degree 2 (< fanout), node 2.. may have none
+    edges = np.stack([src, dst])
+    edges = edges[:, ~np.isin(edges[1], [2, 3])]  # nodes 2 and 3 have no in-neighbors
+    return edges, num_nodes
+
+
+def _in_neighbors(edges, node):
+    return edges[0, edges[1] == node]
+
+
+def _original_tables(sample):
+    """Each layer's neighbor table in original node ids (-1 padding), innermost first, with its destinations."""
+    ids = np.asarray(sample.node_ids)
+    out = []
+    for A in reversed(sample.adjacencies):  # innermost first
+        Ak, Av = np.asarray(A.Ak), np.asarray(A.Av)
+        out.append((ids[: A.shape[0]], np.where(Av != 0, ids[Ak], -1)))
+    return out
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["without replacement", "with replacement"])
+def test_samples_are_real_neighbors_within_the_fanouts(replace, rng):
+    edges, n = _graph(rng)
+    graph = CSRGraph.from_edge_index(edges, n)
+    seeds = jnp.array([0, 1, 2, 5, 7, -1])
+    sample = jax.jit(sample_neighbors, static_argnums=2, static_argnames="replace")(
+        graph, seeds, (4, 3), jax.random.key(1), replace=replace)
+    assert sample.sizes == tuple(reversed(hop_sizes(6, (4, 3))))
+    ids = np.asarray(sample.node_ids)
+    np.testing.assert_array_equal(ids[:6], [0, 1, 2, 5, 7, -1])
+    real = ids[ids >= 0]
+    assert len(np.unique(real)) == len(real)  # every node once
+    for (dst, table), fanout in zip(_original_tables(sample), (4, 3)):
+        for node, row in zip(dst, table):
+            drawn = row[row >= 0]
+            if node < 0:
+                assert drawn.size == 0
+                continue
+            true = _in_neighbors(edges, node)
+            assert np.isin(drawn, true).all()
+            if replace:
+                assert drawn.size == (fanout if true.size else 0)
+            else:
+                # without replacement: distinct edges (positions), so a multi-edge may repeat a node id only as often
+                # as it has edges; a node of low degree keeps all its in-edges
+                assert drawn.size == min(fanout, true.size)
+                values, counts = np.unique(drawn, return_counts=True)
+                assert all(c <= (true == v).sum() for v, c in zip(values, counts))
+
+
+def test_same_key_same_batch_other_key_other_batch(rng):
+    edges, n = _graph(rng)
+    graph = CSRGraph.from_edge_index(edges, n)
+    seeds = jnp.arange(10)
+    a = sample_neighbors(graph, seeds, (5, 5), jax.random.key(3))
+    b = sample_neighbors(graph, seeds, (5, 5), jax.random.key(3))
+    c = sample_neighbors(graph, seeds, (5, 5), jax.random.key(4))
+    np.testing.assert_array_equal(np.asarray(a.node_ids), np.asarray(b.node_ids))
+    assert not np.array_equal(np.asarray(a.adjacencies[-1].Ak), np.asarray(c.adjacencies[-1].Ak))
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["without replacement", "with replacement"])
+def test_uniform_over_a_nodes_neighbors(replace):
+    """A node of 12 in-neighbors, fanout 5, drawn 4,000 times: each neighbor's frequency is uniform (chi-square,
+    fixed seed), and without replacement every draw holds 5 distinct ones."""
+    degree, fanout, trials = 12, 5, 4000
+    edges = np.stack([np.arange(1, degree + 1), np.zeros(degree, int)])
+    graph = CSRGraph.from_edge_index(edges, degree + 1)
+    draw = jax.jit(jax.vmap(lambda key: sample_neighbors(graph, jnp.zeros(1, jnp.int32), (fanout,), key,
+                                                         replace=replace).adjacencies[0].Ak[0]))
+    local = np.asarray(draw(jax.random.split(jax.random.key(0), trials)))
+    ids_of = jax.jit(jax.vmap(lambda key: sample_neighbors(graph, jnp.zeros(1, jnp.int32), (fanout,), key,
+                                                           replace=replace).node_ids))
+    ids = np.asarray(ids_of(jax.random.split(jax.random.key(0), trials)))
+    drawn = np.take_along_axis(ids, local, axis=1)
+    if not replace:
+        assert all(len(set(row)) == fanout for row in drawn)
+    counts = np.bincount(drawn.ravel(), minlength=degree + 1)[1:]
+    assert counts.sum() == trials * fanout
+    p = scipy.stats.chisquare(counts).pvalue
+    assert p > 1e-3, (counts, p)
+
+
+def test_an_epoch_of_batches_compiles_once(rng):
+    edges, n = _graph(rng)
+    graph = CSRGraph.from_edge_index(edges, n)
+    features = jnp.asarray(rng.normal(size=(n, 3)))
+
+    @jax.jit
+    def step(graph, seeds, key):
+        sample = sample_neighbors(graph, seeds, (3, 2), key)
+        x = features[jnp.maximum(sample.node_ids, 0)]
+        for A in sample.adjacencies:
+            x = A @ x
+        return x
+
+    order = rng.permutation(n)
+    for i in range(100):
+        seeds = np.resize(np.roll(order, i), 8)
+        step(graph, seeds, jax.random.key(i))
+    assert step._cache_size() == 1
+
+
+def test_sample_feeds_sage_layers_like_pyg_mini_batches(rng):
+    """A two-layer mean aggregation over the sample equals the same aggregation over the sampled edges, computed by
+    hand in float64 on the original ids."""
+    edges, n = _graph(rng)
+    graph = CSRGraph.from_edge_index(edges, n)
+    x = rng.normal(size=(n, 4))
+    sample = sample_neighbors(graph, jnp.array([0, 1, 4]), (3, 2), jax.random.key(7))
+    h = jnp.asarray(x)[jnp.maximum(sample.node_ids, 0)]
+    for A in sample.adjacencies:
+        counts = A @ jnp.ones((A.shape[1], 1))
+        h = (A @ h) / jnp.maximum(counts, 1)
+    expected = x[np.maximum(np.asarray(sample.node_ids), 0)]
+    for A in sample.adjacencies:
+        dense = np.asarray(A.todense())
+        expected = dense @ expected / np.maximum(dense.sum(1, keepdims=True), 1)
+    np.testing.assert_allclose(np.asarray(h), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments():
+    graph = CSRGraph.from_edge_index(np.array([[0], [1]]), 2)
+    with pytest.raises(ValueError, match="seeds must be a 1-D integer array"):
+        sample_neighbors(graph, jnp.zeros((2, 2), jnp.int32), (2,), jax.random.key(0))
+    with pytest.raises(ValueError, match="fanout must be an int >= 1"):
+        sample_neighbors(graph, jnp.zeros(2, jnp.int32), (0,), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"outside \[0, num_nodes = 2\)"):
+        CSRGraph.from_edge_index(np.array([[0], [2]]), 2)
+    assert isinstance(jinsum.sampling.NeighborSample, type)
