@@ -8,7 +8,7 @@ neighbourhood and runs forward, backward and the update. Systems, every one time
 (`jinsum.timing.time_calls`: back-to-back steps, one sync per round, median of rounds):
 
 - jinsum: `jinsum.sampling.sample_neighbors` on the device inside the jitted step, `jinsum.nn.SAGEConv` on the
-  sampled bipartite `GroupCOO`s (fixed-fanout tables carrying their column order);
+  sampled bipartite `GroupCOO`s (fixed-fanout tables; again with their column order, `with_transpose=True`);
 - plain JAX: the identical on-device sampler, then gathers + a sorted `jax.ops.segment_sum` per layer;
 - PyG (where torch_geometric and CUDA torch are present): a vectorised NumPy sampler on the host (with
   replacement, the cheapest one to write) and PyG's `SAGEConv` on the sampled `edge_index`.
@@ -32,18 +32,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jinsum  # noqa: E402
-import jinsum.nn as jnn  # noqa: E402
 from jinsum.datasets import rmat  # noqa: E402
 from jinsum.sampling import CSRGraph, sample_neighbors  # noqa: E402
-from jinsum.timing import time_calls  # noqa: E402
+from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from _training import package_versions  # noqa: E402
+from minibatch_sage.main import (  # noqa: E402
+    JinsumSAGE, SegmentSAGE, adjacencies, host_sample, pyg_trainer, sampled_step, tables)
 
 ROWS: list[dict] = []
 
@@ -62,141 +62,41 @@ def attempt(workload: str, system: str, run) -> None:
         record(workload, system, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
 
 
-# --- models --------------------------------------------------------------------------------------------------------
+# --- the systems (the example's models, step and PyG trainer) ---------------------------------------------------------
 
-class JinsumSAGE(nnx.Module):
-    """SAGE mean over the sampled bipartite adjacencies (outermost first)."""
-
-    def __init__(self, sizes, *, rngs):
-        self.convs = nnx.List([jnn.SAGEConv(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:])])
-
-    def __call__(self, x, adjacencies):
-        for i, (conv, A) in enumerate(zip(self.convs, adjacencies)):
-            x = conv((x, x[: A.shape[0]]), A)
-            x = jax.nn.relu(x) if i < len(self.convs) - 1 else x
-        return x
-
-
-class SegmentSAGE(nnx.Module):
-    """The same model as a JAX user writes it without jinsum: per layer, the sampled neighbor table as edges,
-    a gather of the sources and a sorted `jax.ops.segment_sum` (sum and in-degree)."""
-
-    def __init__(self, sizes, *, rngs):
-        self.neighbors = nnx.List([nnx.Linear(i, o, use_bias=False, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:])])
-        self.roots = nnx.List([nnx.Linear(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:])])
-
-    def __call__(self, x, tables):
-        for i, (lin, root, (src, valid, n_dst)) in enumerate(zip(self.neighbors, self.roots, tables)):
-            dst = jnp.repeat(jnp.arange(n_dst), src.shape[0] // n_dst)
-            messages = jnp.where(valid[:, None], x[src], 0)
-            total = jax.ops.segment_sum(messages, dst, n_dst, indices_are_sorted=True)
-            degree = jax.ops.segment_sum(valid.astype(x.dtype), dst, n_dst, indices_are_sorted=True)
-            x = lin(total / jnp.maximum(degree, 1)[:, None]) + root(x[:n_dst])
-            x = jax.nn.relu(x) if i < len(self.neighbors) - 1 else x
-        return x
-
-
-def sampled_step(model, graph_input):
-    """A jitted step: sample around `seeds`, gather features, forward, backward, Adam. `graph_input(sample)` is what
-    the model reads of the sample."""
-    optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-
-    @jax.jit
-    def step(state, graph, features, labels, seeds, key, fanouts=None):
-        model, optimizer = nnx.merge(graphdef, state)
-        sample = sample_neighbors(graph, seeds, FANOUTS, key)
-        x = features[jnp.maximum(sample.node_ids, 0)]
-        y = labels[jnp.maximum(seeds, 0)]
-
-        def loss_fn(model):
-            logits = model(x, graph_input(sample))[: seeds.shape[0]]
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
-    return step, state
-
-
-def tables_of(sample):
-    """Each layer's neighbor table as (source rows, valid, destination count), outermost first."""
-    return [(A.Ak.reshape(-1), (A.Av != 0).reshape(-1), A.shape[0]) for A in sample.adjacencies]
-
-
-def time_step(step, state, graph, features, labels, seed_batches, calls):
+def time_step(train, state, graph, features, labels, seed_batches, calls):
     """ms per step over distinct batches (a new sample each call), and the step's compile count."""
-    keys = jax.random.split(jax.random.key(1), len(seed_batches))
+    keys = list(jax.random.split(jax.random.key(1), len(seed_batches)))  # (indexing an array per call dispatches)
     position = [0]
 
     def one():
         i = position[0] % len(seed_batches)
         position[0] += 1
-        return step(state, graph, features, labels, seed_batches[i], keys[i])[1]
+        return train(state, graph, features, labels, seed_batches[i], keys[i])[1]
 
     ms = time_calls(one, calls=calls) * 1e3
-    assert step._cache_size() == 1, f"the step compiled {step._cache_size()} times"
+    assert train._cache_size() == 1, f"the step compiled {train._cache_size()} times"
+    if KERNELS:
+        kernels = kernel_times(one, calls=calls)
+        print(f"  device time {sum(kernels.values()) * 1e3:.3f} ms in {len(kernels)} kernels; the largest:")
+        for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:KERNELS]:
+            print(f"    {seconds * 1e6:8.1f} us  {name[:110]}")
     return ms
 
 
-# --- PyG with a host sampler ----------------------------------------------------------------------------------------
-
-def host_sample(indptr, indices, seeds, fanouts, rng):
-    """Vectorised NumPy neighbour sampling with replacement: (node ids, edge_index per layer (outermost first),
-    destination counts)."""
-    nodes, layers = seeds, []
-    for k in fanouts:
-        degree = indptr[nodes + 1] - indptr[nodes]
-        pick = (rng.random((nodes.size, k)) * degree[:, None]).astype(np.int64)
-        has = np.repeat(degree > 0, k)
-        src = indices[(indptr[nodes][:, None] + pick).reshape(-1)[has]]
-        dst = np.repeat(np.arange(nodes.size), k)[has]
-        unique, inverse = np.unique(np.concatenate([nodes, src]), return_inverse=True)
-        # relabel: the destinations first, then the new nodes
-        local = np.full(unique.size, -1)
-        local[inverse[: nodes.size]] = np.arange(nodes.size)
-        new = local < 0
-        local[new] = nodes.size + np.arange(new.sum())
-        layers.append((np.stack([local[inverse[nodes.size:]], dst]), nodes.size))
-        nodes = np.concatenate([nodes, unique[new]])
-    return nodes, layers[::-1]
-
-
 def pyg_step_time(indptr, indices, features, labels, seed_batches, calls):
-    import torch  # noqa: PLC0415
-    from torch_geometric.nn import SAGEConv  # noqa: PLC0415
+    train, _, sync = pyg_trainer(SIZES, indptr, indices, features, labels, FANOUTS, 0)
+    position = [0]
 
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.convs = torch.nn.ModuleList([SAGEConv(i, o) for i, o in zip(SIZES[:-1], SIZES[1:])])
-
-        def forward(self, x, layers):
-            for i, (conv, (edge_index, n_dst)) in enumerate(zip(self.convs, layers)):
-                x = conv((x, x[:n_dst]), edge_index)
-                x = torch.relu(x) if i < len(self.convs) - 1 else x
-            return x
-
-    model = Model().cuda().train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    x_all, y_all = torch.from_numpy(features).cuda(), torch.from_numpy(labels).long().cuda()
-    rng, position = np.random.default_rng(0), [0]
-
-    def step():
-        seeds = seed_batches[position[0] % len(seed_batches)]
+    def one():
         position[0] += 1
-        nodes, layers = host_sample(indptr, indices, seeds, FANOUTS, rng)
-        x = x_all[torch.from_numpy(nodes).cuda()]
-        layers = [(torch.from_numpy(e).cuda(), n) for e, n in layers]
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x, layers)[: seeds.size], y_all[torch.from_numpy(seeds).cuda()])
-        loss.backward()
-        optimizer.step()
-        return loss
+        return train(seed_batches[position[0] % len(seed_batches)])
 
-    ms = time_calls(step, calls=calls, sync=lambda _: torch.cuda.synchronize()) * 1e3
-    return ms, f"host sampler alone {time_calls(lambda: host_sample(indptr, indices, seed_batches[0], FANOUTS, rng), calls=calls, sync=lambda _: None) * 1e3:.2f} ms"
+    ms = time_calls(one, calls=calls, sync=sync) * 1e3
+    rng = np.random.default_rng(0)
+    host = time_calls(lambda: host_sample(indptr, indices, seed_batches[0], FANOUTS, rng), calls=calls,
+                      sync=lambda _: None) * 1e3
+    return ms, f"host sampler alone {host:.2f} ms"
 
 
 # --- building formats on the device ---------------------------------------------------------------------------------
@@ -238,11 +138,12 @@ def write(out: pathlib.Path, started: float) -> None:
 
 
 FANOUTS: tuple[int, ...] = (15, 10)
+KERNELS = 0  # --kernels N: print each jitted step's N largest kernels
 SIZES: tuple[int, ...] = (128, 256, 40)
 
 
 def main() -> None:
-    global FANOUTS
+    global FANOUTS, KERNELS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", type=int, default=20)
     p.add_argument("--batch", type=int, default=1024)
@@ -250,9 +151,10 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--build-edges", type=int, default=1 << 20)
     p.add_argument("--skip", nargs="*", default=[], choices=["jinsum", "plain JAX", "PyG", "build"])
+    p.add_argument("--kernels", type=int, default=0, help="print each jitted step's N largest GPU kernels")
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     args = p.parse_args()
-    FANOUTS = tuple(args.fanouts)
+    FANOUTS, KERNELS = tuple(args.fanouts), args.kernels
     started = time.time()
 
     edge_index = rmat(args.scale, undirected=True)
@@ -269,13 +171,16 @@ def main() -> None:
     x, y = jnp.asarray(features), jnp.asarray(labels)
     batches = [jnp.asarray(s) for s in seed_batches]
 
-    if "jinsum" not in args.skip:
-        step, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), lambda s: s.adjacencies)
-        attempt(workload, "jinsum", lambda: (time_step(step, state, graph, x, y, batches, args.calls), "1 compile"))
-    if "plain JAX" not in args.skip:
-        step, state = sampled_step(SegmentSAGE(SIZES, rngs=nnx.Rngs(0)), tables_of)
-        attempt(workload, "plain JAX (same sampler)",
-                lambda: (time_step(step, state, graph, x, y, batches, args.calls), "1 compile; gathers + segment_sum"))
+    for system, model, graph_input, transpose, note in [
+            ("jinsum", JinsumSAGE, adjacencies, False, "1 compile"),
+            ("jinsum, tables in column order", JinsumSAGE, adjacencies, True,
+             "1 compile; sample_neighbors(..., with_transpose=True)"),
+            ("plain JAX (same sampler)", SegmentSAGE, tables, False, "1 compile; gathers + segment_sum")]:
+        if system.split(" (")[0].split(",")[0] in args.skip:
+            continue
+        train, _, state = sampled_step(model(SIZES, rngs=nnx.Rngs(0)), graph_input, FANOUTS,
+                                       with_transpose=transpose)
+        attempt(workload, system, lambda: (time_step(train, state, graph, x, y, batches, args.calls), note))
     sampler = jax.jit(lambda g, s, k: sample_neighbors(g, s, FANOUTS, k).node_ids)
     attempt(workload, "the device sampler alone", lambda: (time_calls(
         sampler, graph, batches[0], jax.random.key(0), calls=args.calls) * 1e3, ""))

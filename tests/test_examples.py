@@ -26,6 +26,7 @@ RUNS = {
     "graph_classification/main.py": (["--smoke"], ["jinsum GINConv + global pools", "segment ops GIN + segment pools"]),
     "rgcn/main.py": (["--smoke"], ["jinsum RGCNConv, 6 relations", "segment_sum RGCN, 6 relations",
                                    "jinsum RGCNConv, relations merged"]),
+    "minibatch_sage/main.py": (["--smoke"], ["jinsum SAGEConv", "plain JAX segment_sum", "PyG SAGEConv (host sampler)"]),
     "block_sparse_attention/main.py": (["--smoke"], ["jinsum block_sparse_attention", "dense dot_product_attention"]),
     "sharded_gcn/main.py": (["--smoke"], ["1 device:", "4 devices:", "speed-up"]),
     "spmm_cora.py": ([16], ["jinsum (A @ H)", "jax.experimental.sparse BCOO"]),

@@ -99,24 +99,38 @@ def test_uniform_over_a_nodes_neighbors(replace):
     assert p > 1e-3, (counts, p)
 
 
-def test_an_epoch_of_batches_compiles_once(rng):
+@pytest.mark.parametrize("with_transpose", [False, True], ids=["atomic backward", "column order"])
+def test_an_epoch_of_batches_compiles_once(with_transpose, rng):
     edges, n = _graph(rng)
     graph = CSRGraph.from_edge_index(edges, n)
     features = jnp.asarray(rng.normal(size=(n, 3)))
 
     @jax.jit
     def step(graph, seeds, key):
-        sample = sample_neighbors(graph, seeds, (3, 2), key)
-        x = features[jnp.maximum(sample.node_ids, 0)]
-        for A in sample.adjacencies:
-            x = A @ x
-        return x
+        sample = sample_neighbors(graph, seeds, (3, 2), key, with_transpose=with_transpose)
+        assert all((A.transposed is not None) == with_transpose for A in sample.adjacencies)
+
+        def loss(features):
+            x = features[jnp.maximum(sample.node_ids, 0)]
+            for A in sample.adjacencies:
+                x = A @ x
+            return x.sum()
+
+        return jax.grad(loss)(features)
 
     order = rng.permutation(n)
     for i in range(100):
         seeds = np.resize(np.roll(order, i), 8)
-        step(graph, seeds, jax.random.key(i))
+        grad = step(graph, seeds, jax.random.key(i))
     assert step._cache_size() == 1
+    # the last batch's gradient: each node's feature row counts the sampled paths from it to the seeds
+    sample = sample_neighbors(graph, seeds, (3, 2), jax.random.key(99), with_transpose=with_transpose)
+    paths = np.ones((8, 1))
+    for A in reversed(sample.adjacencies):
+        paths = np.asarray(A.todense()).T @ paths
+    expected = np.zeros((n, 1))
+    np.add.at(expected, np.maximum(np.asarray(sample.node_ids), 0), paths * (np.asarray(sample.node_ids) >= 0)[:, None])
+    np.testing.assert_allclose(np.asarray(grad)[:, :1], expected, rtol=1e-5)
 
 
 def test_sample_feeds_sage_layers_like_pyg_mini_batches(rng):

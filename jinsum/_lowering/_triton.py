@@ -7,6 +7,7 @@ generated kernel without a GPU. Statements the code generator does not take stay
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -43,11 +44,33 @@ def _has_work(plan: KernelPlan) -> bool:
     return 0 not in plan.grid_shape and all(plan.spec.extent[v] for v in plan.spec.loop_variables)
 
 
+# Below this many terms (the product of every variable's extent: rows x slots x features for an SpMM) a statement
+# runs on XLA's lowering on CUDA too: its fused gathers run inside the step's CUDA graph, while a generated kernel
+# is a custom call launched on its own, and the launch costs more than the kernel saves. Measured on an H100 over
+# fixed-fanout tables (`benchmarks/crossover.py`): XLA takes 0.3-0.9x of Triton's time below 2**24 terms, the two
+# are even at 2**24-2**25, and kernels win from there (1.15-1.3x at 2**27 terms and 256 features).
+# `JINSUM_SMALL_TERMS=0` sends every statement to a kernel (the GPU tests do, to test the kernels).
+SMALL_TERMS = 1 << 24
+
+
+def _small(spec: Spec) -> bool:
+    """Whether `spec` is too small for a launched kernel to pay. Deterministic mode keeps its kernels: XLA's
+    scatter-add on a GPU adds atomically."""
+    limit = int(os.environ.get("JINSUM_SMALL_TERMS", SMALL_TERMS))
+    return not spec.deterministic and math.prod(spec.extent.values()) < limit
+
+
 def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
-    """The statement on CUDA arrays: one generated kernel (the body of the primitive's cuda lowering)."""
-    plan = plan_for(spec) if os.environ.get("JINSUM_TRITON", "1") != "0" else Fallback("JINSUM_TRITON=0")
+    """The statement on CUDA arrays: one generated kernel (the body of the primitive's cuda lowering), or XLA's
+    lowering where the statement is too small for a kernel to pay (`SMALL_TERMS`)."""
+    if os.environ.get("JINSUM_TRITON", "1") == "0":
+        plan = Fallback("JINSUM_TRITON=0")
+    elif _small(spec):
+        plan = Fallback("small")
+    else:
+        plan = plan_for(spec)
     if isinstance(plan, Fallback):
-        if plan.reason != "JINSUM_TRITON=0":
+        if plan.reason not in ("JINSUM_TRITON=0", "small"):
             warnings.warn(f"jinsum: {spec.statement} runs on the XLA lowering: {plan.reason}", FallbackWarning,
                           stacklevel=2)
         return _xla.evaluate(*arrays, spec=spec)

@@ -188,8 +188,8 @@ def unique_entries(rows, cols, values, *, shape: tuple[int, int], capacity: int)
     out_of_range = jnp.any(~padding & ~valid)
     row_key = jnp.where(valid, rows, num_rows).astype(jnp.int32)
     col_key = jnp.where(valid, cols, 0).astype(jnp.int32)
-    row_key, col_key, order = jax.lax.sort((row_key, col_key, jnp.arange(rows.shape[0], dtype=jnp.int32)),
-                                           num_keys=2)
+    order = _row_major_order(row_key, col_key, shape)
+    row_key, col_key = row_key[order], col_key[order]
     first = jnp.ones((1,), bool)
     new = jnp.concatenate([first, (row_key[1:] != row_key[:-1]) | (col_key[1:] != col_key[:-1])])
     new = new & (row_key < num_rows)
@@ -202,6 +202,22 @@ def unique_entries(rows, cols, values, *, shape: tuple[int, int], capacity: int)
     kept_values = jnp.zeros((capacity, *values.shape[1:]), accumulate).at[target].add(
         values[order].astype(accumulate), mode="drop")
     return kept_rows, kept_cols, kept_values.astype(values.dtype), overflow, out_of_range
+
+
+def _argsort(key):
+    """A stable argsort as a sort of (key, iota): one key and one payload, the form XLA runs as a radix sort on
+    GPUs (a sort with two keys runs as a comparison sort, several kernels of it)."""
+    return jax.lax.sort((key, jnp.arange(key.shape[0], dtype=jnp.int32)), num_keys=1, is_stable=True)[1]
+
+
+def _row_major_order(rows, cols, shape: tuple[int, int]):
+    """The permutation sorting entries by (row, column), stably, for rows in ``[0, shape[0]]`` (``shape[0]``: a
+    dropped entry): one key where ``row * K + col`` fits int32, else by column and then, stably, by row."""
+    num_rows, num_cols = shape
+    if (num_rows + 1) * max(num_cols, 1) <= int(jnp.iinfo(jnp.int32).max):
+        return _argsort(rows * num_cols + cols)
+    by_column = _argsort(cols)
+    return by_column[_argsort(rows[by_column])]
 
 
 def device_groups(rows, cols, values, *, shape: tuple[int, int], capacity: int, group_size: int, dtype,

@@ -302,19 +302,23 @@ class GroupCOO(GroupedFormat):
         return cls.tree_unflatten(((*shape, *values.shape[1:]), capacity), (Ai, Ak, Av, transposed, overflow))
 
     @classmethod
-    def from_neighbors(cls, neighbors, values=None, *, num_sources: int, dtype=None) -> GroupCOO:
+    def from_neighbors(cls, neighbors, values=None, *, num_sources: int, dtype=None,
+                       with_transpose: bool = True) -> GroupCOO:
         """The ``n x num_sources`` matrix of a fixed-fanout neighbor table, traceable (no sort for the forward).
 
         Row ``i`` holds the ``k`` sampled neighbors ``neighbors[i]`` (a negative entry is padding: a row with fewer
         neighbors than ``k``), each one group of size ``k``: ``Ai = arange(n)``, ``Ak = neighbors``. Repeated
         neighbors (sampling with replacement) stay separate entries, so they count as often as drawn. The result
-        carries its entries in column order, built on the device (one sort), and ``overflow`` False.
+        carries its entries in column order (``with_transpose``: one sort, on the device), and ``overflow`` False.
 
         Args:
           neighbors: int ``(n, k)``, source node ids, negative for padding.
           values: ``(n, k)`` or ``(n, k, *dense_shape)``; defaults to ones.
           num_sources: the number of source nodes (columns).
           dtype: defaults to the dtype of ``values`` when floating, else float32.
+          with_transpose: build the entries in column order, so the gradient with respect to the sources runs
+            without atomics (deterministic mode needs it to avoid a sort per call); a small table's backward is as
+            fast adding atomically, and the sort then costs more than it saves.
         """
         where = f"{_FMT}.from_neighbors"
         num_sources = check_int(where, "num_sources", num_sources)
@@ -336,8 +340,10 @@ class GroupCOO(GroupedFormat):
         Ak = jnp.where(valid, neighbors, 0).astype(index)
         expand = valid.reshape(valid.shape + (1,) * (values.ndim - 2))
         Av = jnp.where(expand, values, 0).astype(dtype)
-        transposed = TransposedIndex(*device_transposed(Ai, Ak, valid.reshape(-1), num_columns=num_sources,
-                                                        index_dtype=index))
+        transposed = None
+        if with_transpose:
+            transposed = TransposedIndex(*device_transposed(Ai, Ak, valid.reshape(-1), num_columns=num_sources,
+                                                            index_dtype=index))
         shape = (neighbors.shape[0], num_sources, *values.shape[2:])
         return cls.tree_unflatten((shape, Ak.size), (Ai, Ak, Av, transposed, jnp.zeros((), bool)))
 
