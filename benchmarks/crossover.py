@@ -46,12 +46,14 @@ def main() -> None:
             times = {}
             for lowering in ("1", "0"):
                 os.environ["JINSUM_TRITON"] = lowering  # read when the statement is lowered
+                os.environ["JINSUM_SMALL_TERMS"] = "0"  # a kernel for every size in the Triton column
                 step = jax.jit(jax.value_and_grad(chained, argnums=1))
                 times[lowering] = time_calls(step, A, x, calls=args.calls) * 1e3
             terms = rows * args.fanout * features
             print(f"{rows:8d} {features:4d} {terms:12,d} {times['1']:10.3f} {times['0']:8.3f} "
                   f"{times['0'] / times['1']:10.2f}", flush=True)
     os.environ.pop("JINSUM_TRITON")
+    os.environ.pop("JINSUM_SMALL_TERMS")
 
 
 if __name__ == "__main__":

@@ -317,8 +317,8 @@ class GroupCOO(GroupedFormat):
           num_sources: the number of source nodes (columns).
           dtype: defaults to the dtype of ``values`` when floating, else float32.
           with_transpose: build the entries in column order, so the gradient with respect to the sources runs
-            without atomics (deterministic mode needs it to avoid a sort per call); a small table's backward is as
-            fast adding atomically, and the sort then costs more than it saves.
+            without atomics (deterministic mode needs it to avoid a sort per call); a small table's backward is
+            about as fast adding atomically.
         """
         where = f"{_FMT}.from_neighbors"
         num_sources = check_int(where, "num_sources", num_sources)
