@@ -143,6 +143,20 @@ def check_nnz(fmt: str, nnz, capacity: int, what: str) -> int:
     return nnz
 
 
+def check_edge_index(where: str, edge_index, num_nodes: int | None = None) -> None:
+    """An integer ``(2, E)`` edge index (sources, destinations); with ``num_nodes``, its values (when concrete) in
+    ``[0, num_nodes)``."""
+    if jnp.ndim(edge_index) != 2 or jnp.shape(edge_index)[0] != 2 or not jnp.issubdtype(
+            jnp.result_type(edge_index), jnp.integer):
+        raise ValueError(f"{where}: edge_index must be an integer array of shape (2, E) (sources, destinations), "
+                         f"got {jnp.result_type(edge_index)}{list(jnp.shape(edge_index))}")
+    if num_nodes is not None and is_concrete(edge_index) and np.size(edge_index):
+        low, high = int(np.min(edge_index)), int(np.max(edge_index))
+        if low < 0 or high >= num_nodes:
+            raise ValueError(f"{where}: edge_index holds node ids in [{low}, {high}], outside [0, num_nodes = "
+                             f"{num_nodes})")
+
+
 def check_floating(fmt: str, Av) -> None:
     if not jnp.issubdtype(Av.dtype, jnp.floating):
         raise TypeError(

@@ -15,6 +15,7 @@ from jinsum import _config
 from jinsum.formats._build import capacity_group_size, device_groups, device_transposed, transposed_from_slots
 from jinsum.formats._convert import (
     as_jax_array,
+    check_edge_index,
     check_floating,
     check_group_indices,
     check_group_size,
@@ -79,14 +80,6 @@ def _check_values(Av, groups: tuple[int, int]) -> None:
     if Av.ndim < 2 or Av.shape[:2] != groups:
         raise ValueError(
             f"{_FMT}: Av must have shape (G, P, *dense_shape) with (G, P) = {groups} to match Ak, got {Av.shape}"
-        )
-
-
-def _check_edge_index(where: str, edge_index) -> None:
-    if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not jnp.issubdtype(edge_index.dtype, jnp.integer):
-        raise ValueError(
-            f"{where}: edge_index must be an integer array of shape (2, E) (sources, destinations), got "
-            f"{edge_index.dtype}{list(edge_index.shape)}"
         )
 
 
@@ -262,7 +255,7 @@ class GroupCOO(GroupedFormat):
             return cls._from_edges_on_device(where, edge_index, values, (num_dst, num_src),
                                              check_int(where, "capacity", capacity), group_size, dtype)
         edge_index = host_array(where, edge_index)
-        _check_edge_index(where, edge_index)
+        check_edge_index(where, edge_index)
         bounds = np.array([[num_src], [num_dst]])
         bad = np.argwhere((edge_index < 0) | (edge_index >= bounds))
         if bad.size:
@@ -282,7 +275,7 @@ class GroupCOO(GroupedFormat):
     @classmethod
     def _from_edges_on_device(cls, where, edge_index, values, shape, capacity, group_size, dtype) -> GroupCOO:
         edge_index = as_jax_array(edge_index)
-        _check_edge_index(where, edge_index)
+        check_edge_index(where, edge_index)
         num_edges = edge_index.shape[1]
         values = jnp.ones(num_edges, jnp.float32) if values is None else as_jax_array(values)
         _check_edge_values(where, values, num_edges)

@@ -15,6 +15,7 @@ import scipy.sparse as sp
 
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.formats._convert import check_edge_index
 from jinsum.shard import Partitioned, matmul, per_part
 from jinsum.shard import row_sums as partitioned_row_sums
 
@@ -97,12 +98,7 @@ def edge_list(edge_index, num_nodes: int) -> EdgeList:
       >>> y = jinsum.nn.GINEConv(mlp)(x, edges, edge_attr)       # edge_attr (E, F) in edge_index's order
     """
     edge_index = np.asarray(edge_index)
-    if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not np.issubdtype(edge_index.dtype, np.integer):
-        raise ValueError(f"jinsum.nn.edge_list: expected an integer edge index of shape (2, E), got "
-                         f"{edge_index.dtype}{list(edge_index.shape)}")
-    if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= num_nodes):
-        raise ValueError(f"jinsum.nn.edge_list: node indices must lie in [0, {num_nodes}), got "
-                         f"[{edge_index.min()}, {edge_index.max()}]")
+    check_edge_index("jinsum.nn.edge_list", edge_index, num_nodes)
     order = np.argsort(edge_index[1], kind="stable")
     src, dst = edge_index[:, order].astype(np.int32)
     return EdgeList(jnp.asarray(src), jnp.asarray(dst), jnp.asarray(order.astype(np.int32)), int(num_nodes))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum.formats import GroupCOO
-from jinsum.formats._convert import check_int, host_array
+from jinsum.formats._convert import check_edge_index, check_int, host_array
 
 
 @jax.tree_util.register_dataclass
@@ -39,12 +39,7 @@ class CSRGraph:
         where = "CSRGraph.from_edge_index"
         num_nodes = check_int(where, "num_nodes", num_nodes)
         edge_index = host_array(where, edge_index)
-        if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not np.issubdtype(edge_index.dtype, np.integer):
-            raise ValueError(f"{where}: edge_index must be an integer array (2, E), got "
-                             f"{edge_index.dtype}{list(edge_index.shape)}")
-        if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= num_nodes):
-            raise ValueError(f"{where}: edge_index holds node ids in [{edge_index.min()}, {edge_index.max()}], "
-                             f"outside [0, num_nodes = {num_nodes})")
+        check_edge_index(where, edge_index, num_nodes)
         if edge_index.shape[1] > np.iinfo(np.int32).max:
             raise ValueError(f"{where}: {edge_index.shape[1]} edges do not fit int32 positions")
         src, dst = edge_index
