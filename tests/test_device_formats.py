@@ -184,7 +184,7 @@ def test_with_transpose_under_jit_equals_host(rng):
     np.testing.assert_array_equal(np.asarray(traced.starts), np.asarray(host.starts))
 
 
-def test_with_values_keeps_the_column_order_only_for_the_same_slots(rng):
+def test_with_values_keeps_the_column_order(rng):
     A = jinsum.GroupCOO.from_edge_index(_edges(rng, 10, 10, 30), num_nodes=10).with_transpose()
     assert A.with_values(A.Av * 3).transposed is A.transposed
     assert A.with_values(jnp.stack([A.Av, A.Av], -1)).transposed is A.transposed  # a dense axis: same slots

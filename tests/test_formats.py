@@ -361,16 +361,19 @@ def test_transposed_index_lists_the_nonzero_entries_by_column():
     for k in range(17):  # column k's entries, by row
         segment = slice(starts[k], starts[k + 1])
         assert np.all(cols[segment] == k) and np.all(np.diff(rows[segment]) >= 0)
-    # A pytree leaf pair: through jit and tree_map; new values drop it (their zeros may differ).
+    # A pytree leaf pair: through jit and tree_map; new values (always on the same slots) keep it, so the gradient
+    # through them keeps its atomic-free backward.
     leaves = jax.tree_util.tree_leaves(T)
     assert len(leaves) == 8 and leaves[3] is T.transposed.perm
     same = jax.jit(lambda A: A)(T)
     np.testing.assert_array_equal(np.asarray(same.transposed.starts), starts)
-    assert T.with_values(T.Av * 2).transposed is None
+    assert T.with_values(T.Av * 2).transposed is T.transposed
     half = T.astype(jnp.float16)  # a cast keeps zeros zero: the index stays
     assert half.dtype == jnp.float16 and half.transposed is T.transposed
-    with pytest.raises(TypeError, match="with_transpose runs on the host"):
-        jax.jit(lambda A: A.with_transpose())(A)
+    # Inside jit it is built on the device (static sizes: every slot listed, the stored ones first).
+    traced = jax.jit(lambda A: A.with_transpose())(A).transposed
+    np.testing.assert_array_equal(np.asarray(traced.starts), starts)
+    np.testing.assert_array_equal(np.asarray(traced.perm[:perm.size]), perm)
 
 
 @settings(max_examples=60, deadline=None)
@@ -702,10 +705,11 @@ def test_block_jax_integration():
     leaves, treedef = jax.tree_util.tree_flatten(B)
     assert len(leaves) == 3
     assert repr(jax.tree_util.tree_unflatten(treedef, leaves)) == repr(B)
-    # The nonzero blocks in block-column order (a TransposedIndex, as GroupCOO's): a pytree child, kept by astype.
+    # The nonzero blocks in block-column order (a TransposedIndex, as GroupCOO's): a pytree child, kept by astype
+    # and with_values.
     T = B.with_transpose()
     assert "transposed" in repr(T) and len(jax.tree_util.tree_leaves(T)) == 8
-    assert T.astype(jnp.float16).transposed is T.transposed and T.with_values(T.Av).transposed is None
+    assert T.astype(jnp.float16).transposed is T.transposed and T.with_values(T.Av).transposed is T.transposed
     nonzero = np.flatnonzero(np.asarray(B.Av != 0).any(axis=(1, 2)).reshape(-1))
     assert sorted(np.asarray(T.transposed.perm)) == list(nonzero)
     assert np.all(np.diff(np.asarray(B.Ak).reshape(-1)[np.asarray(T.transposed.perm)]) >= 0)

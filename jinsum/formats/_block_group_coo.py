@@ -74,13 +74,15 @@ class BlockGroupCOO(GroupedFormat):
       Av: floating ``(G, bm, bk, P)`` the blocks.
 
       transposed: a :class:`TransposedIndex` of the nonzero blocks in block-column order, or None: built on request
-        by :meth:`with_transpose`, dropped by :meth:`with_values`.
+        by :meth:`with_transpose`, kept by :meth:`with_values`.
+      overflow: for a format built on the device for a capacity (:meth:`from_block_mask`), a boolean scalar array,
+        True when more blocks were asked for than fit; None for one built on the host.
 
-    A pytree with children ``(Ai, Ak, Av, transposed)`` and static ``(shape, block_shape, nnz)``, where ``nnz``
+    A pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, block_shape, nnz)``, where ``nnz``
     counts the stored blocks excluding padding.
     """
 
-    __slots__ = ("Ai", "Ak", "Av", "transposed", "_shape", "_block_shape", "_nnz")
+    __slots__ = ("Ai", "Ak", "Av", "transposed", "overflow", "_shape", "_block_shape", "_nnz")
 
     def __init__(self, Ai, Ak, Av, shape, *, nnz: int | None = None):
         """Builds a BlockGroupCOO from its arrays, validating them.
@@ -105,16 +107,16 @@ class BlockGroupCOO(GroupedFormat):
         block_shape = Av.shape[1:3]
         Ai, Ak = check_group_indices(_FMT, Ai, Ak, block_grid(shape, block_shape), ("block rows", "block columns"))
         _check_values(Av, Ak.shape, block_shape)
-        self._set(Ai, Ak, Av, None, shape, block_shape, check_nnz(_FMT, nnz, Ak.size, "blocks"))
+        self._set(Ai, Ak, Av, None, None, shape, block_shape, check_nnz(_FMT, nnz, Ak.size, "blocks"))
 
-    def _set(self, Ai, Ak, Av, transposed, shape, block_shape, nnz) -> None:
-        self.Ai, self.Ak, self.Av, self.transposed = Ai, Ak, Av, transposed
+    def _set(self, Ai, Ak, Av, transposed, overflow, shape, block_shape, nnz) -> None:
+        self.Ai, self.Ak, self.Av, self.transposed, self.overflow = Ai, Ak, Av, transposed, overflow
         self._shape, self._block_shape, self._nnz = shape, block_shape, nnz
 
     # -- pytree ------------------------------------------------------------------------------------------
 
     def tree_flatten(self):
-        return (self.Ai, self.Ak, self.Av, self.transposed), (self._shape, self._block_shape, self._nnz)
+        return (self.Ai, self.Ak, self.Av, self.transposed, self.overflow), (self._shape, self._block_shape, self._nnz)
 
     # -- properties --------------------------------------------------------------------------------------
 
@@ -220,20 +222,21 @@ class BlockGroupCOO(GroupedFormat):
 
     def astype(self, dtype) -> BlockGroupCOO:
         """The same matrix with its blocks cast to the floating ``dtype``. A cast keeps zeros zero, so the
-        transposed index stays (unlike :meth:`with_values`)."""
+        transposed index stays."""
         Av = self.Av.astype(dtype)
         check_floating(_FMT, Av)
-        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed))
+        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed, self.overflow))
 
     def with_values(self, Av) -> BlockGroupCOO:
         """The same block structure with new blocks ``Av`` of shape ``(G, bm, bk, P)``, any floating dtype.
 
-        Only shapes are checked, so this is cheap and works under ``jit``. The transposed index is dropped (it lists
-        the blocks that were nonzero).
+        Only shapes are checked, so this is cheap and works under ``jit``. The transposed index stays: it lists the
+        blocks that were stored (nonzero) when it was built, so blocks outside it must stay zero, as group padding.
         """
         Av = as_jax_array(Av)
         _check_values(Av, self.Ak.shape, self._block_shape)
-        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, Av, None))
+        return self.tree_unflatten((self._shape, self._block_shape, self._nnz),
+                                   (self.Ai, self.Ak, Av, self.transposed, self.overflow))
 
     def with_transpose(self) -> BlockGroupCOO:
         """The same matrix carrying a :class:`TransposedIndex` of its nonzero blocks in block-column order, built
@@ -244,5 +247,5 @@ class BlockGroupCOO(GroupedFormat):
         nonzero = (host_array(where, self.Av) != 0).any(axis=(1, 2)).reshape(-1)
         transposed = transposed_index(where, self.Ai, self.Ak, nonzero, block_grid(self._shape, self._block_shape),
                                       self.index_dtype)
-        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed))
+        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed, self.overflow))
 

@@ -262,8 +262,8 @@ class GroupCOO(GroupedFormat):
             i, e = bad[0]
             raise ValueError(
                 f"{where}: edge_index[{i}, {e}] = {edge_index[i, e]} is out of range: expected 0 <= node < "
-                f"{int(bounds[i, 0])} ({'sources' if i == 0 else 'destinations'}); on the host there is no "
-                "padding (pass capacity= to build inside jit, where negative indices mark padding)"
+                f"num_nodes = {int(bounds[i, 0])} ({'sources' if i == 0 else 'destinations'}); on the host there is "
+                "no padding (with capacity=, negative indices mark padding)"
             )
         num_edges = edge_index.shape[1]
         values = np.ones(num_edges, np.float32) if values is None else host_array(where, values)
@@ -383,19 +383,18 @@ class GroupCOO(GroupedFormat):
         Returns:
           A GroupCOO sharing ``Ai``, ``Ak`` and ``nnz``, with shape ``(M, K, *Av.shape[2:])``. Only shapes
           are checked, so this is cheap and works under ``jit``. The entries in column order (`transposed`) stay
-          while the slots ``(G, P)`` do, so gradients through the new values keep their atomic-free backward;
+          (the slots ``(G, P)`` are the same), so gradients through the new values keep their atomic-free backward;
           that index lists the entries that were stored (nonzero, for :meth:`with_transpose` on the host) when
           it was built, so slots outside it (group padding) must stay zero, as for any product.
         """
         Av = as_jax_array(Av)
         _check_values(Av, self.Ak.shape)
-        transposed = self.transposed if Av.shape[:2] == self.Av.shape[:2] else None
         return self.tree_unflatten((self._shape[:2] + Av.shape[2:], self._nnz),
-                                   (self.Ai, self.Ak, Av, transposed, self.overflow))
+                                   (self.Ai, self.Ak, Av, self.transposed, self.overflow))
 
     def astype(self, dtype) -> GroupCOO:
         """The same matrix with its values cast to the floating ``dtype``. A cast keeps zeros zero, so the transposed
-        index stays (unlike :meth:`with_values`)."""
+        index stays."""
         Av = self.Av.astype(dtype)
         check_floating(_FMT, Av)
         return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed, self.overflow))

@@ -178,7 +178,7 @@ class Partitioned:
             _, aux = part.tree_flatten()
             if self.format is GroupCOO:
                 aux = ((*part.shape[:2], *values.shape[3:]), part.nnz)
-            return self.format.tree_unflatten(aux, (part.Ai, part.Ak, values, None))
+            return self.format.tree_unflatten(aux, (part.Ai, part.Ak, values, None, None))
 
         shape = (*self.shape[:2], *local_values.shape[3:]) if self.format is GroupCOO else self.shape
         return Partitioned(stacked(self.local, local_values), stacked(self.remote, remote_values), self.send,
@@ -312,7 +312,7 @@ def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | Blo
         rows=np.stack([padded(t.rows, column_groups, 0) for t in indices]),
         slots=np.stack([padded(t.slots, column_groups, -1) for t in indices]),
     )
-    arrays = (np.stack(Ais), np.stack(Aks), np.stack(Avs), transposed)
+    arrays = (np.stack(Ais), np.stack(Aks), np.stack(Avs), transposed, None)  # (no overflow: built on the host)
     if block:
         (bm, bk) = A.block_shape
         return BlockGroupCOO.tree_unflatten(((rows * bm, cols * bk), A.block_shape, sizes.entries), arrays)
