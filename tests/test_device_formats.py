@@ -199,3 +199,72 @@ def test_device_builder_rejects_bad_arguments_before_tracing():
         jinsum.GroupCOO.from_edge_index(np.zeros((2, 4), np.int32), num_nodes=4, capacity=4.5)
     with pytest.raises(ValueError, match="out of range"):
         jinsum.GroupCOO.from_edge_index(np.array([[0, -1], [1, 1]]), num_nodes=4)
+
+
+# --- block masks ------------------------------------------------------------------------------------------------------
+
+def _block_mask(rng, grid, density=0.4):
+    mask = rng.random(grid) < density
+    mask[1] = False  # an empty block row
+    mask[-1] = True  # a full one (a hub)
+    return mask
+
+
+def test_block_mask_built_in_jit_equals_the_host_build(rng):
+    mask, block = _block_mask(rng, (7, 5)), (4, 3)
+    host = jinsum.BlockGroupCOO.from_block_mask(mask, block_shape=block)
+    build = jax.jit(lambda m: jinsum.BlockGroupCOO.from_block_mask(m, block_shape=block, capacity=35))
+    A = build(mask)
+    dense = np.kron(mask, np.ones(block))
+    np.testing.assert_array_equal(np.asarray(host.todense()), dense)
+    np.testing.assert_array_equal(np.asarray(A.todense()), dense)
+    assert not A.overflow and A.Ak.shape == (35, 1)
+    x, cotangent = rng.normal(size=(15, 6)), rng.normal(size=(28, 6))
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda A, x: A @ x)(A, x)), dense @ x, rtol=1e-12)
+    grad = jax.jit(jax.grad(lambda x, A: jnp.vdot(A @ x, cotangent)))(x, A)  # over the device-built column order
+    np.testing.assert_allclose(np.asarray(grad), dense.T @ cotangent, rtol=1e-10)
+    host_order = host.with_transpose().transposed
+    count = int(host_order.starts[-1])
+    np.testing.assert_array_equal(np.asarray(A.transposed.starts), np.asarray(host_order.starts))
+    assert sorted(np.asarray(A.Ak).reshape(-1)[np.asarray(A.transposed.perm[:count])]) == sorted(
+        np.asarray(host.Ak).reshape(-1)[np.asarray(host_order.perm)])
+    for _ in range(3):
+        build(_block_mask(rng, (7, 5)))
+    assert build._cache_size() == 1
+
+
+def test_block_mask_overflow_keeps_the_first_blocks(rng):
+    mask = _block_mask(rng, (6, 6))
+    short = jinsum.BlockGroupCOO.from_block_mask(mask, block_shape=(2, 2), capacity=int(mask.sum()) - 3)
+    assert short.overflow
+    kept = np.zeros(mask.size, bool)
+    kept[np.flatnonzero(mask)[: int(mask.sum()) - 3]] = True  # row-major order
+    np.testing.assert_array_equal(np.asarray(short.todense()), np.kron(kept.reshape(mask.shape), np.ones((2, 2))))
+    with jinsum.check_indices(True):
+        error, _ = checkify.checkify(jax.jit(lambda m: jinsum.BlockGroupCOO.from_block_mask(
+            m, block_shape=(2, 2), capacity=3).Av.sum()))(mask)
+        with pytest.raises(checkify.JaxRuntimeError, match="more stored blocks than capacity = 3"):
+            error.throw()
+
+
+def test_attention_over_a_block_mask_built_in_jit(rng):
+    """The attention chain reads a device-built pattern (its column order lists every slot, the stored first)."""
+    mask, block = _block_mask(rng, (4, 4), 0.5), (8, 8)
+    q, k, v = (jnp.asarray(rng.normal(size=(32, 2, 16))) for _ in range(3))
+    host = jinsum.BlockGroupCOO.from_block_mask(mask, block_shape=block).with_transpose()
+
+    def loss(q, k, v, pattern):
+        return jnp.sum(jinsum.attention(q, k, v, pattern) ** 2)
+
+    expected = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, host)
+    got = jax.jit(lambda q, k, v, m: jax.grad(loss, argnums=(0, 1, 2))(
+        q, k, v, jinsum.BlockGroupCOO.from_block_mask(m, block_shape=block, capacity=16)))(q, k, v, mask)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-9)
+
+
+def test_block_mask_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="block_mask must be 2-D"):
+        jinsum.BlockGroupCOO.from_block_mask(np.ones(4), block_shape=(2, 2))
+    with pytest.raises(ValueError, match=r"block_mask has shape \(2, 2\), but shape \(9, 4\)"):
+        jinsum.BlockGroupCOO.from_block_mask(np.ones((2, 2)), block_shape=(2, 2), shape=(9, 4))

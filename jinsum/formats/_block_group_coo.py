@@ -5,9 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 from jax.experimental import sparse as jsparse
 
+from jinsum import _config
 from jinsum.formats._base import GroupedFormat
+from jinsum.formats._build import device_groups, device_transposed
 from jinsum.formats._convert import (
     as_jax_array,
     block_grid,
@@ -17,16 +20,18 @@ from jinsum.formats._convert import (
     check_floating,
     check_group_indices,
     check_group_size,
+    check_int,
     check_nnz,
     check_shape,
     csr_from_bcoo,
     csr_from_dense,
     groups_from_csr,
     host_array,
+    index_dtype,
     to_scipy_csr,
     value_dtype,
 )
-from jinsum.formats._group_coo import transposed_index
+from jinsum.formats._group_coo import TransposedIndex, transposed_index
 
 _FMT = "BlockGroupCOO"
 
@@ -163,6 +168,55 @@ class BlockGroupCOO(GroupedFormat):
         indptr, indices, blocks = blocks_from_scipy(_FMT, mat, block_shape)
         dtype = value_dtype(_FMT, blocks.dtype, dtype)
         return cls._from_blocks(mat.shape, block_shape, indptr, indices, blocks, group_size, dtype)
+
+    @classmethod
+    def from_block_mask(cls, block_mask, *, block_shape, shape=None, capacity: int | None = None,
+                        group_size: int | None = None, dtype=jnp.float32) -> BlockGroupCOO:
+        """The block pattern of a mask over the block grid: an all-ones ``bm x bk`` block wherever ``block_mask``
+        is nonzero (e.g. attention's (query block, key block) pairs that attend), on the host or inside ``jit``.
+
+        Args:
+          block_mask: ``(Mb, Kb)``, nonzero where a block is stored.
+          block_shape: ``(bm, bk)``.
+          shape: the logical ``(M, K)``; defaults to ``(Mb * bm, Kb * bk)``.
+          capacity: None builds on the host from a concrete mask (exact sizes). An int ``C`` builds with
+            `jax.numpy` from a concrete or traced mask: at most ``C`` blocks (the first in row-major order), shapes
+            that depend only on ``C``, the blocks in column order (`transposed`) and an ``overflow`` flag (a
+            `checkify` error under ``jinsum.check_indices``).
+          group_size: blocks per group; defaults to 1 (a padding slot costs a whole zero block).
+          dtype: of the blocks.
+        """
+        where = f"{_FMT}.from_block_mask"
+        block_shape = check_block_shape(_FMT, block_shape)
+        if jnp.ndim(block_mask) != 2:
+            raise ValueError(f"{where}: block_mask must be 2-D (block rows, block columns), got shape "
+                             f"{jnp.shape(block_mask)}")
+        grid = tuple(jnp.shape(block_mask))
+        shape = check_shape(_FMT, "shape", (grid[0] * block_shape[0], grid[1] * block_shape[1]) if shape is None
+                            else shape, ndim=2)
+        if block_grid(shape, block_shape) != grid:
+            raise ValueError(f"{where}: block_mask has shape {grid}, but shape {shape} in blocks {block_shape} is a "
+                             f"grid of {block_grid(shape, block_shape)}")
+        group_size = 1 if group_size is None else check_int(where, "group_size", group_size, minimum=1)
+        if capacity is None:
+            rows, cols = np.nonzero(host_array(where, block_mask))
+            indptr = np.searchsorted(rows, np.arange(grid[0] + 1))
+            blocks = np.ones((rows.size, *block_shape), dtype)
+            return cls._from_blocks(shape, block_shape, indptr, cols, blocks, group_size, dtype)
+        capacity = check_int(where, "capacity", capacity)
+        block_mask = as_jax_array(block_mask) != 0
+        rows, cols = jnp.nonzero(block_mask, size=capacity, fill_value=-1)
+        overflow = jnp.count_nonzero(block_mask) > capacity
+        if _config.check_indices.value:
+            checkify.check(~overflow, f"{where}: more stored blocks than capacity = {capacity}; those past it were "
+                           "not kept (raise the capacity)")
+        index = index_dtype(*grid)
+        Ai, Ak, Av, active, _, _ = device_groups(rows, cols, jnp.ones(capacity, dtype), shape=grid,
+                                                 capacity=capacity, group_size=group_size, dtype=dtype,
+                                                 index_dtype=index)
+        blocks = jnp.broadcast_to(Av[:, None, None, :], (Av.shape[0], *block_shape, group_size))
+        transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=grid[1], index_dtype=index))
+        return cls.tree_unflatten((shape, block_shape, capacity), (Ai, Ak, blocks, transposed, overflow))
 
     @classmethod
     def from_dense(cls, x, *, block_shape, group_size: int | None = None, dtype=None) -> BlockGroupCOO:
