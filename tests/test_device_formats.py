@@ -12,6 +12,7 @@ from jax.experimental import checkify
 from jax.test_util import check_grads
 
 import jinsum
+import jinsum.nn
 from jinsum.formats._build import capacity_group_size, group_bound
 
 
@@ -268,3 +269,30 @@ def test_block_mask_rejects_bad_arguments():
         jinsum.BlockGroupCOO.from_block_mask(np.ones(4), block_shape=(2, 2))
     with pytest.raises(ValueError, match=r"block_mask has shape \(2, 2\), but shape \(9, 4\)"):
         jinsum.BlockGroupCOO.from_block_mask(np.ones((2, 2)), block_shape=(2, 2), shape=(9, 4))
+
+
+@pytest.mark.parametrize("self_loops", [False, True], ids=["as given", "remaining self loops"])
+def test_nn_adjacency_with_a_capacity_equals_the_host_one(self_loops, rng):
+    """`jinsum.nn.adjacency(..., capacity=C)` inside jit: the host's matrix (self loops added where absent or of
+    weight 0, other zero-weight edges dropped, as PyG's add_remaining_self_loops), and a layer's output and
+    gradient over it."""
+    from flax import nnx  # noqa: PLC0415
+
+    n = 20
+    edges = _edges(rng, n, n, 70)
+    edges[:, :3] = [[4, 5, 6], [4, 5, 6]]  # self loops: 4 weighted 2, 5 weighted 0, 6 weighted 1
+    weights = rng.uniform(0.5, 1.5, 70)
+    weights[:3] = [2.0, 0.0, 1.0]
+    weights[10] = 0.0  # a zero-weight edge: dropped
+    host = jinsum.nn.adjacency(edges, n, values=weights, self_loops=self_loops)
+    padded, padded_weights = _pad(edges, weights, 9, rng)
+    device = jax.jit(lambda e, w: jinsum.nn.adjacency(e, n, values=w, self_loops=self_loops, capacity=70))(
+        padded, padded_weights)
+    assert not device.overflow
+    np.testing.assert_allclose(np.asarray(device.todense()), np.asarray(host.todense()), rtol=1e-12)
+
+    conv = jinsum.nn.SAGEConv(5, 3, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.normal(size=(n, 5)))
+    loss = lambda x, A: jnp.sum(jnp.sin(conv(x, A)))  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(x, device)), np.asarray(jax.grad(loss)(x, host)),
+                               rtol=1e-10, atol=1e-12)
