@@ -152,7 +152,7 @@ def transposed_from_slots(xp, Ai, Ak, active, *, num_columns: int, group_size: i
     """
     p = Ak.shape[1]
     key = xp.where(active, Ak.reshape(-1), num_columns)
-    perm = np.argsort(key, kind="stable") if xp is np else jnp.argsort(key, stable=True)
+    perm = np.argsort(key, kind="stable") if xp is np else _argsort(key)
     key = key[perm]
     counts = _row_lengths(xp, key, num_columns)
     starts = xp.concatenate([xp.zeros(1, counts.dtype), xp.cumsum(counts)])
