@@ -86,6 +86,9 @@ class Spec:
         value stands), else `count - a` for the first assignment `a` (flat over `reduced_variables`, row-major)
         whose product equals the result, with `count` the number of assignments. The first is the largest, so
         kernels combine with a maximum, and zeros (a zero-filled output) mean none.
+      by_columns: the statement is a derivative over a format's entries in column order (`_derive.by_columns`),
+        written through the sorted column index: a column of a hub repeats thousands of times, which a kernel
+        sums in registers and XLA's scatter adds atomically, one contended address at a time.
     """
 
     statement: Statement
@@ -97,6 +100,7 @@ class Spec:
     column_order: ColumnOrder | None = None
     deterministic: bool = False
     winners: bool = False
+    by_columns: bool = False
 
     def __repr__(self) -> str:  # short: this is what a printed jaxpr shows for the primitive's parameter
         return f"Spec({str(self.statement)!r})"
@@ -219,13 +223,13 @@ WINNER_NONE = 0  # a `winners` element where no term reaches the result
 @functools.lru_cache(maxsize=4096)
 def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: frozenset[str] = frozenset(),
           allow_tf32: bool = False, zero_lhs: bool = False, column_order: ColumnOrder | None = None,
-          deterministic: bool = False, winners: bool = False) -> Spec:
+          deterministic: bool = False, winners: bool = False, by_columns: bool = False) -> Spec:
     """Binds operands to a statement and validates everything that can be known before tracing.
 
     Args:
       statement: a parsed statement.
       operands: the arrays bound to the statement's tensor names, in any order.
-      sorted_indices, allow_tf32, zero_lhs, column_order, deterministic, winners: see `Spec`.
+      sorted_indices, allow_tf32, zero_lhs, column_order, deterministic, winners, by_columns: see `Spec`.
 
     Raises:
       ExpressionError: an unknown or unused operand, a wrong rank, a non-integer index array, a non-floating value
@@ -289,7 +293,7 @@ def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: f
     # Only 1-D index arrays of this statement can be sorted; dropping the rest keeps equal Specs equal.
     sorted_indices = frozenset(n for n in sorted_indices if n in index_tensors and len(by_name[n].shape) == 1)
     spec = Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs),
-                _column_order(column_order, by_name, index_tensors), bool(deterministic), bool(winners))
+                _column_order(column_order, by_name, index_tensors), bool(deterministic), bool(winners), bool(by_columns))
     if winners and spec.term_count >= 2**31:
         raise NotImplementedError(f"jinsum: the derivative of {statement} numbers its terms per output element "
                                   f"over {spec.reduced_variables} in int32; there are 2**31 or more")

@@ -27,17 +27,17 @@ from jinsum._lang import WINNER_NONE, Access, ColumnOrder, Operand, Spec, Statem
 def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
               sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False, zero_lhs: bool = False,
               column_order: ColumnOrder | None = None, deterministic: bool | None = None,
-              winners: bool = False) -> Spec:
+              winners: bool = False, by_columns: bool = False) -> Spec:
     """Checks `statement` against `arrays` (name -> array; extra names ignored): the primitive's parameter.
     `zero_lhs` promises that the left-hand side array is all zeros; `column_order` names a format's entries in
     column order among `arrays`; `deterministic` defaults to the `jinsum_deterministic` option; `winners` asks a
-    `max=` / `min=` where its results came from (see `Spec`)."""
+    `max=` / `min=` where its results came from; `by_columns` marks a derivative in column order (see `Spec`)."""
     names = tensor_names(statement)
     operands = tuple(operand(n, arrays[n]) for n in names)
     if deterministic is None:
         deterministic = _config.deterministic.value
     return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs, column_order, deterministic,
-                 winners)
+                 winners, by_columns)
 
 
 def operand(name: str, array) -> Operand:
@@ -226,7 +226,7 @@ def _transpose(cotangent, *args, spec: Spec):
             sorted_indices = frozenset({spec.column_order.columns.name})
         results[name] = bind(derived, {**arrays, name: jnp.zeros(aval.shape, aval.dtype)},
                              sorted_indices=sorted_indices, allow_tf32=spec.allow_tf32, zero_lhs=True,
-                             deterministic=spec.deterministic)
+                             deterministic=spec.deterministic, by_columns=bool(by_columns))
     return [results.get(name) for name in spec.arguments]
 
 
