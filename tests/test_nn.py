@@ -123,6 +123,26 @@ def test_sage_matches_dense(rng, out_features):
     _close(_apply(conv, x, jnn.adjacency(edge_index, N, values=values)), expected)
 
 
+@pytest.mark.parametrize("n_src, f_in, f_out, transform_first", [(40, 6, 3, False), (6, 6, 3, True)])
+def test_sage_bipartite_order(rng, n_src, f_in, f_out, transform_first):
+    """On a bipartite layer the order follows the multiply-adds, not the widths: with many more sources than
+    destinations (a sampled layer) the mean aggregates first even when `x W_l` is narrower; both orders agree."""
+    from jinsum.nn._sage import _transform_first  # noqa: PLC0415
+    n_dst = 5
+    neighbors = rng.integers(-1, n_src, (n_dst, 4))  # a fixed-fanout table, -1 padding
+    A = jinsum.GroupCOO.from_neighbors(neighbors, num_sources=n_src)
+    assert _transform_first(A, f_in, f_out) is transform_first
+    conv = _randomize(jnn.SAGEConv((f_in, f_in), f_out, rngs=nnx.Rngs(0)), rng)
+    x_src, x_dst = _features(rng, n_src, f_in), _features(rng, n_dst, f_in)
+    dense = np.zeros((n_dst, n_src))
+    for i, j in zip(*np.nonzero(neighbors >= 0)):
+        dense[i, neighbors[i, j]] += 1
+    mean = dense @ np.asarray(x_src) / np.maximum(dense.sum(1, keepdims=True), 1)
+    expected = (mean @ np.asarray(conv.lin_neighbors.kernel[...])
+                + np.asarray(x_dst) @ np.asarray(conv.lin_root.kernel[...]) + np.asarray(conv.bias[...]))
+    _close(conv((x_src, x_dst), A), expected)
+
+
 def test_sage_without_root_or_bias(rng):
     edge_index, _ = _graph(rng)
     conv = _randomize(jnn.SAGEConv(F_IN, 4, root_weight=False, use_bias=False, rngs=nnx.Rngs(0)), rng)

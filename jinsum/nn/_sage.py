@@ -23,8 +23,9 @@ class SAGEConv(nnx.Module):
       ignored); its gradient goes to each output element's first maximal neighbour;
     - `"min"`, `"var"`, `"std"`, or a list of aggregations concatenated (PNA's `["mean", "max", "min", "std"]`;
       `jinsum.nn.multi_aggregate`).
-    Nodes without in-edges aggregate 0. Sums and means commute with `W_l`, so their SpMM runs on whichever of `x` and
-    `x W_l` is narrower; the maximum takes `x` (or its projection).
+    Nodes without in-edges aggregate 0. Sums and means commute with `W_l`, so they run in whichever order does fewer
+    multiply-adds: on a square graph, the SpMM on the narrower of `x` and `x W_l`; on a sampled bipartite layer
+    (many more sources than destinations) usually the SpMM first. The maximum takes `x` (or its projection).
 
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`; bipartite:
     `x = (x_src, x_dst)`, `in_features = (F_src, F_dst)` and `A` `(N_dst, N_src)` -> `(N_dst, out_features)`.
@@ -80,7 +81,7 @@ class SAGEConv(nnx.Module):
             if self.aggrs == ("mean",):
                 deg = row_sums(A, x.dtype)[:, None]
                 scale = 1 / jnp.where(deg != 0, deg, 1)
-            if self.lin_neighbors.out_features < self.lin_neighbors.in_features:  # (aggregate the narrower)
+            if _transform_first(A, self.lin_neighbors.in_features, self.lin_neighbors.out_features):
                 out = aggregate(A, self.lin_neighbors(neighbors)) * scale
             else:
                 out = self.lin_neighbors(aggregate(A, neighbors) * scale)
@@ -90,3 +91,15 @@ class SAGEConv(nnx.Module):
         if self.normalize:
             out = out / jnp.maximum(jnp.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out
+
+
+def _transform_first(A, in_features: int, out_features: int) -> bool:
+    """Whether `A (x W)` costs fewer multiply-adds than `(A x) W`: `N_src F_in F_out + nnz F_out` against
+    `nnz F_in + N_dst F_in F_out`. On a square graph that is the narrower width. On a sampled bipartite layer
+    (R-MAT 20, batch 1,024, fanouts (15, 10): 16,384 sources, 1,024 destinations, 256 -> 40) transforming every
+    source first costs 11x more, and its backward is an atomic scatter into all the sources (40 us on an H100)."""
+    n_dst, n_src = A.shape[:2]
+    if n_dst == n_src:
+        return out_features < in_features
+    nnz = A.nnz * (A.block_shape[0] * A.block_shape[1] if isinstance(A, BlockGroupCOO) else 1)
+    return n_src * in_features * out_features + nnz * out_features < nnz * in_features + n_dst * in_features * out_features
