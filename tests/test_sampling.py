@@ -151,12 +151,49 @@ def test_sample_feeds_sage_layers_like_pyg_mini_batches(rng):
     np.testing.assert_allclose(np.asarray(h), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("replace", [False, True])
+def test_outer_sources_in_graph_ids_equal_the_gathered_sample(replace, rng):
+    """`outer_sources="graph"`: the same draw, the outermost adjacency over the graph's ids (the first layer reads
+    the feature table in place); the two-layer product and its gradient equal the PyG reading's."""
+    edges, n = _graph(rng)
+    graph = CSRGraph.from_edge_index(edges, n)
+    x = jnp.asarray(rng.normal(size=(n, 4)))
+    seeds, key = jnp.array([0, 1, 4, -1]), jax.random.key(5)
+    local = sample_neighbors(graph, seeds, (3, 2), key, replace=replace)
+    direct = sample_neighbors(graph, seeds, (3, 2), key, replace=replace, outer_sources="graph",
+                              with_transpose=(False, True))
+    assert direct.sizes == (n,) + local.sizes[1:] and direct.adjacencies[0].shape == (local.sizes[1], n)
+    assert [A.transposed is not None for A in direct.adjacencies] == [False, True]
+    np.testing.assert_array_equal(direct.node_ids, local.node_ids[: local.sizes[1]])
+
+    def local_reading(x):
+        h = x[jnp.maximum(local.node_ids, 0)]
+        for A in local.adjacencies:
+            h = A @ h
+        return h
+
+    def graph_reading(x):
+        h = x
+        for A in direct.adjacencies:
+            h = A @ h
+        return h
+
+    np.testing.assert_allclose(graph_reading(x), local_reading(x), rtol=1e-12)
+    probe = jnp.asarray(rng.normal(size=(4, 4)))
+    grads = [jax.grad(lambda x, f=f: (f(x) * probe).sum())(x) for f in (graph_reading, local_reading)]
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
 def test_bad_arguments():
     graph = CSRGraph.from_edge_index(np.array([[0], [1]]), 2)
     with pytest.raises(ValueError, match="seeds must be a 1-D integer array"):
         sample_neighbors(graph, jnp.zeros((2, 2), jnp.int32), (2,), jax.random.key(0))
     with pytest.raises(ValueError, match="fanout must be an int >= 1"):
         sample_neighbors(graph, jnp.zeros(2, jnp.int32), (0,), jax.random.key(0))
+    with pytest.raises(ValueError, match="one bool per layer"):
+        sample_neighbors(graph, jnp.zeros(2, jnp.int32), (2, 2), jax.random.key(0), with_transpose=(True,))
+    with pytest.raises(ValueError, match="outer_sources must be"):
+        sample_neighbors(graph, jnp.zeros(2, jnp.int32), (2,), jax.random.key(0), outer_sources="global")
     with pytest.raises(ValueError, match=r"outside \[0, num_nodes = 2\)"):
         CSRGraph.from_edge_index(np.array([[0], [2]]), 2)
     assert isinstance(jinsum.sampling.NeighborSample, type)

@@ -10,7 +10,7 @@ reference with a nonzero value. Nothing depends on the data's shapes, so a jitte
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,20 +56,34 @@ class NeighborSample:
 
     Attributes:
       node_ids: int32 ``(n_L,)``: the original ids of the sampled nodes, the seeds first, -1 for padding rows;
-        gather features with ``x[jnp.maximum(node_ids, 0)]``.
+        gather features with ``x[jnp.maximum(node_ids, 0)]``. With ``outer_sources="graph"``, ``(n_{L-1},)``: the
+        outermost layer's destinations (its sources are the graph's nodes themselves).
       adjacencies: one bipartite `GroupCOO` per layer, outermost hop first (the order a model applies them):
         ``adjacencies[i]`` is ``(n_{L-1-i}, n_{L-i})``, its destinations the first rows of its sources. Each is
-        a fixed-fanout table (one group of ``k`` per destination).
-      sizes: the static row counts ``(n_L, ..., n_1, B)``: layer ``i`` maps ``sizes[i]`` rows to ``sizes[i + 1]``.
+        a fixed-fanout table (one group of ``k`` per destination). With ``outer_sources="graph"``,
+        ``adjacencies[0]`` is ``(n_{L-1}, num_nodes)``.
+      sizes: the static row counts ``(n_L, ..., n_1, B)``: layer ``i`` maps ``sizes[i]`` rows to ``sizes[i + 1]``
+        (``sizes[0]`` is ``num_nodes`` with ``outer_sources="graph"``).
+      outer_sources: how the outermost adjacency reads its sources (see :func:`sample_neighbors`).
     """
 
     node_ids: jax.Array
     adjacencies: tuple[GroupCOO, ...]
     sizes: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    outer_sources: str = dataclasses.field(default="sample", metadata={"static": True})
+
+    def inputs(self, x) -> tuple[jax.Array, jax.Array]:
+        """The outermost layer's ``(x_src, x_dst)`` from the graph's feature table ``x`` ``(num_nodes, F)``:
+        ``x[node_ids]`` and its first ``n_{L-1}`` rows, or, with ``outer_sources="graph"``, ``x`` itself and
+        ``x[node_ids]``. Padding rows read node 0; no adjacency gives them a nonzero value."""
+        rows = x[jnp.maximum(self.node_ids, 0)]
+        if self.outer_sources == "graph":
+            return x, rows
+        return rows, rows[: self.sizes[1]]
 
 
 def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = False,
-                     with_transpose: bool = False) -> NeighborSample:
+                     with_transpose: bool | Sequence[bool] = False, outer_sources: str = "sample") -> NeighborSample:
     """Samples ``fanouts[0]`` in-neighbors of every seed, then ``fanouts[1]`` of every node reached, and so on.
 
     Uniform over each node's in-edges; without replacement a node with fewer in-edges than the fanout keeps all
@@ -82,15 +96,29 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
       fanouts: the neighbors per node at each hop, ``(k_1, ..., k_L)``.
       key: a `jax.random` key.
       replace: sample with replacement (a neighbor may repeat; its entries then count as often as drawn).
-      with_transpose: give each adjacency its entries in column order (`GroupCOO.from_neighbors`: one sort per
-        layer, then a backward without atomics). On a sampled batch it neither pays nor costs much (R-MAT 20, batch
-        1,024, fanouts (15, 10), H100: 0.885 against 0.975 ms a step with kernels, 0.867 against 0.722 with every
-        statement on XLA), so it is off by default; deterministic mode wants it on (no sort per call).
+      with_transpose: give the adjacencies their entries in column order (`GroupCOO.from_neighbors`: one sort per
+        layer, then a backward without atomics); one bool for every layer, or one per layer, outermost first.
+        The backward of an inner layer scatters into its sources, many of them hubs; XLA's atomic scatter of the
+        second layer's `(15,360, 256)` messages took 105 us of a 0.56 ms step on an H100 (R-MAT 20, batch
+        1,024, fanouts (15, 10)), the sort and the column-ordered sum some 15 us. The outermost layer's sources
+        are the input features, whose gradient nobody asks for: ``(False, True)`` for two layers. Deterministic
+        mode wants every layer that is differentiated through in column order (no sort per call).
+      outer_sources: ``"sample"`` (the default, PyG's reading): the outermost adjacency maps the sample's ``n_L``
+        nodes, whose features a model gathers as ``x[node_ids]``. ``"graph"``: it maps the graph's own node ids
+        (``(n_{L-1}, num_nodes)``), so the first layer reads the whole feature table in place,
+        ``conv((x, x[node_ids]), adjacencies[0])``, and the sample skips the last hop's relabelling (its largest
+        sort) and never materialises an ``(n_L, F)`` copy of the input features.
 
     Returns:
       A :class:`NeighborSample`.
     """
     fanouts = tuple(check_int("sample_neighbors", "fanout", k, minimum=1) for k in fanouts)
+    if outer_sources not in ("sample", "graph"):
+        raise ValueError(f'sample_neighbors: outer_sources must be "sample" or "graph", got {outer_sources!r}')
+    transposes = (with_transpose,) * len(fanouts) if isinstance(with_transpose, bool) else tuple(with_transpose)
+    if len(transposes) != len(fanouts) or not all(isinstance(t, bool) for t in transposes):
+        raise ValueError(f"sample_neighbors: with_transpose must be a bool or one bool per layer ({len(fanouts)}, "
+                         f"outermost first), got {with_transpose!r}")
     seeds = jnp.asarray(seeds)
     if seeds.ndim != 1 or not jnp.issubdtype(seeds.dtype, jnp.integer):
         raise ValueError(f"sample_neighbors: seeds must be a 1-D integer array of node ids, got "
@@ -99,11 +127,15 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
     tables = []
     for hop, fanout in enumerate(fanouts):
         neighbors = _draw(graph, nodes, fanout, jax.random.fold_in(key, hop), replace)
+        transpose = transposes[len(fanouts) - 1 - hop]  # (hops run innermost first)
+        if hop == len(fanouts) - 1 and outer_sources == "graph":
+            tables.append(GroupCOO.from_neighbors(neighbors, num_sources=graph.num_nodes, with_transpose=transpose))
+            break
         next_nodes, local = _relabel(nodes, neighbors)
-        tables.append(GroupCOO.from_neighbors(local, num_sources=next_nodes.shape[0], with_transpose=with_transpose))
+        tables.append(GroupCOO.from_neighbors(local, num_sources=next_nodes.shape[0], with_transpose=transpose))
         nodes = next_nodes
     sizes = tuple(a.shape[1] for a in reversed(tables)) + (seeds.shape[0],)
-    return NeighborSample(nodes, tuple(reversed(tables)), sizes)
+    return NeighborSample(nodes, tuple(reversed(tables)), sizes, outer_sources)
 
 
 def hop_sizes(batch_size: int, fanouts) -> tuple[int, ...]:
