@@ -8,8 +8,11 @@ neighbourhood and runs forward, backward and the update. Systems, every one time
 (`jinsum.timing.time_calls`: back-to-back steps, one sync per round, median of rounds):
 
 - jinsum: `jinsum.sampling.sample_neighbors` on the device inside the jitted step, `jinsum.nn.SAGEConv` on the
-  sampled bipartite `GroupCOO`s (fixed-fanout tables; again with their column order, `with_transpose=True`);
+  sampled bipartite `GroupCOO`s (fixed-fanout tables);
 - plain JAX: the identical on-device sampler, then gathers + a sorted `jax.ops.segment_sum` per layer;
+  each in two readings of the sample: PyG's (`x[node_ids]` gathered for the first layer) and "in place"
+  (`outer_sources="graph"`: the first layer reads the feature table through the graph's ids; the inner layer's
+  adjacency in column order, `with_transpose=(False, True)`);
 - PyG (where torch_geometric and CUDA torch are present): a vectorised NumPy sampler on the host (with
   replacement, the cheapest one to write) and PyG's `SAGEConv` on the sampled `edge_index`.
 Also timed: `GroupCOO.from_edge_index(..., capacity=E)` from E random edges on the device, with its column order
@@ -43,7 +46,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from _training import package_versions  # noqa: E402
 from minibatch_sage.main import (  # noqa: E402
-    JinsumSAGE, SegmentSAGE, adjacencies, host_sample, pyg_trainer, sampled_step, tables)
+    JinsumSAGE, SegmentSAGE, host_sample, pyg_trainer, sampled_step)
 
 ROWS: list[dict] = []
 
@@ -65,7 +68,8 @@ def attempt(workload: str, system: str, run) -> None:
 # --- the systems (the example's models, step and PyG trainer) ---------------------------------------------------------
 
 def time_step(train, state, graph, features, labels, seed_batches, calls):
-    """ms per step over distinct batches (a new sample each call), and the step's compile count."""
+    """(ms per step over distinct batches (a new sample each call), the GPU's own ms per step or None); checks the
+    step compiled once."""
     keys = list(jax.random.split(jax.random.key(1), len(seed_batches)))  # (indexing an array per call dispatches)
     position = [0]
 
@@ -74,14 +78,14 @@ def time_step(train, state, graph, features, labels, seed_batches, calls):
         position[0] += 1
         return train(state, graph, features, labels, seed_batches[i], keys[i])[1]
 
-    ms = time_calls(one, calls=calls) * 1e3
+    ms = time_calls(one, calls=calls, rounds=10) * 1e3
     assert train._cache_size() == 1, f"the step compiled {train._cache_size()} times"
+    kernels = kernel_times(one, calls=calls)
     if KERNELS:
-        kernels = kernel_times(one, calls=calls)
         print(f"  device time {sum(kernels.values()) * 1e3:.3f} ms in {len(kernels)} kernels; the largest:")
         for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:KERNELS]:
             print(f"    {seconds * 1e6:8.1f} us  {name[:110]}")
-    return ms
+    return ms, (sum(kernels.values()) * 1e3 if kernels else None)
 
 
 def pyg_step_time(indptr, indices, features, labels, seed_batches, calls):
@@ -171,26 +175,43 @@ def main() -> None:
     x, y = jnp.asarray(features), jnp.asarray(labels)
     batches = [jnp.asarray(s) for s in seed_batches]
 
+    # Each system in both readings of the sample: PyG's (the first layer gathers `x[node_ids]`, every backward
+    # scatters atomically) and the fast one (the first layer reads the feature table in place, the inner layers
+    # carry their column order). Plain JAX gets the identical sampler and ignores the column order (XLA drops it).
+    inner = (False,) + (True,) * (len(FANOUTS) - 1)
+    readings = {"PyG reading": dict(), "in place": dict(outer_sources="graph", with_transpose=inner)}
     steps = []
-    for system, model, graph_input, transpose, note in [
-            ("jinsum", JinsumSAGE, adjacencies, False, "1 compile"),
-            ("jinsum, tables in column order", JinsumSAGE, adjacencies, True,
-             "1 compile; sample_neighbors(..., with_transpose=True)"),
-            ("plain JAX (same sampler)", SegmentSAGE, tables, False, "1 compile; gathers + segment_sum")]:
-        if system.split(" (")[0].split(",")[0] in args.skip:
-            continue
-        train, _, state = sampled_step(model(SIZES, rngs=nnx.Rngs(0)), graph_input, FANOUTS,
-                                       with_transpose=transpose)
-        steps.append((system, note, train, state))
-    # Two passes over the systems, the first discarded: on a GPU whichever system ran first measured 0.2-0.4 ms a
-    # step slower (clocks and first-launch work), more than the differences between them.
-    for _ in range(2):
-        ROWS[:] = [row for row in ROWS if row["workload"] != workload]
+    for system, model, note in [("jinsum", JinsumSAGE, "1 compile"),
+                                ("plain JAX (same sampler)", SegmentSAGE, "1 compile; gathers + segment_sum")]:
+        for reading, sampling in readings.items():
+            if system.split(" (")[0] in args.skip:
+                continue
+            train, _, state = sampled_step(model(SIZES, rngs=nnx.Rngs(0)), FANOUTS, **sampling)
+            steps.append((f"{system}, {reading}", note, train, state))
+    # Three passes over the systems, the first discarded: on a GPU whichever system ran first measured 0.2-0.4 ms a
+    # step slower (clocks and first-launch work). The steps are bound by the host's dispatch (XLA updating its
+    # command buffers with each call's new buffers), which drifts by up to 0.2 ms between passes: the row is the
+    # mean of the two timed passes' medians, and the note gives the device's own time, which does not drift.
+    timed = {}
+    for _ in range(3):
         for system, note, train, state in steps:
-            attempt(workload, system, lambda: (time_step(train, state, graph, x, y, batches, args.calls), note))
-    sampler = jax.jit(lambda g, s, k: sample_neighbors(g, s, FANOUTS, k).node_ids)
-    attempt(workload, "the device sampler alone", lambda: (time_calls(
-        sampler, graph, batches[0], jax.random.key(0), calls=args.calls) * 1e3, ""))
+            try:
+                timed.setdefault(system, []).append(time_step(train, state, graph, x, y, batches, args.calls))
+            except Exception:  # a system that fails is a row, not the end of the run
+                traceback.print_exc()
+    for system, note, _, _ in steps:
+        runs = timed.get(system, [])[1:]
+        if not runs:
+            record(workload, system, None, "failed")
+            continue
+        device = runs[-1][1]
+        record(workload, system, float(np.mean([ms for ms, _ in runs])),
+               note + ("" if device is None else f"; device {device:.3f} ms") +
+               f"; passes {', '.join(f'{ms:.3f}' for ms, _ in runs)}")
+    for reading, sampling in readings.items():
+        sampler = jax.jit(lambda g, s, k, sampling=sampling: sample_neighbors(g, s, FANOUTS, k, **sampling))
+        attempt(workload, f"the device sampler alone, {reading}", lambda: (time_calls(
+            sampler, graph, batches[0], jax.random.key(0), calls=args.calls) * 1e3, "with the formats"))
     if "PyG" not in args.skip:
         indptr, indices = np.asarray(graph.indptr).astype(np.int64), np.asarray(graph.indices)
         attempt(workload, "PyG (host sampler)",

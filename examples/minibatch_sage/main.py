@@ -11,7 +11,10 @@ Each step draws a batch of seed nodes from a shuffled epoch, samples their two-h
 (15, 10) and trains GraphSAGE (mean) features -> 256 -> classes with Adam. Systems, same data and batches:
 
 - jinsum: `jinsum.sampling.sample_neighbors` inside the jitted step (static shapes: one compile for every batch),
-  `jinsum.nn.SAGEConv((x_src, x_dst), A)` on the sampled bipartite `GroupCOO`s;
+  `jinsum.nn.SAGEConv((x_src, x_dst), A)` on the sampled bipartite `GroupCOO`s. The outermost adjacency maps the
+  graph's own node ids (`outer_sources="graph"`), so the first layer reads the feature table in place instead of a
+  gathered `(n_L, F)` copy; the inner layer's adjacency carries its column order (`with_transpose`), so its
+  backward sums over columns instead of scattering atomically into hub rows;
 - plain JAX: the same on-device sampler, then gathers + a sorted `jax.ops.segment_sum` per layer;
 - PyG (where torch_geometric is installed): a vectorised NumPy sampler on the host, PyG's `SAGEConv` on the
   sampled `edge_index`, on CUDA when torch has it.
@@ -44,15 +47,17 @@ import _common  # noqa: E402
 
 
 class JinsumSAGE(nnx.Module):
-    """GraphSAGE (mean) over sampled bipartite adjacencies, outermost hop first: `x` holds the sample's nodes."""
+    """GraphSAGE (mean) over a `NeighborSample`'s bipartite adjacencies, outermost hop first."""
 
     def __init__(self, sizes, *, rngs):
         self.convs = nnx.List([jinsum.nn.SAGEConv(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:])])
 
-    def __call__(self, x, adjacencies):
-        for i, (conv, A) in enumerate(zip(self.convs, adjacencies)):
-            x = conv((x, x[: A.shape[0]]), A)  # a hop's destinations are the first rows of its sources
+    def __call__(self, features, sample):
+        x_src, x_dst = sample.inputs(features)
+        for i, (conv, A) in enumerate(zip(self.convs, sample.adjacencies)):
+            x = conv((x_src, x_dst), A)
             x = jax.nn.relu(x) if i < len(self.convs) - 1 else x
+            x_src, x_dst = x, x[: sample.sizes[i + 2]] if i + 2 < len(sample.sizes) else x  # (destinations first)
         return x
 
 
@@ -65,37 +70,31 @@ class SegmentSAGE(nnx.Module):
         self.neighbors = nnx.List([nnx.Linear(i, o, use_bias=False, rngs=rngs) for i, o in pairs])
         self.roots = nnx.List([nnx.Linear(i, o, rngs=rngs) for i, o in pairs])
 
-    def __call__(self, x, tables):
-        for i, (lin, root, (src, valid, n_dst)) in enumerate(zip(self.neighbors, self.roots, tables)):
-            dst = jnp.repeat(jnp.arange(n_dst), src.shape[0] // n_dst)
-            messages = jnp.where(valid[:, None], x[src], 0)
+    def __call__(self, features, sample):
+        x_src, x_dst = sample.inputs(features)
+        for i, (lin, root, A) in enumerate(zip(self.neighbors, self.roots, sample.adjacencies)):
+            n_dst, k = A.Ak.shape  # the sampled table: k neighbours per destination, value 0 where padding
+            src, valid = A.Ak.reshape(-1), (A.Av != 0).reshape(-1)
+            dst = jnp.repeat(jnp.arange(n_dst), k)
+            messages = jnp.where(valid[:, None], x_src[src], 0)
             total = jax.ops.segment_sum(messages, dst, n_dst, indices_are_sorted=True)
-            degree = jax.ops.segment_sum(valid.astype(x.dtype), dst, n_dst, indices_are_sorted=True)
-            x = lin(total / jnp.maximum(degree, 1)[:, None]) + root(x[:n_dst])
+            degree = jax.ops.segment_sum(valid.astype(x_src.dtype), dst, n_dst, indices_are_sorted=True)
+            x = lin(total / jnp.maximum(degree, 1)[:, None]) + root(x_dst)
             x = jax.nn.relu(x) if i < len(self.neighbors) - 1 else x
+            x_src, x_dst = x, x[: sample.sizes[i + 2]] if i + 2 < len(sample.sizes) else x
         return x
 
 
-def adjacencies(sample):
-    return sample.adjacencies
-
-
-def tables(sample):
-    """Each layer's neighbour table as (source rows, valid, destination count), outermost first."""
-    return [(A.Ak.reshape(-1), (A.Av != 0).reshape(-1), A.shape[0]) for A in sample.adjacencies]
-
-
-def sampled_step(model, graph_input, fanouts, *, learning_rate=0.01, with_transpose=False):
+def sampled_step(model, fanouts, *, learning_rate=0.01, **sampling):
     """`(train, predict, state)`: jitted functions of `(state, graph, features, labels, seeds, key)` that sample the
-    seeds' neighbourhood on the device; `train` returns the new state and the loss, `predict` the seeds' classes.
-    `graph_input(sample)` is what the model reads of the sample."""
+    seeds' neighbourhood on the device (`sampling`: `sample_neighbors`' keywords); `train` returns the new state
+    and the loss, `predict` the seeds' classes. `model(features, sample)` gives the sample's destinations' logits."""
     optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
 
     def logits(model, graph, features, seeds, key):
-        sample = sample_neighbors(graph, seeds, fanouts, key, with_transpose=with_transpose)
-        x = features[jnp.maximum(sample.node_ids, 0)]
-        return model(x, graph_input(sample))[: seeds.shape[0]]
+        sample = sample_neighbors(graph, seeds, fanouts, key, **sampling)
+        return model(features, sample)[: seeds.shape[0]]
 
     @jax.jit
     def train(state, graph, features, labels, seeds, key):
@@ -277,9 +276,10 @@ def main(argv=None) -> None:
     print(f"constant guess: {np.bincount(labels[test_nodes]).max() / test_nodes.size:.3f} test accuracy")
 
     rows = []
-    for name, model, graph_input in [("jinsum SAGEConv", JinsumSAGE, adjacencies),
-                                     ("plain JAX segment_sum", SegmentSAGE, tables)]:
-        train, predict, state = sampled_step(model(sizes, rngs=nnx.Rngs(args.seed)), graph_input, fanouts)
+    # The first layer reads the feature table in place, inner layers get their column order (module docstring).
+    sampling = dict(outer_sources="graph", with_transpose=(False,) + (True,) * (len(fanouts) - 1))
+    for name, model in [("jinsum SAGEConv", JinsumSAGE), ("plain JAX segment_sum", SegmentSAGE)]:
+        train, predict, state = sampled_step(model(sizes, rngs=nnx.Rngs(args.seed)), fanouts, **sampling)
         rate, accuracy, compiles = run_jax(name, train, predict, state, graph, x, y,
                                            [jnp.asarray(b) for b in train_batches],
                                            [jnp.asarray(b) for b in test_batches], args.epochs, args.seed)
