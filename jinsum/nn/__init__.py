@@ -12,7 +12,8 @@ Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (me
 attention weights), `GATv2Conv` (edge by edge, on an `edge_list`), `TransformerConv` (the same fused attention as
 GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and
 TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
-`batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`. Several devices: GCN, SGConv, APPNP,
+`batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`. Graphs from data inside `jit`:
+`knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix. Several devices: GCN, SGConv, APPNP,
 SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a `relational_adjacency`) take a
 `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a partition of an
 `edge_adjacency` (the edges one by one, their features in its values).
@@ -36,6 +37,8 @@ from jinsum.nn._graph import EdgeList as EdgeList
 from jinsum.nn._graph import adjacency as adjacency
 from jinsum.nn._graph import edge_list as edge_list
 from jinsum.nn._graph_conv import GraphConv as GraphConv
+from jinsum.nn._point_graphs import knn as knn
+from jinsum.nn._point_graphs import knn_graph as knn_graph
 from jinsum.nn._pool import batch_graphs as batch_graphs
 from jinsum.nn._pool import global_add_pool as global_add_pool
 from jinsum.nn._pool import global_max_pool as global_max_pool
