@@ -55,9 +55,10 @@ class JinsumSAGE(nnx.Module):
     def __call__(self, features, sample):
         x_src, x_dst = sample.inputs(features)
         for i, (conv, A) in enumerate(zip(self.convs, sample.adjacencies)):
+            if i:  # a hop's destinations are the first rows of its sources
+                x_src, x_dst = x, x[: A.shape[0]]
             x = conv((x_src, x_dst), A)
             x = jax.nn.relu(x) if i < len(self.convs) - 1 else x
-            x_src, x_dst = x, x[: sample.sizes[i + 2]] if i + 2 < len(sample.sizes) else x  # (destinations first)
         return x
 
 
@@ -73,6 +74,8 @@ class SegmentSAGE(nnx.Module):
     def __call__(self, features, sample):
         x_src, x_dst = sample.inputs(features)
         for i, (lin, root, A) in enumerate(zip(self.neighbors, self.roots, sample.adjacencies)):
+            if i:
+                x_src, x_dst = x, x[: A.shape[0]]
             n_dst, k = A.Ak.shape  # the sampled table: k neighbours per destination, value 0 where padding
             src, valid = A.Ak.reshape(-1), (A.Av != 0).reshape(-1)
             dst = jnp.repeat(jnp.arange(n_dst), k)
@@ -81,7 +84,6 @@ class SegmentSAGE(nnx.Module):
             degree = jax.ops.segment_sum(valid.astype(x_src.dtype), dst, n_dst, indices_are_sorted=True)
             x = lin(total / jnp.maximum(degree, 1)[:, None]) + root(x_dst)
             x = jax.nn.relu(x) if i < len(self.neighbors) - 1 else x
-            x_src, x_dst = x, x[: sample.sizes[i + 2]] if i + 2 < len(sample.sizes) else x
         return x
 
 

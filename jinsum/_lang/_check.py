@@ -293,7 +293,8 @@ def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: f
     # Only 1-D index arrays of this statement can be sorted; dropping the rest keeps equal Specs equal.
     sorted_indices = frozenset(n for n in sorted_indices if n in index_tensors and len(by_name[n].shape) == 1)
     spec = Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs),
-                _column_order(column_order, by_name, index_tensors), bool(deterministic), bool(winners), bool(by_columns))
+                _column_order(column_order, by_name, index_tensors), bool(deterministic), bool(winners),
+                bool(by_columns))
     if winners and spec.term_count >= 2**31:
         raise NotImplementedError(f"jinsum: the derivative of {statement} numbers its terms per output element "
                                   f"over {spec.reduced_variables} in int32; there are 2**31 or more")

@@ -13,10 +13,10 @@ attention weights), `GATv2Conv` (edge by edge, on an `edge_list`), `TransformerC
 GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and
 TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
 `batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`. Graphs from data inside `jit`:
-`knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix. Several devices: GCN, SGConv, APPNP,
-SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a `relational_adjacency`) take a
-`jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a partition of an
-`edge_adjacency` (the edges one by one, their features in its values).
+`knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix.
+Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
+`relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
+partition of an `edge_adjacency` (the edges one by one, their features in its values).
 """
 
 from jinsum.nn._aggregation import aggregate_by as aggregate_by

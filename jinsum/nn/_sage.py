@@ -102,4 +102,5 @@ def _transform_first(A, in_features: int, out_features: int) -> bool:
     if n_dst == n_src:
         return out_features < in_features
     nnz = A.nnz * (A.block_shape[0] * A.block_shape[1] if isinstance(A, BlockGroupCOO) else 1)
-    return n_src * in_features * out_features + nnz * out_features < nnz * in_features + n_dst * in_features * out_features
+    transform_first = n_src * in_features * out_features + nnz * out_features
+    return transform_first < nnz * in_features + n_dst * in_features * out_features

@@ -105,8 +105,8 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
         mode wants every layer that is differentiated through in column order (no sort per call).
       outer_sources: ``"sample"`` (the default, PyG's reading): the outermost adjacency maps the sample's ``n_L``
         nodes, whose features a model gathers as ``x[node_ids]``. ``"graph"``: it maps the graph's own node ids
-        (``(n_{L-1}, num_nodes)``), so the first layer reads the whole feature table in place,
-        ``conv((x, x[node_ids]), adjacencies[0])``, and the sample skips the last hop's relabelling (its largest
+        (``(n_{L-1}, num_nodes)``), so the first layer reads the whole feature table in place
+        (``conv(sample.inputs(x), adjacencies[0])``), and the sample skips the last hop's relabelling (its largest
         sort) and never materialises an ``(n_L, F)`` copy of the input features.
 
     Returns:
