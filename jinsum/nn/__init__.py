@@ -12,7 +12,9 @@ Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (me
 attention weights), `GATv2Conv` (edge by edge, on an `edge_list`), `TransformerConv` (the same fused attention as
 GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and
 TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
-`batch_graphs`, then `global_add_pool` / `global_mean_pool` / `global_max_pool`. Graphs from data inside `jit`:
+`GraphLoader` (padded mini-batches of fixed budgets, `GraphBatch.adjacency()` built on the device: one compile) or
+`batch_graphs` (one batch, on the host), then `global_add_pool` / `global_mean_pool` / `global_max_pool` /
+`AttentionalAggregation`. Graphs from data inside `jit`:
 `knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix.
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
@@ -36,9 +38,13 @@ from jinsum.nn._gine import GINEConv as GINEConv
 from jinsum.nn._graph import EdgeList as EdgeList
 from jinsum.nn._graph import adjacency as adjacency
 from jinsum.nn._graph import edge_list as edge_list
+from jinsum.nn._graph_batch import GraphBatch as GraphBatch
+from jinsum.nn._graph_batch import GraphBudget as GraphBudget
+from jinsum.nn._graph_batch import GraphLoader as GraphLoader
 from jinsum.nn._graph_conv import GraphConv as GraphConv
 from jinsum.nn._point_graphs import knn as knn
 from jinsum.nn._point_graphs import knn_graph as knn_graph
+from jinsum.nn._pool import AttentionalAggregation as AttentionalAggregation
 from jinsum.nn._pool import batch_graphs as batch_graphs
 from jinsum.nn._pool import global_add_pool as global_add_pool
 from jinsum.nn._pool import global_max_pool as global_max_pool

@@ -1,13 +1,15 @@
 """Graph-level work on many small graphs: a batch of graphs as one block-diagonal adjacency plus a `batch` vector,
-and the readouts `global_add_pool`, `global_mean_pool`, `global_max_pool` as indirect Einsums over it."""
+and the readouts `global_add_pool`, `global_mean_pool`, `global_max_pool` and `AttentionalAggregation` as indirect
+Einsums over it (sorted segment reductions that leave out padding nodes, numbered `num_graphs`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jinsum
 from jinsum.formats import GroupCOO
@@ -55,31 +57,70 @@ def batch_graphs(edge_indices: Sequence, num_nodes: Sequence[int], *, group_size
 
 def global_add_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
     """Per graph, the sum of its nodes' rows: `P[b[i],n] += X[i,n]`, a sorted segment reduction (`batch` sorted,
-    as `batch_graphs` makes it). `(num_graphs, F)` from `x` `(N, F)`."""
-    return _pool("+=", x, batch, num_graphs)
+    as `batch_graphs` and `GraphBatch.node_graph` make it; `num_graphs` marks a padding node, left out).
+    `(num_graphs, F)` from `x` `(N, F)`."""
+    return _pool("+=", x, batch, num_graphs)[:-1]
 
 
 def global_mean_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
     """Per graph, the mean of its nodes' rows (0 for a graph without nodes): the sum over the node count."""
     counts = _pool("+=", jnp.ones((x.shape[0], 1), x.dtype), batch, num_graphs)
-    return _pool("+=", x, batch, num_graphs) / jnp.maximum(counts, 1)
+    return (_pool("+=", x, batch, num_graphs) / jnp.maximum(counts, 1))[:-1]
 
 
 def global_max_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
     """Per graph, the elementwise maximum of its nodes' rows: `P[b[i],n] max= X[i,n]` (0 for a graph without
     nodes, as PyG); the gradient goes to each element's first maximal node."""
-    out = _pool("max=", x, batch, num_graphs)
+    out = _pool("max=", x, batch, num_graphs)[:-1]
     return jnp.where(out == -jnp.inf, 0, out)
 
 
+class AttentionalAggregation(nnx.Module):
+    """Per graph, a sum of its nodes' rows weighted by a softmax over its nodes of a learned gate (Li et al., 2016;
+    PyG's `AttentionalAggregation`): `out_b = sum_{i in b} softmax_b(gate_nn(x))_i * nn(x)_i`.
+
+    The softmax is three pools: the largest gate per graph (`max=`), the sum of the shifted exponentials (`+=`)
+    and the weighted sum (`+=`), each a sorted segment reduction over `batch`. Padding nodes (`num_graphs` in
+    `batch`) take no part.
+
+    Example:
+      >>> gate = nnx.Linear(64, 1, rngs=rngs)
+      >>> pool = jinsum.nn.AttentionalAggregation(gate)
+      >>> readout = pool(h, batch.node_graph(), batch.budget.graphs)           # (G, 64)
+    """
+
+    def __init__(self, gate_nn: Callable[[jax.Array], jax.Array], nn: Callable[[jax.Array], jax.Array] | None = None):
+        """`gate_nn` maps `(N, F)` to `(N, 1)` (one weight per node) or `(N, F')` (one per channel, the width of
+        `nn`'s output); `nn` transforms the rows before the sum (None: the rows as they are)."""
+        self.gate_nn, self.nn = gate_nn, nn
+
+    def __call__(self, x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
+        """`x` `(N, F)`, `batch` `(N,)` sorted -> `(num_graphs, F')`."""
+        gate = self.gate_nn(x)
+        x = x if self.nn is None else self.nn(x)
+        if gate.ndim != 2 or gate.shape[0] != x.shape[0] or gate.shape[1] not in (1, x.shape[1]):
+            raise ValueError(f"AttentionalAggregation: gate_nn must give (N, 1) or (N, {x.shape[1]}), got "
+                             f"{tuple(gate.shape)}")
+        batch = jnp.asarray(batch)
+        largest = jax.lax.stop_gradient(_pool("max=", gate, batch, num_graphs))  # (PyG's detached shift)
+        weight = jnp.exp(gate - largest[batch])
+        weight = weight / (_pool("+=", weight, batch, num_graphs)[batch] + 1e-16)
+        return _pool("+=", weight * x, batch, num_graphs)[:-1]
+
+
 def _pool(op: str, x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
+    """`P[b[i],n] op X[i,n]` over `num_graphs + 1` rows: the last one collects the padding nodes."""
     if x.ndim != 2 or jnp.shape(batch) != (x.shape[0],):
         raise ValueError(f"global pooling: expected node features (N, F) and a batch vector (N,), got "
                          f"{tuple(x.shape)} and {tuple(jnp.shape(batch))}")
     if not isinstance(num_graphs, (int, np.integer)) or num_graphs < 0:
         raise TypeError(f"global pooling: num_graphs must be a Python int (the output's static size), got "
                         f"{num_graphs!r}")
-    if not isinstance(batch, jax.core.Tracer) and (np.diff(np.asarray(batch)) < 0).any():
-        raise ValueError("global pooling: batch must be sorted, graph by graph (as batch_graphs numbers the nodes)")
-    pooled = jax.ShapeDtypeStruct((int(num_graphs), x.shape[1]), x.dtype)
+    if not isinstance(batch, jax.core.Tracer):
+        batch = np.asarray(batch)
+        if (np.diff(batch) < 0).any() or (batch.size and (batch.min() < 0 or batch.max() > num_graphs)):
+            raise ValueError(f"global pooling: batch must be sorted, graph by graph (as batch_graphs numbers the "
+                             f"nodes), with graph ids in [0, num_graphs = {num_graphs}) and num_graphs for "
+                             f"padding nodes; got ids from {batch.min()} to {batch.max()}")
+    pooled = jax.ShapeDtypeStruct((int(num_graphs) + 1, x.shape[1]), x.dtype)
     return jinsum.einsum(f"P[b[i],n] {op} X[i,n]", P=pooled, b=batch, X=x, sorted_indices=("b",))

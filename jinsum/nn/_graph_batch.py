@@ -1,0 +1,293 @@
+"""Mini-batches of small graphs with fixed budgets (jraph's `pad_with_graphs`, PyG's `DataLoader`), one compile.
+
+Every batch has the same shapes: at most `budget.graphs` graphs, `budget.nodes` node rows and `budget.edges` edge
+columns, the rest padding. The host only gathers and pads arrays (vectorised NumPy over a dataset flattened once);
+the device turns them into what the layers read: the block-diagonal adjacency with its column order
+(`GraphBatch.adjacency`, the device builder of `GroupCOO`) and the node -> graph vector (`GraphBatch.node_graph`).
+Padding nodes belong to graph `budget.graphs`, one past the last, so the pools (which drop that id) and every
+sorted segment reduction over the batch leave them out; padding edges are -1 and padding graphs are empty, with
+`graph_mask` False so that losses leave them out.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum.formats import GroupCOO
+from jinsum.formats._convert import check_int
+from jinsum.nn._graph import adjacency
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBudget:
+    """The fixed sizes of every padded batch: `graphs` graphs, `nodes` nodes and `edges` edges at most.
+
+    Choose them from a dataset with `GraphBudget.for_dataset`, or give them yourself.
+    """
+
+    nodes: int
+    edges: int
+    graphs: int
+
+    def __post_init__(self):
+        for name in ("nodes", "edges", "graphs"):
+            check_int("jinsum.nn.GraphBudget", name, getattr(self, name), minimum=1 if name == "graphs" else 0)
+
+    @classmethod
+    def for_dataset(cls, graphs: Sequence, batch_size: int, *, deviations: float = 3.0,
+                    multiple: int = 64) -> GraphBudget:
+        """Budgets that `batch_size` graphs drawn at random from `graphs` fill, with rare overflows.
+
+        A batch's node count is a sum of `batch_size` draws: its mean is `batch_size` times the dataset's mean and
+        its spread `sqrt(batch_size)` times the dataset's standard deviation. The budget is the mean plus
+        `deviations` spreads (3: about one batch in 700 closes early), at least the largest graph, rounded up to a
+        `multiple`; the same for edges. A batch that would pass a budget closes early and the graph opens the next
+        one (`GraphLoader`): no graph is dropped, and no batch changes shape.
+        """
+        batch_size = check_int("GraphBudget.for_dataset", "batch_size", batch_size, minimum=1)
+        data = _FlatGraphs.of(graphs)
+        budget = {}
+        for name, counts in (("nodes", data.node_counts), ("edges", data.edge_counts)):
+            spread = batch_size * counts.mean() + deviations * math.sqrt(batch_size) * counts.std()
+            budget[name] = multiple * math.ceil(max(spread, counts.max(initial=0), 1) / multiple)
+        return cls(budget["nodes"], budget["edges"], batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBatch:
+    """A padded batch of graphs: a pytree of arrays whose shapes depend only on the `GraphBudget`.
+
+    Fields (`G`, `N`, `E` the budgets): `x` `(N, F)` node features (zero padding); `edge_index` int32 `(2, E)`,
+    each graph's own node ids (sources, destinations), -1 padding (`edges()` numbers them in the batch);
+    `edge_attr` `(E, ...)` or None; `y` `(G, ...)` each graph's target or None; `n_node`, `n_edge` int32 `(G,)`,
+    0 for padding graphs; `graph_mask` bool `(G,)`, True for the batch's graphs. Static: `budget`.
+
+    Example:
+      >>> @jax.jit
+      ... def predict(model, batch):
+      ...     A = batch.adjacency()                                   # built on the device
+      ...     h = model(batch.x, A)                                   # (N, F)
+      ...     return jinsum.nn.global_add_pool(h, batch.node_graph(), batch.budget.graphs)   # (G, F)
+    """
+
+    x: jax.Array
+    edge_index: jax.Array
+    edge_attr: jax.Array | None
+    y: jax.Array | None
+    n_node: jax.Array
+    n_edge: jax.Array
+    graph_mask: jax.Array
+    budget: GraphBudget
+
+    def node_graph(self) -> jax.Array:
+        """int32 `(N,)`: each node's graph, sorted; `budget.graphs` for padding nodes (PyG's `batch`)."""
+        return _owner(self.n_node, self.budget.nodes)
+
+    def node_mask(self) -> jax.Array:
+        """bool `(N,)`: True for the batch's nodes, False for padding."""
+        return jnp.arange(self.budget.nodes) < jnp.sum(self.n_node)
+
+    def edges(self) -> jax.Array:
+        """int32 `(2, E)`: the edge index over the batch's nodes (graph `k`'s ids after those of graphs before it),
+        -1 for padding edges."""
+        first_node = jnp.cumsum(self.n_node) - self.n_node
+        graph = _owner(self.n_edge, self.budget.edges)
+        offset = jnp.concatenate([first_node, jnp.zeros(1, first_node.dtype)])[graph]
+        return jnp.where(graph < self.budget.graphs, self.edge_index + offset, -1)
+
+    def adjacency(self, **options) -> GroupCOO:
+        """The block-diagonal `(N, N)` adjacency of the batch, built on the device with its column order:
+        `jinsum.nn.adjacency(self.edges(), N, capacity=E, **options)` (`values=`, `self_loops=`, `group_size=`)."""
+        return adjacency(self.edges(), self.budget.nodes, capacity=self.budget.edges, **options)
+
+
+jax.tree_util.register_dataclass(
+    GraphBatch, data_fields=["x", "edge_index", "edge_attr", "y", "n_node", "n_edge", "graph_mask"],
+    meta_fields=["budget"])
+
+
+def _owner(counts: jax.Array, size: int) -> jax.Array:
+    """For `size` rows dealt to segments of `counts` in order, each row's segment (`len(counts)` past the end)."""
+    return jnp.searchsorted(jnp.cumsum(counts), jnp.arange(size, dtype=counts.dtype), side="right").astype(jnp.int32)
+
+
+class GraphLoader:
+    """Padded mini-batches of a list of graphs, every batch one `GraphBatch` of the same shapes (PyG's
+    `DataLoader`, jraph's budgets).
+
+    A graph is anything with `x` (node features `(n, F)`) and `edge_index` (int `(2, e)` over its own nodes) and
+    optionally `edge_attr` (`(e, ...)`) and `y` (its target), as attributes (a PyG `Data`) or keys (a dict). The
+    dataset is flattened once; a batch is then a few vectorised gathers on the host and one transfer. Graphs are
+    taken in order (shuffled per epoch with `shuffle=True`), `batch_size` at a time, and a batch closes early when
+    the next graph would pass the node or edge budget; a graph larger than the budget on its own is an error.
+
+    Example:
+      >>> loader = jinsum.nn.GraphLoader(graphs, batch_size=128, shuffle=True)   # budget from the dataset
+      >>> for epoch in range(10):
+      ...     for batch in loader:
+      ...         state, loss = train_step(state, batch)                          # one compile
+    """
+
+    def __init__(self, graphs: Sequence, batch_size: int, *, budget: GraphBudget | None = None,
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, prefetch: int = 2):
+        """Flattens `graphs` and checks each against the budget.
+
+        Args:
+          graphs: the dataset, a sequence of graphs (see above), all with the same feature sizes.
+          batch_size: graphs per batch at most.
+          budget: the padded sizes; defaults to `GraphBudget.for_dataset(graphs, batch_size)`. Its `graphs` must
+            be at least `batch_size`.
+          shuffle: a new order of the graphs every epoch (every `iter`), from `seed`.
+          drop_last: leave out an epoch's last batch when it holds fewer than `batch_size` graphs.
+          prefetch: batches made and sent to the device ahead, on a worker thread (0: on the caller's thread, as
+            it asks for each).
+        """
+        self.batch_size = check_int("jinsum.nn.GraphLoader", "batch_size", batch_size, minimum=1)
+        self.data = _FlatGraphs.of(graphs)
+        self.budget = GraphBudget.for_dataset(graphs, batch_size) if budget is None else budget
+        if self.budget.graphs < self.batch_size:
+            raise ValueError(f"jinsum.nn.GraphLoader: the budget holds {self.budget.graphs} graphs, fewer than "
+                             f"batch_size = {self.batch_size}")
+        for name, counts, limit in (("nodes", self.data.node_counts, self.budget.nodes),
+                                    ("edges", self.data.edge_counts, self.budget.edges)):
+            if counts.size and counts.max() > limit:
+                k = int(np.argmax(counts))
+                raise ValueError(f"jinsum.nn.GraphLoader: graph {k} has {counts[k]} {name}, more than the budget "
+                                 f"of {limit} {name} per batch ({self.budget}); raise the budget (a graph is "
+                                 "never dropped)")
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.prefetch = check_int("jinsum.nn.GraphLoader", "prefetch", prefetch)
+        self._rng = np.random.default_rng(seed)
+
+    def __iter__(self) -> Iterator[GraphBatch]:
+        count = len(self.data.node_counts)
+        order = self._rng.permutation(count) if self.shuffle else np.arange(count)
+        batches = (ids for ids in self._batches(order) if not (self.drop_last and len(ids) < self.batch_size))
+
+        x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64  # (a thread-local setting: pass it on)
+
+        def make(ids):
+            with jax.enable_x64(x64):
+                return jax.device_put(self.data.batch(ids, self.budget))
+
+        if not self.prefetch:
+            yield from map(make, batches)
+            return
+        # A worker thread gathers and transfers the next batches while the caller dispatches its steps.
+        with concurrent.futures.ThreadPoolExecutor(1) as worker:
+            ahead = collections.deque(worker.submit(make, ids) for ids in itertools.islice(batches, self.prefetch))
+            while ahead:
+                batch = ahead.popleft().result()
+                ahead.extend(worker.submit(make, ids) for ids in itertools.islice(batches, 1))
+                yield batch
+
+    def __len__(self) -> int:
+        return sum(1 for ids in self._batches(np.arange(len(self.data.node_counts)))
+                   if not (self.drop_last and len(ids) < self.batch_size))
+
+    def _batches(self, order: np.ndarray) -> Iterator[np.ndarray]:
+        """Consecutive runs of `order`, each of at most `batch_size` graphs within the node and edge budgets."""
+        nodes = np.cumsum(self.data.node_counts[order])
+        edges = np.cumsum(self.data.edge_counts[order])
+        start = 0
+        while start < len(order):
+            before_nodes = nodes[start - 1] if start else 0
+            before_edges = edges[start - 1] if start else 0
+            stop = min(start + self.batch_size,
+                       np.searchsorted(nodes, before_nodes + self.budget.nodes, side="right"),
+                       np.searchsorted(edges, before_edges + self.budget.edges, side="right"))
+            yield order[start:stop]
+            start = stop
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlatGraphs:
+    """A dataset of graphs as flat arrays: nodes and edges of all graphs one after another, and their counts; each
+    field ends with one padding row (zeros; -1 for the edge index)."""
+
+    x: np.ndarray
+    edge_index: np.ndarray
+    edge_attr: np.ndarray | None
+    y: np.ndarray | None
+    node_counts: np.ndarray
+    edge_counts: np.ndarray
+
+    @classmethod
+    def of(cls, graphs: Sequence) -> _FlatGraphs:
+        if isinstance(graphs, _FlatGraphs):
+            return graphs
+        if not len(graphs):
+            raise ValueError("jinsum.nn: expected a non-empty sequence of graphs")
+        xs, edges, attrs, ys = [], [], [], []
+        for k, graph in enumerate(graphs):
+            x, edge_index = _field(graph, "x"), _field(graph, "edge_index")
+            if x is None or edge_index is None:
+                raise ValueError(f"jinsum.nn: graph {k} has no {'x' if x is None else 'edge_index'}; every graph "
+                                 "needs node features x (n, F) and an edge index (2, e)")
+            x, edge_index = _numpy(x), _numpy(edge_index)
+            if x.ndim != 2 or x.shape[1:] != _numpy(_field(graphs[0], "x")).shape[1:]:
+                raise ValueError(f"jinsum.nn: graph {k}'s node features have shape {x.shape}, expected (n, F) with "
+                                 "the F of graph 0")
+            if edge_index.ndim != 2 or edge_index.shape[0] != 2 or (
+                    edge_index.size and (edge_index.min() < 0 or edge_index.max() >= x.shape[0])):
+                raise ValueError(f"jinsum.nn: graph {k}'s edge_index (shape {edge_index.shape}) must be (2, e) "
+                                 f"over its own {x.shape[0]} nodes")
+            xs.append(x)
+            edges.append(edge_index.astype(np.int32))
+            attrs.append(_field(graph, "edge_attr"))
+            ys.append(_field(graph, "y"))
+        for name, values in (("edge_attr", attrs), ("y", ys)):
+            if any(v is None for v in values) and any(v is not None for v in values):
+                raise ValueError(f"jinsum.nn: some graphs have {name} and some do not")
+        def with_zero_row(arrays):  # (the row that padding gathers)
+            return np.concatenate([*arrays, np.zeros((1, *arrays[0].shape[1:]), arrays[0].dtype)])
+
+        return cls(with_zero_row(xs), np.concatenate([*edges, np.full((2, 1), -1, np.int32)], axis=1),
+                   None if attrs[0] is None else with_zero_row([_numpy(a) for a in attrs]),
+                   None if ys[0] is None else with_zero_row([_numpy(y).reshape(1, *_numpy(ys[0]).shape) for y in ys]),
+                   np.array([x.shape[0] for x in xs]), np.array([e.shape[1] for e in edges]))
+
+    def batch(self, ids: np.ndarray, budget: GraphBudget) -> GraphBatch:
+        """The graphs `ids` (within `budget`) as one padded `GraphBatch` of NumPy arrays: one gather per field,
+        whose index points padding rows at the zero row (or -1 column) that `of` appended to each field."""
+        n_node, n_edge = self.node_counts[ids], self.edge_counts[ids]
+        nodes = _padded(_ranges(self.node_counts, ids), budget.nodes, len(self.x) - 1)
+        edges = _padded(_ranges(self.edge_counts, ids), budget.edges, self.edge_index.shape[1] - 1)
+        graphs = _padded(ids, budget.graphs, -1)
+        pad = budget.graphs - ids.size
+        return GraphBatch(
+            self.x[nodes], self.edge_index[:, edges], None if self.edge_attr is None else self.edge_attr[edges],
+            None if self.y is None else self.y[graphs], np.pad(n_node, (0, pad)).astype(np.int32),
+            np.pad(n_edge, (0, pad)).astype(np.int32), np.arange(budget.graphs) < ids.size, budget)
+
+
+def _padded(index: np.ndarray, size: int, padding: int) -> np.ndarray:
+    return np.concatenate([index, np.full(size - index.size, padding, index.dtype)])
+
+
+def _ranges(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The rows of segments `ids` of a flat array cut into segments of `counts`, one after another."""
+    starts = (np.cumsum(counts) - counts)[ids]
+    lengths = counts[ids]
+    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(lengths.sum())
+
+
+def _field(graph, name: str):
+    """A graph's field, as an attribute (a PyG `Data`, a namedtuple) or a key (a dict); None where absent."""
+    return graph.get(name) if isinstance(graph, Mapping) else getattr(graph, name, None)
+
+
+def _numpy(array) -> np.ndarray:
+    """NumPy, JAX or torch (on any device) as a NumPy array of the dtype JAX would make of it (float32 for float64
+    without `jax_enable_x64`), so that each batch is converted once, here, not at every transfer."""
+    array = np.asarray(array.detach().cpu() if hasattr(array, "detach") else array)
+    return array.astype(jax.dtypes.canonicalize_dtype(array.dtype), copy=False)
