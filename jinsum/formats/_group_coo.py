@@ -12,7 +12,8 @@ from jax.experimental import sparse as jsparse
 
 from jinsum.formats._base import GroupedFormat
 from jinsum import _config
-from jinsum.formats._build import capacity_group_size, device_groups, device_transposed, transposed_from_slots
+from jinsum.formats._build import (capacity_group_size, device_groups, device_transposed, group_bound,
+                                   groups_from_rows, transposed_from_slots)
 from jinsum.formats._convert import (
     as_jax_array,
     check_edge_index,
@@ -339,6 +340,64 @@ class GroupCOO(GroupedFormat):
                                                             index_dtype=index))
         shape = (neighbors.shape[0], num_sources, *values.shape[2:])
         return cls.tree_unflatten((shape, Ak.size), (Ai, Ak, Av, transposed, jnp.zeros((), bool)))
+
+    @classmethod
+    def from_csr(cls, indptr, indices, values=None, *, num_columns: int, group_size: int | None = None, dtype=None,
+                 with_transpose: bool = True) -> GroupCOO:
+        """The ``M x num_columns`` matrix of a CSR index (row ``r``: the columns ``indices[indptr[r]:indptr[r + 1]]``),
+        traceable, with no sort: its shapes depend only on ``len(indptr)``, ``len(indices)`` and the group size.
+
+        Every position of ``indices`` is a stored entry of its own, as in :meth:`from_neighbors`: repeated columns of
+        a row stay separate entries (the host converters sum them). The result carries its entries in column order
+        (``with_transpose``: one sort, on the device), and ``overflow`` False.
+
+        Args:
+          indptr: int ``(M + 1,)``, non-decreasing; positions outside ``[indptr[0], indptr[M])`` are left out.
+          indices: int ``(L,)`` columns; a negative one is padding (a slot of value 0 in its row).
+          values: ``(L,)`` or ``(L, *dense_shape)``; defaults to ones.
+          num_columns: ``K``.
+          group_size: defaults to the capacity's rule for ``L`` entries over ``M`` rows (`capacity_group_size`).
+          dtype, with_transpose: as for :meth:`from_neighbors`.
+
+        Example (torch's `EmbeddingBag` reading: bag ``b`` is ``ids[offsets[b]:offsets[b + 1]]``):
+          >>> A = GroupCOO.from_csr(jnp.append(offsets, len(ids)), ids, num_columns=num_embeddings)
+          >>> A @ table                                          # each bag's sum of its rows
+        """
+        where = f"{_FMT}.from_csr"
+        num_columns = check_int(where, "num_columns", num_columns)
+        indptr, indices = as_jax_array(indptr), as_jax_array(indices)
+        for name, x, expected in (("indptr", indptr, "(M + 1,) of row starts"),
+                                  ("indices", indices, "(L,) of columns")):
+            if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer) or (name == "indptr" and x.size == 0):
+                raise ValueError(f"{where}: {name} must be an integer array {expected}, got {x.dtype}{list(x.shape)}")
+        num_rows, length = indptr.shape[0] - 1, indices.shape[0]
+        values = jnp.ones(length, jnp.float32) if values is None else as_jax_array(values)
+        _check_edge_values(where, values, length)
+        dtype = value_dtype(_FMT, values.dtype, dtype)
+        group_size = (capacity_group_size(length, num_rows) if group_size is None
+                      else check_int(where, "group_size", group_size, minimum=1))
+        index = index_dtype(num_rows, num_columns, length)
+        if _config.check_indices.value:
+            checkify.check(jnp.all(indices < num_columns), f"{where}: indices holds a column past num_columns = "
+                           f"{num_columns}; negative ones mark padding")
+        # Each position's row: the row starts at or before it, counted (a histogram and a running sum, no search).
+        starts = jnp.zeros(length + 1, index).at[jnp.clip(indptr, 0, length)].add(1)
+        rows = jnp.cumsum(starts[:length]) - 1
+        # Positions before indptr[0] stay in row 0 as padding (rows must not decrease); those from indptr[M] on are
+        # in row M, which `groups_from_rows` drops.
+        valid = (rows >= 0) & (indices >= 0) & (indices < num_columns)
+        expand = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
+        Ai, Ak, Av, slot = groups_from_rows(
+            jnp, jnp.maximum(rows, 0), jnp.where(valid, indices, 0), jnp.where(expand, values, 0).astype(dtype),
+            num_rows=num_rows, group_size=group_size, num_groups=group_bound(length, num_rows, group_size),
+            dtype=dtype, index_dtype=index)
+        transposed = None
+        if with_transpose:
+            active = jnp.zeros(Ak.size, bool).at[slot].set(valid, mode="drop")
+            transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=num_columns,
+                                                            index_dtype=index))
+        shape = (num_rows, num_columns, *values.shape[1:])
+        return cls.tree_unflatten((shape, length), (Ai, Ak, Av, transposed, jnp.zeros((), bool)))
 
     # -- export ------------------------------------------------------------------------------------------
 

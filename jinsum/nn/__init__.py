@@ -16,6 +16,8 @@ TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N
 `batch_graphs` (one batch, on the host), then `global_add_pool` / `global_mean_pool` / `global_max_pool` /
 `AttentionalAggregation`. Graphs from data inside `jit`:
 `knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix.
+Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by
+`bags`; `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
 partition of an `edge_adjacency` (the edges one by one, their features in its values).
@@ -28,6 +30,11 @@ from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
 from jinsum.nn._edges import edge_adjacency as edge_adjacency
+from jinsum.nn._embedding_bag import Bags as Bags
+from jinsum.nn._embedding_bag import EmbeddingBag as EmbeddingBag
+from jinsum.nn._embedding_bag import bags as bags
+from jinsum.nn._embedding_bag import embedding_bag as embedding_bag
+from jinsum.nn._embedding_bag import sparse_adagrad as sparse_adagrad
 from jinsum.nn._gat import GATConv as GATConv
 from jinsum.nn._gatv2 import GATv2Conv as GATv2Conv
 from jinsum.nn._gcn import APPNP as APPNP
