@@ -104,8 +104,12 @@ def test_batch_layout(rng):
     np.testing.assert_array_equal(batch.node_graph(), [0, 0, 2, 2, 2, 4, 4, 4])
     np.testing.assert_array_equal(batch.node_mask(), [1, 1, 1, 1, 1, 0, 0, 0])
     edges = np.asarray(batch.edges())
-    np.testing.assert_array_equal(edges[:, :4], graphs[0]["edge_index"])
-    np.testing.assert_array_equal(edges[:, 4:10], graphs[2]["edge_index"] + 2)
+
+    def in_destination_order(edge_index):
+        return edge_index[:, np.lexsort(edge_index)]
+
+    np.testing.assert_array_equal(edges[:, :4], in_destination_order(graphs[0]["edge_index"]))
+    np.testing.assert_array_equal(edges[:, 4:10], in_destination_order(graphs[2]["edge_index"]) + 2)
     assert (edges[:, 10:] == -1).all() and batch.x.shape == (8, F) and (batch.x[5:] == 0).all()
     np.testing.assert_array_equal(batch.y, [2, 0, 3, 0])
 
@@ -179,3 +183,25 @@ def test_molecules_are_trees_with_their_label_of_rings():
         assert g["edge_index"].shape[1] == 2 * (n - 1 + g["y"])  # bonds = tree + one per ring
         np.testing.assert_array_equal(np.sort(src * n + dst), np.sort(dst * n + src))  # both directions
     assert set(int(g["y"]) for g in graphs) == {0, 1, 2, 3}
+
+
+def test_adjacency_and_edge_features_follow_each_edge(rng):
+    """The batch's adjacency (a CSR index, no sort) with edge features as weights equals a dense sum over the
+    original edges; with remaining self loops it goes through the general device builder."""
+    graphs = _graphs(rng, [4, 0, 3])
+    for g in graphs:
+        g["edge_attr"] = rng.standard_normal((g["edge_index"].shape[1], 2))
+    (batch,) = _batches(jnn.GraphLoader(graphs, 3, budget=jnn.GraphBudget(10, 30, 3)))
+    expected, offset = np.zeros((10, 10)), 0
+    for g in graphs:
+        np.add.at(expected, (g["edge_index"][1] + offset, g["edge_index"][0] + offset), g["edge_attr"][:, 0])
+        offset += g["x"].shape[0]
+    A = batch.adjacency(batch.edge_attr[:, 0])
+    assert A.transposed is not None and batch.adjacency(with_transpose=False).transposed is None
+    np.testing.assert_allclose(A.todense(), expected, rtol=1e-6, atol=1e-6)
+    ct = rng.standard_normal((10, 2)).astype(np.float32)  # the gradient runs over the column order
+    (grad,) = jax.vjp(lambda x: A @ x, jnp.zeros((10, 2)))[1](jnp.asarray(ct))
+    np.testing.assert_allclose(grad, expected.T @ ct, rtol=1e-5, atol=1e-5)
+    loops = np.where(np.diag(expected) == 0, 1.0, 0.0)
+    np.testing.assert_allclose(batch.adjacency(batch.edge_attr[:, 0], self_loops=True).todense(),
+                               expected + np.diag(loops), rtol=1e-6, atol=1e-6)  # (padding nodes too: harmless)

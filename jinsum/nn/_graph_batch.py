@@ -67,8 +67,9 @@ class GraphBatch:
     """A padded batch of graphs: a pytree of arrays whose shapes depend only on the `GraphBudget`.
 
     Fields (`G`, `N`, `E` the budgets): `x` `(N, F)` node features (zero padding); `edge_index` int32 `(2, E)`,
-    each graph's own node ids (sources, destinations), -1 padding (`edges()` numbers them in the batch);
-    `edge_attr` `(E, ...)` or None; `y` `(G, ...)` each graph's target or None; `n_node`, `n_edge` int32 `(G,)`,
+    each graph's own node ids (sources, destinations), its edges sorted by destination and then source (the
+    loader sorts them once), -1 padding (`edges()` numbers them in the batch); `edge_attr` `(E, ...)` in that
+    order, or None; `y` `(G, ...)` each graph's target or None; `n_node`, `n_edge` int32 `(G,)`,
     0 for padding graphs; `graph_mask` bool `(G,)`, True for the batch's graphs. Static: `budget`.
 
     Example:
@@ -104,10 +105,25 @@ class GraphBatch:
         offset = jnp.concatenate([first_node, jnp.zeros(1, first_node.dtype)])[graph]
         return jnp.where(graph < self.budget.graphs, self.edge_index + offset, -1)
 
-    def adjacency(self, **options) -> GroupCOO:
-        """The block-diagonal `(N, N)` adjacency of the batch, built on the device with its column order:
-        `jinsum.nn.adjacency(self.edges(), N, capacity=E, **options)` (`values=`, `self_loops=`, `group_size=`)."""
-        return adjacency(self.edges(), self.budget.nodes, capacity=self.budget.edges, **options)
+    def adjacency(self, values=None, *, self_loops: bool = False, group_size: int | None = None,
+                  with_transpose: bool = True) -> GroupCOO:
+        """The block-diagonal `(N, N)` adjacency of the batch, `A[dst, src] = value`, built on the device.
+
+        The loader keeps each graph's edges in destination order, so the batch's edges are a CSR index already:
+        `GroupCOO.from_csr` cuts them into groups without a sort, and sorts once for the column order (with
+        `with_transpose`, which the gradients with respect to node features read). `values`: `(E,)` edge weights
+        in the batch's edge order (that of `edge_attr`), default ones. `self_loops=True` (PyG's remaining self
+        loops) goes through `jinsum.nn.adjacency(self.edges(), N, capacity=E, self_loops=True)` instead.
+        """
+        if self_loops:
+            return adjacency(self.edges(), self.budget.nodes, values=values, group_size=group_size,
+                             self_loops=True, capacity=self.budget.edges)
+        nodes = self.budget.nodes
+        src, dst = self.edges()
+        in_degree = jnp.zeros(nodes, jnp.int32).at[jnp.where(dst < 0, nodes, dst)].add(1, mode="drop")
+        indptr = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(in_degree)])
+        return GroupCOO.from_csr(indptr, src, values, num_columns=nodes, group_size=group_size,
+                                 with_transpose=with_transpose)
 
 
 jax.tree_util.register_dataclass(
@@ -116,8 +132,11 @@ jax.tree_util.register_dataclass(
 
 
 def _owner(counts: jax.Array, size: int) -> jax.Array:
-    """For `size` rows dealt to segments of `counts` in order, each row's segment (`len(counts)` past the end)."""
-    return jnp.searchsorted(jnp.cumsum(counts), jnp.arange(size, dtype=counts.dtype), side="right").astype(jnp.int32)
+    """For `size` rows dealt to segments of `counts` in order, each row's segment (`len(counts)` past the end): the
+    number of segments that end at or before the row, a histogram of the ends and a running sum. (Not
+    `jnp.searchsorted`, a `while` loop whose every step waits on the host on a GPU.)"""
+    ends = jnp.zeros(size + 1, jnp.int32).at[jnp.cumsum(counts)].add(1, mode="drop")
+    return jnp.cumsum(ends[:size])
 
 
 class GraphLoader:
@@ -241,9 +260,11 @@ class _FlatGraphs:
                     edge_index.size and (edge_index.min() < 0 or edge_index.max() >= x.shape[0])):
                 raise ValueError(f"jinsum.nn: graph {k}'s edge_index (shape {edge_index.shape}) must be (2, e) "
                                  f"over its own {x.shape[0]} nodes")
+            order = np.lexsort(edge_index)  # by destination (the last key), then source: a batch is a CSR index
             xs.append(x)
-            edges.append(edge_index.astype(np.int32))
-            attrs.append(_field(graph, "edge_attr"))
+            edges.append(edge_index[:, order].astype(np.int32))
+            attr = _field(graph, "edge_attr")
+            attrs.append(None if attr is None else _numpy(attr)[order])
             ys.append(_field(graph, "y"))
         for name, values in (("edge_attr", attrs), ("y", ys)):
             if any(v is None for v in values) and any(v is not None for v in values):
@@ -252,7 +273,7 @@ class _FlatGraphs:
             return np.concatenate([*arrays, np.zeros((1, *arrays[0].shape[1:]), arrays[0].dtype)])
 
         return cls(with_zero_row(xs), np.concatenate([*edges, np.full((2, 1), -1, np.int32)], axis=1),
-                   None if attrs[0] is None else with_zero_row([_numpy(a) for a in attrs]),
+                   None if attrs[0] is None else with_zero_row(attrs),
                    None if ys[0] is None else with_zero_row([_numpy(y).reshape(1, *_numpy(ys[0]).shape) for y in ys]),
                    np.array([x.shape[0] for x in xs]), np.array([e.shape[1] for e in edges]))
 
