@@ -3,6 +3,9 @@
 Shipped inside the package as `jinsum.kernels`. The launchers (jax-triton, and Triton's interpreter for tests)
 live in `jinsum._lowering._triton` (statements) and `jinsum._attention._chain_triton` (chains); the `@triton.jit`
 helpers every generated kernel imports are in `helpers`. Reads only the notation (`jinsum._lang`).
+
+Hand-written kernels sit beside the generator: `knn_kernel` (`_knn`, the k nearest neighbours of `jinsum.nn.knn`,
+launched by `jinsum._lowering._knn`), imported on first use since it imports Triton, which is optional.
 """
 
 from jinsum.kernels._cache import cache_dir as cache_dir
@@ -27,3 +30,11 @@ from jinsum.kernels._tuned import chain_config as chain_config
 from jinsum.kernels._tuned import forced_config as forced_config
 from jinsum.kernels._tuned import store_tuned_config as store_tuned_config
 from jinsum.kernels._tuned import tuned_config as tuned_config
+
+
+def __getattr__(name: str):
+    if name == "knn_kernel":  # (imports triton: not at package import)
+        from jinsum.kernels._knn import knn_kernel  # noqa: PLC0415
+
+        return knn_kernel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,9 @@ TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N
 `GraphLoader` (padded mini-batches of fixed budgets, `GraphBatch.adjacency()` built on the device: one compile) or
 `batch_graphs` (one batch, on the host), then `global_add_pool` / `global_mean_pool` / `global_max_pool` /
 `AttentionalAggregation`. Graphs from data inside `jit`:
-`knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix.
+`knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix;
+`radius` / `radius_graph` likewise (the first points within `r`, with a count that reports a cut), and
+`DynamicEdgeConv` (DGCNN: EdgeConv over a kNN graph that each call rebuilds from its input).
 Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by
 `bags`; `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
@@ -28,6 +30,7 @@ from jinsum.nn._aggregation import multi_aggregate as multi_aggregate
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
 from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
+from jinsum.nn._dynamic_edge_conv import DynamicEdgeConv as DynamicEdgeConv
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
 from jinsum.nn._edges import edge_adjacency as edge_adjacency
 from jinsum.nn._embedding_bag import Bags as Bags
@@ -51,6 +54,8 @@ from jinsum.nn._graph_batch import GraphLoader as GraphLoader
 from jinsum.nn._graph_conv import GraphConv as GraphConv
 from jinsum.nn._point_graphs import knn as knn
 from jinsum.nn._point_graphs import knn_graph as knn_graph
+from jinsum.nn._point_graphs import radius as radius
+from jinsum.nn._point_graphs import radius_graph as radius_graph
 from jinsum.nn._pool import AttentionalAggregation as AttentionalAggregation
 from jinsum.nn._pool import batch_graphs as batch_graphs
 from jinsum.nn._pool import global_add_pool as global_add_pool

@@ -67,23 +67,29 @@ class EdgeConv(nnx.Module):
             graphdef, state = nnx.split(self.nn)
 
             def on_part(part, x_dst, x_src, state, out=None):
-                return _largest_message(part, x_dst, x_src, nnx.merge(graphdef, state), out)
+                return largest_message(part, x_dst, x_src, nnx.merge(graphdef, state), out)
 
             out = per_part(on_part, A, rows=(x,), columns=(x,), replicated=(state,))
         else:
-            out = _largest_message(A, x, x, self.nn)
+            out = largest_message(A, x, x, self.nn)
         return jnp.where(out == -jnp.inf, 0, out)
 
 
-def _largest_message(A: GroupCOO, x_dst: jax.Array, x_src: jax.Array, nn, out: jax.Array | None = None) -> jax.Array:
+def largest_message(A: GroupCOO, x_dst: jax.Array, x_src: jax.Array, nn, out: jax.Array | None = None) -> jax.Array:
     """`max_{j -> i} nn([x_i, x_j - x_i])` over the stored entries of `A` (rows `x_dst`, columns `x_src`), -inf where
     a row has none; with `out`, its elements take part too."""
+    messages = edge_messages(A, x_dst, x_src, nn, padding=-jnp.inf)  # group padding takes no part
+    if out is None:
+        out = jax.ShapeDtypeStruct((x_dst.shape[0], messages.shape[-1]), messages.dtype)
+    return jinsum.einsum("C[Ai[g],n] max= M[g,p,n]", A=A, M=messages, C=out)
+
+
+def edge_messages(A: GroupCOO, x_dst: jax.Array, x_src: jax.Array, nn, padding: float) -> jax.Array:
+    """EdgeConv's messages `nn([x_i, x_j - x_i])` `(G, P, F')` in the slots of `A`'s stored entries `(g, p)` (row
+    `i = Ai[g]` of `x_dst`, column `j = Ak[g, p]` of `x_src`), `padding` in group padding's slots."""
     G, P = A.Ak.shape
     center = jnp.broadcast_to(x_dst[A.Ai][:, None, :], (G, P, x_dst.shape[1]))
     neighbor = jinsum.einsum("M[g,p,n] = X[Ak[g,p],n]", M=jax.ShapeDtypeStruct((G, P, x_src.shape[1]), x_src.dtype),
                              X=x_src, A=A)
     messages = nn(jnp.concatenate([center, neighbor - center], axis=-1))
-    messages = jnp.where((A.Av != 0)[:, :, None], messages, -jnp.inf)  # group padding takes no part
-    if out is None:
-        out = jax.ShapeDtypeStruct((x_dst.shape[0], messages.shape[-1]), messages.dtype)
-    return jinsum.einsum("C[Ai[g],n] max= M[g,p,n]", A=A, M=messages, C=out)
+    return jnp.where((A.Av != 0)[:, :, None], messages, padding)

@@ -1,0 +1,246 @@
+"""The CUDA path of `jinsum.nn.knn`: each row block's column range from the batch vector, then one hand-written
+Triton kernel (`jinsum.kernels.knn_kernel`, see its module for the design) through jax-triton.
+
+`knn` is what `jinsum.nn.knn` calls when the kernel can run (`usable`): a `lax.platform_dependent` of the kernel
+on CUDA and the caller's tiled XLA path (`reference`) everywhere else, so the choice is made when the program is
+lowered for its device. Under `vmap` the launch's `custom_vmap` rule lays the batch entries end to end, each padded
+to whole row blocks, with each block's column range shifted into its entry, and launches once (`_launcher`).
+The positions are read through `stop_gradient`: neighbours are integers, and `jax.grad` of a step that rebuilds its
+graph (DGCNN) must not try to differentiate the kernel.
+
+Column ranges (`column_ranges`). PyG's `batch` vector is sorted: an element's points are consecutive. Then the
+rows of a block belong to elements `lo..hi`, and their neighbours lie in `[first point of lo, last point of hi]`,
+found by a binary search (`jnp.searchsorted`, unrolled: its default is a while loop of one small step per level)
+in the running maximum of `batch` (which leaves padding points, negative, inside the range of the element before
+them). Whether the batch is sorted is checked on the device in the same pass: where it is not, every block scans
+all the columns, as the XLA path does, so results never depend on the order; only time does.
+
+`interpreted()` routes the same launch through Triton's interpreter on CPU (a host callback), which is how tests
+run `jinsum.nn.knn`'s kernel path, vmap rule included, without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum._lowering._triton import _jax_triton, from_torch, to_torch
+
+# Neighbours per point the kernel keeps in registers (a (block_m, next power of two) int64 tile); past this, the
+# XLA path. Indices are packed into 31 bits below the kernel's empty keys.
+MAX_K = 128
+MAX_POINTS = (1 << 31) - 256
+KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class KnnConfig:
+    """Launch parameters of the kNN kernel. Rows are the fast axis of its tiles: with `block_m = 32 num_warps`
+    each thread owns a row, with one warp and `block_m` 8 or 16 a row spans 4 or 2 lanes (other shapes work, but
+    reduce across warps). `direct`: distances as sums of squared differences (None: when `D < 16`), else
+    `|x|^2 + |y|^2 - 2 x.y` by `tl.dot` (blocks >= 16); `block_d`: the dot's slice of the coordinates (None: `D`
+    rounded up to a power of two, at most 64)."""
+
+    block_m: int = 16
+    block_n: int = 32
+    num_warps: int = 1
+    num_stages: int = 1
+    direct: bool | None = None
+    block_d: int | None = None
+
+
+def default_config(dim: int, k: int) -> KnnConfig:
+    """The launch parameters for points of `dim` coordinates and `k` neighbours. `JINSUM_KNN_CONFIG` (e.g.
+    `block_m=32,block_n=64,num_warps=1`) overrides fields, for sweeps.
+
+    Measured on an H100 (`benchmarks/point_graphs.py --knn-configs`, 16 clouds of 1,024 points, k = 20): with
+    differences (D < 16) rows of 16 over one warp and 32 columns a tile (0.168 ms at D = 3; 8, 16 or 32 rows within
+    0.01 ms); with `tl.dot` 32 x 32 tiles (0.426 ms at D = 64, against 0.472-0.585 for 16 x 64, 16 x 16, 32 x 16)."""
+    del k  # (up to MAX_K the same shapes compile: 230-255 registers at k = 128 with rows of 16)
+    config = KnnConfig(block_m=16 if dim < 16 else 32, block_n=32)
+    override = os.environ.get("JINSUM_KNN_CONFIG", "")
+    if override:
+        fields = {f.name for f in dataclasses.fields(KnnConfig)}
+        values = {}
+        for item in override.split(","):
+            key, _, value = (part.strip() for part in item.partition("="))
+            if key not in fields:
+                raise ValueError(f"JINSUM_KNN_CONFIG: unknown field {key!r} (fields: {', '.join(sorted(fields))})")
+            values[key] = {"true": True, "false": False, "none": None}.get(value.lower(), None) \
+                if key == "direct" else int(value)
+        config = dataclasses.replace(config, **values)
+    return config
+
+
+def _next_power_of_two(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def metaparameters(dim: int, n: int, k: int, loop: bool, config: KnnConfig) -> dict:
+    """The kernel's compile-time constants."""
+    direct = dim < 16 if config.direct is None else config.direct
+    block_d = config.block_d or min(64, max(16, _next_power_of_two(dim)))
+    if not direct and min(config.block_m, config.block_n, block_d) < 16:
+        raise ValueError(f"jinsum.nn.knn: tl.dot needs blocks of at least 16, got {config}")
+    return dict(D=dim, K=k, KP=_next_power_of_two(k), LOOP=bool(loop), DIRECT=bool(direct),
+                WIDE=n * max(dim, k) >= (1 << 31) - 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                BLOCK_D=block_d)
+
+
+# --- where the kernel runs -------------------------------------------------------------------------------------
+
+@functools.cache
+def _have_jax_triton() -> bool:
+    try:
+        _jax_triton()
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_launch(pos, batch, starts, ends, *, k: int, loop: bool, config: KnnConfig) -> jax.Array:
+    from jinsum.kernels import knn_kernel  # noqa: PLC0415 (imports triton)
+
+    n, dim = pos.shape
+    return _jax_triton().triton_call(
+        pos, batch, starts, ends, n,
+        kernel=knn_kernel,
+        out_shape=jax.ShapeDtypeStruct((n, k), jnp.int32),
+        grid=(starts.shape[0],),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        name="jinsum_knn",
+        **metaparameters(dim, n, k, loop, config),
+    )
+
+
+def _interpret_launch(pos, batch, starts, ends, *, k: int, loop: bool, config: KnnConfig) -> jax.Array:
+    def host(*arrays):
+        return interpret_kernel(*(np.asarray(a) for a in arrays), k=k, loop=loop, config=config)
+
+    return jax.pure_callback(host, jax.ShapeDtypeStruct((pos.shape[0], k), jnp.int32), pos, batch, starts, ends)
+
+
+_TARGET = {"platform": "cuda", "launch": _triton_launch}
+
+
+@contextlib.contextmanager
+def interpreted():
+    """Within: `jinsum.nn.knn` traced for CPU takes the kernel path, the kernel running in Triton's interpreter
+    (tests; needs `TRITON_INTERPRET=1` before Triton kernels are defined, and torch). Functions traced inside keep
+    the choice, as jit caches them."""
+    saved = dict(_TARGET)
+    _TARGET.update(platform="cpu", launch=_interpret_launch)
+    try:
+        yield
+    finally:
+        _TARGET.update(saved)
+
+
+def usable(pos_dtype, n: int, k: int) -> bool:
+    """Whether `knn` may take the kernel path: float32 or half positions, `k <= MAX_K`, and jax-triton (or the
+    interpreter), unless `JINSUM_TRITON=0`."""
+    if os.environ.get("JINSUM_TRITON", "1") == "0" or np.dtype(pos_dtype) not in KERNEL_DTYPES:
+        return False
+    if k > MAX_K or n > MAX_POINTS:
+        return False
+    return _TARGET["launch"] is not _triton_launch or _have_jax_triton()
+
+
+# --- the call ------------------------------------------------------------------------------------------------------
+
+def knn(pos: jax.Array, batch: jax.Array, *, k: int, loop: bool, reference, config: KnnConfig | None = None):
+    """int32 `(N, k)`: `jinsum.nn.knn(pos, k, batch, loop)` by the kernel on CUDA, by `reference(pos, batch)`
+    (same arguments, same result) on other platforms. `batch`: int32 `(N,)`."""
+    config = config or default_config(pos.shape[1], k)
+    launch = _launcher(k, bool(loop), config, _TARGET["launch"])
+
+    def kernel(pos, batch):
+        return launch(pos, batch, *column_ranges(batch, config.block_m))
+
+    pos = jax.lax.stop_gradient(pos)
+    return jax.lax.platform_dependent(pos, batch, default=reference, **{_TARGET["platform"]: kernel})
+
+
+@functools.lru_cache(maxsize=64)
+def _launcher(k: int, loop: bool, config: KnnConfig, launch):
+    """The kernel's launch over `(pos, batch, starts, ends)`, with its vmap rule: the batch entries laid end to
+    end as one launch, each padded to whole row blocks, so that no block holds rows of two entries and each
+    block's column range (computed per entry, shifted) stays inside its entry. Entries never mix, whatever
+    their ids."""
+
+    @jax.custom_batching.custom_vmap
+    def kernel(pos, batch, starts, ends):
+        return launch(pos, batch, starts, ends, k=k, loop=loop, config=config)
+
+    @kernel.def_vmap
+    def rule(size, in_batched, pos, batch, starts, ends):
+        pos, batch, starts, ends = (x if batched else jnp.broadcast_to(x, (size, *x.shape))
+                                    for x, batched in zip((pos, batch, starts, ends), in_batched))
+        n = pos.shape[1]
+        padded = starts.shape[1] * config.block_m
+        if size * padded > MAX_POINTS:  # past the kernel's index width: one launch per entry
+            return jax.lax.map(lambda entry: kernel(*entry), (pos, batch, starts, ends)), True
+        pos = jnp.pad(pos, ((0, 0), (0, padded - n), (0, 0)))
+        batch = jnp.pad(batch, ((0, 0), (0, padded - n)), constant_values=-1)
+        first = jnp.arange(size, dtype=jnp.int32)[:, None] * padded
+        found = kernel(pos.reshape(size * padded, pos.shape[2]), batch.reshape(-1),  # (nested vmaps: again)
+                       (starts + first).reshape(-1), (ends + first).reshape(-1))
+        found = found.reshape(size, padded, k)[:, :n]
+        return jnp.where(found >= 0, found - first[:, :, None], -1), True
+
+    return kernel
+
+
+def column_ranges(batch: jax.Array, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """int32 `(starts, ends)`, one per block of `block_m` rows: the columns `[start, end)` that hold every point
+    of the elements the block's rows belong to (see the module docstring); `(0, 0)` for a block of padding
+    points only, `(0, N)` for every other block when the batch is not sorted."""
+    n = batch.shape[0]
+    blocks = -(-n // block_m)
+    batch = batch.astype(jnp.int32)
+    running = jax.lax.cummax(batch)  # sorted; equal to batch at every real point iff the batch is sorted
+    in_order = jnp.all((batch < 0) | (batch == running))
+    tiles = jnp.pad(batch, (0, blocks * block_m - n), constant_values=-1).reshape(blocks, block_m)
+    lo = jnp.min(jnp.where(tiles >= 0, tiles, jnp.iinfo(jnp.int32).max), axis=1)
+    hi = jnp.max(tiles, axis=1)
+    starts = jnp.searchsorted(running, lo, side="left", method="scan_unrolled").astype(jnp.int32)
+    ends = jnp.searchsorted(running, hi, side="right", method="scan_unrolled").astype(jnp.int32)
+    real = hi >= 0
+    starts = jnp.where(real & in_order, starts, 0)
+    ends = jnp.where(real, jnp.where(in_order, ends, n), 0)
+    return starts, ends
+
+
+# --- Triton's interpreter (tests) ----------------------------------------------------------------------------------
+
+def interpret_kernel(pos: np.ndarray, batch: np.ndarray, starts: np.ndarray, ends: np.ndarray, *, k: int,
+                     loop: bool, config: KnnConfig) -> np.ndarray:
+    """The kernel on NumPy arrays in Triton's interpreter on CPU (needs `TRITON_INTERPRET=1` set before Triton
+    kernels are first defined, and torch): the same arguments and constants as on a GPU."""
+    from jinsum.kernels import knn_kernel  # noqa: PLC0415
+
+    n, dim = pos.shape
+    out = to_torch(np.full((n, k), -7, np.int32))  # unwritten elements must show
+    knn_kernel[(starts.shape[0],)](to_torch(pos), to_torch(batch.astype(np.int32)), to_torch(starts),
+                                   to_torch(ends), n, out, num_warps=config.num_warps,
+                                   **metaparameters(dim, n, k, loop, config))
+    return from_torch(out)
+
+
+def interpret(pos, k: int, batch=None, loop: bool = False, config: KnnConfig | None = None) -> np.ndarray:
+    """`jinsum.nn.knn(pos, k, batch, loop)` by the kernel in Triton's interpreter (tests): column ranges from
+    `column_ranges`, then `interpret_kernel`."""
+    pos = np.asarray(pos)
+    batch = np.zeros(pos.shape[0], np.int32) if batch is None else np.asarray(batch, np.int32)
+    config = config or default_config(pos.shape[1], k)
+    if pos.shape[0] == 0:
+        return np.zeros((0, k), np.int32)
+    starts, ends = (np.asarray(x) for x in jax.jit(column_ranges, static_argnums=1)(batch, config.block_m))
+    return interpret_kernel(pos, batch, starts, ends, k=k, loop=loop, config=config)
