@@ -1,9 +1,10 @@
 """Mini-batches of small graphs with fixed budgets (jraph's `pad_with_graphs`, PyG's `DataLoader`), one compile.
 
 Every batch has the same shapes: at most `budget.graphs` graphs, `budget.nodes` node rows and `budget.edges` edge
-columns, the rest padding. The host only gathers and pads arrays (vectorised NumPy over a dataset flattened once);
-the device turns them into what the layers read: the block-diagonal adjacency with its column order
-(`GraphBatch.adjacency`, the device builder of `GroupCOO`) and the node -> graph vector (`GraphBatch.node_graph`).
+columns, the rest padding. The dataset is flattened once and kept on the device; the host only chooses each
+batch's graph ids. The device gathers and pads the batch's arrays, then turns them into what the layers read: the
+block-diagonal adjacency with its column order (`GraphBatch.adjacency`, `GroupCOO.from_csr`: no sort for the rows)
+and the node -> graph vector (`GraphBatch.node_graph`).
 Padding nodes belong to graph `budget.graphs`, one past the last, so the pools (which drop that id) and every
 sorted segment reduction over the batch leave them out; padding edges are -1 and padding graphs are empty, with
 `graph_mask` False so that losses leave them out.
@@ -11,10 +12,8 @@ sorted segment reduction over the batch leave them out; padding edges are -1 and
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
-import itertools
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -145,7 +144,9 @@ class GraphLoader:
 
     A graph is anything with `x` (node features `(n, F)`) and `edge_index` (int `(2, e)` over its own nodes) and
     optionally `edge_attr` (`(e, ...)`) and `y` (its target), as attributes (a PyG `Data`) or keys (a dict). The
-    dataset is flattened once; a batch is then a few vectorised gathers on the host and one transfer. Graphs are
+    dataset is flattened once and kept on the device (graph classification sets are small: ZINC's 250k molecules
+    are some 100 MB); a batch is then one jitted gather on the device, and all the host sends is `G` graph ids, so
+    the host's time per batch stays far below a training step's. Graphs are
     taken in order (shuffled per epoch with `shuffle=True`), `batch_size` at a time, and a batch closes early when
     the next graph would pass the node or edge budget; a graph larger than the budget on its own is an error.
 
@@ -157,7 +158,7 @@ class GraphLoader:
     """
 
     def __init__(self, graphs: Sequence, batch_size: int, *, budget: GraphBudget | None = None,
-                 shuffle: bool = False, seed: int = 0, drop_last: bool = False, prefetch: int = 2):
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False):
         """Flattens `graphs` and checks each against the budget.
 
         Args:
@@ -167,8 +168,6 @@ class GraphLoader:
             be at least `batch_size`.
           shuffle: a new order of the graphs every epoch (every `iter`), from `seed`.
           drop_last: leave out an epoch's last batch when it holds fewer than `batch_size` graphs.
-          prefetch: batches made and sent to the device ahead, on a worker thread (0: on the caller's thread, as
-            it asks for each).
         """
         self.batch_size = check_int("jinsum.nn.GraphLoader", "batch_size", batch_size, minimum=1)
         self.data = _FlatGraphs.of(graphs)
@@ -184,30 +183,19 @@ class GraphLoader:
                                  f"of {limit} {name} per batch ({self.budget}); raise the budget (a graph is "
                                  "never dropped)")
         self.shuffle, self.drop_last = shuffle, drop_last
-        self.prefetch = check_int("jinsum.nn.GraphLoader", "prefetch", prefetch)
         self._rng = np.random.default_rng(seed)
+        self._on_device = None
 
     def __iter__(self) -> Iterator[GraphBatch]:
+        if self._on_device is None:  # (here, not at construction: in the caller's `jax_enable_x64` setting)
+            self._on_device = jax.device_put(self.data)
         count = len(self.data.node_counts)
         order = self._rng.permutation(count) if self.shuffle else np.arange(count)
-        batches = (ids for ids in self._batches(order) if not (self.drop_last and len(ids) < self.batch_size))
-
-        x64 = jax.dtypes.canonicalize_dtype(np.float64) == np.float64  # (a thread-local setting: pass it on)
-
-        def make(ids):
-            with jax.enable_x64(x64):
-                return jax.device_put(self.data.batch(ids, self.budget))
-
-        if not self.prefetch:
-            yield from map(make, batches)
-            return
-        # A worker thread gathers and transfers the next batches while the caller dispatches its steps.
-        with concurrent.futures.ThreadPoolExecutor(1) as worker:
-            ahead = collections.deque(worker.submit(make, ids) for ids in itertools.islice(batches, self.prefetch))
-            while ahead:
-                batch = ahead.popleft().result()
-                ahead.extend(worker.submit(make, ids) for ids in itertools.islice(batches, 1))
-                yield batch
+        for ids in self._batches(order):
+            if not (self.drop_last and len(ids) < self.batch_size):
+                padded = np.full(self.budget.graphs, -1, np.int32)
+                padded[: ids.size] = ids
+                yield _gather(self._on_device, padded, self.budget)
 
     def __len__(self) -> int:
         return sum(1 for ids in self._batches(np.arange(len(self.data.node_counts)))
@@ -230,8 +218,8 @@ class GraphLoader:
 
 @dataclasses.dataclass(frozen=True)
 class _FlatGraphs:
-    """A dataset of graphs as flat arrays: nodes and edges of all graphs one after another, and their counts; each
-    field ends with one padding row (zeros; -1 for the edge index)."""
+    """A dataset of graphs as flat arrays: nodes and edges of all graphs one after another, and their counts (a
+    pytree); each field ends with one padding row (zeros; -1 for the edge index)."""
 
     x: np.ndarray
     edge_index: np.ndarray
@@ -277,29 +265,34 @@ class _FlatGraphs:
                    None if ys[0] is None else with_zero_row([_numpy(y).reshape(1, *_numpy(ys[0]).shape) for y in ys]),
                    np.array([x.shape[0] for x in xs]), np.array([e.shape[1] for e in edges]))
 
-    def batch(self, ids: np.ndarray, budget: GraphBudget) -> GraphBatch:
-        """The graphs `ids` (within `budget`) as one padded `GraphBatch` of NumPy arrays: one gather per field,
-        whose index points padding rows at the zero row (or -1 column) that `of` appended to each field."""
-        n_node, n_edge = self.node_counts[ids], self.edge_counts[ids]
-        nodes = _padded(_ranges(self.node_counts, ids), budget.nodes, len(self.x) - 1)
-        edges = _padded(_ranges(self.edge_counts, ids), budget.edges, self.edge_index.shape[1] - 1)
-        graphs = _padded(ids, budget.graphs, -1)
-        pad = budget.graphs - ids.size
-        return GraphBatch(
-            self.x[nodes], self.edge_index[:, edges], None if self.edge_attr is None else self.edge_attr[edges],
-            None if self.y is None else self.y[graphs], np.pad(n_node, (0, pad)).astype(np.int32),
-            np.pad(n_edge, (0, pad)).astype(np.int32), np.arange(budget.graphs) < ids.size, budget)
+jax.tree_util.register_dataclass(
+    _FlatGraphs, data_fields=["x", "edge_index", "edge_attr", "y", "node_counts", "edge_counts"], meta_fields=[])
 
 
-def _padded(index: np.ndarray, size: int, padding: int) -> np.ndarray:
-    return np.concatenate([index, np.full(size - index.size, padding, index.dtype)])
+@functools.partial(jax.jit, static_argnums=2)
+def _gather(data: _FlatGraphs, ids: jax.Array, budget: GraphBudget) -> GraphBatch:
+    """The graphs `ids` (int32 `(G,)`, -1 for padding graphs) of a flattened dataset as one padded `GraphBatch`:
+    one gather per field, whose index sends padding rows to the zero row (or -1 column) that `of` appended."""
+    graph = jnp.maximum(ids, 0)
+    n_node = jnp.where(ids >= 0, data.node_counts[graph], 0).astype(jnp.int32)
+    n_edge = jnp.where(ids >= 0, data.edge_counts[graph], 0).astype(jnp.int32)
+    nodes = _rows(data.node_counts, graph, n_node, budget.nodes, padding=data.x.shape[0] - 1)
+    edges = _rows(data.edge_counts, graph, n_edge, budget.edges, padding=data.edge_index.shape[1] - 1)
+    last = jnp.where(ids >= 0, graph, -1)  # (y's zero row)
+    return GraphBatch(data.x[nodes], data.edge_index[:, edges],
+                      None if data.edge_attr is None else data.edge_attr[edges],
+                      None if data.y is None else data.y[last], n_node, n_edge, ids >= 0, budget)
 
 
-def _ranges(counts: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """The rows of segments `ids` of a flat array cut into segments of `counts`, one after another."""
-    starts = (np.cumsum(counts) - counts)[ids]
-    lengths = counts[ids]
-    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(lengths.sum())
+def _rows(counts: jax.Array, graph: jax.Array, taken: jax.Array, size: int, padding: int) -> jax.Array:
+    """The rows of a flat array cut into segments of `counts` that segments `graph` fill, `taken[i]` rows of
+    segment `graph[i]` one after another, then `padding` up to `size`."""
+    starts = jnp.cumsum(counts) - counts
+    owner = _owner(taken, size)
+    first = jnp.cumsum(taken) - taken  # each segment's first row in the batch
+    inside = owner < graph.shape[0]
+    owner = jnp.minimum(owner, graph.shape[0] - 1)
+    return jnp.where(inside, starts[graph[owner]] + jnp.arange(size) - first[owner], padding)
 
 
 def _field(graph, name: str):
