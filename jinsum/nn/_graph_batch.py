@@ -171,7 +171,7 @@ class GraphLoader:
         """
         self.batch_size = check_int("jinsum.nn.GraphLoader", "batch_size", batch_size, minimum=1)
         self.data = _FlatGraphs.of(graphs)
-        self.budget = GraphBudget.for_dataset(graphs, batch_size) if budget is None else budget
+        self.budget = GraphBudget.for_dataset(self.data, batch_size) if budget is None else budget
         if self.budget.graphs < self.batch_size:
             raise ValueError(f"jinsum.nn.GraphLoader: the budget holds {self.budget.graphs} graphs, fewer than "
                              f"batch_size = {self.batch_size}")
