@@ -13,7 +13,7 @@ from jax.experimental import sparse as jsparse
 from jinsum.formats._base import GroupedFormat
 from jinsum import _config
 from jinsum.formats._build import (capacity_group_size, device_groups, device_transposed, group_bound,
-                                   groups_from_rows, transposed_from_slots)
+                                   groups_from_rows, rows_of_positions, transposed_from_slots)
 from jinsum.formats._convert import (
     as_jax_array,
     check_edge_index,
@@ -380,9 +380,7 @@ class GroupCOO(GroupedFormat):
         if _config.check_indices.value:
             checkify.check(jnp.all(indices < num_columns), f"{where}: indices holds a column past num_columns = "
                            f"{num_columns}; negative ones mark padding")
-        # Each position's row: the row starts at or before it, counted (a histogram and a running sum, no search).
-        starts = jnp.zeros(length + 1, index).at[jnp.clip(indptr, 0, length)].add(1)
-        rows = jnp.cumsum(starts[:length]) - 1
+        rows = rows_of_positions(indptr, length, index)
         # Positions before indptr[0] stay in row 0 as padding (rows must not decrease); those from indptr[M] on are
         # in row M, which `groups_from_rows` drops.
         valid = (rows >= 0) & (indices >= 0) & (indices < num_columns)

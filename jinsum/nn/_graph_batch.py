@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum.formats import GroupCOO
+from jinsum.formats._build import rows_of_positions
 from jinsum.formats._convert import check_int
 from jinsum.nn._graph import adjacency
 
@@ -131,11 +132,8 @@ jax.tree_util.register_dataclass(
 
 
 def _owner(counts: jax.Array, size: int) -> jax.Array:
-    """For `size` rows dealt to segments of `counts` in order, each row's segment (`len(counts)` past the end): the
-    number of segments that end at or before the row, a histogram of the ends and a running sum. (Not
-    `jnp.searchsorted`, a `while` loop whose every step waits on the host on a GPU.)"""
-    ends = jnp.zeros(size + 1, jnp.int32).at[jnp.cumsum(counts)].add(1, mode="drop")
-    return jnp.cumsum(ends[:size])
+    """For `size` rows dealt to segments of `counts` in order, each row's segment (`len(counts)` past the end)."""
+    return rows_of_positions(jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)]), size)
 
 
 class GraphLoader:
@@ -235,13 +233,15 @@ class _FlatGraphs:
         if not len(graphs):
             raise ValueError("jinsum.nn: expected a non-empty sequence of graphs")
         xs, edges, attrs, ys = [], [], [], []
+        features = None
         for k, graph in enumerate(graphs):
             x, edge_index = _field(graph, "x"), _field(graph, "edge_index")
             if x is None or edge_index is None:
                 raise ValueError(f"jinsum.nn: graph {k} has no {'x' if x is None else 'edge_index'}; every graph "
                                  "needs node features x (n, F) and an edge index (2, e)")
             x, edge_index = _numpy(x), _numpy(edge_index)
-            if x.ndim != 2 or x.shape[1:] != _numpy(_field(graphs[0], "x")).shape[1:]:
+            features = x.shape[1:] if features is None else features
+            if x.ndim != 2 or x.shape[1:] != features:
                 raise ValueError(f"jinsum.nn: graph {k}'s node features have shape {x.shape}, expected (n, F) with "
                                  "the F of graph 0")
             if edge_index.ndim != 2 or edge_index.shape[0] != 2 or (
