@@ -97,6 +97,11 @@ class ChainPlan:
         return self.template == "lanes" and self.block_d <= 4 and not self.chain.output.deterministic
 
     @property
+    def computes_dq(self) -> bool:
+        """This kernel computes dQ: `dq`, or `dkdv` when it adds dQ atomically."""
+        return self.kind == "dq" or (self.kind == "dkdv" and self.dq_in_dkdv)
+
+    @property
     def grid_vars(self) -> tuple[str, ...]:
         """The variables decoded from `program_id(1)`: batch and head (dot), batch only (lanes: heads are a tile
         axis)."""
@@ -152,6 +157,10 @@ def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()
     if block and operand["Q"].dtype == np.float64:
         return Fallback("float64 block attention (Tensor Cores take 16- and 32-bit operands)")
     heads = chain.output.extent[chain.roles.head]
+    if kind in ("dq", "dkdv") and chain.output.deterministic and len(chain.differentiable) > 3:
+        return Fallback("deterministic mode: the gradients of arrays score_mod captures are added atomically")
+    if chain.roles.head_group and not block:
+        return Fallback("grouped-query graph attention (the lanes template keeps every head of a row)")
     if block:
         plan = ChainPlan(chain, kind, "dot", _pow2(head_dim, 16, MAX_WIDTH), _pow2(value_dim, 16, MAX_WIDTH), 1,
                          config)

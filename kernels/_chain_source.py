@@ -19,7 +19,7 @@ import numpy as np
 
 from jinsum._lang import Access, Var
 from jinsum.kernels._chain_plan import SUMS, ChainPlan
-from jinsum.kernels._elementwise_source import elementwise_lines
+from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._source import offset
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
@@ -33,7 +33,7 @@ def chain_inputs(plan: ChainPlan) -> tuple[str, ...]:
     """The kernel's array inputs, in order (its outputs, `chain_outputs`, follow)."""
     chain, kind = plan.chain, plan.kind
     pattern = ("Av", "seed", "Q", "K", "V") + (("KM",) if chain.key_mask is not None else ()) \
-        + (("flags",) if plan.template == "dot" else ())
+        + (("flags",) if plan.template == "dot" else ()) + chain.mask_captures + chain.score_captures
     return {"forward": ("Ak", *pattern, "items"),
             "combine": ("O", "LSE", "combine", "part_m", "part_l", "part_acc"),
             "dq": ("Ak", *pattern, "items", "LSE", "Drow", "dO"),
@@ -53,10 +53,13 @@ def chain_sizes(plan: ChainPlan) -> dict[str, int]:
 
 
 def chain_outputs(plan: ChainPlan) -> tuple[str, ...]:
+    """The kernel's outputs, in order. The kernel that computes dQ also adds the gradients of the arrays
+    `score_mod` captures (`dSC0`, ... in float32, zeroed by the launcher) at each read's index."""
+    captures = tuple(f"d{n}" for n in plan.chain.differentiable[3:]) if plan.computes_dq else ()
     dq = ("dQ",) if plan.kind == "dkdv" and plan.dq_in_dkdv else ()
     return {"forward": ("O", "LSE", "part_m", "part_l", "part_acc"), "combine": ("O", "LSE"),
-            "dq": ("dQ", "part_dq"), "dq_sum": ("dQ",), "dkdv": ("dK", "dV", "part_dk", "part_dv", *dq),
-            "dkdv_sum": ("dK", "dV")}[plan.kind]
+            "dq": ("dQ", "part_dq", *captures), "dq_sum": ("dQ",),
+            "dkdv": ("dK", "dV", "part_dk", "part_dv", *dq, *captures), "dkdv_sum": ("dK", "dV")}[plan.kind]
 
 
 def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
@@ -346,22 +349,67 @@ class _Writer:
 
     def _transform(self, q_idx: str, kv_idx: str, *, slope: bool) -> None:
         """`s = score_mod(s, b, h, q_idx, kv_idx) * log2(e)`, and `ds_ds` the derivative of `score_mod` when
-        `slope`."""
+        `slope` (with the partials of its reads of floating captures, kept for `_capture_gradients`)."""
         mod = self.chain.score_mod
         if mod is None:
             if slope:
                 self.emit("ds_ds = 1.0")
             return
-        r = self.chain.roles
-        b = f"v_{r.batch_index}" if r.batch_index else "0"
-        head = f"v_{r.head}" if self.dot else self.spread("v_h", "h", self.score_axes)
-        lines, (value, derivative) = elementwise_lines(mod.value_and_slope.jaxpr, ["s", b, head, q_idx, kv_idx], "sm",
-                                                     self.acc_type)
+        captures = self._captures(self.chain.score_captures)
+        lines, (value, derivative, *partials), reads = elementwise_lines(
+            mod.kernel.jaxpr, ["s", *self._coordinates(q_idx, kv_idx)], "sm", self.acc_type, captures)
         for line in lines:
             self.emit(line)
         self.emit(f"s = {value} * {LOG2E!r}")
         if slope:
             self.emit(f"ds_ds = {derivative}")
+        floating = mod.differentiable
+        self.score_reads = [(read, partial) for read, partial in
+                            zip([r for r in reads if r.capture in floating], partials)]
+
+    def _captures(self, names: tuple[str, ...]) -> tuple[Capture, ...]:
+        return tuple(Capture(self.pointer(n), self.shapes[n]) for n in names)
+
+    def _coordinates(self, q_idx: str, kv_idx: str) -> list[str]:
+        """`b, h, q_idx, kv_idx` as `score_mod` and `mask_mod` see them, broadcasting over the scores."""
+        r = self.chain.roles
+        b = f"v_{r.batch_index}" if r.batch_index else "0"
+        head = f"v_{r.head}" if self.dot else self.spread("v_h", "h", self.score_axes)
+        if r.head_group:
+            head = f"({head} * {self.chain.group_size} + v_{r.head_group})"
+        return [b, head, q_idx, kv_idx]
+
+    def _capture_gradients(self, w: str, dp: str, drow: str, allowed: str | None, positions: tuple[str, str]) -> None:
+        """Adds `dL/d score_mod = P * (dP - D)` times each read's partial into the captured array's gradient at
+        the read's index: summed first over the score axes the index does not vary along (a per-head slope is one
+        atomic add per tile, a per-query value one per row)."""
+        if not self.plan.computes_dq or not getattr(self, "score_reads", None):
+            return
+        value = f"{w} * ({dp} - {drow})"
+        self.emit(f"dmod = {f'tl.where({allowed}, {value}, 0.0)' if allowed else value}")
+        varies = self._varying_axes(positions)
+        for read, partial in self.score_reads:
+            axes = set().union(*(varies[i] for i in read.depends if i in varies))
+            grad = f"dmod * {partial}"
+            if not axes:
+                grad = f"tl.sum({grad})"
+            else:
+                for position, axis in enumerate(self.score_axes):
+                    if axis not in axes:
+                        grad = f"tl.sum({grad}, {position}, keep_dims=True)"
+            name = f"dSC{read.capture}"
+            self.emit(f"tl.atomic_add({self.pointer(name)} + {read.index}, {grad})")
+
+    def _varying_axes(self, positions: tuple[str, str]) -> dict[int, set[str]]:
+        """For the element-wise function's inputs (score, b, h, q_idx, kv_idx): the score axes each varies
+        along."""
+        if self.dot:
+            return {0: {"m", "k"}, 3: {"m"}, 4: {"k"}}
+        varies = {0: {"h", "j"}, 2: {"h"}}
+        for i, position in zip((3, 4), positions):
+            if "[" in position:  # a tile of entries (spread along j); a scalar row or key otherwise
+                varies[i] = {"j"}
+        return varies
 
     def _precision(self) -> str:
         if self.chain.operand["Q"].dtype == np.float32:
@@ -378,19 +426,17 @@ class _Writer:
                 self.helpers.add("in_range")
                 parts.append(f"in_range({self.spread(bound.expression, bound.axis, axes)}, {bound.check})")
         self.emit(f"allowed = {' & '.join(parts)}")
-        causal = f"allowed = allowed & ({positions[0]} >= {positions[1]})"
         if self.dot:
-            # The launcher classified each block: 2 = every element attends (nothing to read), 1 = partial.
-            with self.indented(f"if {flag} != 2:  # a partial block: read its mask"):
-                pointer, _ = self.address("Av", axes)
-                self.emit(f"allowed = allowed & (tl.load({pointer}, mask=allowed, other=0) != 0)")
-                if chain.causal:
-                    self.emit(causal)
+            # The launcher classified each block: 2 = every element attends (nothing to read or evaluate), 1 =
+            # partial, 0 = none (flags of a block mask, or of the blocks' stored elements).
+            with self.indented(f"if {flag} != 2:  # a partial block: its elements' mask"):
+                if self._element_mask:
+                    self._read_mask(axes)
+                self.emit(f"allowed = allowed & ({flag} != 0)")
+                self._mask_rules(positions)
         else:
-            pointer, _ = self.address("Av", axes)
-            self.emit(f"allowed = allowed & (tl.load({pointer}, mask=allowed, other=0) != 0)")
-            if chain.causal:
-                self.emit(causal)
+            self._read_mask(axes)
+            self._mask_rules(positions)
         if chain.key_mask is not None:  # (one key for all the tile: a scalar)
             pointer, mask = self.address("KM", () if not self.dot and col.axis is None else axes)
             keys = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
@@ -398,6 +444,28 @@ class _Writer:
         if chain.self_loops:
             self.emit(f"allowed = allowed & ({positions[0]} != {positions[1]})")
         return "allowed"
+
+    @property
+    def _element_mask(self) -> bool:
+        """The pattern stores a mask per element (`Av[g,m,k,p]`), not one flag per block (`Av[g,p]`)."""
+        return not self.dot or len(self.chain.mask.indices) > 2
+
+    def _read_mask(self, axes: tuple[str, ...]) -> None:
+        pointer, _ = self.address("Av", axes)
+        self.emit(f"allowed = allowed & (tl.load({pointer}, mask=allowed, other=0) != 0)")
+
+    def _mask_rules(self, positions: tuple[str, str]) -> None:
+        """`mask_mod` (in registers: its captured arrays read once per row and per column of the tile) and the
+        causal rule."""
+        chain = self.chain
+        if chain.mask_mod is not None:
+            lines, (value,), _ = elementwise_lines(chain.mask_mod.kernel.jaxpr, self._coordinates(*positions), "mm",
+                                                   self.acc_type, self._captures(chain.mask_captures))
+            for line in lines:
+                self.emit(line)
+            self.emit(f"allowed = allowed & {value}")
+        if chain.causal:
+            self.emit(f"allowed = allowed & ({positions[0]} >= {positions[1]})")
 
     def _keep(self, entry: str) -> str:
         """`z`: the dropout factor of each weight (0 or 1 / (1 - rate)), drawn from (seed, counter)."""
@@ -479,10 +547,12 @@ class _Writer:
         self.emit(f"flag = tl.load(p_flags + {entry})")
         return "flag"
 
-    def _ds(self, w: str, dp: str, drow: str, allowed: str | None) -> None:
-        """`ds = P * (dP - D) * score_mod'(s) * scale` (`dP` already times dropout's factor)."""
+    def _ds(self, w: str, dp: str, drow: str, allowed: str | None, positions: tuple[str, str]) -> None:
+        """`ds = P * (dP - D) * score_mod'(s) * scale` (`dP` already times dropout's factor), and the gradients
+        of the arrays `score_mod` captures."""
         ds = f"{w} * ({dp} - {drow}) * ds_ds"
         self.emit(f"ds = {f'tl.where({allowed}, {ds}, 0.0)' if allowed else ds} * {self.chain.scale!r}")
+        self._capture_gradients(w, dp, drow, allowed, positions)
 
     # --- the kernels -------------------------------------------------------------------------------------------
     # Tile axes of each tensor, by template: the program's side (own) and the walked side (inner).
@@ -569,7 +639,7 @@ class _Writer:
                     self.emit(f"w = tl.exp2(s - {lse}[:, None])")
                     self.emit(f"dp = tl.sum({do} * {v}, 1)[:, None]")
                     self._dropout_on("dp", "entries + segment")
-                    self._ds("w", "dp", f"{drow}[:, None]", None)
+                    self._ds("w", "dp", f"{drow}[:, None]", None, ("segment", "segment"))
                     self.emit(f"dq += tl.sum(ds[:, :, None] * {k}[:, None, :], 1)")
             with self._entries_loop():
                 entry, positions, allowed = self._bind_entries(row)
@@ -585,7 +655,7 @@ class _Writer:
                 self.emit(f"w = tl.where({allowed}, tl.exp2(s - {lse}[:, None]), 0.0)")
                 self.emit(f"dp = {dp}")
                 self._dropout_on("dp", entry if self.dot else "entry[None, :]")
-                self._ds("w", "dp", f"{drow}[:, None]", allowed)
+                self._ds("w", "dp", f"{drow}[:, None]", allowed, positions)
                 update = (f"tl.dot(ds.to({k}.dtype), {k}{self._precision()})" if self.dot else
                           f"tl.sum(ds[:, :, None] * {k}, 1)")
                 self.emit(f"dq += {update}")
@@ -615,7 +685,8 @@ class _Writer:
                     self._scores(q, k, ("segment", "segment"), slope=True, q_axes=("h", "d"), k_axes=("h", "d"))
                     self.emit(f"w = tl.exp2(s - {lse}[:, None])")
                     self.emit(f"dp = tl.sum({do} * {v}, 1)[:, None]")
-                    self._weights_and_scores_gradient("entries + segment", f"{drow}[:, None]", None)
+                    self._weights_and_scores_gradient("entries + segment", f"{drow}[:, None]", None,
+                                                      ("segment", "segment"))
                     self.emit(f"dv += tl.sum(wz[:, :, None] * {do}[:, None, :], 1)")
                     self.emit(f"dk += tl.sum(ds[:, :, None] * {q}[:, None, :], 1)")
                     self._add_to_dq(f"ds * {k}", ("h", "d"), None)
@@ -635,7 +706,7 @@ class _Writer:
                 self._scores(q, k, positions, slope=True, q_axes=axes["Q"], k_axes=axes["K"])
                 self.emit(f"w = tl.where({allowed}, tl.exp2(s - {lse}), 0.0)")
                 self.emit(f"dp = {dp}")
-                self._weights_and_scores_gradient(entry if self.dot else "entry[None, :]", drow, allowed)
+                self._weights_and_scores_gradient(entry if self.dot else "entry[None, :]", drow, allowed, positions)
                 if self.dot:
                     self.emit(f"dv += tl.dot(tl.trans(wz.to({do}.dtype)), {do}{self._precision()})")
                     self.emit(f"dk += tl.dot(tl.trans(ds.to({q}.dtype)), {q}{self._precision()})")
@@ -655,7 +726,8 @@ class _Writer:
         masks = " & ".join(m for m in (address_mask, mask) if m)
         self.emit(f"atomic_update({pointer}, {value}, {masks}, SUM)")
 
-    def _weights_and_scores_gradient(self, entry: str, drow: str, allowed: str | None) -> None:
+    def _weights_and_scores_gradient(self, entry: str, drow: str, allowed: str | None,
+                                     positions: tuple[str, str]) -> None:
         """`wz` (the weights after dropout, for dV) and `ds` (for dK), from `w` and `dp`."""
         if self.chain.dropout:
             z = self._keep(entry)
@@ -663,7 +735,7 @@ class _Writer:
             self.emit(f"dp = dp * {z}")
         else:
             self.emit("wz = w")
-        self._ds("w", "dp", drow, allowed)
+        self._ds("w", "dp", drow, allowed, positions)
 
     def _dq_sum(self) -> None:
         self._sum(("dQ",))

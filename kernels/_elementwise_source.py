@@ -1,14 +1,17 @@
 """A traced element-wise function (a jaxpr over scalars, `jinsum._lang._elementwise`) -> Triton statements over
-tiles. Attention's `score_mod` is one; masks and statement epilogues are written the same way.
+tiles. Attention's `score_mod` and `mask_mod` are two; statement epilogues are written the same way.
 
 Every equation becomes one assignment; nested jaxprs (`jit`, `custom_jvp_call`) are inlined. Scalars broadcast
-like tiles in Triton, so the same statements compute the transform of a whole tile of scores. Only elementwise
-primitives are translated; anything else raises `NotImplementedError` naming the primitive (the CUDA lowering
-then keeps the chain on the unfused path, with a `FallbackWarning`).
+like tiles in Triton, so the same statements compute the transform of a whole tile of scores. A read of a
+captured array (`doc[q_idx]`: a `dynamic_slice` of one element) becomes one `tl.load` at the clamped index (as
+XLA clamps), so a row of query positions reads one vector of document ids. Only elementwise primitives are
+translated; anything else raises `NotImplementedError` naming the primitive (the CUDA lowering then keeps the
+chain on the unfused path, with a `FallbackWarning`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -34,26 +37,52 @@ _TRITON_DTYPES = {"int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1", "
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint")
 
 
-def elementwise_lines(jaxpr, inputs: list[str], prefix: str, float_type: str = "tl.float32"
-                    ) -> tuple[list[str], list[str]]:
-    """Triton assignments computing `jaxpr`'s outputs from the Triton expressions `inputs`.
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """A captured array as the kernel has it: its pointer argument and its shape (row-major, contiguous)."""
 
-    Returns the lines and one expression per output. Temporaries are named `<prefix>0`, `<prefix>1`, ...;
-    floating-point conversions convert to `float_type` (the kernel's accumulation type).
+    pointer: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """One read of a capture: which one (its position among the captures), the flat index expression, and the
+    inputs (positions in `inputs`) that index depends on: a kernel reduces a gradient over the tile axes the
+    index does not vary along before adding it at the index."""
+
+    capture: int
+    index: str
+    depends: frozenset[int]
+
+
+def elementwise_lines(jaxpr, inputs: list[str], prefix: str, float_type: str = "tl.float32",
+                      captures: tuple[Capture, ...] = ()) -> tuple[list[str], list[str], list[Read]]:
+    """Triton assignments computing `jaxpr`'s outputs from the Triton expressions `inputs` (after the captures,
+    the jaxpr's first inputs).
+
+    Returns the lines, one expression per output and the reads of captures in order. Temporaries are named
+    `<prefix>0`, `<prefix>1`, ...; floating-point conversions convert to `float_type` (the kernel's accumulation
+    type).
     """
-    writer = _Writer(prefix, float_type)
-    outputs = writer.run(jaxpr, inputs)
-    return writer.lines, outputs
+    writer = _Writer(prefix, float_type, captures)
+    writer.depends.update({x: frozenset({i}) for i, x in enumerate(inputs)})
+    outputs = writer.run(jaxpr, [*captures, *inputs])
+    return writer.lines, outputs, writer.reads
 
 
 class _Writer:
-    def __init__(self, prefix: str, float_type: str):
+    def __init__(self, prefix: str, float_type: str, captures: tuple[Capture, ...]):
         self.prefix, self.float_type, self.lines, self.count = prefix, float_type, [], 0
+        self.captures, self.reads = captures, []
+        self.depends: dict[str, frozenset[int]] = {}  # expression -> the inputs it depends on
 
-    def fresh(self, expression: str) -> str:
+    def fresh(self, expression: str, args=()) -> str:
         name = f"{self.prefix}{self.count}"
         self.count += 1
         self.lines.append(f"{name} = {expression}")
+        self.depends[name] = frozenset().union(*(self.depends.get(a, frozenset()) for a in args
+                                                 if isinstance(a, str)))
         return name
 
     def run(self, jaxpr, inputs: list[str]) -> list[str]:
@@ -68,8 +97,10 @@ class _Writer:
             if name in _CALLS:
                 inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
                 results = self.run(getattr(inner, "jaxpr", inner), args)
+            elif name == "dynamic_slice" and isinstance(args[0], Capture):
+                results = [self.fresh(self.load(args[0], args[1:]), args[1:])]
             else:
-                results = [self.fresh(self.expression(eqn, args))]
+                results = [self.fresh(self.expression(eqn, args), args)]
             for var, result in zip(eqn.outvars, results):
                 env[var] = result
         return [read(a) for a in jaxpr.outvars]
@@ -105,13 +136,25 @@ class _Writer:
         if name == "clamp":
             low, x, high = args
             return f"tl.minimum(tl.maximum({x}, {low}), {high})"
-        if name in ("broadcast_in_dim", "reshape", "squeeze") and not eqn.outvars[0].aval.shape:
-            return args[0]
+        if name in ("broadcast_in_dim", "reshape", "squeeze") and math.prod(eqn.outvars[0].aval.shape) == 1:
+            return args[0]  # one element: a read's (1, 1) value, or a tangent of ones
         return _unsupported(eqn)
+
+    def load(self, capture: Capture, starts: list[str]) -> str:
+        """`capture[starts]`, each start clamped into range as XLA's `dynamic_slice` clamps it."""
+        flat = "0"
+        for size, start in zip(capture.shape, starts):
+            constant = _constant(start)
+            clamped = (str(min(max(int(constant), 0), size - 1)) if constant is not None
+                       else f"tl.minimum(tl.maximum({start}, 0), {size - 1})")
+            flat = clamped if flat == "0" else f"({flat}) * {size} + {clamped}"
+        index = self.fresh(flat, starts)
+        self.reads.append(Read(self.captures.index(capture), index, self.depends[index]))
+        return f"tl.load({capture.pointer} + {index})"
 
 
 def _unsupported(eqn) -> str:
-    raise NotImplementedError(f"score_mod uses {eqn.primitive.name}, which has no Triton translation")
+    raise NotImplementedError(f"a score_mod or mask_mod uses {eqn.primitive.name}, which has no Triton translation")
 
 
 def _constant(text: str):

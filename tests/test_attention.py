@@ -462,9 +462,11 @@ def test_bad_arguments_are_refused_clearly(rng):
         jinsum.attention(q, k, v, pattern, self_loops=True)
     with pytest.raises(ValueError, match="key_padding_mask must be booleans of shape"):
         jinsum.attention(q, k, v, pattern, key_padding_mask=np.ones(3, bool))
-    with pytest.raises(TypeError, match="closes over an array of shape"):
+    with pytest.raises(TypeError, match="uses a captured array in reduce_sum"):
         table = jnp.arange(4.0)
-        jinsum.attention(q, k, v, pattern, score_mod=lambda s, b, h, i, j: s + table[h])
+        jinsum.attention(q, k, v, pattern, score_mod=lambda s, b, h, i, j: s + table.sum())
+    with pytest.raises(TypeError, match="mask_mod <lambda> must return one boolean"):
+        jinsum.attention(q, k, v, pattern, mask_mod=lambda b, h, i, j: i - j)
     with pytest.raises(TypeError, match="must return one floating-point score"):
         jinsum.attention(q, k, v, pattern, score_mod=lambda s, b, h, i, j: i)
 

@@ -25,15 +25,15 @@ from jinsum.formats import BlockGroupCOO, GroupCOO
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | BlockGroupCOO, *,
-              scale: float | None = None, score_mod: Callable | None = None, causal: bool = False,
-              key_padding_mask: jax.Array | None = None, dropout: float = 0.0, seed=None, self_loops: bool = False,
-              allow_tf32: bool = False, return_lse: bool = False):
+              scale: float | None = None, score_mod: Callable | None = None, mask_mod: Callable | None = None,
+              causal: bool = False, key_padding_mask: jax.Array | None = None, dropout: float = 0.0, seed=None,
+              self_loops: bool = False, allow_tf32: bool = False, return_lse: bool = False):
     """Multi-head softmax attention of `q` over `k`, `v`, computed only at the stored entries of `pattern`.
 
     For query `i` and head `h`, `out[i, h] = sum_j softmax_j(s_ij) v[j, h]` over the keys `j` that `i` attends to,
     with `s_ij = score_mod(scale * q[i, h] . k[j, h], b, h, i, j)`. Query `i` attends to key `j` where the pattern
-    stores `(i, j)` with a nonzero value, and, if asked, `i >= j` (`causal`) and `key_padding_mask[b, j]`. A query
-    that attends to nothing gets 0 (and its log-sum-exp is +inf). The whole chain (scores, transform, masks,
+    stores `(i, j)` with a nonzero value and, if given, `mask_mod(b, h, i, j)` holds, `i >= j` (`causal`) and
+    `key_padding_mask[b, j]`. A query that attends to nothing gets 0 (and its log-sum-exp is +inf). The whole chain (scores, transform, masks,
     online softmax, dropout, weighted sum) is one generated kernel on CUDA; its gradient is the FlashAttention-2
     backward (scores recomputed from the saved log-sum-exp), also generated kernels.
 
@@ -45,8 +45,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
         `GroupCOO` may carry one value per head, `(L, S, H)`. Shared by the batch.
       scale: multiplies `q . k`; defaults to `1 / sqrt(D)`.
       score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on scalars (FlexAttention's `score_mod`): a soft cap,
-        a LeakyReLU, a positional bias, a mask (return `-inf`). Traced once and compiled into the kernels; it
-        may close over Python numbers, not over arrays.
+        a LeakyReLU, a positional bias. Traced once and compiled into the kernels. It may close over Python
+        numbers and over arrays read with integer scalar indices (ALiBi slopes `slopes[h]`, a relative-position
+        bias `bias[h, q_idx - kv_idx + S - 1]`); captured floating arrays get gradients, as `q`, `k` and `v` do.
+      mask_mod: `f(b, h, q_idx, kv_idx) -> bool` on scalars (FlexAttention's `mask_mod`): where attention is
+        allowed inside the pattern's blocks, evaluated in registers (a block pattern's elements are then never
+        read). It may close over arrays, e.g. document ids `doc[q_idx] == doc[kv_idx]`; new values of the same
+        shape reuse the compiled kernels. `jinsum.block_mask` builds a pattern from the same function.
       causal: query `i` attends to keys `j <= i` only.
       key_padding_mask: booleans `(S,)` or `(B, S)`, True for the real keys.
       dropout: rate at which attention weights are dropped (training); the kept ones are scaled by
@@ -66,19 +71,27 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
       >>> out = jinsum.attention(q, k, v, pattern, causal=True)            # q, k, v: (4096, 16, 64)
       >>> out = jinsum.attention(x, y, h, adjacency, score_mod=lambda s, b, h, i, j: jax.nn.leaky_relu(s, 0.2))
     """
-    chain, arrays, unpad = build_chain(q, k, v, pattern, scale=scale, score_mod=score_mod, causal=causal,
-                                       key_padding_mask=key_padding_mask, dropout=dropout, seed=seed,
+    chain, arrays, unpad = build_chain(q, k, v, pattern, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
+                                       causal=causal, key_padding_mask=key_padding_mask, dropout=dropout, seed=seed,
                                        self_loops=self_loops, allow_tf32=allow_tf32)
     out, lse = _chain_primitive.bind(chain, arrays)
     out, lse = unpad(out), unpad(lse)
     return (out, lse) if return_lse else out
 
 
-def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, causal=False, key_padding_mask=None, dropout=0.0,
-                seed=None, self_loops=False, allow_tf32=False):
+def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, causal=False, key_padding_mask=None,
+                dropout=0.0, seed=None, self_loops=False, allow_tf32=False):
     """The checked `Chain` of an `attention` call, its operands by name, and a function that turns the blocked
     `(..., rows, (bm,) H, ...)` results back into `(..., L, H, ...)`."""
     _check_arguments(q, k, v, pattern, dropout, self_loops)
+    if mask_mod is not None and self_loops:
+        raise ValueError("jinsum.attention: mask_mod and self_loops cannot be combined (a self loop would ignore the "
+                         "mask); store the self loops in the pattern instead")
+    mods = {}
+    for kind, fn, prefix in (("score_mod", score_mod, "SC"), ("mask_mod", mask_mod, "MC")):
+        if fn is not None:
+            mods[kind], captured = _elementwise.trace(fn, kind)
+            mods.update({f"{prefix}{i}": x for i, x in enumerate(captured)})
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     batched = q.ndim == 4
     batch = "b," if batched else ""
@@ -107,6 +120,7 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, causal=False, k
             return x
     roles = dataclasses.replace(roles, batch=("b",) * batched, batch_index="b" if batched else None)
     arrays.update(Ai=pattern.Ai, Ak=pattern.Ak, Av=pattern.Av, seed=_seed(seed, dropout))
+    arrays.update({n: x for n, x in mods.items() if n[:2] in ("SC", "MC")})
     extra = [_primitive.operand("Av", pattern.Av)]
     key_mask = None
     if key_padding_mask is not None:
@@ -127,7 +141,7 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, causal=False, k
     output_spec = _primitive.make_spec(parse(output), {**arrays, "S": s_struct, "O": o_struct}, **flags)
     chain = Chain(scores_spec, output_spec, mask, key_mask, tuple(extra), roles,
                   scale=float(1 / math.sqrt(head_dim) if scale is None else scale),
-                  score_mod=None if score_mod is None else _elementwise.trace_score_mod(score_mod), causal=bool(causal),
+                  score_mod=mods.get("score_mod"), mask_mod=mods.get("mask_mod"), causal=bool(causal),
                   dropout=float(dropout), self_loops=bool(self_loops), allow_tf32=bool(allow_tf32)).check()
     if isinstance(pattern, GroupCOO) and pattern.transposed is not None:
         arrays["transposed"] = pattern.transposed  # the keys' entries, for the schedule (not an operand)

@@ -2,16 +2,18 @@
 
 - `attention_p(Ai, Ak, Av, seed, Q, K, V[, KM]) -> (O, LSE)`: the fused chain (`Chain`), one generated kernel on
   CUDA (plus a combine for split rows), the unfused statements elsewhere.
-- `attention_tangent_p(..., O, LSE, tQ, tK, tV) -> (tO, tLSE)`: its JVP, linear in the tangents. Forward mode
-  evaluates it by JAX's rules on the unfused chain; reverse mode never evaluates it but transposes it into
-- `attention_backward_p(..., O, LSE, dO, dLSE) -> (dQ, dK, dV)`: the FlashAttention-2 backward on CUDA (scores
-  recomputed from the saved log-sum-exp, no stored probabilities), JAX's reverse mode of the unfused chain
+- `attention_tangent_p(..., O, LSE, tQ, tK, tV, tSC...) -> (tO, tLSE)`: its JVP, linear in the tangents of the
+  chain's differentiable operands (`Chain.differentiable`: Q, K, V and the floating arrays `score_mod`
+  captures). Forward mode evaluates it by JAX's rules on the unfused chain; reverse mode never evaluates it but
+  transposes it into
+- `attention_backward_p(..., O, LSE, dO, dLSE) -> (dQ, dK, dV, dSC...)`: the FlashAttention-2 backward on CUDA
+  (scores recomputed from the saved log-sum-exp, no stored probabilities), JAX's reverse mode of the unfused chain
   elsewhere.
 
 So `jax.grad` of attention saves `(Q, K, V, O, LSE)` and runs the generated backward kernels, and `jax.jvp` works
-too. The pattern (`Ai`, `Ak`, `Av`, the key mask) has no tangent: masks are piecewise constant in `Av`. `vmap`
-over the values adds a batch variable to the chain (a grid axis of the kernels); over the pattern or the seed it
-runs the batch as a loop (`lax.map`).
+too. The pattern (`Ai`, `Ak`, `Av`, the key mask, the arrays `mask_mod` captures) has no tangent: masks are
+piecewise constant. `vmap` over the values adds a batch variable to the chain (a grid axis of the kernels); over
+the pattern, the seed or a captured array it runs the batch as a loop (`lax.map`).
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ from jinsum._attention._chain_triton import SCHEDULE
 from jinsum._rules._avals import varying
 
 # Operands that describe the pattern (and the work lists derived from it): never differentiated, and batching
-# them runs a loop.
+# them runs a loop (as batching a captured array does).
 PATTERN = ("Ai", "Ak", "Av", "seed", "KM", *SCHEDULE)
-TANGENT_INPUTS = ("O", "LSE", "tQ", "tK", "tV")
 BACKWARD_INPUTS = ("O", "LSE", "dO", "dLSE")
+
+
+def _loops(name: str) -> bool:
+    """Batching operand `name` runs the batch as a loop."""
+    return name in PATTERN or name.startswith(("MC", "SC"))
 
 
 def bind(chain: Chain, arrays: dict) -> tuple[jax.Array, jax.Array]:
@@ -53,15 +59,23 @@ attention_tangent_p.multiple_results = True
 attention_backward_p = Primitive("jinsum_attention_backward")
 attention_backward_p.multiple_results = True
 
-_INPUTS = {attention_p: (), attention_tangent_p: TANGENT_INPUTS, attention_backward_p: BACKWARD_INPUTS}
+def _inputs(primitive: Primitive, chain: Chain) -> tuple[str, ...]:
+    """The operands after the chain's own and its schedule."""
+    if primitive is attention_tangent_p:
+        return ("O", "LSE") + tuple(f"t{n}" for n in chain.differentiable)
+    return BACKWARD_INPUTS if primitive is attention_backward_p else ()
+
+
+def _outputs(primitive: Primitive, chain: Chain) -> tuple[str, ...]:
+    return chain.differentiable if primitive is attention_backward_p else ("O", "LSE")
 
 
 def _names(primitive: Primitive, chain: Chain) -> tuple[str, ...]:
-    return chain.names + SCHEDULE + _INPUTS[primitive]
+    return chain.names + SCHEDULE + _inputs(primitive, chain)
 
 
 def _aval(chain: Chain, name: str) -> jax.core.ShapedArray:
-    source = {"dO": "O", "dLSE": "LSE", "tQ": "Q", "tK": "K", "tV": "V"}.get(name, name)
+    source = {"dO": "O", "dLSE": "LSE"}.get(name, name[1:] if name.startswith("t") else name)
     operand = chain.operand[source]
     return jax.core.ShapedArray(operand.shape, operand.dtype)
 
@@ -73,7 +87,7 @@ def _compiled(primitive: Primitive, chain: Chain):
     return jax.jit(functools.partial(primitive.bind, chain=chain))
 
 
-def _abstract_eval(primitive: Primitive, outputs: tuple[str, ...]):
+def _abstract_eval(primitive: Primitive):
     def rule(*avals, chain: Chain):
         for aval, name in zip(avals, _names(primitive, chain)):
             if name in SCHEDULE:
@@ -82,7 +96,8 @@ def _abstract_eval(primitive: Primitive, outputs: tuple[str, ...]):
             if aval.shape != expected.shape or aval.dtype != expected.dtype:
                 raise TypeError(f"jinsum: {primitive.name} operand {name} is {aval.str_short()}, but {chain!r} was "
                                 f"checked for {expected.str_short()}")
-        return [varying(_aval(chain, name).shape, _aval(chain, name).dtype, avals) for name in outputs]
+        return [varying(_aval(chain, name).shape, _aval(chain, name).dtype, avals)
+                for name in _outputs(primitive, chain)]
     return rule
 
 
@@ -98,7 +113,7 @@ def _forward_reference(chain, arrays):
 
 def _tangent_reference(chain, arrays):
     env = dict(zip(_names(attention_tangent_p, chain), arrays))
-    return _chain_reference.tangent(chain, env, (env["tQ"], env["tK"], env["tV"]))
+    return _chain_reference.tangent(chain, env, tuple(env[f"t{n}"] for n in chain.differentiable))
 
 
 def _backward_reference(chain, arrays):
@@ -106,27 +121,28 @@ def _backward_reference(chain, arrays):
     return _chain_reference.backward(chain, env, (env["dO"], env["dLSE"]))
 
 
-for _primitive_, _outputs, _reference, _cuda in [
-        (attention_p, ("O", "LSE"), _forward_reference, _chain_triton.forward),
-        (attention_tangent_p, ("O", "LSE"), _tangent_reference, None),
-        (attention_backward_p, ("Q", "K", "V"), _backward_reference, _chain_triton.backward)]:
+for _primitive_, _reference, _cuda in [
+        (attention_p, _forward_reference, _chain_triton.forward),
+        (attention_tangent_p, _tangent_reference, None),
+        (attention_backward_p, _backward_reference, _chain_triton.backward)]:
     _primitive_.def_impl(lambda *arrays, _p=_primitive_, chain: _compiled(_p, chain)(*arrays))
-    _primitive_.def_abstract_eval(_abstract_eval(_primitive_, _outputs))
+    _primitive_.def_abstract_eval(_abstract_eval(_primitive_))
     mlir.register_lowering(_primitive_, mlir.lower_fun(_xla(_reference), multiple_results=True))
     if _cuda is not None:
         mlir.register_lowering(_primitive_, mlir.lower_fun(_xla(_cuda), multiple_results=True), platform="cuda")
 
 
 # --- forward-mode differentiation -----------------------------------------------------------------------------
-# Only Q, K and V have tangents. The tangent of (O, LSE) is a separate primitive, linear in (tQ, tK, tV), so that
-# reverse mode transposes it into the backward kernels instead of differentiating through the forward.
+# Only the differentiable operands (Q, K, V, floating captures of score_mod) have tangents. The tangent of
+# (O, LSE) is a separate primitive, linear in them, so that reverse mode transposes it into the backward kernels
+# instead of differentiating through the forward.
 
 def _jvp(primals, tangents, *, chain: Chain):
     out, lse = attention_p.bind(*primals, chain=chain)
     named = dict(zip(chain.names, tangents))
-    if all(type(named[n]) is ad.Zero for n in ("Q", "K", "V")):
+    if all(type(named[n]) is ad.Zero for n in chain.differentiable):
         return (out, lse), (ad.Zero.from_primal_value(out), ad.Zero.from_primal_value(lse))
-    linear = [ad.instantiate_zeros(named[n]) for n in ("Q", "K", "V")]
+    linear = [ad.instantiate_zeros(named[n]) for n in chain.differentiable]
     return (out, lse), tuple(attention_tangent_p.bind(*primals, out, lse, *linear, chain=chain))
 
 
@@ -134,7 +150,7 @@ ad.primitive_jvps[attention_p] = _jvp
 
 
 # --- transposition ----------------------------------------------------------------------------------------------
-# The tangent primitive is linear in (tQ, tK, tV); everything else is a constant (residuals of the forward).
+# The tangent primitive is linear in the tangents; everything else is a constant (residuals of the forward).
 
 def _transpose_tangent(cotangents, *args, chain: Chain):
     d_out, d_lse = cotangents
@@ -161,10 +177,10 @@ def _batcher(primitive: Primitive):
         names = _names(primitive, chain)
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-        if any(d is not None for n, d in zip(names, dims) if n in PATTERN):
+        if any(d is not None for n, d in zip(names, dims) if _loops(n)):
             return _loop(primitive, chain, args, dims)
         batched_chain = batch_chain(chain, size)
-        args = [a if n in PATTERN or d is not None else jnp.broadcast_to(a, (size, *a.shape))
+        args = [a if _loops(n) or d is not None else jnp.broadcast_to(a, (size, *a.shape))
                 for a, n, d in zip(args, names, dims)]
         outs = primitive.bind(*args, chain=batched_chain)
         return outs, [0] * len(outs)
@@ -202,5 +218,5 @@ def batch_chain(chain: Chain, size: int) -> Chain:
                                output=rebatch(chain.output, ("S", "V")), roles=roles).check()
 
 
-for _primitive_ in _INPUTS:
+for _primitive_ in (attention_p, attention_tangent_p, attention_backward_p):
     batching.primitive_batchers[_primitive_] = _batcher(_primitive_)

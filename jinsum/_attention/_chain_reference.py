@@ -4,8 +4,10 @@ Each statement of the chain is one jinsum statement, and what lies between them 
 `S[...] = Q[...] * K[...]` (an SDDMM, materialised), the scale, `score_mod` and the masks elementwise, the row
 maximum `LSE[...] max= S[...]`, the weights `exp(S - max)`, their row sums a `segment_sum`, and the output the SpMM
 `O[...] += P[...] * V[...]` divided by the row sums. On CUDA the two statements still get their generated
-kernels; only the fusion is missing. Its derivatives are JAX's own (`jax.vjp` / `jax.jvp` of `forward`), so this
-module is also the reference that the fused kernels' backward is tested against.
+kernels; only the fusion is missing. `score_mod` and `mask_mod` are applied to whole arrays of coordinates (with
+their captured arrays). Its derivatives are JAX's own (`jax.vjp` / `jax.jvp` of `forward`, with respect to the
+chain's differentiable operands), so this module is also the reference that the fused kernels' backward is tested
+against.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
     if chain.block:
         (bm, bk) = chain.block
         q_idx, kv_idx = row * bm + at.var(r.query_offset), col * bk + at.var(r.key_offset)
-    S = _transform(chain, S * chain.scale, at.batch_index(), at.var(r.head), q_idx, kv_idx)
+    head = at.head()
+    S = _transform(chain, arrays, S * chain.scale, at.batch_index(), head, q_idx, kv_idx)
     allowed = at.read(chain.mask) != 0
+    if chain.mask_mod is not None:
+        allowed &= chain.mask_mod([arrays[n] for n in chain.mask_captures], at.batch_index(), head, q_idx, kv_idx)
     if chain.causal:
         allowed &= q_idx >= kv_idx
     if chain.key_mask is not None:
@@ -81,22 +86,26 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
 
 
 def tangent(chain: Chain, arrays: dict, tangents: tuple) -> tuple[jax.Array, jax.Array]:
-    """`(dO, dLSE)` for tangents `(dQ, dK, dV)`: forward-mode, by JAX's rules on `forward`."""
-    return jax.jvp(lambda q, k, v: forward(chain, {**arrays, "Q": q, "K": k, "V": v}),
-                   (arrays["Q"], arrays["K"], arrays["V"]), tangents)[1]
+    """`(dO, dLSE)` for the tangents of `chain.differentiable`: forward-mode, by JAX's rules on `forward`."""
+    names = chain.differentiable
+    return jax.jvp(lambda *x: forward(chain, {**arrays, **dict(zip(names, x))}),
+                   tuple(arrays[n] for n in names), tuple(tangents))[1]
 
 
-def backward(chain: Chain, arrays: dict, cotangents: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`(dQ, dK, dV)` for cotangents `(dO, dLSE)`: reverse-mode, by JAX's rules on `forward`."""
-    _, pullback = jax.vjp(lambda q, k, v: forward(chain, {**arrays, "Q": q, "K": k, "V": v}),
-                          arrays["Q"], arrays["K"], arrays["V"])
+def backward(chain: Chain, arrays: dict, cotangents: tuple) -> tuple[jax.Array, ...]:
+    """The gradients of `chain.differentiable` (`dQ`, `dK`, `dV`, captures) for cotangents `(dO, dLSE)`:
+    reverse-mode, by JAX's rules on `forward`."""
+    names = chain.differentiable
+    _, pullback = jax.vjp(lambda *x: forward(chain, {**arrays, **dict(zip(names, x))}),
+                          *(arrays[n] for n in names))
     return pullback(cotangents)
 
 
-def _transform(chain: Chain, scores, b, h, q_idx, kv_idx):
+def _transform(chain: Chain, arrays: dict, scores, b, h, q_idx, kv_idx):
     if chain.score_mod is None:
         return scores
-    return chain.score_mod(scores, b, h, q_idx, kv_idx).astype(scores.dtype)
+    captures = [arrays[n] for n in chain.score_captures]
+    return chain.score_mod(captures, scores, b, h, q_idx, kv_idx).astype(scores.dtype)
 
 
 def _self_scores(chain: Chain, arrays: dict, lse_shape) -> jax.Array:
@@ -107,7 +116,8 @@ def _self_scores(chain: Chain, arrays: dict, lse_shape) -> jax.Array:
     index = jax.lax.broadcasted_iota(jnp.int32, lse_shape, len(r.batch))
     b = (jax.lax.broadcasted_iota(jnp.int32, lse_shape, r.batch.index(r.batch_index))
          if r.batch_index else jnp.zeros((), jnp.int32))
-    return _transform(chain, raw, b, jax.lax.broadcasted_iota(jnp.int32, lse_shape, len(lse_shape) - 1), index, index)
+    return _transform(chain, arrays, raw, b, jax.lax.broadcasted_iota(jnp.int32, lse_shape, len(lse_shape) - 1), index,
+                      index)
 
 
 def _kept(chain: Chain, arrays: dict, offsets) -> jax.Array:
@@ -145,6 +155,13 @@ class _Coordinates:
         shape = [1] * len(self.axes)
         shape[self.axes.index(name)] = self.shape[self.axes.index(name)]
         return jax.lax.broadcasted_iota(jnp.int32, shape, self.axes.index(name))
+
+    def head(self) -> jax.Array:
+        """The query head `score_mod` and `mask_mod` see: `h`, or `h * R + r` with grouped-query attention."""
+        r = self.chain.roles
+        if r.head_group is None:
+            return self.var(r.head)
+        return self.var(r.head) * self.chain.group_size + self.var(r.head_group)
 
     def batch_index(self) -> jax.Array:
         name = self.chain.roles.batch_index

@@ -103,8 +103,8 @@ def schedule(chain: Chain, arrays: dict, config: ChainConfig | None = None) -> d
     concrete = not any(isinstance(x, jax.core.Tracer) for x in pattern.values())
     xp = np if concrete else jnp
     pattern = {n: np.asarray(x) if concrete else x for n, x in pattern.items()}
-    found = dict(zip(("row_items", "row_combine"), row_items(rows, pattern, xp)))
-    found["flags"] = block_flags(chain, pattern, xp) if rows.template == "dot" else empty["flags"]
+    found = {"flags": block_flags(chain, pattern, xp) if rows.template == "dot" else empty["flags"]}
+    found["row_items"], found["row_combine"] = row_items(rows, {**pattern, "flags": found["flags"]}, xp)
     if "perm" in pattern:
         # Its entries include stored self loops and entries masked per head, which the kernel masks itself.
         perm, starts = pattern["perm"].astype(xp.int32), pattern["starts"].astype(xp.int32)
@@ -118,9 +118,14 @@ def schedule(chain: Chain, arrays: dict, config: ChainConfig | None = None) -> d
 
 
 def row_items(plan: ChainPlan, env: dict, xp):
-    """Work items over the rows: each row's entries `[first group * P, end group * P)`."""
+    """Work items over the rows: each row's entries `[first group * P, end group * P)`, without the empty blocks
+    after the last block that attends (a block mask built for a capacity pads its last row with them)."""
     slots = plan.chain.scores.extent[plan.chain.roles.slot]
     starts = row_starts(env["Ai"], plan.chain.rows, xp) * slots
+    if plan.template == "dot":
+        flags = env["flags"]
+        used = xp.max(xp.where(flags != 0, xp.arange(flags.shape[0]) + 1, 0)) if flags.shape[0] else 0
+        starts = xp.minimum(starts, used)
     return work_items(starts, plan, xp)
 
 
@@ -163,9 +168,16 @@ def _first_true(mask, size: int, xp):
 
 
 def block_flags(chain: Chain, env: dict, xp):
-    """Per stored block: 2 if every element attends (no mask to read), 1 if some do, 0 if none (int8)."""
-    nonzero = env["Av"] != 0
-    any_, all_ = nonzero.any(axis=(1, 2)), nonzero.all(axis=(1, 2))
+    """Per stored block: 2 if every element attends (no mask to read or evaluate), 1 if some may, 0 if none (int8).
+    A pattern of block flags (`Av[g,p]`, from `jinsum.block_mask`) gives them; a pattern of elements, its values
+    (and then, with a `mask_mod`, no block is full without evaluating it)."""
+    if env["Av"].ndim == 2:
+        any_, all_ = env["Av"] != 0, env["Av"] == 2
+    else:
+        nonzero = env["Av"] != 0
+        any_, all_ = nonzero.any(axis=(1, 2)), nonzero.all(axis=(1, 2))
+        if chain.mask_mod is not None:
+            all_ = all_ & False
     if chain.causal:  # blocks wholly below the diagonal stay full; wholly above it, empty
         bm, bk = chain.block
         first_query, first_key = env["Ai"][:, None] * bm, env["Ak"] * bk
@@ -213,6 +225,8 @@ def run_backward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
     inputs = {**env, "Drow": drow.astype(stats)}
     grads = {}
     dq_in_dkdv = found["dkdv"].dq_in_dkdv
+    # The gradients of captured arrays are added atomically in float32 by the kernel computing dQ.
+    captured = {f"d{n}": (chain.operand[n].shape, np.dtype(np.float32)) for n in chain.differentiable[3:]}
     kernels = (("dkdv", "key_items", "key_combine", ("dK", "dV")),)
     if not dq_in_dkdv:
         kernels = (("dq", "row_items", "row_combine", ("dQ",)),) + kernels
@@ -222,12 +236,14 @@ def run_backward(found: dict[str, ChainPlan], env: dict, xp, launch) -> list:
         structs = {g: _struct(chain, g[1]) for g in outputs}
         parts = {f"part_{g.lower()}": (shapes[f"part_{g.lower()}"], stats) for g in outputs}
         extra = {"dQ": (chain.operand["Q"].shape, stats)} if kernel == "dkdv" and dq_in_dkdv else {}
+        if plan.computes_dq:
+            extra.update(captured)
         out = launch(plan, {**inputs, "items": env[items]}, {**structs, **parts, **extra}, zeroed=tuple(extra))
         grads.update(launch(found[f"{kernel}_sum"], {**out, "combine": env[combine]}, structs,
                             aliases={g: g for g in outputs}))
-        if extra:
-            grads["dQ"] = out["dQ"].astype(chain.operand["Q"].dtype)
-    return [grads["dQ"], grads["dK"], grads["dV"]]
+        for name in extra:
+            grads[name] = out[name].astype(chain.operand[name[1:]].dtype)
+    return [grads[f"d{n}"] for n in chain.differentiable]
 
 
 def _struct(chain: Chain, name: str) -> tuple[tuple[int, ...], np.dtype]:

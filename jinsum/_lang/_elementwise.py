@@ -1,103 +1,252 @@
 """A user's element-wise function, traced once to a jaxpr over scalars: the one home of that tracing.
 
-A statement or chain holds the traced function (so this lives with the notation); the XLA lowering applies it
-to arrays and the code generator writes it into kernels as register math (`jinsum.kernels._elementwise_source`).
-Today's one kind is attention's `score_mod` (FlexAttention's), below.
+A chain holds the traced function (so this lives with the notation); the XLA lowering applies it to arrays and
+the code generator writes it into kernels as register math (`jinsum.kernels._elementwise_source`). Two kinds,
+FlexAttention's:
 
-`score_mod(score, b, h, q_idx, kv_idx) -> score` is written with `jax.numpy` on scalars: the float32 score and
-the int32 batch index, head, query position and key position. It is traced to a jaxpr over those scalars, and
-that jaxpr is what jinsum keeps: the XLA lowering applies the function to whole arrays, and the code generator
-translates the jaxpr into Triton expressions (`jinsum.kernels._elementwise_source`). The derivative with respect to
-the score, which the backward kernels need, is the jaxpr of `jax.jvp` of the same function.
+- `score_mod(score, b, h, q_idx, kv_idx) -> score`: the float32 score and the int32 batch index, head, query
+  position and key position;
+- `mask_mod(b, h, q_idx, kv_idx) -> bool`: whether query `q_idx` attends to key `kv_idx`.
 
-A transform may close over Python numbers and concrete scalars (they become literals). It may not close over
-arrays or traced values (a learned parameter inside `jit`): those would have to be kernel operands with their own
-gradient, which jinsum does not offer; fold such parameters into the queries or keys instead.
+Both are written with `jax.numpy` on scalars. They may close over Python numbers and concrete scalars (compiled
+in as literals) and over arrays, concrete or traced (document ids, sequence lengths, ALiBi slopes, a bias table),
+read with integer scalar indices (`doc[q_idx]`, `bias[h, q_idx - kv_idx]`). Such arrays are *captures*: they
+become operands of the attention primitive (traced, batched and, for floating ones read by a `score_mod`,
+differentiated like the others), and a kernel reads them with one load per index vector, in registers. Only the
+captures' shapes and dtypes are part of a traced function's identity, so new document ids (new values of the same
+shape) reuse every compiled kernel.
+
+For the kernels, a `score_mod` is also traced as `(value, slope, partials...)`: its derivative with respect to the
+score, and with respect to each read of a floating capture (the backward adds `dL/dvalue * partial` into that
+capture's gradient at the read's index). The derivatives come from `jax.jvp` of the user's function with the
+reads held fixed, so custom derivative rules are kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The transform's arguments after the score, in order: batch index, head, query position, key position.
+# The coordinates after the score, in order: batch index, head, query position, key position.
 COORDINATES = ("b", "h", "q_idx", "kv_idx")
+KINDS = {"score_mod": ("score", *COORDINATES), "mask_mod": COORDINATES}
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoreMod:
-    """A traced `score_mod`. Equal transforms (same jaxpr, same constants) compare and hash equal, so a jitted
-    layer that builds a new lambda on every call still hits every cache."""
+class Elementwise:
+    """A traced `score_mod` or `mask_mod`. Equal transforms (same jaxpr, same constants, captures of the same
+    shapes) compare and hash equal, so a jitted layer that builds a new lambda on every call hits every cache.
 
+    Attributes:
+      kind: "score_mod" or "mask_mod".
+      name: the function's name (for messages and reprs).
+      text: the printed jaxprs: the identity of the transform.
+      captures: the shape and dtype of each captured array, in operand order.
+      value: `(*captures, *arguments) -> output` (a closed jaxpr, the score in float32): what the XLA lowering
+        applies.
+      kernel: `(*captures, *arguments) -> (output, slope, *partials)` for a `score_mod` (`partials` one per read of
+        a floating capture, in the order the function reads); `-> (allowed,)` for a `mask_mod`.
+      wide: a `score_mod`'s `value` with a float64 score (traced when 64-bit types are on), else None.
+    """
+
+    kind: str
     name: str
-    text: str  # the printed jaxpr of value and derivative: the identity of the transform
-    fn: Callable = dataclasses.field(compare=False, hash=False, repr=False)
-    value_and_slope: jax.extend.core.ClosedJaxpr = dataclasses.field(compare=False, hash=False, repr=False)
+    text: str
+    captures: tuple[jax.ShapeDtypeStruct, ...]
+    value: jax.extend.core.ClosedJaxpr = dataclasses.field(compare=False, hash=False, repr=False)
+    kernel: jax.extend.core.ClosedJaxpr = dataclasses.field(compare=False, hash=False, repr=False)
+    wide: jax.extend.core.ClosedJaxpr | None = dataclasses.field(compare=False, hash=False, repr=False)
 
-    def __call__(self, score: jax.Array, *coordinates: jax.Array) -> jax.Array:
-        """Applies the transform to arrays of any shape (the coordinates broadcast against `score`)."""
-        shape = jnp.broadcast_shapes(score.shape, *(c.shape for c in coordinates))
-        flat = [jnp.broadcast_to(x, shape).reshape(-1) for x in (score, *coordinates)]
-        return jax.vmap(self.fn)(*flat).reshape(shape)
+    @property
+    def differentiable(self) -> tuple[int, ...]:
+        """The captures that get a gradient: floating ones read by a `score_mod`."""
+        if self.kind != "score_mod":
+            return ()
+        return tuple(i for i, c in enumerate(self.captures) if jnp.issubdtype(c.dtype, jnp.floating))
+
+    def __call__(self, captures, *arguments: jax.Array) -> jax.Array:
+        """Applies the function to arrays of any shape (the arguments broadcast), the captures as given."""
+        shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in arguments))
+        flat = [jnp.broadcast_to(a, shape).reshape(-1) for a in arguments]
+        closed = self.wide if self.wide is not None and flat[0].dtype == jnp.float64 else self.value
+        if self.kind == "score_mod":
+            flat[0] = flat[0].astype(closed.in_avals[len(self.captures)].dtype)
+        out = jax.vmap(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *captures, *a)[0])(*flat)
+        return out.reshape(shape)
 
 
-def trace_score_mod(fn: Callable) -> ScoreMod:
-    """Traces `fn(score, b, h, q_idx, kv_idx)` on scalars; raises a clear error for what cannot be fused."""
+def trace(fn: Callable, kind: str, where: str = "jinsum.attention") -> tuple[Elementwise, tuple[jax.Array, ...]]:
+    """Traces `fn` as a `kind` ("score_mod" or "mask_mod") on scalars. Returns the traced function and the arrays it
+    captures (operands for the primitive, in the order of `Elementwise.captures`); raises a clear error for what
+    cannot be fused."""
+    arguments = KINDS[kind]
+    signature = f"({', '.join(arguments)})"
     if not callable(fn):
-        raise TypeError(f"jinsum.attention: score_mod must be a function (score, b, h, q_idx, kv_idx) -> score, got "
-                        f"{type(fn).__name__}")
+        raise TypeError(f"{where}: {kind} must be a function {signature} -> "
+                        f"{'score' if kind == 'score_mod' else 'bool'}, got {type(fn).__name__}")
     name = getattr(fn, "__name__", type(fn).__name__)
-    scalars = (jax.ShapeDtypeStruct((), jnp.float32),) + (jax.ShapeDtypeStruct((), jnp.int32),) * len(COORDINATES)
+    value, captured = _trace_value(fn, kind, name, where, jnp.float32)
+    specs = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in captured)
+    _check_elementwise(value.jaxpr, len(specs), kind, name, where)
+    scalars = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in value.in_avals[len(specs):]]
+    if kind == "score_mod":
+        kernel = jax.make_jaxpr(_with_derivatives(value, specs))(*specs, *scalars)
+        wide = _trace_value(fn, kind, name, where, jnp.float64)[0] if _x64() else None
+    else:
+        kernel = wide = None
+    text = f"{kind} {[(s.shape, str(s.dtype)) for s in specs]}\n{value}"
+    return Elementwise(kind, name, text, specs, value, kernel or value, wide), captured
 
-    def value_and_slope(score, *coordinates):
-        return jax.jvp(lambda s: _checked_output(fn(s, *coordinates), name), (score,), (jnp.ones_like(score),))
 
+def _trace_value(fn, kind: str, name: str, where: str, score_dtype):
+    """`(*captures, *arguments) -> output` as a closed jaxpr whose score is `score_dtype`, and the captures."""
+    arguments = KINDS[kind]
+    scalars = [jax.ShapeDtypeStruct((), score_dtype if a == "score" else jnp.int32) for a in arguments]
     try:
-        closed = jax.make_jaxpr(value_and_slope)(*scalars)
+        closed = jax.make_jaxpr(lambda *a: _checked_output(fn(*a), kind, name, where, score_dtype))(*scalars)
     except TypeError as error:
-        raise TypeError(f"jinsum.attention: score_mod {name} must take (score, b, h, q_idx, kv_idx) scalars and "
-                        f"return one float score: {error}") from error
-    for const in closed.consts:
-        if isinstance(const, jax.core.Tracer) or np.size(const) != 1:
-            what = "a traced value" if isinstance(const, jax.core.Tracer) else f"an array of shape {np.shape(const)}"
-            raise TypeError(f"jinsum.attention: score_mod {name} closes over {what}; it may only close over Python "
-                            "numbers and concrete scalars (they are compiled into the kernel). Fold learned "
-                            "parameters into the queries or keys instead")
-    if closed.consts:  # concrete scalars: inline them, so that their values are part of the identity
-        closed = _inline_consts(closed)
-    for eqn in _equations(closed.jaxpr):
+        raise TypeError(f"{where}: {kind} {name} must take ({', '.join(arguments)}) scalars and return one "
+                        f"{'floating-point score' if kind == 'score_mod' else 'boolean'}: {error}") from error
+    # Constants that are concrete scalars are compiled in; every other one is a capture.
+    inline = [not isinstance(c, jax.core.Tracer) and np.shape(c) == () for c in closed.consts]
+    captured = tuple(jnp.asarray(c) for c, keep in zip(closed.consts, inline) if not keep)
+    consts = [np.asarray(c).item() for c, keep in zip(closed.consts, inline) if keep]
+    specs = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in captured]
+
+    def original(*operands):  # (*captures, *arguments) -> output, constants in place
+        values, it_c, it_k = [], iter(operands[:len(specs)]), iter(consts)
+        for keep in inline:
+            values.append(next(it_k) if keep else next(it_c))
+        return jax.core.eval_jaxpr(closed.jaxpr, values, *operands[len(specs):])[0]
+
+    return jax.make_jaxpr(original)(*specs, *scalars), captured
+
+
+def _with_derivatives(value, specs):
+    """`(*captures, score, b, h, q, kv) -> (output, d output / d score, d output / d read...)`, one partial for each
+    read of a floating capture, in the order the function reads."""
+    count = len(specs)
+    floating = [jnp.issubdtype(s.dtype, jnp.floating) for s in specs]
+
+    def fn(*operands):
+        captures, (score, *coordinates) = operands[:count], operands[count:]
+        reads = []
+        _evaluate(value.jaxpr, value.consts, operands, count, lambda c, load: reads.append((c, load())) or reads[-1][1])
+
+        def substituted(s, *read_values):
+            it = iter(read_values)
+            return _evaluate(value.jaxpr, value.consts, (*captures, s, *coordinates), count,
+                             lambda c, load: next(it))[0]
+
+        values = [x for _, x in reads]
+        out, slope = jax.jvp(lambda s: substituted(s, *values), (score,), (jnp.ones_like(score),))
+        partials = []
+        for k, (c, x) in enumerate(reads):
+            if floating[c]:
+                def at(r, k=k):
+                    return substituted(score, *values[:k], r, *values[k + 1:])
+                partials.append(jax.jvp(at, (x,), (jnp.ones_like(x),))[1].astype(jnp.float32))
+        return (out, slope, *partials)
+    return fn
+
+
+def _evaluate(jaxpr, consts, operands, count: int, on_read):
+    """Evaluates `jaxpr` on `operands` (the first `count` of them captures) by binding its equations, as
+    `jax.core.eval_jaxpr` does, except that every read of a capture (a `dynamic_slice`) is
+    `on_read(capture, load) -> value`, `load()` performing it. Calls that receive a capture are inlined so that their reads are seen."""
+    env = {}
+    capture_of = {}
+
+    def read(atom):
+        return atom.val if hasattr(atom, "val") else env[atom]
+
+    for var, x in zip(jaxpr.constvars, consts):
+        env[var] = x
+    for i, (var, x) in enumerate(zip(jaxpr.invars, operands)):
+        env[var] = x
+        if i < count:
+            capture_of[var] = i
+    return _run(jaxpr, env, capture_of, read, on_read)
+
+
+def _run(jaxpr, env, capture_of, read, on_read):
+    for eqn in jaxpr.eqns:
+        args = [read(a) for a in eqn.invars]
+        holds = [capture_of.get(a) if not hasattr(a, "val") else None for a in eqn.invars]
+        if eqn.primitive.name == "dynamic_slice" and holds[0] is not None:
+            outs = [on_read(holds[0], lambda: jax.lax.dynamic_slice(args[0], args[1:], eqn.params["slice_sizes"]))]
+        elif eqn.primitive.name in _CALLS and any(h is not None for h in holds):
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner_jaxpr = getattr(inner, "jaxpr", inner)
+            inner_env = dict(zip(inner_jaxpr.constvars, getattr(inner, "consts", ())))
+            inner_env.update(zip(inner_jaxpr.invars, args))
+            inner_captures = {v: h for v, h in zip(inner_jaxpr.invars, holds) if h is not None}
+            outs = _run(inner_jaxpr, inner_env, inner_captures,
+                        lambda a: a.val if hasattr(a, "val") else inner_env[a], on_read)
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            subfuns, params = params if isinstance(params, tuple) else ((), params)
+            outs = eqn.primitive.bind(*subfuns, *args, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, x in zip(eqn.outvars, outs):
+            env[var] = x
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _check_elementwise(jaxpr, count: int, kind: str, name: str, where: str) -> None:
+    """Every value is a scalar, except reads of a capture (one element, by scalar indices) and their squeeze."""
+    _check_equations(jaxpr, set(jaxpr.invars[:count]), f"{where}: {kind} {name}")
+
+
+def _check_equations(jaxpr, captures: set, what: str) -> None:
+    reads = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dynamic_slice" and _holds(eqn.invars[0], captures):
+            if any(size != 1 for size in eqn.params["slice_sizes"]):
+                raise TypeError(f"{what} reads a slice of a captured array; read one element at a time with "
+                                "integer scalar indices, e.g. doc[q_idx] or bias[h, q_idx - kv_idx]")
+            reads.update(eqn.outvars)
+            continue
+        if eqn.primitive.name in _CALLS:
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner = getattr(inner, "jaxpr", inner)
+            _check_equations(inner, {v for v, a in zip(inner.invars, eqn.invars) if not hasattr(a, "val") and a in captures}, what)
+            continue
+        for var in eqn.invars:
+            if _holds(var, captures):
+                raise TypeError(f"{what} uses a captured array in {eqn.primitive.name}; read it one element at a "
+                                "time with integer scalar indices (doc[q_idx], bias[h, q_idx - kv_idx]) and compute "
+                                "on the scalars")
+        if eqn.primitive.name in ("squeeze", "reshape") and _holds(eqn.invars[0], reads):
+            continue
         for var in eqn.outvars:
             if var.aval.shape:
-                raise TypeError(f"jinsum.attention: score_mod {name} computes an array ({eqn.primitive.name} -> "
-                                f"{var.aval.str_short()}); it must be elementwise on its scalar arguments (no "
-                                "arrays, tables or indexing)")
-    return ScoreMod(name, str(closed), fn, closed)
+                raise TypeError(f"{what} computes an array ({eqn.primitive.name} -> {var.aval.str_short()}); it "
+                                "must be elementwise on its scalar arguments, reading captured arrays one element "
+                                "at a time")
 
 
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs nested in it (jit, custom_jvp calls)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _equations(inner)
+def _holds(atom, variables: set) -> bool:
+    return not hasattr(atom, "val") and atom in variables
 
 
-def _checked_output(out, name: str):
+def _x64() -> bool:
+    """64-bit types are on (globally or in this thread)."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
+
+
+def _checked_output(out, kind: str, name: str, where: str, score_dtype):
+    if kind == "mask_mod":
+        if jnp.shape(out) != () or jnp.result_type(out) != jnp.bool_:
+            raise TypeError(f"{where}: mask_mod {name} must return one boolean per call (True: attend), got "
+                            f"{jnp.result_type(out)}{list(jnp.shape(out))}")
+        return jnp.asarray(out)
     if jnp.shape(out) != () or not jnp.issubdtype(jnp.result_type(out), jnp.floating):
-        raise TypeError(f"jinsum.attention: score_mod {name} must return one floating-point score per call, got "
+        raise TypeError(f"{where}: score_mod {name} must return one floating-point score per call, got "
                         f"{jnp.result_type(out)}{list(jnp.shape(out))}")
-    return jnp.asarray(out, jnp.float32)
-
-
-def _inline_consts(closed):
-    """Retraces a closed jaxpr whose constants are concrete scalars so that they appear as literals."""
-    values = [np.asarray(c).item() for c in closed.consts]
-    return jax.make_jaxpr(functools.partial(jax.core.eval_jaxpr, closed.jaxpr, values))(
-        *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars))
+    return jnp.asarray(out, score_dtype)
