@@ -15,7 +15,9 @@ the public surface. Imports run one way, from a stage to the ones it builds on (
 _rules/ read only _lang/; _lowering/ registers itself on the primitive, so _rules/ never imports it.
 """
 
+from jinsum._attention import BlockMask as BlockMask
 from jinsum._attention import attention as attention
+from jinsum._attention import block_mask as block_mask
 from jinsum._autotune import autotune as autotune
 from jinsum._config import check_indices as check_indices
 from jinsum._config import deterministic as deterministic

@@ -104,8 +104,13 @@ class ChainPlan:
     @property
     def grid_vars(self) -> tuple[str, ...]:
         """The variables decoded from `program_id(1)`: batch and head (dot), batch only (lanes: heads are a tile
-        axis)."""
-        return self.chain.grid if self.template == "dot" else self.chain.roles.batch
+        axis). With grouped-query attention the query head in its group is one too, except over the keys: a dkdv
+        program walks the group's query heads itself, so that it sums their dK and dV in registers."""
+        if self.template != "dot":
+            return self.chain.roles.batch
+        if self.kind.startswith("dkdv"):
+            return tuple(v for v in self.chain.grid if v != self.chain.roles.head_group)
+        return self.chain.grid
 
     @property
     def grid_size(self) -> int:

@@ -473,7 +473,10 @@ class _Writer:
         entries = "(entries + rows)" if chain.self_loops else "entries"  # (a self loop's counter follows them)
         if self.dot:
             bm, bk = chain.block
-            counter = f"((glin.to(tl.int64) * {entries} + {entry}) * {bm * bk} + v_m[:, None] * {bk} + v_k[None, :])"
+            glin = "glin"
+            if chain.roles.head_group and self.plan.kind == "dkdv":  # the forward's grid index, which has r
+                glin = f"(glin * {chain.group_size} + v_{chain.roles.head_group})"
+            counter = f"(({glin}.to(tl.int64) * {entries} + {entry}) * {bm * bk} + v_m[:, None] * {bk} + v_k[None, :])"
         else:  # the grid index runs over (batch..., head): heads are a tile axis here
             heads = chain.output.extent[chain.roles.head]
             counter = f"((glin.to(tl.int64) * {heads} + v_h[:, None]) * {entries} + {entry})"
@@ -690,7 +693,11 @@ class _Writer:
                     self.emit(f"dv += tl.sum(wz[:, :, None] * {do}[:, None, :], 1)")
                     self.emit(f"dk += tl.sum(ds[:, :, None] * {q}[:, None, :], 1)")
                     self._add_to_dq(f"ds * {k}", ("h", "d"), None)
-            with self._entries_loop():
+            group = chain.roles.head_group
+            with self.indented(f"for v_{group} in range(0, {chain.group_size}):  # the query heads of the group"
+                               ) if group else contextlib.nullcontext(), self._entries_loop():
+                if group:
+                    self.env[group] = _Bound(f"v_{group}")
                 entry, positions, allowed = self._bind_entries(col, by_key=True)
                 if self.dot:
                     q, do = self.load("Q", axes["Q"], native=True), self.load("dO", axes["dO"], native=True)

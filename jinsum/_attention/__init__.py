@@ -1,10 +1,13 @@
 """The fused attention chain: scores, masked softmax and the weighted sum as one primitive pair.
 
-Enters: `jinsum.attention(q, k, v, pattern, ...)`, built into a `Chain` (`jinsum._lang._chain`). Leaves: the
+Enters: `jinsum.attention(q, k, v, pattern, ...)`, built into a `Chain` (`jinsum._lang._chain`); a pattern
+may be a `BlockMask` built on the device from a `mask_mod` (`_block_mask`). Leaves: the
 forward and backward primitives (`_chain_primitive`), lowered unfused through `jinsum_p` statements
 (`_chain_reference`, every platform) or to generated chain kernels (`_chain_triton`, CUDA) from
 `jinsum.kernels`. Dropout's random bits (`_random_bits`) are drawn the same way on both.
 """
 
 from jinsum._attention._api import attention as attention
+from jinsum._attention._block_mask import BlockMask as BlockMask
+from jinsum._attention._block_mask import block_mask as block_mask
 from jinsum._attention._api import build_chain as build_chain

@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jinsum._attention import _chain_primitive
+from jinsum._attention._block_mask import BlockMask
 from jinsum._rules import _primitive
 from jinsum._lang import _elementwise
 from jinsum._lang import Access, Var, parse
@@ -24,7 +26,7 @@ from jinsum._lang._chain import Chain, Roles
 from jinsum.formats import BlockGroupCOO, GroupCOO
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | BlockGroupCOO, *,
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | BlockGroupCOO | BlockMask, *,
               scale: float | None = None, score_mod: Callable | None = None, mask_mod: Callable | None = None,
               causal: bool = False, key_padding_mask: jax.Array | None = None, dropout: float = 0.0, seed=None,
               self_loops: bool = False, allow_tf32: bool = False, return_lse: bool = False):
@@ -39,10 +41,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
 
     Args:
       q: `(L, H, D)` queries, or `(B, L, H, D)` with a batch axis.
-      k: `(S, H, D)` keys (`(B, S, H, D)` with a batch axis).
-      v: `(S, H, E)` values (`(B, S, H, E)`).
-      pattern: a `BlockGroupCOO` (block-sparse attention) or a `GroupCOO` (graph attention) of shape `(L, S)`; a
-        `GroupCOO` may carry one value per head, `(L, S, H)`. Shared by the batch.
+      k: `(S, H_kv, D)` keys (`(B, S, H_kv, D)` with a batch axis). `H_kv` may divide `H` (grouped-query and
+        multi-query attention): query head `h` reads key/value head `h // (H / H_kv)` in place, never repeated.
+      v: `(S, H_kv, E)` values (`(B, S, H_kv, E)`).
+      pattern: a `BlockMask` (`jinsum.block_mask`: blocks from a `mask_mod`, built on the device; its `mask_mod`
+        applies too, per batch element and head if it was built so), a `BlockGroupCOO` (block-sparse attention)
+        or a `GroupCOO` (graph attention) of shape `(L, S)`; a `GroupCOO` may carry one value per head,
+        `(L, S, H)`. Shared by the batch.
       scale: multiplies `q . k`; defaults to `1 / sqrt(D)`.
       score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on scalars (FlexAttention's `score_mod`): a soft cap,
         a LeakyReLU, a positional bias. Traced once and compiled into the kernels. It may close over Python
@@ -84,41 +89,58 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     """The checked `Chain` of an `attention` call, its operands by name, and a function that turns the blocked
     `(..., rows, (bm,) H, ...)` results back into `(..., L, H, ...)`."""
     _check_arguments(q, k, v, pattern, dropout, self_loops)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    mods, outer = {}, _identity
+    if isinstance(pattern, BlockMask):
+        if mask_mod is not None:
+            raise ValueError("jinsum.attention: the block mask carries its mask_mod; build it with the whole mask "
+                             "(jinsum.block_mask(lambda b, h, q, kv: a(...) & b(...), ...)) instead of passing another")
+        mods["mask_mod"] = pattern.mask_mod
+        mods.update({f"MC{i}": x for i, x in enumerate(pattern.captures)})
+        q, k, v, key_padding_mask, score_mod, pattern, outer = _lay_out(pattern, q, k, v, key_padding_mask, score_mod)
     if mask_mod is not None and self_loops:
         raise ValueError("jinsum.attention: mask_mod and self_loops cannot be combined (a self loop would ignore the "
                          "mask); store the self loops in the pattern instead")
-    mods = {}
     for kind, fn, prefix in (("score_mod", score_mod, "SC"), ("mask_mod", mask_mod, "MC")):
         if fn is not None:
             mods[kind], captured = _elementwise.trace(fn, kind)
             mods.update({f"{prefix}{i}": x for i, x in enumerate(captured)})
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     batched = q.ndim == 4
     batch = "b," if batched else ""
     lead = 1 if batched else 0
     (length, keys), head_dim = pattern.shape[:2], q.shape[-1]
-    if isinstance(pattern, BlockGroupCOO):
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    group = heads // kv_heads  # grouped-query attention: query head h * group + r reads key/value head h
+    r = ",r" if group > 1 else ""
+    block = _is_block(pattern)
+    if block:
         bm, bk = pattern.block_shape
         arrays = {"Q": _blocks(q, lead, bm), "K": _blocks(k, lead, bk), "V": _blocks(v, lead, bk)}
-        scores = f"S[{batch}g,m,k,p,h] = Q[{batch}Ai[g],m,h,d] * K[{batch}Ak[g,p],k,h,d]"
-        output = f"O[{batch}Ai[g],m,h,e] += S[{batch}g,m,k,p,h] * V[{batch}Ak[g,p],k,h,e]"
-        mask = Access("Av", tuple(map(Var, "gmkp")))
+        scores = f"S[{batch}g,m,k,p,h{r}] = Q[{batch}Ai[g],m,h{r},d] * K[{batch}Ak[g,p],k,h,d]"
+        output = f"O[{batch}Ai[g],m,h{r},e] += S[{batch}g,m,k,p,h{r}] * V[{batch}Ak[g,p],k,h,e]"
+        # One flag per block (a block mask), or the blocks' elements.
+        mask = Access("Av", tuple(map(Var, "gp" if pattern.Av.ndim == 2 else "gmkp")))
         key_mask_indices = (*(Var("b"),) * batched, Access("Ak", (Var("g"), Var("p"))), Var("k"))
         roles = Roles(query_offset="m", key_offset="k")
-
-        def unpad(x):  # (..., rows, bm, H, ...) -> (..., L, H, ...)
-            return x.reshape(*x.shape[:lead], -1, *x.shape[lead + 2:])[(slice(None),) * lead + (slice(0, length),)]
     else:
         arrays = {"Q": q, "K": k, "V": v}
-        scores = f"S[{batch}g,p,h] = Q[{batch}Ai[g],h,d] * K[{batch}Ak[g,p],h,d]"
-        output = f"O[{batch}Ai[g],h,e] += S[{batch}g,p,h] * V[{batch}Ak[g,p],h,e]"
+        scores = f"S[{batch}g,p,h{r}] = Q[{batch}Ai[g],h{r},d] * K[{batch}Ak[g,p],h,d]"
+        output = f"O[{batch}Ai[g],h{r},e] += S[{batch}g,p,h{r}] * V[{batch}Ak[g,p],h,e]"
         mask = Access("Av", tuple(map(Var, "gph"[:pattern.Av.ndim])))
         key_mask_indices = (*(Var("b"),) * batched, Access("Ak", (Var("g"), Var("p"))))
         roles = Roles()
+    if group > 1:
+        arrays["Q"] = arrays["Q"].reshape(*arrays["Q"].shape[:-2], kv_heads, group, head_dim)
+    head_axis = lead + (2 if block else 1)
 
-        def unpad(x):
-            return x
-    roles = dataclasses.replace(roles, batch=("b",) * batched, batch_index="b" if batched else None)
+    def unpad(x):  # (..., rows, (bm,) H_kv, (R,) ...) -> (..., L, H, ...)
+        if group > 1:
+            x = x.reshape(*x.shape[:head_axis], heads, *x.shape[head_axis + 2:])
+        if block:
+            x = x.reshape(*x.shape[:lead], -1, *x.shape[lead + 2:])[(slice(None),) * lead + (slice(0, length),)]
+        return outer(x)
+    roles = dataclasses.replace(roles, batch=("b",) * batched, batch_index="b" if batched else None,
+                                head_group="r" if group > 1 else None)
     arrays.update(Ai=pattern.Ai, Ak=pattern.Ak, Av=pattern.Av, seed=_seed(seed, dropout))
     arrays.update({n: x for n, x in mods.items() if n[:2] in ("SC", "MC")})
     extra = [_primitive.operand("Av", pattern.Av)]
@@ -132,9 +154,10 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     score_dtype = jnp.float64 if value_dtype == jnp.float64 else jnp.float32
     for name in ("Q", "K", "V"):
         arrays[name] = arrays[name].astype(value_dtype)
-    groups, slots, heads = pattern.Ak.shape + (q.shape[-2],)
-    tile = pattern.block_shape if isinstance(pattern, BlockGroupCOO) else ()
-    s_struct = jax.ShapeDtypeStruct(q.shape[:lead] + (groups, *tile, slots, heads), score_dtype)
+    groups, slots = pattern.Ak.shape
+    tile = pattern.block_shape if block else ()
+    s_struct = jax.ShapeDtypeStruct(q.shape[:lead] + (groups, *tile, slots, kv_heads) + ((group,) if r else ()),
+                                    score_dtype)
     o_struct = jax.ShapeDtypeStruct(tuple(arrays["Q"].shape[:-1]) + (v.shape[-1],), value_dtype)
     flags = dict(sorted_indices=frozenset({"Ai"}), allow_tf32=allow_tf32, zero_lhs=True)
     scores_spec = _primitive.make_spec(parse(scores), {**arrays, "S": s_struct}, **flags)
@@ -148,11 +171,94 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     return chain, arrays, unpad
 
 
+class _Blocks(NamedTuple):
+    """A block pattern as the chain reads it: a `BlockGroupCOO`'s arrays, or a `BlockMask`'s with one flag per
+    block as `Av`."""
+
+    Ai: jax.Array
+    Ak: jax.Array
+    Av: jax.Array
+    shape: tuple[int, int]
+    block_shape: tuple[int, int]
+
+
+def _is_block(pattern) -> bool:
+    return isinstance(pattern, (BlockGroupCOO, _Blocks))
+
+
+def _identity(x):
+    return x
+
+
+def _lay_out(mask: BlockMask, q, k, v, key_padding_mask, score_mod):
+    """`q`, `k`, `v` (and the key mask, `score_mod` and the pattern) laid out as the block mask's rows are: the
+    batch elements (and heads, when the mask depends on them) one after another along the sequence, each padded
+    to whole blocks. Returns them and the function that lays the results back out as `(..., L, H, ...)`."""
+    (length, keys), (bm, bk), (lb, sb) = mask.shape, mask.block, mask.grid
+    pattern = _Blocks(mask.Ai, mask.Ak, mask.flags, mask.shape, mask.block)
+    if not mask.laid_out:
+        return q, k, v, key_padding_mask, score_mod, pattern, _identity
+    batched = q.ndim == 4
+    size, heads, kv_heads = (q.shape[0] if batched else 1), q.shape[-2], k.shape[-2]
+    if mask.batch is not None and mask.batch != size or mask.batch is None and size > 1:
+        raise ValueError(f"jinsum.attention: the block mask was built for batch={mask.batch}, but q has a batch of "
+                         f"{size}; build it with batch={size}")
+    if mask.heads is not None and mask.heads != heads:
+        raise ValueError(f"jinsum.attention: the block mask was built for heads={mask.heads}, but q has {heads} "
+                         f"heads; build it with heads={heads}")
+    rows, cols = lb * bm, sb * bk
+    pad = lambda x, n: jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    q, k, v = (x if batched else x[None] for x in (q, k, v))
+    q, k, v = pad(q, rows), pad(k, cols), pad(v, cols)
+    if key_padding_mask is not None:
+        key_padding_mask = pad(jnp.broadcast_to(jnp.asarray(key_padding_mask), (size, keys)), cols)
+    segment = mask.Ai // lb  # the batch element (and head) of each block row
+    if mask.heads is None:  # the batch along the sequence; heads stay a grid axis
+        q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
+        key_column = segment * sb
+        per_row = size * rows
+
+        def outer(x):
+            return x.reshape(size, rows, *x.shape[1:])[:, :length][0 if not batched else slice(None)]
+    else:  # batch and heads along the sequence, one head
+        group = heads // kv_heads
+        q, k, v = (x.transpose(0, 2, 1, 3).reshape(-1, 1, x.shape[-1]) for x in (q, k, v))
+        key_column = ((segment // heads) * kv_heads + (segment % heads) // group) * sb
+        if key_padding_mask is not None:
+            key_padding_mask = jnp.broadcast_to(key_padding_mask[:, None], (size, kv_heads, cols))
+        per_row = size * heads * rows
+
+        def outer(x):  # (B * H * rows, 1, ...) -> (B, L, H, ...)
+            x = x.reshape(size, heads, rows, *x.shape[2:])[:, :, :length]
+            x = jnp.moveaxis(x, 1, 2)
+            return x if batched else x[0]
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.reshape(-1)
+    pattern = pattern._replace(Ak=mask.Ak + key_column[:, None].astype(mask.Ak.dtype),
+                               shape=(per_row, k.shape[0]))
+    if score_mod is not None:
+        score_mod = _in_layout(score_mod, rows, cols, mask.batch is not None, mask.heads)
+    return q, k, v, key_padding_mask, score_mod, pattern, outer
+
+
+def _in_layout(score_mod, rows: int, cols: int, by_batch: bool, heads: int | None):
+    """`score_mod` seeing each batch element's (head's) own coordinates in a laid-out sequence."""
+    def laid_out(s, b, h, q_idx, kv_idx):
+        segment = q_idx // rows
+        if heads is not None:
+            h = segment % heads
+            segment = segment // heads
+        return score_mod(s, segment if by_batch else b, h, q_idx % rows, kv_idx % cols)
+    laid_out.__name__ = getattr(score_mod, "__name__", "score_mod")
+    return laid_out
+
+
 def _check_arguments(q, k, v, pattern, dropout, self_loops) -> None:
-    if not isinstance(pattern, (GroupCOO, BlockGroupCOO)):
-        raise TypeError(f"jinsum.attention: expected the pattern as a jinsum.GroupCOO or jinsum.BlockGroupCOO, got "
-                        f"{type(pattern).__name__}; build one outside jit (e.g. jinsum.nn.block_pattern, "
-                        "jinsum.nn.adjacency or BlockGroupCOO.from_dense(mask, block_shape=...))")
+    if not isinstance(pattern, (GroupCOO, BlockGroupCOO, BlockMask)):
+        raise TypeError(f"jinsum.attention: expected the pattern as a jinsum.GroupCOO, jinsum.BlockGroupCOO or "
+                        f"jinsum.BlockMask, got {type(pattern).__name__}; build one with jinsum.block_mask(mask_mod, "
+                        "L, S, block), jinsum.nn.block_pattern, jinsum.nn.adjacency or BlockGroupCOO.from_dense(mask, "
+                        "block_shape=...)")
     shapes = f"q {tuple(np.shape(q))}, k {tuple(np.shape(k))}, v {tuple(np.shape(v))}, pattern {pattern!r}"
     ndim = np.ndim(q)
     if ndim not in (3, 4) or np.ndim(k) != ndim or np.ndim(v) != ndim:
@@ -161,9 +267,10 @@ def _check_arguments(q, k, v, pattern, dropout, self_loops) -> None:
     q_shape, k_shape, v_shape = np.shape(q), np.shape(k), np.shape(v)
     if k_shape[:-3] != q_shape[:-3] or v_shape[:-3] != q_shape[:-3]:
         raise ValueError(f"jinsum.attention: q, k and v must have the same batch size; got {shapes}")
-    if k_shape[-2:] != q_shape[-2:] or v_shape[-3:-1] != k_shape[-3:-1]:
-        raise ValueError(f"jinsum.attention: q and k must agree in heads and head size (H, D), and k and v in keys "
-                         f"and heads (S, H); got {shapes}")
+    if k_shape[-1] != q_shape[-1] or q_shape[-2] % k_shape[-2] or v_shape[-3:-1] != k_shape[-3:-1]:
+        raise ValueError(f"jinsum.attention: q and k must agree in head size D and k's heads must divide q's "
+                         f"(grouped-query attention: H_q a multiple of H_kv), and k and v must agree in keys and heads "
+                         f"(S, H_kv); got {shapes}")
     if pattern.shape[:2] != (q_shape[-3], k_shape[-3]):
         raise ValueError(f"jinsum.attention: the pattern must be (L, S) = ({q_shape[-3]}, {k_shape[-3]}) for these "
                          f"queries and keys; got {shapes}")
@@ -174,7 +281,7 @@ def _check_arguments(q, k, v, pattern, dropout, self_loops) -> None:
         raise ValueError(f"jinsum.attention: a GroupCOO pattern is (L, S) or (L, S, H); got {shapes}")
     if not 0 <= dropout < 1:
         raise ValueError(f"jinsum.attention: dropout must be in [0, 1), got {dropout}")
-    if self_loops and (isinstance(pattern, BlockGroupCOO) or pattern.shape[0] != pattern.shape[1]):
+    if self_loops and (not isinstance(pattern, GroupCOO) or pattern.shape[0] != pattern.shape[1]):
         raise ValueError(f"jinsum.attention: self_loops needs a square GroupCOO pattern (graph attention over one "
                          f"set of nodes); got {pattern!r}")
 
@@ -211,6 +318,6 @@ def _key_mask(mask, q, keys: int, lead: int, pattern) -> jax.Array:
         raise ValueError(f"jinsum.attention: key_padding_mask must be booleans of shape {expected} (or ({keys},) for "
                          f"every batch), True for the real keys; got {mask.dtype}{list(mask.shape)}")
     mask = jnp.broadcast_to(mask, expected).astype(jnp.int8)
-    if isinstance(pattern, BlockGroupCOO):
+    if _is_block(pattern):
         mask = _blocks(mask, lead, pattern.block_shape[1])
     return mask

@@ -28,6 +28,7 @@ partition of an `edge_adjacency` (the edges one by one, their features in its va
 from jinsum.nn._aggregation import aggregate_by as aggregate_by
 from jinsum.nn._aggregation import multi_aggregate as multi_aggregate
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
+from jinsum.nn._attention import block_mask as block_mask
 from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
 from jinsum.nn._dynamic_edge_conv import DynamicEdgeConv as DynamicEdgeConv

@@ -15,6 +15,7 @@ import scipy.sparse as sp
 from flax import nnx
 
 import jinsum
+from jinsum._attention import block_mask as block_mask  # re-exported: jinsum.nn.block_mask
 from jinsum.formats import BlockGroupCOO
 from jinsum.nn._dropout import dropout_seed
 

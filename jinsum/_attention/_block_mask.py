@@ -1,0 +1,168 @@
+"""Block masks built on the device from a `mask_mod`: which (query block, key block) pairs attend, and how.
+
+`block_mask(mask_mod, L, S, block)` evaluates `mask_mod(b, h, q_idx, kv_idx)` over every `bm x bk` tile (one
+fused XLA reduction over broadcast iotas, nothing of size `L x S` kept) and classifies each block as empty, full
+(every element attends: the kernels read and evaluate nothing) or partial (the kernels evaluate `mask_mod` in
+registers). The attending blocks, in row-major order, are packed into `capacity` slots with `jnp.nonzero`: shapes
+depend on `capacity` alone, so new document boundaries in the next batch run the same compiled program, and more
+attending blocks than slots raise the `overflow` flag (a `checkify` error under `jinsum.check_indices`) instead of
+going silently missing. It runs inside `jit` or on concrete arrays alike: one builder, no host path beside it.
+
+A mask that differs per batch element or per head (`batch=B`, `heads=H`) lays the batch elements and heads along
+the block rows, so that one block pattern serves them all: `jinsum.attention` then lays `q`, `k` and `v` out the
+same way (the batch along the sequence; heads too when the mask has them) and the kernels see one long sequence
+whose blocks never cross from one batch element (head) to another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from jinsum import _config
+from jinsum._lang import _elementwise
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockMask:
+    """The blocks of an `L x S` attention mask that attend, with one flag each; built by `block_mask`.
+
+    Block rows number `(b * heads + h) * ceil(L / bm) + i` over the batch elements and heads the mask depends on
+    (one of each when it depends on neither), block columns `j` over `ceil(S / bk)`.
+
+    Attributes:
+      Ai: int32 `(capacity,)` block row of each slot, non-decreasing (padding slots repeat the last row).
+      Ak: int32 `(capacity, 1)` block column of each slot.
+      flags: int8 `(capacity, 1)`: 2 if every element of the block attends, 1 if some may (`mask_mod` decides),
+        0 for a padding slot.
+      overflow: bool scalar: more blocks attend than `capacity` holds (those past it were dropped).
+      captures: the arrays `mask_mod` closes over (document ids, lengths), kernel operands.
+      shape: `(L, S)`; block: `(bm, bk)`; batch, heads: what the mask depends on (None: the same for all).
+      mask_mod: the traced `mask_mod`, in the coordinates of the laid-out sequence (`Elementwise`).
+    """
+
+    __slots__ = ("Ai", "Ak", "flags", "overflow", "captures", "shape", "block", "batch", "heads", "mask_mod")
+
+    def __init__(self, Ai, Ak, flags, overflow, captures, *, shape, block, batch, heads, mask_mod):
+        self.Ai, self.Ak, self.flags, self.overflow, self.captures = Ai, Ak, flags, overflow, tuple(captures)
+        self.shape, self.block, self.batch, self.heads, self.mask_mod = shape, block, batch, heads, mask_mod
+
+    def tree_flatten(self):
+        return ((self.Ai, self.Ak, self.flags, self.overflow, self.captures),
+                (self.shape, self.block, self.batch, self.heads, self.mask_mod))
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        shape, block, batch, heads, mask_mod = aux
+        return cls(*children, shape=shape, block=block, batch=batch, heads=heads, mask_mod=mask_mod)
+
+    @property
+    def capacity(self) -> int:
+        return self.Ai.shape[0]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Block rows and block columns of one batch element and head: `(ceil(L / bm), ceil(S / bk))`."""
+        (length, keys), (bm, bk) = self.shape, self.block
+        return -(-length // bm), -(-keys // bk)
+
+    @property
+    def laid_out(self) -> bool:
+        """The batch elements or heads lie along the block rows (the mask depends on them)."""
+        return self.batch is not None or self.heads is not None
+
+    def __repr__(self) -> str:
+        (length, keys), (bm, bk) = self.shape, self.block
+        per = [f"{n}={v}" for n, v in (("batch", self.batch), ("heads", self.heads)) if v is not None]
+        return (f"BlockMask({length} x {keys}, blocks {bm} x {bk}, capacity {self.capacity}"
+                f"{', ' + ', '.join(per) if per else ''}, mask_mod={self.mask_mod.name})")
+
+    def to_dense(self) -> jax.Array:
+        """The block flags as a dense `(rows, ceil(S / bk))` int8 grid (tests, plots)."""
+        rows = max(1, self.batch or 1) * max(1, self.heads or 1) * self.grid[0]
+        return jnp.zeros((rows, self.grid[1]), jnp.int8).at[self.Ai, self.Ak[:, 0]].max(self.flags[:, 0])
+
+
+def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] = 128, *, batch: int | None = None,
+               heads: int | None = None, capacity: int | None = None) -> BlockMask:
+    """The block mask of `mask_mod(b, h, q_idx, kv_idx) -> bool` for `L` queries and `S` keys, built with
+    `jax.numpy` (inside `jit` or not): FlexAttention's `create_block_mask`.
+
+    Args:
+      mask_mod: True where query `q_idx` attends to key `kv_idx` (batch element `b`, head `h`). It may close over
+        arrays (document ids `doc[q_idx] == doc[kv_idx]`, per-sequence lengths); they may be traced.
+      L, S: queries and keys.
+      block: `bm` (square blocks) or `(bm, bk)`; 128 suits the kernels.
+      batch: the batch size, if the mask depends on `b`; None evaluates it at `b = 0` for every batch element.
+      heads: the number of query heads, if the mask depends on `h`; None evaluates it at `h = 0`.
+      capacity: slots for attending blocks; defaults to every block (never overflows). A tighter one makes
+        the kernels' grids smaller (a causal mask needs about half).
+
+    Returns:
+      A `BlockMask` to pass as the pattern of `jinsum.attention` (or `jinsum.nn.block_sparse_attention`), which
+      then applies `mask_mod` too.
+
+    Example:
+      >>> def step(params, tokens, doc):                       # doc: (L,) document id of every position
+      ...     mask = jinsum.block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), L, L, 128)
+      ...     return jinsum.attention(q, k, v, mask)
+    """
+    bm, bk = (block, block) if isinstance(block, int) else tuple(block)
+    for name, value in (("L", L), ("S", S), ("block", bm), ("block", bk)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"jinsum.block_mask: {name} must be a positive int, got {value!r}")
+    for name, value in (("batch", batch), ("heads", heads)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"jinsum.block_mask: {name} must be None or a positive int, got {value!r}")
+    lb, sb = -(-L // bm), -(-S // bk)
+    nb, nh = batch or 1, heads or 1
+    rows = nb * nh * lb
+    capacity = rows * sb if capacity is None else capacity
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"jinsum.block_mask: capacity must be a positive int, got {capacity!r}")
+    user, captured = _elementwise.trace(mask_mod, "mask_mod", "jinsum.block_mask")
+
+    # Every element of every tile, as broadcast iotas: (batch, head, block row, block column, m, k).
+    b = jnp.arange(nb, dtype=jnp.int32).reshape(nb, 1, 1, 1, 1, 1)
+    h = jnp.arange(nh, dtype=jnp.int32).reshape(1, nh, 1, 1, 1, 1)
+    q = (jnp.arange(lb, dtype=jnp.int32).reshape(1, 1, lb, 1, 1, 1) * bm
+         + jnp.arange(bm, dtype=jnp.int32).reshape(1, 1, 1, 1, bm, 1))
+    kv = (jnp.arange(sb, dtype=jnp.int32).reshape(1, 1, 1, sb, 1, 1) * bk
+          + jnp.arange(bk, dtype=jnp.int32).reshape(1, 1, 1, 1, 1, bk))
+    allowed = user(captured, b, h, q, kv) & (q < L) & (kv < S)
+    full, some = allowed.all(axis=(4, 5)), allowed.any(axis=(4, 5))
+    flags = jnp.where(full, 2, jnp.where(some, 1, 0)).astype(jnp.int8).reshape(rows * sb)
+
+    position = jnp.nonzero(flags, size=capacity, fill_value=rows * sb - 1)[0].astype(jnp.int32)
+    used = jnp.arange(capacity) < jnp.count_nonzero(flags)
+    overflow = jnp.count_nonzero(flags) > capacity
+    if _config.check_indices.value:
+        checkify.check(~overflow, f"jinsum.block_mask: more attending blocks than capacity = {capacity}; those "
+                       "past it were dropped (raise the capacity)")
+    Ai = position // sb
+    Ak = jnp.where(used, position % sb, 0)[:, None]
+    kept = jnp.where(used, flags[position], 0)[:, None]
+    laid_out = _laid_out(mask_mod, (L, S), (bm, bk), (lb, sb), batch, heads)
+    traced, _ = _elementwise.trace(laid_out, "mask_mod", "jinsum.block_mask")
+    return BlockMask(Ai, Ak, kept, overflow, captured, shape=(L, S), block=(bm, bk), batch=batch, heads=heads,
+                     mask_mod=traced)
+
+
+def _laid_out(fn: Callable, shape, block, grid, batch, heads) -> Callable:
+    """`fn` in the coordinates of the kernels' sequence: positions within the padded batch elements and heads
+    laid along it, and positions past `L` or `S` masked."""
+    (length, keys), (bm, bk), (lb, sb) = shape, block, grid
+    rows, cols = lb * bm, sb * bk  # padded positions per batch element and head
+
+    def laid_out(b, h, q_idx, kv_idx):
+        if batch is not None or heads is not None:
+            segment = q_idx // rows
+            h = segment % (heads or 1) if heads is not None else h
+            b = segment // (heads or 1) if batch is not None else b
+            q_idx, kv_idx = q_idx % rows, kv_idx % cols
+        return fn(b, h, q_idx, kv_idx) & (q_idx < length) & (kv_idx < keys)
+    laid_out.__name__ = getattr(fn, "__name__", "mask_mod")
+    return laid_out
