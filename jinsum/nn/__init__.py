@@ -10,7 +10,8 @@ Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (me
 `GINConv` (SpMM; also on a `BlockGroupCOO`), `GINEConv` (edge features, on an `edge_list`), `GraphConv`,
 `EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax, multi-head SpMM; on an `edge_list`: edge features and
 attention weights), `GATv2Conv` (edge by edge, on an `edge_list`), `TransformerConv` (the same fused attention as
-GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern`. SAGE, GraphConv and
+GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern` or on masks of packed
+documents built on the device (`sequence_mask`, `block_mask`). SAGE, GraphConv and
 TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
 `GraphLoader` (padded mini-batches of fixed budgets, `GraphBatch.adjacency()` built on the device: one compile) or
 `batch_graphs` (one batch, on the host), then `global_add_pool` / `global_mean_pool` / `global_max_pool` /
@@ -31,6 +32,7 @@ from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
 from jinsum.nn._attention import block_mask as block_mask
 from jinsum.nn._attention import block_pattern as block_pattern
 from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
+from jinsum.nn._attention import sequence_mask as sequence_mask
 from jinsum.nn._dynamic_edge_conv import DynamicEdgeConv as DynamicEdgeConv
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
 from jinsum.nn._edges import edge_adjacency as edge_adjacency

@@ -1,9 +1,12 @@
-"""Block-sparse multi-head attention: `jinsum.attention` over a block pattern, and BigBird-style patterns.
+"""Block-sparse multi-head attention: `jinsum.attention` over a block pattern, BigBird-style patterns, and masks
+of packed documents built on the device.
 
-The attention pattern is a `jinsum.BlockGroupCOO` of shape `(L, S)` (queries x keys) whose stored `bm x bk`
-blocks are the ones computed; inside them, an element attends iff the pattern's value there is nonzero. So
-`block_pattern` makes BigBird/Longformer layouts with whole blocks of ones, and causal masking is either a
-lower-triangular diagonal block in the pattern or the `causal` rule.
+The attention pattern is either a `jinsum.BlockMask` (`block_mask` / `sequence_mask`: the blocks a `mask_mod`
+allows, built inside `jit` from data such as document ids; inside partial blocks the `mask_mod` decides, in
+registers) or a `jinsum.BlockGroupCOO` of shape `(L, S)` (queries x keys) whose stored `bm x bk` blocks are the
+ones computed; inside them, an element attends iff the pattern's value there is nonzero. So `block_pattern` makes
+BigBird/Longformer layouts with whole blocks of ones, and causal masking is either a lower-triangular diagonal
+block in the pattern or the `causal` rule.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import scipy.sparse as sp
 from flax import nnx
 
 import jinsum
+from jinsum._attention import BlockMask
 from jinsum._attention import block_mask as block_mask  # re-exported: jinsum.nn.block_mask
 from jinsum.formats import BlockGroupCOO
 from jinsum.nn._dropout import dropout_seed
@@ -71,70 +75,122 @@ def block_pattern(seq_len: int, block: int, *, local_blocks: int = 1, global_blo
     return BlockGroupCOO.from_scipy(bsr, block_shape=(block, block), group_size=1)
 
 
-def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: BlockGroupCOO, *,
+def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: BlockGroupCOO | BlockMask, *,
                            scale: float | None = None, causal: bool = False, key_padding_mask: jax.Array | None = None,
-                           score_mod=None, dropout: float = 0.0, seed=None) -> jax.Array:
+                           score_mod=None, mask_mod=None, dropout: float = 0.0, seed=None) -> jax.Array:
     """Multi-head attention `softmax(q k^T * scale) v` computed only where `pattern` allows it.
 
     `jinsum.attention` over a block pattern: on CUDA one generated kernel walks each query block's stored key
     blocks with Tensor Core tiles and an online softmax (FlashAttention's), and the gradient is the
     FlashAttention-2 backward; elsewhere the same chain runs as unfused statements. An element attends iff the
-    pattern's value there is nonzero (blocks whose values are all nonzero are never read element by element),
-    and, with `causal`, iff its key position is not after its query position. A query with nothing to attend to
-    gets 0. `L` and `S` need not be multiples of the block shape.
+    pattern allows it (a `BlockGroupCOO`'s nonzero values, or a `BlockMask`'s `mask_mod`), `mask_mod` holds and,
+    with `causal`, its key position is not after its query position. A query with nothing to attend to gets 0.
+    `L` and `S` need not be multiples of the block shape.
 
     Args:
       q: `(L, H, D)` queries, or `(B, L, H, D)` with a batch axis.
-      k: `(S, H, D)` keys (`(B, S, H, D)`).
-      v: `(S, H, Dv)` values (`(B, S, H, Dv)`).
-      pattern: a `BlockGroupCOO` of shape `(L, S)`, shared by the batch; e.g. from `block_pattern`.
+      k: `(S, H_kv, D)` keys (`(B, S, H_kv, D)`); `H_kv` divides `H` (grouped-query attention, read in place).
+      v: `(S, H_kv, Dv)` values (`(B, S, H_kv, Dv)`).
+      pattern: a `BlockMask` (`block_mask`, built on the device) or a `BlockGroupCOO` of shape `(L, S)` (e.g.
+        `block_pattern`), shared by the batch unless the block mask was built per batch element.
       scale: multiplies the scores; defaults to `1 / sqrt(D)`.
       causal: query position `t` attends to key positions `<= t` only.
       key_padding_mask: booleans `(S,)` or `(B, S)`, True for the real keys.
       score_mod: `f(score, b, h, q_idx, kv_idx) -> score` (see `jinsum.attention`): soft caps, positional biases.
+      mask_mod: `f(b, h, q_idx, kv_idx) -> bool` inside a `BlockGroupCOO`'s blocks (a `BlockMask` carries its
+        own).
       dropout, seed: attention dropout at rate `dropout`, drawn from `seed` (an int or a `jax.random.key`).
 
     Returns:
       `(L, H, Dv)` (`(B, L, H, Dv)`).
 
     Example:
-      >>> pattern = jinsum.nn.block_pattern(256, 32, local_blocks=1, causal=True)
-      >>> out = jinsum.nn.block_sparse_attention(q, k, v, pattern, causal=True)   # q, k, v: (256, heads, 64)
+      >>> mask = jinsum.nn.block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), 4096, 4096, 128)
+      >>> out = jinsum.nn.block_sparse_attention(q, k, v, mask)          # q: (4096, 16, 64), k, v: (4096, 4, 64)
     """
-    if not isinstance(pattern, BlockGroupCOO):
-        raise TypeError(f"block_sparse_attention: expected the pattern as a jinsum.BlockGroupCOO, got "
-                        f"{type(pattern).__name__}; build one with jinsum.nn.block_pattern or "
-                        "jinsum.BlockGroupCOO.from_dense(mask, block_shape=...) outside jit")
+    if not isinstance(pattern, (BlockGroupCOO, BlockMask)):
+        raise TypeError(f"block_sparse_attention: expected the pattern as a jinsum.BlockMask or jinsum.BlockGroupCOO, "
+                        f"got {type(pattern).__name__}; build one with jinsum.nn.block_mask(mask_mod, L, S, block) "
+                        "or jinsum.nn.block_pattern")
     return jinsum.attention(q, k, v, pattern, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
-                            score_mod=score_mod, dropout=dropout, seed=seed)
+                            score_mod=score_mod, mask_mod=mask_mod, dropout=dropout, seed=seed)
+
+
+def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = None, causal: bool = False,
+                  window: int | None = None) -> BlockMask:
+    """The block mask of packed documents, built on the device: position `q` attends to `kv` in the same document
+    (`document_ids`, `(L,)` or `(B, L)`: one mask per batch element), with `causal`, not after it, and with
+    `window`, fewer than `window` positions before it (and after it, unless causal). The capacity is what the
+    causal rule and the window allow, so the kernels launch no more programs than that.
+
+    Example:
+      >>> mask = jinsum.nn.sequence_mask(4096, 128, document_ids=doc, causal=True, window=1024)
+    """
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sequence_mask: window must be None or a positive int, got {window!r}")
+    docs = None if document_ids is None else jnp.asarray(document_ids)
+    if docs is not None and (docs.ndim not in (1, 2) or docs.shape[-1] != length
+                             or not jnp.issubdtype(docs.dtype, jnp.integer)):
+        raise ValueError(f"sequence_mask: document_ids must be integers of shape ({length},) or (B, {length}), got "
+                         f"{docs.dtype}{list(docs.shape)}")
+    per_batch = docs is not None and docs.ndim == 2
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = q_idx >= 0
+        if docs is not None:
+            allowed &= (docs[b, q_idx] == docs[b, kv_idx]) if per_batch else (docs[q_idx] == docs[kv_idx])
+        if causal:
+            allowed &= q_idx >= kv_idx
+        if window is not None:
+            allowed &= (q_idx - kv_idx < window) & ((kv_idx - q_idx < window) if not causal else True)
+        return allowed
+    blocks = -(-length // block)
+    if window is not None:
+        per_row = min(blocks, window // block + 2) if causal else min(blocks, 2 * (window // block) + 3)
+        capacity = blocks * per_row
+    else:
+        capacity = blocks * (blocks + 1) // 2 if causal else blocks * blocks
+    batch = docs.shape[0] if per_batch else None
+    return block_mask(mask_mod, length, length, block, batch=batch, capacity=capacity * (batch or 1))
 
 
 class BlockSparseAttention(nnx.Module):
     """Multi-head self-attention over a block-sparse pattern: projections around `block_sparse_attention`.
 
-    `x` is projected to queries, keys and values (`num_heads` heads of `head_dim`), attends through the
-    pattern (one fused kernel on CUDA), and the concatenated heads are projected to `out_features`.
+    `x` is projected to queries (`num_heads` heads of `head_dim`) and keys and values (`num_kv_heads` heads:
+    grouped-query attention when fewer), attends through the pattern (one fused kernel on CUDA), and the
+    concatenated heads are projected to `out_features`. The pattern is given (a `BlockGroupCOO` from
+    `block_pattern`, a `BlockMask`), or built on the device at each call from the module's `causal` and `window`
+    and the call's `document_ids` (`sequence_mask`): packed documents never attend to each other, and new
+    document boundaries compile nothing.
 
-    Shapes: `x` `(L, in_features)` or `(B, L, in_features)`, `pattern` a `BlockGroupCOO` `(L, L)` ->
-    `(L, out_features)` (`(B, L, out_features)`).
+    Shapes: `x` `(L, in_features)` or `(B, L, in_features)` -> `(L, out_features)` (`(B, L, out_features)`).
 
     Example:
-      >>> pattern = jinsum.nn.block_pattern(512, 64, local_blocks=1, global_blocks=1)   # once, on the host
-      >>> attn = jinsum.nn.BlockSparseAttention(128, num_heads=4, causal=True, rngs=nnx.Rngs(0))
-      >>> y = attn(x, pattern)                                       # x: (8, 512, 128) -> (8, 512, 128)
+      >>> attn = jinsum.nn.BlockSparseAttention(256, num_heads=8, num_kv_heads=2, causal=True, window=512,
+      ...                                       rngs=nnx.Rngs(0))
+      >>> y = attn(x, document_ids=doc)                              # x: (8, 4096, 256), doc: (8, 4096)
+      >>> pattern = jinsum.nn.block_pattern(512, 64, local_blocks=1, global_blocks=1)   # or a fixed pattern
+      >>> y = attn(x[:, :512], pattern)
     """
 
-    def __init__(self, in_features: int, num_heads: int, *, head_dim: int | None = None,
-                 out_features: int | None = None, causal: bool = False, dropout: float = 0.0, use_bias: bool = True,
+    def __init__(self, in_features: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, out_features: int | None = None, causal: bool = False,
+                 window: int | None = None, block: int = 128, dropout: float = 0.0, use_bias: bool = True,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
           in_features: the embedding size of the input.
-          num_heads: `H`.
+          num_heads: `H`, query heads.
+          num_kv_heads: key and value heads, dividing `H` (grouped-query attention; 1: multi-query); defaults
+            to `H`.
           head_dim: size of each head's queries, keys and values; defaults to `in_features // num_heads`.
           out_features: size of the output; defaults to `in_features`.
           causal: position `t` attends to positions `<= t` only.
+          window: a sliding window: position `t` attends to fewer than `window` positions away (before it, when
+            causal); None for none. Used when a call builds its own mask.
+          block: block size of the masks a call builds.
           dropout: dropout rate on the attention weights while the module is not in `eval()` mode (draws from
             the `dropout` stream of `rngs`, else its default stream).
           use_bias: the projections have biases.
@@ -142,25 +198,47 @@ class BlockSparseAttention(nnx.Module):
           rngs: initialises the projections and seeds the dropout.
         """
         head_dim = in_features // num_heads if head_dim is None else head_dim
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim < 1:
             raise ValueError(f"BlockSparseAttention: head_dim must be >= 1, got {head_dim} (in_features = "
                              f"{in_features}, num_heads = {num_heads}); pass head_dim explicitly")
-        self.num_heads, self.head_dim, self.causal = num_heads, head_dim, causal
-        self.qkv = nnx.Linear(in_features, 3 * num_heads * head_dim, use_bias=use_bias, param_dtype=param_dtype,
-                              rngs=rngs)
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"BlockSparseAttention: num_kv_heads must divide num_heads = {num_heads}, got "
+                             f"{num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.causal, self.window, self.block = causal, window, block
+        self.qkv = nnx.Linear(in_features, (num_heads + 2 * num_kv_heads) * head_dim, use_bias=use_bias,
+                              param_dtype=param_dtype, rngs=rngs)
         self.out = nnx.Linear(num_heads * head_dim, out_features or in_features, use_bias=use_bias,
                               param_dtype=param_dtype, rngs=rngs)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
-    def __call__(self, x: jax.Array, pattern: BlockGroupCOO, *, key_padding_mask: jax.Array | None = None
-                 ) -> jax.Array:
-        """`x` `(..., L, in_features)`, `pattern` `(L, L)`, `key_padding_mask` `(..., L)` booleans (True: a real
+    def __call__(self, x: jax.Array, pattern: BlockGroupCOO | BlockMask | None = None, *,
+                 key_padding_mask: jax.Array | None = None, document_ids: jax.Array | None = None) -> jax.Array:
+        """`x` `(..., L, in_features)`; `pattern` `(L, L)` or None (build one from `causal`, `window` and
+        `document_ids`, `(L,)` or `(..., L)` integers); `key_padding_mask` `(..., L)` booleans (True: a real
         position) -> `(..., L, out_features)`."""
         if x.ndim not in (2, 3):
             raise ValueError(f"BlockSparseAttention: expected x (L, in_features) or (B, L, in_features), got "
                              f"{x.shape}")
-        q, k, v = jnp.split(self.qkv(x).reshape(*x.shape[:-1], 3 * self.num_heads, self.head_dim), 3, axis=-2)
+        length = x.shape[-2]
+        mask_mod = None
+        if pattern is None:
+            pattern = sequence_mask(length, self.block, document_ids=document_ids, causal=self.causal,
+                                    window=self.window)
+        elif document_ids is not None:
+            if isinstance(pattern, BlockMask):
+                raise ValueError("BlockSparseAttention: a BlockMask carries its own mask; build it with the document "
+                                 "ids (jinsum.nn.sequence_mask) instead of passing document_ids too")
+            docs = jnp.asarray(document_ids)
+            if docs.shape != (length,):
+                raise ValueError(f"BlockSparseAttention: with a BlockGroupCOO pattern, document_ids must be ({length},),"
+                                 f" got {docs.shape}; for one mask per batch element pass pattern=None")
+            mask_mod = lambda b, h, q, kv: docs[q] == docs[kv]  # noqa: E731
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).reshape(*x.shape[:-1], heads + 2 * kv_heads, self.head_dim)
+        q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=-2)
         rate, seed = dropout_seed(self.dropout)
-        out = block_sparse_attention(q, k, v, pattern, causal=self.causal, key_padding_mask=key_padding_mask,
-                                     dropout=rate, seed=seed)
+        out = block_sparse_attention(q, k, v, pattern, causal=self.causal and not isinstance(pattern, BlockMask),
+                                     key_padding_mask=key_padding_mask, mask_mod=mask_mod, dropout=rate, seed=seed)
         return self.out(out.reshape(*x.shape[:-1], -1))
