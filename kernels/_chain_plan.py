@@ -186,15 +186,22 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
     """Fills the zero fields of the plan's config with defaults for its template and kind."""
     config, changes = plan.config, {}
     if plan.template == "dot":
-        # FlashAttention-2's tiles (its Triton tutorial on Hopper): 128 x 64 forward; in the backward the program
-        # owns 128 rows (dq) or 128 key columns (dkdv) and walks the other side 32 at a time.
+        # Measured on an H100 (bf16, blocks of 128; benchmarks/attention.py), tile (rows x columns, warps,
+        # stages) per kind and head size. Forward: D = 64 64 x 64, 4, 3 (document mask 16k: 0.37 ms; 128 x 64,
+        # 4, 3: 0.43); D = 128 128 x 64, 4, 2 (dense causal 8k: 0.75 ms; 128 x 128, 8, 2: 0.80; 64 x 64: 0.84).
+        # Backward: 64 x 64, 4 warps, 2 stages for dq and dkdv (D = 128: dkdv 1.23 ms; 128 x 128, 8: 1.52; the
+        # FlashAttention-2 tutorial's 32 x 128, 4: 6.1, spilling), except dq at D = 128: 128 x 32, 8, 3 (0.79).
         (bm, bk), kind = plan.chain.block, plan.kind
-        rows, cols = {"forward": (128, 64), "dq": (128, 32), "dkdv": (32, 128)}.get(kind, (256, 256))
+        wide = plan.block_d > 64
+        rows, cols, warps, stages = {
+            "forward": (128, 64, 4, 2) if wide else (64, 64, 4, 3),
+            "dq": (128, 32, 8, 3) if wide else (64, 64, 4, 2),
+            "dkdv": (64, 64, 4, 2)}.get(kind, (256, 256, 4, 2))
         changes["block_m"] = config.block_m or _pow2(bm, 16, rows)
         changes["block_k"] = config.block_k or _pow2(bk, 16, cols)
         changes["chunk"] = config.chunk or 16  # blocks per work item (a BigBird row holds ~7)
-        changes["num_warps"] = config.num_warps or (8 if changes["block_m"] * changes["block_k"] > 128 * 64 else 4)
-        changes["num_stages"] = config.num_stages or (3 if kind == "forward" else 2)
+        changes["num_warps"] = config.num_warps or warps
+        changes["num_stages"] = config.num_stages or stages
     else:  # tiles of heads x entries x features of about 4096 elements, two warps: many programs in flight hide
         #    the latency of the gathers (GAT on R-MAT 17, H100: 16 entries and 2 warps 9.0 ms a training step;
         #    4 warps 11.9, 8 warps 21.2; 8 entries 9.7). The dkdv kernel also reduces along the features (dP) and

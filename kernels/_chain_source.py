@@ -166,7 +166,7 @@ class _Writer:
         feature axes `d`, `e` (the caller's attention mask covers the rest)."""
         access, shape = self.access(name), self.shapes[name]
         positions, masks = [], [self.spread(self.axis_masks[a], a, axes) for a in axes
-                                if not covered or a in ("d", "e")]
+                                if (not covered or a in ("d", "e")) and self.axis_masks[a]]
         for index in access.indices:
             bound = self.env[index.name if isinstance(index, Var) else str(index)]
             if bound.axis is not None and bound.axis not in axes:
@@ -254,11 +254,13 @@ class _Writer:
             return self.chain.output.extent[self.chain.roles.head]
         return self.chain.block[0 if axis == "m" else 1]
 
-    def _axis(self, axis: str, start: str, block: int, size: int) -> None:
-        """`v_<axis>`: a tile of `block` positions from `start`, masked to `size`."""
+    def _axis(self, axis: str, start: str, block: int, size: int | str) -> None:
+        """`v_<axis>`: a tile of `block` positions from `start`, masked to `size`. Tiles that cut the size into
+        whole pieces need no mask: loads and stores along them go unpredicated."""
         self.emit(f"v_{axis} = {'' if start == '0' else start + ' + '}tl.arange(0, {block})")
         self.emit(f"mk_{axis} = v_{axis} < {size}")
-        self.axis_masks[axis] = f"mk_{axis}"
+        whole = isinstance(size, int) and size % block == 0
+        self.axis_masks[axis] = None if whole else f"mk_{axis}"
 
     def _entries_loop(self):
         """The loop over the item's entries: one per iteration (dot; times the tiles of the other block axis, as
@@ -299,7 +301,10 @@ class _Writer:
         else:
             row, col = own, self._gather("Ak[g,p]", "col", "p_Ak", "keys")
         positions = self._positions(row, col)
-        return "entry", positions, self._allowed(row, col, positions, self._flag("entry"))
+        if self.dot:  # masked after the scores, and only where a block is partial (`_mask_scores`)
+            self._mask_args = (row, col, positions, self._flag("entry"))
+            return "entry", positions, None
+        return "entry", positions, self._allowed(row, col, positions, None)
 
     def _gather(self, access: str, name: str, source: str, extent: str) -> _Bound:
         """`name` = the index `access` (`Ak[g,p]`: a key, `Ai[g]`: a row) of the current entry (tile of
@@ -417,33 +422,66 @@ class _Writer:
         return ""
 
     def _allowed(self, row: _Bound, col: _Bound, positions: tuple[str, str], flag: str | None) -> str:
-        """The attention mask of the current scores: tile edges, the pattern's values (a partial block only),
-        the causal rule, the key mask and self-loop exclusion. Returns its variable."""
+        """The attention mask of the current scores (lanes template): tile edges, the pattern's values, the
+        causal rule, the key mask and self-loop exclusion. Returns its variable."""
         chain, axes = self.chain, self.score_axes
-        parts = [self.spread(self.axis_masks[a], a, axes) for a in axes]
-        for bound in (row, col):
-            if bound.check is not None:
-                self.helpers.add("in_range")
-                parts.append(f"in_range({self.spread(bound.expression, bound.axis, axes)}, {bound.check})")
-        self.emit(f"allowed = {' & '.join(parts)}")
-        if self.dot:
-            # The launcher classified each block: 2 = every element attends (nothing to read or evaluate), 1 =
-            # partial, 0 = none (flags of a block mask, or of the blocks' stored elements).
-            with self.indented(f"if {flag} != 2:  # a partial block: its elements' mask"):
-                if self._element_mask:
-                    self._read_mask(axes)
-                self.emit(f"allowed = allowed & ({flag} != 0)")
-                self._mask_rules(positions)
-        else:
-            self._read_mask(axes)
-            self._mask_rules(positions)
+        self.emit(f"allowed = {' & '.join(self._edges(row, col) or ['True'])}")
+        self._read_mask(axes)
+        self._mask_rules(positions)
         if chain.key_mask is not None:  # (one key for all the tile: a scalar)
-            pointer, mask = self.address("KM", () if not self.dot and col.axis is None else axes)
+            pointer, mask = self.address("KM", () if col.axis is None else axes)
             keys = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
             self.emit(f"allowed = allowed & ({keys} != 0)")
         if chain.self_loops:
             self.emit(f"allowed = allowed & ({positions[0]} != {positions[1]})")
         return "allowed"
+
+    def _edges(self, row: _Bound, col: _Bound) -> list[str]:
+        """The masks of the scores' tile edges and of the range checks of the entry's row and key."""
+        axes = self.score_axes
+        parts = [self.spread(self.axis_masks[a], a, axes) for a in axes if self.axis_masks[a]]
+        for bound in (row, col):
+            if bound.check is not None:
+                self.helpers.add("in_range")
+                parts.append(f"in_range({self.spread(bound.expression, bound.axis, axes)}, {bound.check})")
+        return parts
+
+    def _mask_scores(self) -> None:
+        """Dot template, after the scores: the launcher classified each block (2: every element attends, 1:
+        partial, 0: none), so a full block in range is not masked at all (FlexAttention's full blocks); a partial
+        one sets its masked scores to -inf: its stored elements or `mask_mod` (in registers), the causal rule and
+        the tile's edges. The key mask applies to every block."""
+        row, col, positions, flag = self._mask_args
+        edges = self._edges(row, col)
+        checks = [e for e in edges if e.startswith("in_range")]
+        branch = " | ".join([f"({flag} != 2)"] + [f"~{c}" for c in checks])
+        with self.indented(f"if {branch}:  # a partial block (or one out of range): its elements' mask"):
+            self.emit(f"allowed = {' & '.join(edges + [f'({flag} != 0)'])}")
+            if self._element_mask:
+                self._read_mask(self.score_axes)
+            self._mask_rules(positions)
+            self.emit(f"s = tl.where(allowed, s, {_NEG_INF})")
+        outside = [e for e in edges if e not in checks]  # tiles that overhang their block
+        if self.chain.key_mask is not None:
+            pointer, mask = self.address("KM", self.score_axes)
+            keys = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
+            outside.append(f"({keys} != 0)")
+        if outside:
+            self.emit(f"s = tl.where({' & '.join(outside)}, s, {_NEG_INF})")
+
+    def _weights(self, allowed: str | None, lse: str) -> None:
+        """`w = exp2(s - LSE)`, the recomputed weights (masked scores are -inf in the dot template)."""
+        if self.dot:
+            self._mask_scores()
+            self.emit(f"w = tl.exp2(s - {lse})")
+        else:
+            self.emit(f"w = tl.where({allowed}, tl.exp2(s - {lse}), 0.0)")
+
+    @property
+    def _valid(self) -> str | None:
+        """Dot template, after the weights `w`: where a gradient may be nonzero. Masked scores are -inf and their
+        weights 0; only a `score_mod`'s derivative, which may be NaN at a masked score, needs the select."""
+        return "w > 0" if self.chain.score_mod is not None else None
 
     @property
     def _element_mask(self) -> bool:
@@ -591,6 +629,8 @@ class _Writer:
                 k = self.load("K", axes["K"], native=self.dot, mask=mask)
                 v = self.load("V", axes["V"], native=self.dot, mask=mask)
                 self._scores(q, k, positions, slope=False, q_axes=axes["Q"], k_axes=axes["K"])
+                if self.dot:
+                    self._mask_scores()
                 self._online_softmax(allowed, v, axes["V"], entry if self.dot else "entry[None, :]")
             with self.indented("if part < 0:  # the whole row: finish it"):
                 self._finish()
@@ -655,7 +695,8 @@ class _Writer:
                     v = self.load("V", axes["V"], mask="allowed[:, :, None]")
                     dp = f"tl.sum({do}[:, None, :] * {v}, 2)"
                 self._scores(q, k, positions, slope=True, q_axes=axes["Q"], k_axes=axes["K"])
-                self.emit(f"w = tl.where({allowed}, tl.exp2(s - {lse}[:, None]), 0.0)")
+                self._weights(allowed, f"{lse}[:, None]")
+                allowed = self._valid if self.dot else allowed
                 self.emit(f"dp = {dp}")
                 self._dropout_on("dp", entry if self.dot else "entry[None, :]")
                 self._ds("w", "dp", f"{drow}[:, None]", allowed, positions)
@@ -711,7 +752,8 @@ class _Writer:
                     drow = self.load("Drow", axes["Drow"], mask="allowed")
                     dp = f"tl.sum({do} * {v}[:, None, :], 2)"
                 self._scores(q, k, positions, slope=True, q_axes=axes["Q"], k_axes=axes["K"])
-                self.emit(f"w = tl.where({allowed}, tl.exp2(s - {lse}), 0.0)")
+                self._weights(allowed, lse)
+                allowed = self._valid if self.dot else allowed
                 self.emit(f"dp = {dp}")
                 self._weights_and_scores_gradient(entry if self.dot else "entry[None, :]", drow, allowed, positions)
                 if self.dot:
@@ -730,7 +772,7 @@ class _Writer:
             return
         pointer, address_mask = self.address("dQ", axes, covered=mask is not None)
         self.helpers.update(("atomic_update", "SUM"))
-        masks = " & ".join(m for m in (address_mask, mask) if m)
+        masks = " & ".join(m for m in (address_mask, mask) if m) or "None"
         self.emit(f"atomic_update({pointer}, {value}, {masks}, SUM)")
 
     def _weights_and_scores_gradient(self, entry: str, drow: str, allowed: str | None,
