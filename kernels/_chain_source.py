@@ -105,9 +105,7 @@ class _Writer:
         self.axis_masks: dict[str, str] = {}
         self.dot = plan.template == "dot"
         self.own = plan.own_axis
-        # Scores are [rows, keys] tiles, transposed in the dkdv kernel (FlashAttention-2's): there the weights and
-        # their gradient are the first operands of dV += P^T dO and dK += dS^T Q without a transpose in registers.
-        self.score_axes = (("k", "m") if plan.kind == "dkdv" else ("m", "k")) if self.dot else ("h", "j")
+        self.score_axes = ("m", "k") if self.dot else ("h", "j")
         self.acc_type = "tl.float64" if self.chain.operand["Q"].dtype == np.float64 else "tl.float32"
         self.inputs, self.outputs = chain_inputs(plan), chain_outputs(plan)
         self.accesses = self.chain.accesses()
@@ -326,7 +324,7 @@ class _Writer:
             bm, bk = self.chain.block
             self.emit(f"qpos = {row.expression} * {bm} + v_m")
             self.emit(f"kpos = {col.expression} * {bk} + v_k")
-            return self.spread("qpos", "m", self.score_axes), self.spread("kpos", "k", self.score_axes)
+            return "qpos[:, None]", "kpos[None, :]"
         return (self.spread(row.expression, row.axis, self.score_axes),
                 self.spread(col.expression, col.axis, self.score_axes))
 
@@ -335,8 +333,7 @@ class _Writer:
         """`s = score_mod(scale * q . k) * log2(e)` as a `score_axes` tile (and the derivative `ds_ds` of
         `score_mod`); `q_axes` and `k_axes` are the tiles' axes."""
         if self.dot:
-            first, second = (k, q) if self.score_axes[0] == "k" else (q, k)
-            self.emit(f"s = tl.dot({first}, tl.trans({second}){self._precision()}) * {self._score_scale!r}")
+            self.emit(f"s = tl.dot({q}, tl.trans({k}){self._precision()}) * {self._score_scale!r}")
         else:  # lanes: multiply along the features, a tile [h, j, d] (or [h, 1, d] for a row with itself)
             qs = self._to_scores(q, q_axes, "d")
             ks = self._to_scores(k, k_axes, "d")
@@ -517,8 +514,7 @@ class _Writer:
             glin = "glin"
             if chain.roles.head_group and self.plan.kind == "dkdv":  # the forward's grid index, which has r
                 glin = f"(glin * {chain.group_size} + v_{chain.roles.head_group})"
-            within = f"{self.spread('v_m', 'm', self.score_axes)} * {bk} + {self.spread('v_k', 'k', self.score_axes)}"
-            counter = f"(({glin}.to(tl.int64) * {entries} + {entry}) * {bm * bk} + {within})"
+            counter = f"(({glin}.to(tl.int64) * {entries} + {entry}) * {bm * bk} + v_m[:, None] * {bk} + v_k[None, :])"
         else:  # the grid index runs over (batch..., head): heads are a tile axis here
             heads = chain.output.extent[chain.roles.head]
             counter = f"((glin.to(tl.int64) * {heads} + v_h[:, None]) * {entries} + {entry})"
@@ -747,8 +743,8 @@ class _Writer:
                 if self.dot:
                     q, do = self.load("Q", axes["Q"], native=True), self.load("dO", axes["dO"], native=True)
                     lse, drow = self.load("LSE", axes["LSE"]), self.load("Drow", axes["Drow"])
-                    lse, drow = self.spread(lse, "m", self.score_axes), self.spread(drow, "m", self.score_axes)
-                    dp = f"tl.dot({v}, tl.trans({do}){self._precision()})"  # [k, m], as the scores
+                    lse, drow = f"{lse}[:, None]", f"{drow}[:, None]"
+                    dp = f"tl.dot({do}, tl.trans({v}){self._precision()})"
                 else:
                     q = self.load("Q", axes["Q"], mask="allowed[:, :, None]")
                     do = self.load("dO", axes["dO"], mask="allowed[:, :, None]")
@@ -761,8 +757,8 @@ class _Writer:
                 self.emit(f"dp = {dp}")
                 self._weights_and_scores_gradient(entry if self.dot else "entry[None, :]", drow, allowed, positions)
                 if self.dot:
-                    self.emit(f"dv += tl.dot(wz.to({do}.dtype), {do}{self._precision()})")
-                    self.emit(f"dk += tl.dot(ds.to({q}.dtype), {q}{self._precision()})")
+                    self.emit(f"dv += tl.dot(tl.trans(wz.to({do}.dtype)), {do}{self._precision()})")
+                    self.emit(f"dk += tl.dot(tl.trans(ds.to({q}.dtype)), {q}{self._precision()})")
                 else:
                     self.emit(f"dv += tl.sum(wz[:, :, None] * {do}, 1)")
                     self.emit(f"dk += tl.sum(ds[:, :, None] * {q}, 1)")
