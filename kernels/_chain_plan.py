@@ -187,16 +187,18 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
     config, changes = plan.config, {}
     if plan.template == "dot":
         # Measured on an H100 (bf16, blocks of 128; benchmarks/attention.py), tile (rows x columns, warps,
-        # stages) per kind and head size. Forward: D = 64 64 x 64, 4, 3 (document mask 16k: 0.37 ms; 128 x 64,
-        # 4, 3: 0.43); D = 128 128 x 64, 4, 2 (dense causal 8k: 0.75 ms; 128 x 128, 8, 2: 0.80; 64 x 64: 0.84).
-        # Backward: 64 x 64, 4 warps, 2 stages for dq and dkdv (D = 128: dkdv 1.23 ms; 128 x 128, 8: 1.52; the
-        # FlashAttention-2 tutorial's 32 x 128, 4: 6.1, spilling), except dq at D = 128: 128 x 32, 8, 3 (0.79).
+        # stages) per kind and head size. Forward, D = 64: 64 x 64, 4, 2 (BigBird 16k 0.36 ms, document mask 16k
+        # 0.34, sliding window 32k 0.52; 128 x 64, 4, 3: 0.36, 0.43, 0.53); D = 128: 128 x 64, 4, 2 (dense causal
+        # 8k: 0.75 ms; 128 x 128, 8, 2: 0.80; 64 x 64: 0.84). Backward: 64 x 64 and 4 warps for dq and dkdv (D =
+        # 128: dkdv 1.23 ms; 128 x 128, 8: 1.52; the FlashAttention-2 tutorial's 32 x 128, 4: 6.1, spilling), 3
+        # stages for dkdv at D = 64 (window 32k 0.82 ms against 0.92), 2 at D = 128 (1.23 against 1.96); dq at
+        # D = 128: 128 x 32, 8, 3 (0.79).
         (bm, bk), kind = plan.chain.block, plan.kind
         wide = plan.block_d > 64
         rows, cols, warps, stages = {
-            "forward": (128, 64, 4, 2) if wide else (64, 64, 4, 3),
+            "forward": (128, 64, 4, 2) if wide else (64, 64, 4, 2),
             "dq": (128, 32, 8, 3) if wide else (64, 64, 4, 2),
-            "dkdv": (64, 64, 4, 2)}.get(kind, (256, 256, 4, 2))
+            "dkdv": (64, 64, 4, 2 if wide else 3)}.get(kind, (256, 256, 4, 2))
         changes["block_m"] = config.block_m or _pow2(bm, 16, rows)
         changes["block_k"] = config.block_k or _pow2(bk, 16, cols)
         changes["chunk"] = config.chunk or 16  # blocks per work item (a BigBird row holds ~7)

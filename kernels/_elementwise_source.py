@@ -67,7 +67,9 @@ def elementwise_lines(jaxpr, inputs: list[str], prefix: str, float_type: str = "
     """
     writer = _Writer(prefix, float_type, captures)
     writer.depends.update({x: frozenset({i}) for i, x in enumerate(inputs)})
-    outputs = writer.run(jaxpr, [*captures, *inputs])
+    # A scalar capture is read once, first (as `jinsum._lang._elementwise` evaluates it), then used as a value.
+    values = [writer.fresh(writer.load(c, [])) if not c.shape else c for c in captures]
+    outputs = writer.run(jaxpr, [*values, *inputs])
     return writer.lines, outputs, writer.reads
 
 
@@ -99,6 +101,8 @@ class _Writer:
                 results = self.run(getattr(inner, "jaxpr", inner), args)
             elif name == "dynamic_slice" and isinstance(args[0], Capture):
                 results = [self.fresh(self.load(args[0], args[1:]), args[1:])]
+            elif name == "slice" and isinstance(args[0], Capture):  # a read at constant indices
+                results = [self.fresh(self.load(args[0], [str(i) for i in eqn.params["start_indices"]]))]
             else:
                 results = [self.fresh(self.expression(eqn, args), args)]
             for var, result in zip(eqn.outvars, results):
@@ -142,7 +146,7 @@ class _Writer:
 
     def load(self, capture: Capture, starts: list[str]) -> str:
         """`capture[starts]`, each start clamped into range as XLA's `dynamic_slice` clamps it."""
-        flat = "0"
+        flat = "0"  # (a scalar capture: its one element)
         for size, start in zip(capture.shape, starts):
             constant = _constant(start)
             clamped = (str(min(max(int(constant), 0), size - 1)) if constant is not None

@@ -97,6 +97,10 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
                              "(jinsum.block_mask(lambda b, h, q, kv: a(...) & b(...), ...)) instead of passing another")
         mods["mask_mod"] = pattern.mask_mod
         mods.update({f"MC{i}": x for i, x in enumerate(pattern.captures)})
+        if causal and pattern.laid_out:
+            raise ValueError("jinsum.attention: causal=True with a block mask built per batch element or head: put "
+                             "the causal rule into its mask_mod instead (... & (q_idx >= kv_idx)), so that the blocks "
+                             "are classified with it")
         q, k, v, key_padding_mask, score_mod, pattern, outer = _lay_out(pattern, q, k, v, key_padding_mask, score_mod)
     if mask_mod is not None and self_loops:
         raise ValueError("jinsum.attention: mask_mod and self_loops cannot be combined (a self loop would ignore the "
@@ -131,6 +135,9 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
         roles = Roles()
     if group > 1:
         arrays["Q"] = arrays["Q"].reshape(*arrays["Q"].shape[:-2], kv_heads, group, head_dim)
+        if not block and pattern.Av.ndim == 3:  # one value per query head: (G, P, H_kv, R)
+            pattern = pattern.with_values(pattern.Av.reshape(*pattern.Av.shape[:2], kv_heads, group))
+            mask = Access("Av", tuple(map(Var, "gphr")))
     head_axis = lead + (2 if block else 1)
 
     def unpad(x):  # (..., rows, (bm,) H_kv, (R,) ...) -> (..., L, H, ...)

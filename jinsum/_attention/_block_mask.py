@@ -96,8 +96,11 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
         arrays (document ids `doc[q_idx] == doc[kv_idx]`, per-sequence lengths); they may be traced.
       L, S: queries and keys.
       block: `bm` (square blocks) or `(bm, bk)`; 128 suits the kernels.
-      batch: the batch size, if the mask depends on `b`; None evaluates it at `b = 0` for every batch element.
-      heads: the number of query heads, if the mask depends on `h`; None evaluates it at `h = 0`.
+      batch: the batch size, if the mask depends on `b` (one mask per batch element); None: one mask for every
+        batch element, so `mask_mod` must not depend on `b`.
+      heads: the number of query heads, if the mask depends on `h` (one mask per head); None: one mask for every
+        head, so `mask_mod` must not depend on `h`. A mask per head of a batched `q` needs `batch` too. A mask
+        per batch element or head carries the causal rule itself (`q_idx >= kv_idx` in `mask_mod`).
       capacity: slots for attending blocks; defaults to every block (never overflows). A tighter one makes
         the kernels' grids smaller (a causal mask needs about half).
 

@@ -177,7 +177,10 @@ def _batcher(primitive: Primitive):
         names = _names(primitive, chain)
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-        if any(d is not None for n, d in zip(names, dims) if _loops(n)):
+        # Per-example gradients of unbatched captures are not a batch variable of the chain (the kernels would
+        # sum them over the batch): the backward of a chain with captured gradients loops too.
+        if any(d is not None for n, d in zip(names, dims) if _loops(n)) or (
+                primitive is attention_backward_p and len(chain.differentiable) > 3):
             return _loop(primitive, chain, args, dims)
         batched_chain = batch_chain(chain, size)
         args = [a if _loops(n) or d is not None else jnp.broadcast_to(a, (size, *a.shape))

@@ -9,8 +9,8 @@ FlexAttention's:
 - `mask_mod(b, h, q_idx, kv_idx) -> bool`: whether query `q_idx` attends to key `kv_idx`.
 
 Both are written with `jax.numpy` on scalars. They may close over Python numbers and concrete scalars (compiled
-in as literals) and over arrays, concrete or traced (document ids, sequence lengths, ALiBi slopes, a bias table),
-read with integer scalar indices (`doc[q_idx]`, `bias[h, q_idx - kv_idx]`). Such arrays are *captures*: they
+in as literals) and over arrays, concrete or traced (document ids, sequence lengths, ALiBi slopes, a bias table,
+a traced window size), read with integer scalar indices (`doc[q_idx]`, `bias[h, q_idx - kv_idx]`, `lengths[0]`). Such arrays are *captures*: they
 become operands of the attention primitive (traced, batched and, for floating ones read by a `score_mod`,
 differentiated like the others), and a kernel reads them with one load per index vector, in registers. Only the
 captures' shapes and dtypes are part of a traced function's identity, so new document ids (new values of the same
@@ -169,7 +169,9 @@ def _evaluate(jaxpr, consts, operands, count: int, on_read):
         env[var] = x
     for i, (var, x) in enumerate(zip(jaxpr.invars, operands)):
         env[var] = x
-        if i < count:
+        if i < count and np.shape(x) == ():  # a scalar capture is read once, first, and then used as a value
+            env[var] = on_read(i, lambda x=x: x)
+        elif i < count:
             capture_of[var] = i
     return _run(jaxpr, env, capture_of, read, on_read)
 
@@ -180,6 +182,9 @@ def _run(jaxpr, env, capture_of, read, on_read):
         holds = [capture_of.get(a) if not hasattr(a, "val") else None for a in eqn.invars]
         if eqn.primitive.name == "dynamic_slice" and holds[0] is not None:
             outs = [on_read(holds[0], lambda: jax.lax.dynamic_slice(args[0], args[1:], eqn.params["slice_sizes"]))]
+        elif eqn.primitive.name == "slice" and holds[0] is not None:  # a read at constant indices
+            outs = [on_read(holds[0], lambda: jax.lax.slice(args[0], eqn.params["start_indices"],
+                                                            eqn.params["limit_indices"]))]
         elif eqn.primitive.name in _CALLS and any(h is not None for h in holds):
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             inner_jaxpr = getattr(inner, "jaxpr", inner)
@@ -199,15 +204,16 @@ def _run(jaxpr, env, capture_of, read, on_read):
 
 
 def _check_elementwise(jaxpr, count: int, kind: str, name: str, where: str) -> None:
-    """Every value is a scalar, except reads of a capture (one element, by scalar indices) and their squeeze."""
-    _check_equations(jaxpr, set(jaxpr.invars[:count]), f"{where}: {kind} {name}")
+    """Every value is a scalar, except reads of a capture (one element, by scalar indices) and their squeeze. A
+    scalar capture (a traced window size) is a value like any other."""
+    _check_equations(jaxpr, {v for v in jaxpr.invars[:count] if v.aval.shape}, f"{where}: {kind} {name}")
 
 
 def _check_equations(jaxpr, captures: set, what: str) -> None:
     reads = set()
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dynamic_slice" and _holds(eqn.invars[0], captures):
-            if any(size != 1 for size in eqn.params["slice_sizes"]):
+        if eqn.primitive.name in ("dynamic_slice", "slice") and _holds(eqn.invars[0], captures):
+            if eqn.outvars[0].aval.size != 1:
                 raise TypeError(f"{what} reads a slice of a captured array; read one element at a time with "
                                 "integer scalar indices, e.g. doc[q_idx] or bias[h, q_idx - kv_idx]")
             reads.update(eqn.outvars)

@@ -231,10 +231,13 @@ class BlockSparseAttention(nnx.Module):
                 raise ValueError("BlockSparseAttention: a BlockMask carries its own mask; build it with the document "
                                  "ids (jinsum.nn.sequence_mask) instead of passing document_ids too")
             docs = jnp.asarray(document_ids)
-            if docs.shape != (length,):
-                raise ValueError(f"BlockSparseAttention: with a BlockGroupCOO pattern, document_ids must be ({length},),"
-                                 f" got {docs.shape}; for one mask per batch element pass pattern=None")
-            mask_mod = lambda b, h, q, kv: docs[q] == docs[kv]  # noqa: E731
+            if docs.shape not in ((length,), x.shape[:-1]):
+                raise ValueError(f"BlockSparseAttention: document_ids must be ({length},) or {x.shape[:-1]} for x of "
+                                 f"shape {x.shape}, got {docs.shape}")
+            if docs.ndim == 1:
+                mask_mod = lambda b, h, q, kv: docs[q] == docs[kv]  # noqa: E731
+            else:  # one row of ids per batch element: the chain's `b` is x's batch axis
+                mask_mod = lambda b, h, q, kv: docs[b, q] == docs[b, kv]  # noqa: E731
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).reshape(*x.shape[:-1], heads + 2 * kv_heads, self.head_dim)
         q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=-2)
