@@ -34,6 +34,8 @@ RUNS = {
     "point_cloud/main.py": (["--smoke"], ["jinsum DynamicEdgeConv", "PyG EdgeConv + cdist kNN"]),
     "dlrm/main.py": (["--smoke"], ["jinsum EmbeddingBag, sparse rows", "jinsum EmbeddingBag, dense gradient",
                                    "plain JAX gather + segment_sum"]),
+    "packed_lm/main.py": (["--smoke"], ["dense causal + document mask", "sliding window + document mask",
+                                        "BigBird + document mask"]),
 }
 
 
