@@ -113,3 +113,65 @@ def test_graph_attention_with_the_pattern_as_an_argument(transposed, rng):
     assert "triton_kernel_call" in jax.jit(fused).lower(A, q, k, v, d_out).as_text()
     for name, a, b in zip(["out", "dq", "dk", "dv"], fused(A, q, k, v, d_out), reference):
         assert_allclose(a, np.asarray(b, np.float64), np.float32, err_msg=name)
+
+
+# --- masks from data: mask_mod over captured arrays, block masks built on the device, GQA -----------------------
+
+def _documents(rng, length, count):
+    cuts = np.sort(rng.choice(np.arange(1, length), count - 1, replace=False))
+    starts = np.zeros(length, np.int32)
+    starts[cuts] = 1
+    return jnp.asarray(np.cumsum(starts).astype(np.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128)], ids=["mha-64", "gqa-128"])
+def test_document_mask_built_on_the_device(heads, kv_heads, dim, dtype, rng):
+    """A causal document mask built inside jit (partial blocks evaluate the mask in registers), a captured
+    relative-position bias table with its gradient, and grouped-query heads: against the unfused chain in
+    float32 on the same device."""
+    length = 1000  # not a multiple of the block
+    doc = _documents(rng, length, 6)
+    table = jnp.asarray(rng.standard_normal((heads, 2 * length)) * 0.1, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((length, heads, dim)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((length, kv_heads, dim)), dtype) for _ in range(2))
+    d_out = jnp.asarray(rng.standard_normal((length, heads, dim)), dtype)
+
+    def attend(q, k, v, table, doc):
+        mask = jnn.sequence_mask(length, 128, document_ids=doc, causal=True)
+        return jinsum.attention(q, k, v, mask, score_mod=lambda s, b, h, i, j: s + table[h, i - j + length])
+
+    def run(q, k, v, table, doc, t):
+        out, vjp = jax.vjp(lambda q, k, v, table: attend(q, k, v, table, doc), q, k, v, table)
+        return (out, *vjp(t))
+
+    fused = jax.jit(run)
+    assert "triton_kernel_call" in fused.lower(q, k, v, table, doc, d_out).as_text()
+    results = fused(q, k, v, table, doc, d_out)
+    with pytest.MonkeyPatch.context() as patch:  # the unfused chain (float32 inputs: a new trace)
+        patch.setenv("JINSUM_FUSE", "0")
+        wide = [x.astype(jnp.float32) for x in (q, k, v)]
+        expected = jax.jit(run)(*wide, table, doc, d_out.astype(jnp.float32))
+    for name, a, b in zip(["out", "dq", "dk", "dv", "dtable"], results, expected):
+        assert_allclose(a, np.asarray(b, np.float64), dtype if name != "dtable" else jnp.bfloat16, err_msg=name)
+    # New document boundaries: the same compiled program.
+    fused(q, k, v, table, _documents(rng, length, 9), d_out)
+    assert fused._cache_size() == 1
+
+
+def test_block_mask_per_batch_and_sliding_window_on_gpu(rng):
+    """One document mask per batch element (laid out along the sequence) with a sliding window, bf16."""
+    length, batch = 700, 3
+    docs = jnp.stack([_documents(rng, length, n) for n in (2, 5, 9)])
+    q, k, v = (jnp.asarray(rng.standard_normal((batch, length, 4, 64)), jnp.bfloat16) for _ in range(3))
+    mask = jnn.sequence_mask(length, 128, document_ids=docs, causal=True, window=200)
+    out = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, mask))(q, k, v)
+    i, j = np.meshgrid(np.arange(length), np.arange(length), indexing="ij")
+    d = np.asarray(docs)
+    allowed = (d[:, :, None] == d[:, None, :]) & (i >= j) & (i - j < 200)
+    wide = [np.asarray(x, np.float64) for x in (q, k, v)]
+    s = np.einsum("blhd,bshd->bhls", wide[0], wide[1]) / 8.0
+    s = np.where(allowed[:, None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    expected = np.einsum("bhls,bshe->blhe", w / w.sum(-1, keepdims=True), wide[2])
+    assert_allclose(out, expected, jnp.bfloat16)
