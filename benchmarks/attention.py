@@ -1,21 +1,65 @@
-"""Fused attention chains on a GPU: block-sparse attention and a GAT training step, against their peers.
+"""Fused attention on a GPU: block-sparse and masked attention against their peers, and a GAT training step.
 
-    python benchmarks/attention.py [--lengths 4096 8192 16384] [--gat-scale 17] [--out benchmarks/results]
+    python benchmarks/attention.py [--workloads bigbird,document,window,gqa,dense] [--lengths 4096 8192 16384]
+                                   [--gat-scale 17] [--out benchmarks/results]
+    JINSUM_TRITON=0 python benchmarks/attention.py --smoke --gat-scale 0    # tiny sizes, jinsum only, runs on CPU
 
-1. Block-sparse attention, bf16, batch 1, 16 heads of 64, blocks of 128, BigBird pattern (1 local, 1 global and
-   2 random blocks per block row: `jinsum.nn.block_pattern`), forward and forward+backward, at each length:
+Attention workloads (`--workloads`, comma-separated; all by default): bf16, batch 1, blocks of 128, `L = S`, each
+timed forward and forward+backward (`jax.vjp` / `torch.autograd.grad` of the output against a random cotangent).
+
+1. `bigbird`: block-sparse attention, 16 heads of 64, BigBird pattern (1 local, 1 global and 2 random blocks per
+   block row: `jinsum.nn.block_pattern`), at each of `--lengths`:
    - jinsum fused: `jinsum.attention` (one generated kernel, plus the combine of the split global row; the
      FlashAttention-2 backward);
    - jinsum unfused: the same chain as separate statements (block SDDMM, segment max/sum, block SpMM);
    - FlexAttention: `torch.compile(flex_attention)` with a `BlockMask` of the same blocks (full blocks);
    - dense FlashAttention: `torch.nn.functional.scaled_dot_product_attention` (no mask: all L^2 scores);
    - dense cuDNN: `jax.nn.dot_product_attention(implementation="cudnn")`.
-   TFLOP/s count the stored blocks only (4 * pairs * D * H forward; 3.5x that forward+backward).
-2. GAT training step (2 layers: 4 heads x 64, then 1 head; forward, backward and Adam; dropout 0.6) on an
+2. `document`: causal attention within packed documents: one sequence of 16,384 positions cut into 15 documents of
+   random (seeded) lengths, 16 heads of 64:
+   - jinsum fused (mask prebuilt): `jinsum.nn.sequence_mask(L, 128, document_ids=doc, causal=True)` built once and
+     closed over by the jitted function (its work lists are then computed on the host, once), as Flex's block
+     mask is built once outside its timed call;
+   - jinsum fused (mask prebuilt, tight capacity): the same mask from `jinsum.block_mask` with exactly as many slots
+     as blocks attend (`sequence_mask` leaves the causal half's slots for any document boundaries);
+   - jinsum fused (mask prebuilt, an argument): the prebuilt `BlockMask` passed to the jitted function (work lists
+     computed on the device at every call, as for a mask that changes every step);
+   - jinsum fused (mask on device): `sequence_mask` inside the jitted function, the document ids its argument: the
+     mask is built at every call, as in a training step whose batches pack new documents;
+   - FlexAttention: `create_block_mask` of `mask_mod = (doc[q] == doc[kv]) & (q >= kv)` over a torch tensor of the
+     document ids, built once, and `torch.compile(flex_attention)`;
+   - dense FlashAttention (torch SDPA, causal): `is_causal=True` over the whole sequence, ignoring the documents:
+     a speed reference only (not compared).
+   And the mask building alone (`document mask build`): jinsum's `jax.jit(sequence_mask)` of the document ids,
+   Flex's `create_block_mask` (eager, and `torch.compile(create_block_mask)`), and the host way for reference: the
+   element mask in NumPy and `BlockGroupCOO.from_dense` (one call, `time.perf_counter`).
+3. `window`: causal sliding window of 1,024 positions at 32,768 positions, 16 heads of 64: jinsum
+   (`sequence_mask(L, 128, causal=True, window=1024)` built outside the timed call, and built inside it),
+   FlexAttention (`create_block_mask` of `(q >= kv) & (q - kv < 1024)`), cuDNN's own sliding window
+   (`jax.nn.dot_product_attention(is_causal=True, local_window_size=(1023, 0), implementation="cudnn")`) and dense
+   causal FlashAttention (torch SDPA, ignoring the window: a speed reference only).
+4. `gqa`: causal grouped-query attention at 8,192 positions, 32 query heads and 8 key/value heads of 128: jinsum
+   (`k`, `v` of 8 heads read in place; `sequence_mask(L, 128, causal=True)`), FlexAttention (`enable_gqa=True`,
+   a causal block mask), FlashAttention (torch SDPA, flash backend, `is_causal=True` with `enable_gqa=True`, or
+   `k`, `v` repeated where the backend refuses it: the note says which), cuDNN (`jax.nn.dot_product_attention`,
+   `is_causal=True`; grouped heads natively, else repeated: the note says which).
+5. `dense`: causal multi-head attention at 8,192 positions, 16 heads of 128: jinsum (`sequence_mask` causal),
+   FlexAttention (causal block mask), FlashAttention (torch SDPA, flash backend, `is_causal=True`), cuDNN.
+
+TFLOP/s count the attended (query, key) pairs only, the same count for every system of a workload (BigBird: the
+stored blocks; causal: L(L+1)/2; documents: the sum over documents; so a dense reference that computes more pairs
+shows fewer TFLOP/s): 4 * pairs * D * H forward, 3.5x that forward+backward. Outputs and gradients of the systems
+computing the same mask are checked against FlexAttention (max abs difference).
+
+6. GAT training step (2 layers: 4 heads x 64, then 1 head; forward, backward and Adam; dropout 0.6) on an
    R-MAT graph made undirected (scale 17: 131k nodes, ~3.7M edges), 128 synthetic input features, 40 classes:
    jinsum `GATConv` (fused), the same layer unfused (`JINSUM_FUSE=0`: the chain's statements as separate
    kernels), the same model with gathers and `jax.ops.segment_*` (examples/gat), and PyG's `GATConv` where
-   torch_geometric is installed.
+   torch_geometric is installed (`--gat-scale 0` skips it).
+
+`--smoke` runs every attention workload at tiny sizes (512 positions, BigBird 1,024; a few heads) through the jinsum systems only
+and checks them against a dense XLA reference with the element mask (exits non-zero on a mismatch): it runs on CPU
+(with `JINSUM_TRITON=0`), so the code paths can be checked without a GPU.
 
 Every system is timed the same way (`jinsum.timing.time_calls`: warm-up, back-to-back calls, one
 synchronisation, median of rounds). Results go to `--out` as `attention_<device>.{md,csv}`.
@@ -25,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import importlib.util
 import os
 import pathlib
@@ -33,6 +78,9 @@ import time
 import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+# JAX grows its memory pool on demand up to this fraction of the GPU and keeps what it took; the rest stays for
+# torch (Flex's eager `create_block_mask` materialises the L x S mask and its index arithmetic: ~10 GB at 32k).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -41,7 +89,7 @@ import numpy as np  # noqa: E402
 import jinsum  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum import _attention  # noqa: E402
-from jinsum._attention import _chain_reference
+from jinsum._attention import _chain_reference  # noqa: E402
 from jinsum.datasets import rmat  # noqa: E402
 from jinsum.kernels import ChainConfig, forced_config  # noqa: E402
 from jinsum.timing import kernel_times, time_calls  # noqa: E402
@@ -55,16 +103,53 @@ except ImportError:
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROWS: list[dict] = []
+WORKLOADS = ("bigbird", "document", "window", "gqa", "dense")
+PASSES = ("forward", "forward+backward")
+BLOCK = 128
+FLEX = "FlexAttention (torch.compile)"
+REFERENCE = "dense XLA, element mask (smoke reference)"
+SMOKE_TOLERANCE = 0.1  # max abs difference from the float32 reference, bf16 inputs of unit variance
+TORCH_DEVICE = "cuda"
+
+
+class Options:
+    """What this run does: set once by `main`."""
+
+    def __init__(self):
+        self.calls = 20
+        self.smoke = False        # tiny sizes, jinsum systems only, checked against a dense reference
+        self.on_gpu = False
+        self.jax_peers = False    # cuDNN through JAX (a CUDA GPU, not --smoke)
+        self.torch_peers = False  # FlexAttention, torch SDPA, PyG (also torch with CUDA)
+        self.mismatches: list[str] = []  # --smoke: results off the reference
+
+
+OPTS = Options()
+
+# The sizes of the workloads (--smoke: tiny ones).
+SIZES = {
+    "full": dict(document=dict(length=16384, documents=15, heads=16, dim=64),
+                 window=dict(length=32768, window=1024, heads=16, dim=64),
+                 gqa=dict(length=8192, heads=32, kv_heads=8, dim=128),
+                 dense=dict(length=8192, heads=16, kv_heads=16, dim=128),
+                 bigbird=dict(heads=16, dim=64)),  # lengths: --lengths
+    "smoke": dict(bigbird=dict(heads=2, dim=32),
+                  document=dict(length=512, documents=5, heads=2, dim=32),
+                  window=dict(length=512, window=256, heads=2, dim=32),
+                  gqa=dict(length=512, heads=4, kv_heads=2, dim=32),
+                  dense=dict(length=512, heads=2, kv_heads=2, dim=32)),
+}
 
 
 def record(workload: str, system: str, ms: float | None, **extra) -> None:
     ROWS.append(dict(workload=workload, system=system, ms=ms, **extra))
     shown = "failed" if ms is None else f"{ms:.3f} ms"
-    print(f"  {workload:<40} {system:<34} {shown}  {extra.get('note', '')}", flush=True)
+    print(f"  {workload:<56} {system:<46} {shown}  {extra.get('note') or ''}", flush=True)
 
 
 def _torch_sync(_):
-    torch.cuda.synchronize()
+    if TORCH_DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def attempt(workload: str, system: str, run) -> float | None:
@@ -78,14 +163,168 @@ def attempt(workload: str, system: str, run) -> float | None:
     return seconds
 
 
-# --- 1. block-sparse attention ------------------------------------------------------------------------------------
+def _flops(pairs: int, heads: int, dim: int) -> dict[str, float]:
+    """Floating-point operations of attending `pairs` (query, key) pairs: two products of `dim` per pair and head
+    forward; the backward's five products make forward+backward 3.5x the forward."""
+    forward = 4 * pairs * dim * heads
+    return {"forward": forward, "forward+backward": 3.5 * forward}
 
-def block_attention(length: int, calls: int, heads: int = 16, dim: int = 64, block: int = 128) -> None:
+
+def _inputs(seed: int, length: int, heads: int, kv_heads: int, dim: int):
+    """bf16 `q`, `d_out` `(L, H, D)` and `k`, `v` `(L, H_kv, D)` of unit variance."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (length, heads, dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (length, kv_heads, dim), jnp.bfloat16) for key in keys[1:3])
+    d_out = jax.random.normal(keys[3], (length, heads, dim), jnp.bfloat16)
+    return q, k, v, d_out
+
+
+def _leaves(result) -> list[np.ndarray]:
+    """A system's output (or its gradients) as float32 NumPy arrays `(L, H, D)`, off the device; torch's
+    `(1, H, L, D)` tensors are laid out as JAX's."""
+    items = result if isinstance(result, tuple) else (result,)
+    if torch is not None and all(isinstance(r, torch.Tensor) for r in items):
+        return [np.asarray(r.detach().permute(0, 2, 1, 3)[0].float().cpu()) for r in items]
+    return [np.asarray(r, np.float32) for r in jax.tree.leaves(result)]
+
+
+def time_jax(name: str, system: str, fn, arrays, flops, outputs, *, extra=(), note=None, keep=True,
+             show=False, hlo_copies=False) -> None:
+    """Times `fn(q, k, v, *extra)` forward and forward+backward (`jax.vjp` with respect to `q`, `k`, `v`), each
+    jitted with `q`, `k`, `v` and `extra` its arguments. `keep`: its results go to `outputs` for `_compare`;
+    `show` (on a GPU): where the device time goes; `hlo_copies`: the copies in the optimized HLO."""
+    q, k, v, d_out = arrays
+
+    def gradients(q, k, v, *rest):
+        *others, cotangent = rest
+        return jax.vjp(lambda q, k, v: fn(q, k, v, *others), q, k, v)[1](cotangent)
+
+    for pass_name in PASSES:
+        compiled, args = ((jax.jit(fn), (q, k, v, *extra)) if pass_name == "forward" else
+                          (jax.jit(gradients), (q, k, v, *extra, d_out)))
+        workload = f"{name} {pass_name}"
+        seconds = attempt(workload, system, lambda: time_calls(compiled, *args, calls=OPTS.calls))
+        if seconds is None:
+            continue
+        if keep:
+            outputs[system, pass_name] = _leaves(compiled(*args))
+        record(workload, system, 1e3 * seconds, tflops=flops[pass_name] / seconds / 1e12,
+               **({"note": note} if note else {}))
+        if show and OPTS.on_gpu:
+            breakdown(compiled, args)
+        if hlo_copies and OPTS.on_gpu:
+            copies = [line.strip()[:150] for line in compiled.lower(*args).compile().as_text().splitlines()
+                      if " copy(" in line or "copy-start" in line]
+            print(f"    {len(copies)} copies in the optimized HLO", *copies[:6], sep="\n      ")
+
+
+def time_torch(name: str, system: str, fn, tensors, flops, outputs, *, note=None, keep=True) -> None:
+    """Times `fn(q, k, v)` on torch tensors `(1, H, L, D)` forward (`no_grad`) and forward+backward
+    (`torch.autograd.grad` with respect to `q`, `k`, `v`), synchronising the device as `time_calls` does for JAX."""
+    q, k, v, d_out = tensors
+    for pass_name in PASSES:
+        if pass_name == "forward":
+            def run(fn=fn):
+                with torch.no_grad():
+                    return fn(q, k, v)
+        else:
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+            def run(fn=fn, qg=qg, kg=kg, vg=vg):
+                return torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), d_out)
+        workload = f"{name} {pass_name}"
+        seconds = attempt(workload, system, lambda run=run: time_calls(run, calls=OPTS.calls, sync=_torch_sync))
+        if seconds is None:
+            continue
+        if keep:
+            outputs[system, pass_name] = _leaves(run())
+        record(workload, system, 1e3 * seconds, tflops=flops[pass_name] / seconds / 1e12,
+               **({"note": note} if note else {}))
+
+
+def _to_torch(arrays):
+    """JAX `(L, H, D)` arrays as torch bf16 `(1, H, L, D)` tensors on the device."""
+    return tuple(torch.from_numpy(np.array(x.astype(jnp.float32))).to(TORCH_DEVICE, torch.bfloat16)
+                 .permute(1, 0, 2)[None].contiguous() for x in arrays)
+
+
+def _flex():
+    """A fresh `torch.compile(flex_attention)`: dynamo's caches are reset first, so no workload runs into its
+    recompilation limit (which would fall back to the eager, dense flex_attention) or into dynamic shapes."""
+    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+
+    torch._dynamo.reset()
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _create_block_mask(mask_mod, length):
+    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
+
+    return create_block_mask(mask_mod, None, None, length, length, device=TORCH_DEVICE, BLOCK_SIZE=BLOCK)
+
+
+def _sdpa_flash(**kwargs):
+    """torch SDPA restricted to the FlashAttention backend (the backward follows the forward's backend)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    def fn(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    return fn
+
+
+def _reference(name: str, mask: np.ndarray, arrays, outputs) -> None:
+    """--smoke: the dense float32 XLA attention with the element mask `(L, S)`, forward and gradients."""
+    allowed = jnp.asarray(mask)[None, None]
+
+    def fn(q, k, v):
+        out = jax.nn.dot_product_attention(*(x.astype(jnp.float32)[None] for x in (q, k, v)), mask=allowed,
+                                           implementation="xla")[0]
+        return out.astype(q.dtype)
+    q, k, v, d_out = arrays
+    outputs[REFERENCE, "forward"] = _leaves(jax.jit(fn)(q, k, v))
+    outputs[REFERENCE, "forward+backward"] = _leaves(jax.vjp(fn, q, k, v)[1](d_out))
+
+
+def _compare(name, outputs) -> None:
+    """Max abs difference of each system's outputs and gradients from FlexAttention's (from the dense reference
+    under --smoke); recorded as `max_abs_diff_vs_flex`. `outputs` holds only the systems that compute the same
+    mask."""
+    for pass_name in PASSES:
+        for against in (FLEX, REFERENCE):
+            reference = outputs.get((against, pass_name))
+            if reference is not None:
+                break
+        else:
+            continue
+        for (system, other_pass), mine in outputs.items():
+            if other_pass != pass_name or system == against:
+                continue
+            error = max(float(np.abs(m - r).max()) for m, r in zip(mine, reference, strict=True))
+            print(f"  {name} {pass_name}: {system} vs {against} max abs diff {error:.2e}")
+            if against == FLEX:
+                for row in ROWS:
+                    if row["workload"] == f"{name} {pass_name}" and row["system"] == system:
+                        row["max_abs_diff_vs_flex"] = error
+            elif error > SMOKE_TOLERANCE or not np.isfinite(error):
+                OPTS.mismatches.append(f"{name} {pass_name}: {system} differs from the reference by {error:.2e}")
+
+
+def _free() -> None:
+    """Drops what a workload left on the device (torch's cached blocks, dynamo's graphs holding its tensors)."""
+    gc.collect()
+    if torch is not None and OPTS.torch_peers:
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# --- 1. block-sparse attention (BigBird) --------------------------------------------------------------------------
+
+def block_attention(length: int, heads: int = 16, dim: int = 64, block: int = BLOCK) -> None:
     pattern = jnn.block_pattern(length, block, local_blocks=1, global_blocks=1, random_blocks=2, seed=0)
     blocks = (length // block) ** 2
-    pairs = pattern.nnz * block * block
-    flops = {"forward": 4 * pairs * dim * heads}
-    flops["forward+backward"] = 3.5 * flops["forward"]
+    flops = _flops(pattern.nnz * block * block, heads, dim)
     name = f"block attention L={length} ({100 * pattern.nnz / blocks:.1f}% blocks)"
     print(f"\n{name}: {pattern.nnz} of {blocks} blocks stored")
     keys = jax.random.split(jax.random.key(length), 4)
@@ -105,25 +344,15 @@ def block_attention(length: int, calls: int, heads: int = 16, dim: int = 64, blo
         return jax.nn.dot_product_attention(q[None], k[None], v[None], implementation="cudnn")[0]
 
     outputs = {}
-    for system, fn in [("jinsum fused", fused), ("jinsum unfused", unfused), ("dense cuDNN (JAX)", cudnn)]:
-        for pass_name in ("forward", "forward+backward"):
-            if pass_name == "forward":
-                compiled = jax.jit(fn)
-                args = (q, k, v)
-            else:
-                compiled = jax.jit(lambda q, k, v, t, fn=fn: jax.vjp(fn, q, k, v)[1](t))
-                args = (q, k, v, d_out)
-            seconds = attempt(f"{name} {pass_name}", system, lambda: time_calls(compiled, *args, calls=calls))
-            if seconds is not None:
-                outputs[system, pass_name] = compiled(*args)
-                record(f"{name} {pass_name}", system, 1e3 * seconds, tflops=flops[pass_name] / seconds / 1e12)
-                if system == "jinsum fused":
-                    breakdown(compiled, args)
-                    copies = [line.strip()[:150] for line in compiled.lower(*args).compile().as_text().splitlines()
-                              if " copy(" in line or "copy-start" in line]
-                    print(f"    {len(copies)} copies in the optimized HLO", *copies[:6], sep="\n      ")
-    if torch is not None:
-        _torch_attention(name, pattern, (q, k, v, d_out), flops, calls, outputs, block)
+    time_jax(name, "jinsum fused", fused, (q, k, v, d_out), flops, outputs, show=True, hlo_copies=True)
+    time_jax(name, "jinsum unfused", unfused, (q, k, v, d_out), flops, outputs)
+    if OPTS.jax_peers:
+        time_jax(name, "dense cuDNN (JAX)", cudnn, (q, k, v, d_out), flops, outputs, keep=False,
+                 note="no mask: all L^2 scores")
+    if OPTS.smoke:
+        _reference(name, np.asarray(pattern.todense()) != 0, (q, k, v, d_out), outputs)
+    if OPTS.torch_peers:
+        _torch_attention(name, pattern, (q, k, v, d_out), flops, outputs, block)
     _compare(name, outputs)
 
 
@@ -136,63 +365,249 @@ def breakdown(compiled, args, calls: int = 10) -> None:
         if t > 0.01 * total))
 
 
-def _torch_attention(name, pattern, arrays, flops, calls, outputs, block):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: PLC0415
-
-    q, k, v, d_out = (torch.from_numpy(np.array(x.astype(jnp.float32))).to("cuda", torch.bfloat16)
-                      .permute(1, 0, 2)[None].contiguous() for x in arrays)  # (1, H, L, D)
-    length = q.shape[2]
-    table = torch.zeros((length // block, length // block), dtype=torch.bool, device="cuda")
-    rows = np.asarray(pattern.Ai)
-    table[torch.from_numpy(np.repeat(rows, pattern.group_size)).cuda(),
-          torch.from_numpy(np.asarray(pattern.Ak).reshape(-1)).cuda()] = True
+def _torch_attention(name, pattern, arrays, flops, outputs, block):
+    tensors = _to_torch(arrays)
+    length = tensors[0].shape[2]
+    table = torch.zeros((length // block, length // block), dtype=torch.bool, device=TORCH_DEVICE)
+    rows = np.array(pattern.Ai)
+    table[torch.from_numpy(np.repeat(rows, pattern.group_size)).to(TORCH_DEVICE),
+          torch.from_numpy(np.array(pattern.Ak).reshape(-1)).to(TORCH_DEVICE)] = True
 
     def mask_mod(b, h, q_idx, kv_idx):
         return table[q_idx // block, kv_idx // block]
 
-    block_mask = create_block_mask(mask_mod, None, None, length, length, device="cuda", BLOCK_SIZE=block)
-    flex = torch.compile(flex_attention)
-    systems = {"FlexAttention (torch.compile)": lambda q, k, v: flex(q, k, v, block_mask=block_mask),
-               "dense FlashAttention (torch SDPA)": torch.nn.functional.scaled_dot_product_attention}
-    for system, fn in systems.items():
-        for pass_name in ("forward", "forward+backward"):
-            if pass_name == "forward":
-                def run(fn=fn):
-                    with torch.no_grad():
-                        return fn(q, k, v)
-            else:
-                qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    block_mask = _create_block_mask(mask_mod, length)
+    flex = _flex()
+    time_torch(name, FLEX, lambda q, k, v: flex(q, k, v, block_mask=block_mask), tensors, flops, outputs)
+    time_torch(name, "dense FlashAttention (torch SDPA)", torch.nn.functional.scaled_dot_product_attention,
+               tensors, flops, outputs, keep=False, note="no mask: all L^2 scores")
 
-                def run(fn=fn, qg=qg, kg=kg, vg=vg):
-                    return torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), d_out)
-            seconds = attempt(f"{name} {pass_name}", system,
-                              lambda run=run: time_calls(run, calls=calls, sync=_torch_sync))
+
+# --- 2. packed documents, causal -----------------------------------------------------------------------------------
+
+def _documents(length: int, documents: int, seed: int = 0) -> np.ndarray:
+    """The document id of each position: `documents` documents of random lengths (cut at distinct random places)."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, length), documents - 1, replace=False))
+    sizes = np.diff(np.concatenate([[0], cuts, [length]]))
+    return np.repeat(np.arange(documents, dtype=np.int32), sizes)
+
+
+def document_attention(length: int, documents: int, heads: int, dim: int) -> None:
+    doc_np = _documents(length, documents)
+    sizes = np.bincount(doc_np).astype(np.int64)
+    flops = _flops(int((sizes * (sizes + 1) // 2).sum()), heads, dim)
+    name = f"document causal L={length} ({documents} docs, {heads}x{dim})"
+    doc = jnp.asarray(doc_np)
+    arrays = _inputs(1, length, heads, heads, dim)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    prebuilt = jnn.sequence_mask(length, BLOCK, document_ids=doc, causal=True)
+    attending = int(jnp.count_nonzero(prebuilt.flags))
+    tight = jinsum.block_mask(document_causal, length, length, BLOCK, capacity=attending)
+    if bool(prebuilt.overflow) or bool(tight.overflow):
+        raise AssertionError(f"{name}: the block mask overflowed its capacity")
+    print(f"\n{name}: document lengths {sizes.tolist()}; {attending} of {prebuilt.grid[0] * prebuilt.grid[1]} "
+          f"blocks attend ({prebuilt.capacity} slots in sequence_mask's mask)")
+
+    def on_device(q, k, v, doc):
+        return jinsum.attention(q, k, v, jnn.sequence_mask(length, BLOCK, document_ids=doc, causal=True))
+
+    outputs = {}
+    time_jax(name, "jinsum fused (mask prebuilt)", lambda q, k, v: jinsum.attention(q, k, v, prebuilt), arrays,
+             flops, outputs, show=True)
+    time_jax(name, "jinsum fused (mask prebuilt, tight capacity)", lambda q, k, v: jinsum.attention(q, k, v, tight),
+             arrays, flops, outputs, note=f"capacity {attending}")
+    time_jax(name, "jinsum fused (mask prebuilt, an argument)", lambda q, k, v, m: jinsum.attention(q, k, v, m),
+             arrays, flops, outputs, extra=(prebuilt,))
+    time_jax(name, "jinsum fused (mask on device)", on_device, arrays, flops, outputs, extra=(doc,), show=True,
+             note="sequence_mask inside the jitted call")
+    if OPTS.smoke:
+        _reference(name, _document_mask(doc_np), arrays, outputs)
+    if OPTS.torch_peers:
+        tensors = _to_torch(arrays)
+        doc_t = torch.from_numpy(doc_np).to(TORCH_DEVICE)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (doc_t[q_idx] == doc_t[kv_idx]) & (q_idx >= kv_idx)
+
+        block_mask = _create_block_mask(mask_mod, length)
+        flex = _flex()
+        time_torch(name, FLEX, lambda q, k, v: flex(q, k, v, block_mask=block_mask), tensors, flops, outputs)
+        time_torch(name, "dense FlashAttention (torch SDPA, causal)", _sdpa_flash(is_causal=True), tensors, flops,
+                   outputs, keep=False, note="ignores the documents: all L(L+1)/2 causal pairs (speed reference)")
+        del tensors, block_mask, flex
+    _compare(name, outputs)
+    document_mask_build(length, documents, doc_np, attending)
+
+
+def _document_mask(doc: np.ndarray) -> np.ndarray:
+    """The element mask of causal attention within documents, `(L, L)` booleans."""
+    return (doc[:, None] == doc[None, :]) & np.tri(len(doc), dtype=bool)
+
+
+def document_mask_build(length: int, documents: int, doc_np: np.ndarray, attending: int) -> None:
+    """The block mask alone: jinsum on the device, Flex's `create_block_mask`, and the host way."""
+    name = f"document mask build L={length} ({documents} docs)"
+    print(f"\n{name}")
+    build = jax.jit(lambda doc: jnn.sequence_mask(length, BLOCK, document_ids=doc, causal=True))
+    doc = jnp.asarray(doc_np)
+    seconds = attempt(name, "jinsum sequence_mask (jit)", lambda: time_calls(build, doc, calls=OPTS.calls))
+    if seconds is not None:
+        record(name, "jinsum sequence_mask (jit)", 1e3 * seconds, note=f"{attending} blocks attend")
+    start = time.perf_counter()
+    pattern = jinsum.BlockGroupCOO.from_dense(_document_mask(doc_np), block_shape=(BLOCK, BLOCK))
+    seconds = time.perf_counter() - start
+    record(name, "NumPy element mask + BlockGroupCOO.from_dense (host)", 1e3 * seconds,
+           note=f"one call (time.perf_counter); {pattern.nnz} blocks stored")
+    if pattern.nnz != attending:
+        OPTS.mismatches.append(f"{name}: BlockGroupCOO.from_dense stores {pattern.nnz} blocks, sequence_mask "
+                               f"{attending}")
+    del pattern
+    if OPTS.torch_peers:
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
+
+        doc_t = torch.from_numpy(doc_np).to(TORCH_DEVICE)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (doc_t[q_idx] == doc_t[kv_idx]) & (q_idx >= kv_idx)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(create_block_mask)
+        for system, builder in (("FlexAttention create_block_mask", create_block_mask),
+                                ("FlexAttention torch.compile(create_block_mask)", compiled)):
+            def run(builder=builder):
+                return builder(mask_mod, None, None, length, length, device=TORCH_DEVICE, BLOCK_SIZE=BLOCK)
+            seconds = attempt(name, system, lambda run=run: time_calls(run, calls=OPTS.calls, sync=_torch_sync))
             if seconds is not None:
-                result = run()
-                outputs[system, pass_name] = (result.permute(0, 2, 1, 3)[0] if pass_name == "forward" else
-                                              tuple(g.permute(0, 2, 1, 3)[0] for g in result))
-                record(f"{name} {pass_name}", system, 1e3 * seconds, tflops=flops[pass_name] / seconds / 1e12)
+                mask = run()
+                blocks = int(mask.kv_num_blocks.sum()) + (int(mask.full_kv_num_blocks.sum())
+                                                          if mask.full_kv_num_blocks is not None else 0)
+                record(name, system, 1e3 * seconds, note=f"{blocks} blocks attend")
 
 
-def _compare(name, outputs) -> None:
-    """Max abs difference of each sparse system from FlexAttention (outputs and gradients)."""
-    for pass_name in ("forward", "forward+backward"):
-        reference = outputs.get(("FlexAttention (torch.compile)", pass_name))
-        if reference is None:
-            continue
-        reference = [np.asarray(r.float().cpu()) for r in (reference if isinstance(reference, tuple) else
-                                                           (reference,))]
-        for system in ("jinsum fused", "jinsum unfused"):
-            if (system, pass_name) in outputs:
-                mine = jax.tree.leaves(outputs[system, pass_name])
-                error = max(float(np.abs(np.asarray(m, np.float32) - r).max()) for m, r in zip(mine, reference))
-                print(f"  {name} {pass_name}: {system} vs FlexAttention max abs diff {error:.2e}")
-                for row in ROWS:
-                    if row["workload"] == f"{name} {pass_name}" and row["system"] == system:
-                        row["max_abs_diff_vs_flex"] = error
+# --- 3. sliding window, causal ------------------------------------------------------------------------------------
+
+def window_attention(length: int, window: int, heads: int, dim: int) -> None:
+    flops = _flops(int(np.minimum(np.arange(length) + 1, window).sum()), heads, dim)
+    name = f"sliding window {window} causal L={length} ({heads}x{dim})"
+    arrays = _inputs(2, length, heads, heads, dim)
+    prebuilt = jnn.sequence_mask(length, BLOCK, causal=True, window=window)
+    print(f"\n{name}: {int(jnp.count_nonzero(prebuilt.flags))} blocks attend ({prebuilt.capacity} slots)")
+
+    def on_device(q, k, v):
+        return jinsum.attention(q, k, v, jnn.sequence_mask(length, BLOCK, causal=True, window=window))
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                            local_window_size=(window - 1, 0), implementation="cudnn")[0]
+
+    outputs = {}
+    time_jax(name, "jinsum fused (mask prebuilt)", lambda q, k, v: jinsum.attention(q, k, v, prebuilt), arrays,
+             flops, outputs, show=True)
+    time_jax(name, "jinsum fused (mask on device)", on_device, arrays, flops, outputs,
+             note="sequence_mask inside the jitted call")
+    if OPTS.jax_peers:
+        time_jax(name, "cuDNN sliding window (JAX)", cudnn, arrays, flops, outputs,
+                 note=f"local_window_size=({window - 1}, 0)")
+    if OPTS.smoke:
+        rows, cols = np.indices((length, length))
+        _reference(name, (rows >= cols) & (rows - cols < window), arrays, outputs)
+    if OPTS.torch_peers:
+        tensors = _to_torch(arrays)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+        block_mask = _create_block_mask(mask_mod, length)
+        flex = _flex()
+        time_torch(name, FLEX, lambda q, k, v: flex(q, k, v, block_mask=block_mask), tensors, flops, outputs)
+        time_torch(name, "dense FlashAttention (torch SDPA, causal)", _sdpa_flash(is_causal=True), tensors, flops,
+                   outputs, keep=False, note="ignores the window: all L(L+1)/2 causal pairs (speed reference)")
+        del tensors, block_mask, flex
+    _compare(name, outputs)
 
 
-# --- 2. GAT training step ---------------------------------------------------------------------------------------
+# --- 4, 5. causal attention: grouped-query and dense ----------------------------------------------------------------
+
+def causal_attention(kind: str, length: int, heads: int, kv_heads: int, dim: int) -> None:
+    """Causal attention over the whole sequence, `heads` query heads and `kv_heads` key/value heads."""
+    flops = _flops(length * (length + 1) // 2, heads, dim)
+    heads_shown = f"{heads}q/{kv_heads}kv heads" if kv_heads != heads else f"{heads} heads"
+    name = f"{kind} causal L={length} ({heads_shown} x{dim})"
+    arrays = _inputs(3, length, heads, kv_heads, dim)
+    group = heads // kv_heads
+    mask = jnn.sequence_mask(length, BLOCK, causal=True)
+    print(f"\n{name}: {int(jnp.count_nonzero(mask.flags))} blocks attend")
+
+    outputs = {}
+    time_jax(name, "jinsum fused", lambda q, k, v: jinsum.attention(q, k, v, mask), arrays, flops, outputs,
+             show=True, note=f"k, v of {kv_heads} heads read in place" if group > 1 else None)
+    if OPTS.jax_peers:
+        cudnn, note = _cudnn_causal(arrays, group)
+        time_jax(name, "dense cuDNN (JAX, causal)", cudnn, arrays, flops, outputs, note=note)
+    if OPTS.smoke:
+        _reference(name, np.tri(length, dtype=bool), arrays, outputs)
+    if OPTS.torch_peers:
+        tensors = _to_torch(arrays)
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        block_mask = _create_block_mask(causal, length)
+        flex = _flex()
+        gqa = {"enable_gqa": True} if group > 1 else {}
+        time_torch(name, FLEX, lambda q, k, v: flex(q, k, v, block_mask=block_mask, **gqa), tensors, flops,
+                   outputs, note="enable_gqa=True" if group > 1 else None)
+        sdpa, note = _sdpa_causal(tensors, group)
+        time_torch(name, "dense FlashAttention (torch SDPA, causal)", sdpa, tensors, flops, outputs, note=note)
+        del tensors, block_mask, flex
+    _compare(name, outputs)
+
+
+def _cudnn_causal(arrays, group: int):
+    """cuDNN's causal attention through JAX, with its grouped key/value heads if it takes them, else repeated."""
+    def native(q, k, v):
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
+
+    if group == 1:
+        return native, None
+    q, k, v, d_out = arrays
+    try:
+        jax.jit(lambda q, k, v, t: jax.vjp(native, q, k, v)[1](t)).lower(q, k, v, d_out).compile()
+        return native, "grouped k, v heads (native GQA)"
+    except Exception as error:  # noqa: BLE001 (then repeat the heads, as a user would)
+        reason = f"{type(error).__name__}: {str(error)[:60]}"
+
+    def repeated(q, k, v):
+        return native(q, jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1))
+    return repeated, f"k, v repeated to {group}x the heads (native GQA refused: {reason})"
+
+
+def _sdpa_causal(tensors, group: int):
+    """torch SDPA's FlashAttention, causal, with `enable_gqa=True` if the flash backend takes it (forward and
+    backward tried once), else with `k`, `v` repeated inside the call."""
+    if group == 1:
+        return _sdpa_flash(is_causal=True), None
+    gqa = _sdpa_flash(is_causal=True, enable_gqa=True)
+    q, k, v, d_out = tensors
+    try:
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        torch.autograd.grad(gqa(qg, kg, vg), (qg, kg, vg), d_out)
+        _torch_sync(None)
+        return gqa, "enable_gqa=True"
+    except Exception as error:  # noqa: BLE001 (then repeat the heads, as a user would)
+        reason = f"{type(error).__name__}: {str(error)[:60]}"
+    flash = _sdpa_flash(is_causal=True)
+
+    def repeated(q, k, v):
+        return flash(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+    return repeated, f"k, v repeated to {group}x the heads (enable_gqa=True refused: {reason})"
+
+
+# --- 6. GAT training step ---------------------------------------------------------------------------------------
 
 def _gat_example():
     spec = importlib.util.spec_from_file_location("gat_example", HERE.parent / "examples" / "gat" / "main.py")
@@ -232,7 +647,7 @@ def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
         seconds = attempt(name, system, lambda run=run: time_calls(run, calls=calls))
         if seconds is not None:
             record(name, system, 1e3 * seconds)
-            if system.startswith("jinsum"):
+            if system.startswith("jinsum") and OPTS.on_gpu:
                 breakdown(run, ())
     for config in sweep:  # other kernel configurations of the fused GATConv (the call happens in the context)
         with forced_config(config):
@@ -241,7 +656,7 @@ def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
         seconds = attempt(name, f"jinsum GATConv {config}", lambda run=run: time_calls(run, calls=calls))
         if seconds is not None:
             record(name, f"jinsum GATConv {config}", 1e3 * seconds)
-    if torch is not None:
+    if OPTS.torch_peers:
         attempt(name, "PyG GATConv", lambda: _pyg_gat_step(name, edge_index, nodes, x, y, calls))
 
 
@@ -280,7 +695,7 @@ def _pyg_gat_step(name, edge_index, nodes, x, y, calls) -> float:
 
 # --- output -------------------------------------------------------------------------------------------------------
 
-def write(out: pathlib.Path, started: float) -> None:
+def write(out: pathlib.Path, started: float, command: str) -> None:
     device = jax.devices()[0].device_kind
     versions = package_versions()
     stem = out / f"attention_{device.replace(' ', '_')}"
@@ -295,39 +710,73 @@ def write(out: pathlib.Path, started: float) -> None:
         writer.writeheader()
         writer.writerows(ROWS)
     lines = [f"# Fused attention on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/attention.py` "
+             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `{command}` "
              f"({time.time() - started:.0f} s). ms: median over rounds of back-to-back calls "
-             "(`jinsum.timing.time_calls`); `x jinsum`: the system's time over jinsum fused's (above 1: jinsum "
-             "is faster).", "",
-             "| workload | system | ms | TFLOP/s (stored blocks) | x jinsum | max abs diff vs Flex |",
-             "|---|---|---|---|---|---|"]
+             "(`jinsum.timing.time_calls`); TFLOP/s: over the attended pairs only, the same count for every system "
+             "of a workload; `x jinsum`: the system's time over the workload's first jinsum system's (above 1: "
+             "jinsum is faster).", "",
+             "| workload | system | ms | TFLOP/s (attended pairs) | x jinsum | max abs diff vs Flex | note |",
+             "|---|---|---|---|---|---|---|"]
     for row in ROWS:
         def fmt(key, spec):
             return format(row[key], spec) if row.get(key) is not None else ""
-        ms = fmt("ms", ".3f") or "failed: " + row.get("note", "")
+        ms = fmt("ms", ".3f") or "failed"
+        note = (row.get("note") or "").replace("|", "/").replace("\n", " ")
         lines.append(f"| {row['workload']} | {row['system']} | {ms} | {fmt('tflops', '.1f')} | "
-                     f"{fmt('vs_jinsum', '.2f')} | {fmt('max_abs_diff_vs_flex', '.1e')} |")
+                     f"{fmt('vs_jinsum', '.2f')} | {fmt('max_abs_diff_vs_flex', '.1e')} | {note} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
 
 
+def _workloads(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workloads {unknown}; choose among {', '.join(WORKLOADS)}")
+    return names
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="*", default=[4096, 8192, 16384])
+    p.add_argument("--workloads", type=_workloads, default=list(WORKLOADS),
+                   help=f"comma-separated attention workloads (default: {','.join(WORKLOADS)})")
+    p.add_argument("--lengths", type=int, nargs="*", default=None,
+                   help="sequence lengths of the bigbird workload (default 4096 8192 16384; --smoke: 1024)")
     p.add_argument("--gat-scale", type=int, default=17, help="R-MAT scale of the GAT graph (0: skip)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also time other kernel configurations of GATConv")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes through the jinsum systems only, checked against a dense reference (runs on CPU)")
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     args = p.parse_args()
-    if jax.devices()[0].platform != "gpu":
-        sys.exit("benchmarks/attention.py times generated Triton kernels: it needs a CUDA GPU")
+    OPTS.on_gpu = jax.devices()[0].platform == "gpu"
+    if not OPTS.on_gpu and not args.smoke:
+        sys.exit("benchmarks/attention.py times generated Triton kernels: it needs a CUDA GPU (or --smoke)")
+    OPTS.smoke = args.smoke
+    OPTS.calls = min(args.calls, 2) if args.smoke else args.calls
+    OPTS.jax_peers = OPTS.on_gpu and not args.smoke
+    OPTS.torch_peers = OPTS.jax_peers and torch is not None and torch.cuda.is_available()
+    sizes = SIZES["smoke" if args.smoke else "full"]
+    lengths = args.lengths if args.lengths is not None else [1024] if args.smoke else [4096, 8192, 16384]
     started = time.time()
-    for length in args.lengths:
-        block_attention(length, args.calls)
+    for workload in args.workloads:
+        if workload == "bigbird":
+            for length in lengths:
+                block_attention(length, **sizes["bigbird"])
+                _free()
+        elif workload == "document":
+            document_attention(**sizes["document"])
+        elif workload == "window":
+            window_attention(**sizes["window"])
+        else:
+            causal_attention(workload, **sizes[workload])
+        _free()
     if args.gat_scale:
         sweep = [ChainConfig(entries=e, num_warps=w) for e, w in ((8, 2), (32, 2))]
-        gat_step(args.gat_scale, args.calls, sweep if args.sweep else [])
-    write(args.out, started)
+        gat_step(args.gat_scale, OPTS.calls, sweep if args.sweep else [])
+    write(args.out, started, "python benchmarks/attention.py " + " ".join(sys.argv[1:]))
+    if OPTS.mismatches:
+        sys.exit("mismatches:\n  " + "\n  ".join(OPTS.mismatches))
 
 
 if __name__ == "__main__":
