@@ -79,6 +79,33 @@ _RTOL = {
 }
 
 
+def dense_attention(q, k, v, allowed, *, bias=None, scale=None):
+    """`(out, lse)` of softmax attention by brute force in float64: every score of `q` `(B?, L, H, D)` against `k`
+    `(B?, S, H_kv, D)` (repeated to `H` heads: grouped-query attention), plus `bias`, masked where `allowed` is
+    False (both broadcast to `(B, H, L, S)`), softmaxed per query row. A row with nothing to attend to gives 0
+    and a log-sum-exp of +inf."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batched = q.ndim == 4
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    group = q.shape[-2] // k.shape[-2]
+    k, v = np.repeat(k, group, axis=-2), np.repeat(v, group, axis=-2)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.einsum("blhd,bshd->bhls", q, k) * scale
+    if bias is not None:
+        s = s + np.broadcast_to(np.asarray(bias, np.float64), s.shape)
+    allowed = np.broadcast_to(np.asarray(allowed, bool), s.shape)
+    s = np.where(allowed, s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)
+    w = np.where(allowed, np.exp(s - top), 0)
+    total = w.sum(-1, keepdims=True)
+    out = np.einsum("bhls,bshe->blhe", w / np.where(total > 0, total, 1), v)
+    some = total[..., 0] > 0
+    lse = np.where(some, top[..., 0] + np.log(np.where(some, total[..., 0], 1)), np.inf).transpose(0, 2, 1)
+    return (out, lse) if batched else (out[0], lse[0])
+
+
 def tolerance(dtype) -> float:
     """The relative tolerance the tests allow for results of `dtype` (float32 accumulation inside)."""
     return _RTOL[np.dtype(dtype)]

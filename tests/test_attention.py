@@ -18,6 +18,7 @@ from jinsum._attention import _chain_reference, _chain_triton
 from jinsum._lowering import _triton
 from jinsum.kernels import ChainConfig, generate_chain, make_chain_plan
 from jinsum.testing import assert_allclose
+from jinsum.testing import dense_attention as reference_attention
 
 from conftest import ON_GPU
 
@@ -62,15 +63,16 @@ def graph_pattern(rng, nodes=40, keys=None, heads=None, group_size=4):
 
 def dense_attention(q, k, v, allowed, *, scale=None, score_mod=None, causal=False, key_mask=None,
                     self_loops=False):
-    """`(out, lse)` by brute force in float64: every score, masked, softmaxed per query row."""
+    """`(out, lse)` by brute force in float64 (`jinsum.testing.dense_attention`) with the chain's rules: the
+    pattern's `allowed`, `score_mod`, causal, key padding and self loops."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batched = q.ndim == 4
     if not batched:
         q, k, v = q[None], k[None], v[None]
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = np.einsum("blhd,bshd->bhls", q, k) * scale
+    s = raw = np.einsum("blhd,bshd->bhls", q, k) * scale
     b, h, i, j = np.meshgrid(*map(np.arange, s.shape), indexing="ij")
-    if score_mod is not None:
+    if score_mod is not None:  # (the reference adds it to the raw scores as a bias)
         with jax.enable_x64(True):
             s = np.asarray(jax.vmap(score_mod)(*(jnp.asarray(x.reshape(-1)) for x in (s, b, h, i, j))),
                            np.float64).reshape(s.shape)
@@ -83,15 +85,8 @@ def dense_attention(q, k, v, allowed, *, scale=None, score_mod=None, causal=Fals
         allowed &= i >= j
     if key_mask is not None:
         allowed &= np.asarray(key_mask).reshape(-1 if batched else 1, 1, 1, s.shape[-1])
-    s = np.where(allowed, s, -np.inf)
-    top = s.max(-1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0)
-    w = np.where(allowed, np.exp(s - top), 0)
-    total = w.sum(-1, keepdims=True)
-    out = np.einsum("bhls,bshe->blhe", w / np.where(total > 0, total, 1), v)
-    lse = np.where(total[..., 0] > 0, top[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1)), np.inf)
-    lse = lse.transpose(0, 2, 1)
-    return (out, lse) if batched else (out[0], lse[0])
+    return reference_attention(q if batched else q[0], k if batched else k[0], v if batched else v[0], allowed,
+                               bias=s - raw, scale=scale)
 
 
 def _qkv(rng, length, keys, heads=2, dim=16, value_dim=8, batch=None, dtype=np.float32):
@@ -349,9 +344,10 @@ def test_block_kernels_use_tensor_cores_and_skip_the_mask_of_full_blocks(rng):
     source = jinsum.triton_source(lambda q, k, v: jinsum.attention(q, k, v, pattern, causal=True), q, k, v)
     forward = source.split("# ---- combine")[0]
     assert forward.count("tl.dot(") == 2 and "input_precision" not in forward  # bf16: Tensor Cores
-    # The pattern's values (p_Av) are read only inside the partial-block branch.
-    branch = forward.index("if flag != 2:")
+    # The pattern's values (p_Av) are read, and the scores masked, only inside the partial-block branch.
+    branch = forward.index("if (flag != 2)")
     assert [m.start() > branch for m in re.finditer(r"tl\.load\(p_Av", forward)] == [True]
+    assert [m.start() > branch for m in re.finditer(r"tl\.where\(allowed", forward)] == [True]
     backward = jinsum.triton_source(jax.grad(lambda q, k, v: jnp.sum(jinsum.attention(q, k, v, pattern)),
                                              argnums=(0, 1, 2)), q, k, v)
     assert "# ---- dq" in backward and "# ---- dkdv" in backward and "p_perm" in backward
@@ -448,11 +444,11 @@ def test_attention_backward_adds_no_dq_atomically(rng):
 def test_bad_arguments_are_refused_clearly(rng):
     pattern = block_pattern(rng)
     q, k, v = _qkv(rng, *pattern.shape)
-    with pytest.raises(TypeError, match="GroupCOO or jinsum.BlockGroupCOO, got ndarray"):
+    with pytest.raises(TypeError, match="GroupCOO, jinsum.BlockGroupCOO or jinsum.BlockMask, got ndarray"):
         jinsum.attention(q, k, v, np.ones(pattern.shape))
     with pytest.raises(ValueError, match=r"pattern must be \(L, S\) = \(80, 70\) for these queries and keys; got q"):
         jinsum.attention(q, k[:-1], v[:-1], pattern)
-    with pytest.raises(ValueError, match="agree in heads and head size"):
+    with pytest.raises(ValueError, match="must agree in head size D"):
         jinsum.attention(q, k[..., :4], v, pattern)
     with pytest.raises(ValueError, match="dropout needs a seed"):
         jinsum.attention(q, k, v, pattern, dropout=0.1)

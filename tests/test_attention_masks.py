@@ -15,6 +15,7 @@ from jinsum import _attention
 from jinsum._attention import _chain_reference, _chain_triton
 from jinsum.kernels import ChainConfig, make_chain_plan
 from jinsum.testing import assert_allclose
+from jinsum.testing import dense_attention as reference
 
 from test_attention import _id, _qkv, block_pattern, graph_pattern, interpreted
 
@@ -48,29 +49,6 @@ def documents(rng, length):
     doc = np.repeat(np.arange(len(lengths)), lengths)[:length].astype(np.int32)
     assert (np.bincount(doc) == 1).any() and doc.max() >= 2
     return doc
-
-
-def reference(q, k, v, allowed, *, bias=None, scale=None):
-    """`(out, lse)` in float64 by brute force. `allowed` broadcasts to `(B, H, L, S)` (everything that masks:
-    pattern, mask, causal rule, key padding) and so does `bias`, added to the scaled scores."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    batched = q.ndim == 4
-    if not batched:
-        q, k, v = q[None], k[None], v[None]
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = np.einsum("blhd,bshd->bhls", q, k) * scale
-    if bias is not None:
-        s = s + np.broadcast_to(np.asarray(bias, np.float64), s.shape)
-    allowed = np.broadcast_to(np.asarray(allowed, bool), s.shape)
-    s = np.where(allowed, s, -np.inf)
-    top = s.max(-1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0)
-    w = np.where(allowed, np.exp(s - top), 0)
-    total = w.sum(-1, keepdims=True)
-    out = np.einsum("bhls,bshe->blhe", w / np.where(total > 0, total, 1), v)
-    some = total[..., 0] > 0
-    lse = np.where(some, top[..., 0] + np.log(np.where(some, total[..., 0], 1)), np.inf).transpose(0, 2, 1)
-    return (out, lse) if batched else (out[0], lse[0])
 
 
 def grid(batch, heads, length, keys):

@@ -17,6 +17,7 @@ from jinsum import _attention
 from jinsum._attention import _chain_reference, _chain_triton
 from jinsum.kernels import ChainConfig
 from jinsum.testing import assert_allclose
+from jinsum.testing import dense_attention as reference
 
 from test_attention import _id, block_pattern, graph_pattern, interpreted
 
@@ -55,31 +56,6 @@ def classify_laid_out(allowed, bm, bk):
     """Flags of a `(B, H, L, S)` mask laid out as the block mask lays it: block row `(b * H + h) * lb + i`."""
     return np.concatenate([classify(allowed[b, h], bm, bk) for b in range(allowed.shape[0])
                            for h in range(allowed.shape[1])])
-
-
-def reference(q, k, v, allowed, *, bias=None, scale=None):
-    """`(out, lse)` in float64 by brute force, `k` and `v` repeated to `q`'s heads (grouped-query attention).
-    `allowed` and `bias` (added to the scaled scores) broadcast to `(B, H, L, S)`."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    batched = q.ndim == 4
-    if not batched:
-        q, k, v = q[None], k[None], v[None]
-    group = q.shape[-2] // k.shape[-2]
-    k, v = np.repeat(k, group, axis=-2), np.repeat(v, group, axis=-2)
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    s = np.einsum("blhd,bshd->bhls", q, k) * scale
-    if bias is not None:
-        s = s + bias
-    allowed = np.broadcast_to(np.asarray(allowed, bool), s.shape)
-    s = np.where(allowed, s, -np.inf)
-    top = s.max(-1, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0)
-    w = np.where(allowed, np.exp(s - top), 0)
-    total = w.sum(-1, keepdims=True)
-    out = np.einsum("bhls,bshe->blhe", w / np.where(total > 0, total, 1), v)
-    lse = np.where(total[..., 0] > 0, top[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1)), np.inf)
-    lse = lse.transpose(0, 2, 1)
-    return (out, lse) if batched else (out[0], lse[0])
 
 
 def qkv(rng, length, keys, heads=2, kv_heads=None, batch=None, dim=8, value_dim=4, dtype=np.float64):

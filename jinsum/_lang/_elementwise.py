@@ -47,6 +47,8 @@ class Elementwise:
       name: the function's name (for messages and reprs).
       text: the printed jaxprs: the identity of the transform.
       captures: the shape and dtype of each captured array, in operand order.
+      fn: the user's function: what the XLA lowering applies when nothing is captured (traced afresh where it is
+        applied, so that inside `shard_map` JAX marks its values' varying axes).
       value: `(*captures, *arguments) -> output` (a closed jaxpr, the score in float32): what the XLA lowering
         applies.
       kernel: `(*captures, *arguments) -> (output, slope, *partials)` for a `score_mod` (`partials` one per read of
@@ -58,6 +60,7 @@ class Elementwise:
     name: str
     text: str
     captures: tuple[jax.ShapeDtypeStruct, ...]
+    fn: Callable = dataclasses.field(compare=False, hash=False, repr=False)
     value: jax.extend.core.ClosedJaxpr = dataclasses.field(compare=False, hash=False, repr=False)
     kernel: jax.extend.core.ClosedJaxpr = dataclasses.field(compare=False, hash=False, repr=False)
     wide: jax.extend.core.ClosedJaxpr | None = dataclasses.field(compare=False, hash=False, repr=False)
@@ -73,6 +76,8 @@ class Elementwise:
         """Applies the function to arrays of any shape (the arguments broadcast), the captures as given."""
         shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in arguments))
         flat = [jnp.broadcast_to(a, shape).reshape(-1) for a in arguments]
+        if not self.captures:  # the user's function, traced afresh here (inside shard_map: with its varying axes)
+            return jax.vmap(self.fn)(*flat).reshape(shape)
         closed = self.wide if self.wide is not None and flat[0].dtype == jnp.float64 else self.value
         if self.kind == "score_mod":
             flat[0] = flat[0].astype(closed.in_avals[len(self.captures)].dtype)
@@ -100,7 +105,7 @@ def trace(fn: Callable, kind: str, where: str = "jinsum.attention") -> tuple[Ele
     else:
         kernel = wide = None
     text = f"{kind} {[(s.shape, str(s.dtype)) for s in specs]}\n{value}"
-    return Elementwise(kind, name, text, specs, value, kernel or value, wide), captured
+    return Elementwise(kind, name, text, specs, fn, value, kernel or value, wide), captured
 
 
 def _trace_value(fn, kind: str, name: str, where: str, score_dtype):
