@@ -302,9 +302,10 @@ class _Writer:
             row, col = own, self._gather("Ak[g,p]", "col", "p_Ak", "keys")
         positions = self._positions(row, col)
         if self.dot:  # masked after the scores, and only where a block is partial (`_mask_scores`)
-            self._mask_args = (row, col, positions, self._flag("entry"))
+            self.emit("flag = tl.load(p_flags + entry)")
+            self._mask_args = (row, col, positions, "flag")
             return "entry", positions, None
-        return "entry", positions, self._allowed(row, col, positions, None)
+        return "entry", positions, self._allowed(row, col, positions)
 
     def _gather(self, access: str, name: str, source: str, extent: str) -> _Bound:
         """`name` = the index `access` (`Ak[g,p]`: a key, `Ai[g]`: a row) of the current entry (tile of
@@ -421,7 +422,7 @@ class _Writer:
             return f', input_precision="{"tf32" if self.chain.allow_tf32 else "ieee"}"'
         return ""
 
-    def _allowed(self, row: _Bound, col: _Bound, positions: tuple[str, str], flag: str | None) -> str:
+    def _allowed(self, row: _Bound, col: _Bound, positions: tuple[str, str]) -> str:
         """The attention mask of the current scores (lanes template): tile edges, the pattern's values, the
         causal rule, the key mask and self-loop exclusion. Returns its variable."""
         chain, axes = self.chain, self.score_axes
@@ -581,12 +582,6 @@ class _Writer:
             self.store(name, axes, value)
         with self.indented("else:  # a piece of a long segment: its sum kernel adds the pieces up"):
             self._keep_piece(name, value)
-
-    def _flag(self, entry: str) -> str | None:
-        if not self.dot:
-            return None
-        self.emit(f"flag = tl.load(p_flags + {entry})")
-        return "flag"
 
     def _ds(self, w: str, dp: str, drow: str, allowed: str | None, positions: tuple[str, str]) -> None:
         """`ds = P * (dP - D) * score_mod'(s) * scale` (`dP` already times dropout's factor), and the gradients
