@@ -147,6 +147,19 @@ class KernelPlan:
         return "max" if self.spec.winners else self.spec.statement.reduction
 
     @property
+    def fuses_epilogue(self) -> bool:
+        """The statement's epilogue is applied in the kernel: every output element has one writer, which sees
+        its whole value (a plain left-hand side, set or updated; or a program per row of a segmented write, empty
+        rows included: the `rows` schedule, the default of dot plans). Elsewhere (atomic writes, rows shared
+        between windows) the lowering applies it after. The schedule is not changed to fuse it: row programs for
+        lanes plans leave a hub row to one program, and on R-MAT 17 (H100) an SpMM with its epilogue fused that way
+        took 1.53 ms at F = 256 against 0.44 + 0.13 ms for the `split` kernel and XLA's pass after it."""
+        if self.spec.epilogue is None:
+            return False
+        plain = all(isinstance(i, Var) for i in self.spec.statement.lhs.indices)
+        return (self.write in ("set", "update") and plain) or self.row_programs
+
+    @property
     def covers_output(self) -> bool:
         """Row programs into zeros write every element of the output once: a program per row (empty rows too, which
         store zeros) and the output's other axes parallel variables. The launcher then leaves the output unfilled

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from jinsum._lang import Access, Var, variables
+from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._plan import INT32_LIMIT, UNROLL_LIMIT, KernelPlan
 
 _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
@@ -29,10 +30,12 @@ def generate(plan: KernelPlan) -> str:
 
 
 def kernel_inputs(plan: KernelPlan) -> tuple[str, ...]:
-    """The operands passed to the kernel, in order. Then come the row pointers (`plan.row_programs`: entry r is
-    the first group of row r, entry `row_count` the number of groups) and the output."""
+    """The operands passed to the kernel, in order: the statement's, then the arrays a fused epilogue captures.
+    Then come the row pointers (`plan.row_programs`: entry r is the first group of row r, entry `row_count` the
+    number of groups) and the output."""
     names = plan.spec.names
-    return names if plan.reads_lhs or plan.spec.winners else names[1:]  # (winners read the result they locate)
+    names = names if plan.reads_lhs or plan.spec.winners else names[1:]  # (winners read the result they locate)
+    return names + (plan.spec.epilogue_names if plan.fuses_epilogue else ())
 
 
 def offset(shape: tuple[int, ...], positions: list[str]) -> str:
@@ -235,7 +238,7 @@ class _Writer:
             self._emit_loads(1)
             self._inner_loops()
             self.depth -= 1
-            if plan.covers_output:  # the launcher left the output unfilled: empty rows store their zeros
+            if plan.covers_output or plan.fuses_epilogue:  # empty rows store their zeros (or epilogue) too
                 self._flush(None)
                 return
             self.emit("if begin < end:")
@@ -297,19 +300,49 @@ class _Writer:
         pointer, mask = self._lhs_pointer(row="row")
         value = self._written_value()
         if shared is None:
-            self._write_alone(pointer, value, mask)
+            self._write_alone(pointer, value, mask, row="row")
         else:
             helper = "segment_store" if self.plan.zeroes_output else "segment_update"
             self.helpers.add(helper)
             self.emit(f"{helper}({pointer}, {value}, {mask}, {shared}, {self.reduction})")
 
-    def _write_alone(self, pointer: str, value: str, mask: str) -> None:
-        """Writes elements that no other program writes: `=` and `+=` into zeros store, `+=` loads, adds, stores."""
-        if self.plan.write == "set" or self.plan.zeroes_output:
+    def _write_alone(self, pointer: str, value: str, mask: str, row: str | None = None) -> None:
+        """Writes elements that no other program writes: `=` and `+=` into zeros store, `+=` loads, adds, stores.
+        A fused epilogue is applied to the whole value (`row`: a segmented write's current row) before the store."""
+        stores = self.plan.write == "set" or self.plan.zeroes_output
+        if self.plan.fuses_epilogue:
+            if not stores:  # the left-hand side's value takes part: combine it first
+                self.helpers.add("combine")
+                self.emit(f"total = combine(tl.load({pointer}, mask={mask}, other=0.0).to({self.acc_type}), {value}, "
+                          f"{self.reduction})")
+                value = "total"
+            value, stores = self._epilogue(value, row), True
+        if stores:
             self.emit(f"tl.store({pointer}, {value}.to(p_out.dtype.element_ty), mask={mask})")
         else:
             self.helpers.add("update")
             self.emit(f"update({pointer}, {value}, {mask}, {self.reduction})")
+
+    def _epilogue(self, value: str, row: str | None) -> str:
+        """`epilogue(value, *position)` in registers (`kernels._elementwise_source`), the position of each output
+        dimension broadcast like the written tile. Returns the variable holding the result."""
+        spec = self.spec
+        epilogue = spec.epilogue
+        positions = []
+        for index in spec.statement.lhs.indices:
+            if isinstance(index, Access):  # the row of a segmented write, or a loaded index
+                positions.append(row if row is not None else self.loaded[self._key(index, self.lhs_role)])
+            elif index.name in self.tiled:
+                positions.append(self._tile_axis(self.lhs_role, index.name))
+            else:
+                positions.append(f"v_{index.name}")
+        captures = tuple(Capture(f"p_{name}", c.shape) for name, c in zip(spec.epilogue_names, epilogue.captures))
+        jaxpr = epilogue.wide if self.acc_type == "tl.float64" and epilogue.wide is not None else epilogue.value
+        lines, (out,), _ = elementwise_lines(jaxpr.jaxpr, [value, *positions], "e", self.acc_type, captures)
+        for line in lines:
+            self.emit(line)
+        self.emit(f"epilogue = ({out}) + tl.zeros_like({value})  # (a constant or a row's value: the tile's shape)")
+        return "epilogue"
 
     def _segmented_tile(self) -> None:
         """The window's groups as the tile's rows (deterministic `tile` schedule): the tile's products, then a

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,8 @@ import numpy as np
 
 from jinsum._frontend import _format_rewrite
 from jinsum._rules import _primitive
-from jinsum._lang import Access, ExpressionError, Statement, Var, check_operand_names, parse, tensor_names, walk
+from jinsum._lang import (Access, ExpressionError, Statement, Var, _elementwise, check_operand_names,
+                          epilogue_names, parse, tensor_names, walk)
 from jinsum.formats import BlockGroupCOO, GroupCOO
 
 SPARSE_FORMATS = (GroupCOO, BlockGroupCOO)
@@ -19,7 +20,7 @@ IDENTITIES = {"sum": 0, "max": -np.inf, "min": np.inf}
 
 
 def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), allow_tf32: bool = False,
-           **named):
+           epilogue: Callable | None = None, **named):
     """Evaluates an indirect Einsum, or a NumPy-style einsum whose operands may be sparse formats.
 
     Indirect notation, operands by name::
@@ -44,6 +45,17 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
       sorted_indices: names of 1-D index arrays whose values are non-decreasing; writes through them are sorted
         segment reductions (no atomics on GPUs). A format's row indices (`Ai`) are always included.
       allow_tf32: float32 contractions may use TensorFloat-32 on GPUs (faster, ~1e-3 relative error).
+      epilogue: `epilogue(value, *position) -> value`, applied to every element of the result before it is stored
+        (indirect notation): `value` is the element's result (float32; float64 for float64 results) and `position`
+        its index along each dimension of the left-hand side (int32 scalars; `C[Ai[g],n]`: `(value, row, n)`).
+        Written with `jax.numpy` on scalars, it may read arrays it closes over with integer scalar indices (a bias
+        `b[n]`, a residual `h[row, n]`, a degree scale `s[row]`); those become operands, differentiated like the
+        others. On GPUs the kernel applies it in registers where each output element has one writer (no extra
+        pass over the output); elsewhere, and under differentiation, it is one element-wise pass after the
+        statement. Example, a GCN layer's bias and activation::
+
+            einsum("C[Ai[g],n] += Av[g,p] * H[Ak[g,p],n]", A=adj, H=h,
+                   epilogue=lambda c, row, n: jax.nn.relu(c + bias[n]))
       **named: the tensors of the indirect notation. A format passed as `A=` binds `Ai`, `Ak` and `Av`.
 
     Returns:
@@ -62,11 +74,18 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
         if named:
             raise TypeError(f"jinsum: NumPy-style subscripts {expression!r} take operands by position; got "
                             f"keyword operands {sorted(named)}")
+        if epilogue is not None:
+            raise TypeError(f"jinsum: an epilogue needs the indirect notation, whose left-hand side names the "
+                            f"positions it receives; {expression!r} is NumPy subscripts")
         return _format_rewrite.numpy_einsum(expression, operands, allow_tf32=allow_tf32)
     if operands:
         raise TypeError("jinsum: the indirect notation takes operands by name, e.g. einsum(expr, C=C, B=B); got "
                         f"{len(operands)} positional operand(s)")
     statement, arrays, flags = prepare(expression, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
+    if epilogue is not None:
+        traced, captured = _elementwise.trace(epilogue, "epilogue", "jinsum.einsum", len(statement.lhs.indices))
+        flags["epilogue"] = traced
+        arrays.update(zip(epilogue_names(len(captured)), captured))
     return _primitive.bind(statement, arrays, **flags)
 
 

@@ -23,6 +23,8 @@ from jinsum._lang._check import (
     Spec as Spec,
     check as check,
     check_operand_names as check_operand_names,
+    epilogue_names as epilogue_names,
 )
+from jinsum._lang._elementwise import Elementwise as Elementwise
 from jinsum._lang._errors import ExpressionError as ExpressionError
 from jinsum._lang._parse import parse as parse

@@ -25,6 +25,7 @@ from jinsum._lang._ast import (
     variables,
     walk,
 )
+from jinsum._lang._elementwise import Elementwise
 from jinsum._lang._errors import ExpressionError
 
 VALUE_DTYPES = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
@@ -89,6 +90,10 @@ class Spec:
       by_columns: the statement is a derivative over a format's entries in column order (`_derive.by_columns`),
         written through the sorted column index: a column of a hub repeats thousands of times, which a kernel
         sums in registers and XLA's scatter adds atomically, one contended address at a time.
+      epilogue: a traced element-wise function applied to every element of the result before it is stored,
+        `value = epilogue(value, *position)` (`_lang._elementwise`), or None. The arrays it captures are the
+        primitive's last operands (`epilogue_names`). Kernels apply it in registers where each output element
+        has one writer; elsewhere, and under differentiation, it is an element-wise pass after the statement.
     """
 
     statement: Statement
@@ -101,6 +106,7 @@ class Spec:
     deterministic: bool = False
     winners: bool = False
     by_columns: bool = False
+    epilogue: Elementwise | None = None
 
     def __repr__(self) -> str:  # short: this is what a printed jaxpr shows for the primitive's parameter
         return f"Spec({str(self.statement)!r})"
@@ -119,9 +125,20 @@ class Spec:
 
     @property
     def arguments(self) -> tuple[str, ...]:
-        """The primitive's operands: the statement's (`names`), then those of `column_order`."""
+        """The primitive's operands: the statement's (`names`), then those of `column_order`, then the arrays the
+        epilogue captures (`epilogue_names`)."""
         order = () if self.column_order is None else tuple(o.name for o in self.column_order.operands)
-        return self.names + order
+        return self.names + order + self.epilogue_names
+
+    @property
+    def epilogue_names(self) -> tuple[str, ...]:
+        """The names the epilogue's captured arrays go by among the primitive's operands (and kernel arguments)."""
+        return epilogue_names(len(self.epilogue.captures) if self.epilogue else 0)
+
+    @property
+    def without_epilogue(self) -> Spec:
+        """The statement alone: what the epilogue is applied to."""
+        return dataclasses.replace(self, epilogue=None)
 
     @property
     def lhs(self) -> Operand:
@@ -174,6 +191,11 @@ class Spec:
         return np.dtype(np.int32) if self.winners else self.lhs.dtype
 
 
+def epilogue_names(count: int) -> tuple[str, ...]:
+    """The operand names of an epilogue's `count` captured arrays."""
+    return tuple(f"epilogue{k}" for k in range(count))
+
+
 def _fail(statement: Statement, message: str, node: Access | Var | None = None) -> ExpressionError:
     return ExpressionError(f"jinsum: {message}", statement.source, node.span if node is not None else None)
 
@@ -223,13 +245,15 @@ WINNER_NONE = 0  # a `winners` element where no term reaches the result
 @functools.lru_cache(maxsize=4096)
 def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: frozenset[str] = frozenset(),
           allow_tf32: bool = False, zero_lhs: bool = False, column_order: ColumnOrder | None = None,
-          deterministic: bool = False, winners: bool = False, by_columns: bool = False) -> Spec:
+          deterministic: bool = False, winners: bool = False, by_columns: bool = False,
+          epilogue: Elementwise | None = None) -> Spec:
     """Binds operands to a statement and validates everything that can be known before tracing.
 
     Args:
       statement: a parsed statement.
       operands: the arrays bound to the statement's tensor names, in any order.
-      sorted_indices, allow_tf32, zero_lhs, column_order, deterministic, winners, by_columns: see `Spec`.
+      sorted_indices, allow_tf32, zero_lhs, column_order, deterministic, winners, by_columns, epilogue: see
+        `Spec`.
 
     Raises:
       ExpressionError: an unknown or unused operand, a wrong rank, a non-integer index array, a non-floating value
@@ -294,11 +318,26 @@ def check(statement: Statement, operands: tuple[Operand, ...], sorted_indices: f
     sorted_indices = frozenset(n for n in sorted_indices if n in index_tensors and len(by_name[n].shape) == 1)
     spec = Spec(statement, ordered, ordered_extents, sorted_indices, bool(allow_tf32), bool(zero_lhs),
                 _column_order(column_order, by_name, index_tensors), bool(deterministic), bool(winners),
-                bool(by_columns))
+                bool(by_columns), epilogue)
+    if epilogue is not None:
+        _check_epilogue(statement, spec, epilogue)
     if winners and spec.term_count >= 2**31:
         raise NotImplementedError(f"jinsum: the derivative of {statement} numbers its terms per output element "
                                   f"over {spec.reduced_variables} in int32; there are 2**31 or more")
     return spec
+
+
+def _check_epilogue(statement: Statement, spec: Spec, epilogue: Elementwise) -> None:
+    """An epilogue takes the value and one position per output dimension, and stands after a result, not a
+    derivative rule's winners."""
+    rank = len(statement.lhs.indices)
+    taken = len(epilogue.value.in_avals) - len(epilogue.captures) - 1
+    if epilogue.kind != "epilogue" or taken != rank:
+        raise _fail(statement, f"the epilogue {epilogue.name} takes {taken} position(s) after the value, but the "
+                    f"left-hand side {statement.lhs} has {rank} dimension(s); write it as "
+                    f"epilogue(value, {', '.join(f'i{d}' for d in range(rank))})", statement.lhs)
+    if spec.winners:
+        raise ValueError(f"jinsum: the winners of {statement} take no epilogue")
 
 
 def _check_extremal(statement: Statement) -> None:

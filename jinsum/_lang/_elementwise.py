@@ -1,14 +1,17 @@
 """A user's element-wise function, traced once to a jaxpr over scalars: the one home of that tracing.
 
-A chain holds the traced function (so this lives with the notation); the XLA lowering applies it to arrays and
-the code generator writes it into kernels as register math (`jinsum.kernels._elementwise_source`). Two kinds,
-FlexAttention's:
+A chain or a statement holds the traced function (so this lives with the notation); the XLA lowering applies it to
+arrays and the code generator writes it into kernels as register math (`jinsum.kernels._elementwise_source`).
+Three kinds, two of them FlexAttention's:
 
 - `score_mod(score, b, h, q_idx, kv_idx) -> score`: the float32 score and the int32 batch index, head, query
   position and key position;
-- `mask_mod(b, h, q_idx, kv_idx) -> bool`: whether query `q_idx` attends to key `kv_idx`.
+- `mask_mod(b, h, q_idx, kv_idx) -> bool`: whether query `q_idx` attends to key `kv_idx`;
+- `epilogue(value, *position) -> value`: a statement's result at one output element (float32, float64 for float64
+  outputs) and the element's position, one int32 per dimension of the output (`C[Ai[g],n]`: `(value, row, n)`),
+  applied to every element before it is stored (bias, activation, residual, scaling).
 
-Both are written with `jax.numpy` on scalars. They may close over Python numbers and concrete scalars (compiled
+All are written with `jax.numpy` on scalars. They may close over Python numbers and concrete scalars (compiled
 in as literals) and over arrays, concrete or traced (document ids, sequence lengths, ALiBi slopes, a bias table,
 a traced window size), read with integer scalar indices (`doc[q_idx]`, `bias[h, q_idx - kv_idx]`, `lengths[0]`). Such arrays are *captures*: they
 become operands of the attention primitive (traced, batched and, for floating ones read by a `score_mod`,
@@ -33,17 +36,25 @@ import numpy as np
 
 # The coordinates after the score, in order: batch index, head, query position, key position.
 COORDINATES = ("b", "h", "q_idx", "kv_idx")
-KINDS = {"score_mod": ("score", *COORDINATES), "mask_mod": COORDINATES}
+KINDS = {"score_mod": ("score", *COORDINATES), "mask_mod": COORDINATES, "epilogue": ("value",)}
+
+
+def arguments_of(kind: str, rank: int = 0) -> tuple[str, ...]:
+    """The scalar arguments of a `kind` function: an epilogue's value is followed by one position per output
+    dimension (`rank` of them)."""
+    if kind == "epilogue":
+        return ("value", *(f"i{d}" for d in range(rank)))
+    return KINDS[kind]
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
 class Elementwise:
-    """A traced `score_mod` or `mask_mod`. Equal transforms (same jaxpr, same constants, captures of the same
+    """A traced `score_mod`, `mask_mod` or `epilogue`. Equal transforms (same jaxpr, same constants, captures of the same
     shapes) compare and hash equal, so a jitted layer that builds a new lambda on every call hits every cache.
 
     Attributes:
-      kind: "score_mod" or "mask_mod".
+      kind: "score_mod", "mask_mod" or "epilogue".
       name: the function's name (for messages and reprs).
       text: the printed jaxprs: the identity of the transform.
       captures: the shape and dtype of each captured array, in operand order.
@@ -52,8 +63,9 @@ class Elementwise:
       value: `(*captures, *arguments) -> output` (a closed jaxpr, the score in float32): what the XLA lowering
         applies.
       kernel: `(*captures, *arguments) -> (output, slope, *partials)` for a `score_mod` (`partials` one per read of
-        a floating capture, in the order the function reads); `-> (allowed,)` for a `mask_mod`.
-      wide: a `score_mod`'s `value` with a float64 score (traced when 64-bit types are on), else None.
+        a floating capture, in the order the function reads); `value` for the others (an epilogue is
+        differentiated outside the kernels, by the primitive's rules).
+      wide: `value` with a float64 score or value (traced when 64-bit types are on), else None.
     """
 
     kind: str
@@ -79,44 +91,148 @@ class Elementwise:
         if not self.captures:  # the user's function, traced afresh here (inside shard_map: with its varying axes)
             return jax.vmap(self.fn)(*flat).reshape(shape)
         closed = self.wide if self.wide is not None and flat[0].dtype == jnp.float64 else self.value
-        if self.kind == "score_mod":
+        if self.kind != "mask_mod":  # the score or value: in the dtype it was traced with
             flat[0] = flat[0].astype(closed.in_avals[len(self.captures)].dtype)
         out = jax.vmap(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *captures, *a)[0])(*flat)
         return out.reshape(shape)
 
 
-def trace(fn: Callable, kind: str, where: str = "jinsum.attention") -> tuple[Elementwise, tuple[jax.Array, ...]]:
-    """Traces `fn` as a `kind` ("score_mod" or "mask_mod") on scalars. Returns the traced function and the arrays it
-    captures (operands for the primitive, in the order of `Elementwise.captures`); raises a clear error for what
-    cannot be fused."""
-    arguments = KINDS[kind]
+def on_grid(elementwise: Elementwise, captures, value: jax.Array) -> jax.Array:
+    """An epilogue applied to every element of `value` (the positions are its indices), equation by equation on
+    arrays rather than mapped over elements, so that what XLA and reverse mode see is what a user would write with
+    broadcasting: a read whose indices are the positions themselves (`bias[n]`, `scale[row]`, `h[row, n]`) is the
+    captured array broadcast (its gradient a sum, never a scatter), and other reads gather at indices computed on
+    the host from the positions (static: they depend on the shape only). Values keep unit axes where they do not
+    vary (`bias[n]` stays `(1, F)`)."""
+    closed = elementwise.wide if elementwise.wide is not None and value.dtype == jnp.float64 else elementwise.value
+    shape, count = value.shape, len(elementwise.captures)
+    positions = [np.arange(n, dtype=np.int32).reshape([-1 if k == d else 1 for k in range(len(shape))])
+                 for d, n in enumerate(shape)]
+    # A scalar capture is a value on the grid (a unit array); the others are read.
+    held = [jnp.reshape(c, [1] * len(shape)) if np.shape(c) == () else c for c in captures]
+    operands = [*held, value.astype(closed.in_avals[count].dtype), *positions]
+    arrays = {k for k in range(count) if np.shape(captures[k]) != ()}
+    return _grid_run(closed.jaxpr, closed.consts, operands, arrays, shape)[0]
+
+
+def _grid_run(jaxpr, consts, operands, arrays: set[int], shape) -> list:
+    """Evaluates `jaxpr` on grid values (`on_grid`); `arrays`: the operands that are captured arrays, read."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, operands))
+    captures = {var: x for k, (var, x) in enumerate(zip(jaxpr.invars, operands)) if k in arrays}
+
+    def read(atom):
+        return atom.val if hasattr(atom, "val") else env[atom]
+
+    for eqn in jaxpr.eqns:
+        args = [read(a) for a in eqn.invars]
+        name = eqn.primitive.name
+        source = None if hasattr(eqn.invars[0], "val") else captures.get(eqn.invars[0])
+        if name == "dynamic_slice" and source is not None:
+            outs = [_grid_read(source, args[1:], shape)]
+        elif name == "slice" and source is not None:  # a read at constant indices: one element, broadcast
+            outs = [jnp.reshape(source[tuple(eqn.params["start_indices"])], [1] * len(shape))]
+        elif name in ("squeeze", "reshape", "broadcast_in_dim") and eqn.outvars[0].aval.size == 1:
+            outs = [args[0]]  # (a read's one element, already on the grid)
+        elif name in _CALLS and name != "custom_jvp_call":
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            held = {k for k, a in enumerate(eqn.invars) if not hasattr(a, "val") and a in captures}
+            outs = _grid_run(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), args, held, shape)
+        elif all(isinstance(a, (np.ndarray, np.generic, int, float, bool)) for a in args):
+            with jax.ensure_compile_time_eval():  # positions and literals only: computed now, on the host
+                outs = [np.asarray(o) for o in _bind_broadcast(eqn, args)]
+        else:
+            outs = _bind_broadcast(eqn, args)
+        for var, x in zip(eqn.outvars, outs):
+            env[var] = x
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _bind_broadcast(eqn, args):
+    """`eqn`'s primitive on arguments broadcast to one shape (element-wise primitives want equal shapes); a custom
+    derivative rule (`custom_jvp_call`) is kept by mapping it over the elements."""
+    common = jnp.broadcast_shapes(*(np.shape(a) for a in args))
+    args = [jnp.broadcast_to(jnp.asarray(a, dtype=v.aval.dtype), common) for a, v in zip(args, eqn.invars)]
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    if eqn.primitive.name == "custom_jvp_call":
+        flat = [a.reshape(-1) for a in args]
+        outs = jax.vmap(lambda *a: eqn.primitive.bind(*subfuns, *a, **params))(*flat)
+        return [o.reshape(common) for o in outs]
+    outs = eqn.primitive.bind(*subfuns, *args, **params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _grid_read(source, indices, shape):
+    """`source[indices]` (one index per dimension, clamped as `dynamic_slice` clamps) with a unit axis per
+    trailing dimension, as a grid value: a broadcast of `source` where the indices are the positions, else a
+    gather (at host-computed indices where they are static)."""
+    rank = len(shape)
+    if all(isinstance(i, np.ndarray) for i in indices):
+        clamped = [np.clip(i, 0, n - 1) for i, n in zip(indices, source.shape)]
+        axes = [_position_axis(i, shape) for i in clamped]
+        if all(a is not None for a in axes) and len(set(axes)) == len(axes) and all(
+                source.shape[k] == shape[a] for k, a in enumerate(axes)):
+            order = sorted(range(len(axes)), key=lambda k: axes[k])
+            moved = jnp.transpose(source, order)
+            return jnp.reshape(moved, [shape[d] if d in axes else 1 for d in range(rank)])
+        indices = clamped
+    else:
+        indices = [jnp.clip(i, 0, n - 1) for i, n in zip(indices, source.shape)]
+    common = jnp.broadcast_shapes(*(np.shape(i) for i in indices))
+    gathered = source[tuple(jnp.broadcast_to(i, common) for i in indices)]
+    return jnp.reshape(gathered, common) if common else jnp.reshape(gathered, [1] * rank)
+
+
+def _position_axis(index: np.ndarray, shape) -> int | None:
+    """The grid axis `d` if `index` is the positions along it (`arange(shape[d])` on that axis), else None."""
+    for d, n in enumerate(shape):
+        iota = np.arange(n).reshape([-1 if k == d else 1 for k in range(len(shape))])
+        if np.ndim(index) == len(shape) and np.shape(index)[d] == n and np.array_equal(
+                index, np.broadcast_to(iota, np.broadcast_shapes(np.shape(index), iota.shape))):
+            return d
+    return None
+
+
+def trace(fn: Callable, kind: str, where: str = "jinsum.attention",
+          rank: int = 0) -> tuple[Elementwise, tuple[jax.Array, ...]]:
+    """Traces `fn` as a `kind` ("score_mod", "mask_mod", or "epilogue" of an output with `rank` dimensions) on
+    scalars. Returns the traced function and the arrays it captures (operands for the primitive, in the order of
+    `Elementwise.captures`); raises a clear error for what cannot be fused."""
+    arguments = arguments_of(kind, rank)
     signature = f"({', '.join(arguments)})"
     if not callable(fn):
         raise TypeError(f"{where}: {kind} must be a function {signature} -> "
-                        f"{'score' if kind == 'score_mod' else 'bool'}, got {type(fn).__name__}")
+                        f"{'bool' if kind == 'mask_mod' else kind[:5]}, got {type(fn).__name__}")
     name = getattr(fn, "__name__", type(fn).__name__)
-    value, captured = _trace_value(fn, kind, name, where, jnp.float32)
+    value, captured = _trace_value(fn, kind, name, where, jnp.float32, arguments)
     specs = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in captured)
     _check_elementwise(value.jaxpr, len(specs), kind, name, where)
     scalars = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in value.in_avals[len(specs):]]
     if kind == "score_mod":
         kernel = jax.make_jaxpr(_with_derivatives(value, specs))(*specs, *scalars)
-        wide = _trace_value(fn, kind, name, where, jnp.float64)[0] if _x64() else None
+        wide = _trace_value(fn, kind, name, where, jnp.float64, arguments)[0] if _x64() else None
+    elif kind == "epilogue":
+        kernel = None
+        wide = _trace_value(fn, kind, name, where, jnp.float64, arguments)[0] if _x64() else None
     else:
         kernel = wide = None
     text = f"{kind} {[(s.shape, str(s.dtype)) for s in specs]}\n{value}"
     return Elementwise(kind, name, text, specs, fn, value, kernel or value, wide), captured
 
 
-def _trace_value(fn, kind: str, name: str, where: str, score_dtype):
-    """`(*captures, *arguments) -> output` as a closed jaxpr whose score is `score_dtype`, and the captures."""
-    arguments = KINDS[kind]
-    scalars = [jax.ShapeDtypeStruct((), score_dtype if a == "score" else jnp.int32) for a in arguments]
+def _trace_value(fn, kind: str, name: str, where: str, score_dtype, arguments: tuple[str, ...]):
+    """`(*captures, *arguments) -> output` as a closed jaxpr whose score (or value) is `score_dtype`, and the
+    captures."""
+    scalars = [jax.ShapeDtypeStruct((), score_dtype if a in ("score", "value") else jnp.int32) for a in arguments]
+    returns = {"score_mod": "floating-point score", "mask_mod": "boolean", "epilogue": "floating-point value"}[kind]
     try:
         closed = jax.make_jaxpr(lambda *a: _checked_output(fn(*a), kind, name, where, score_dtype))(*scalars)
     except TypeError as error:
+        hint = ("; it indexes a NumPy array with a traced position: close over jnp.asarray(...) instead"
+                if isinstance(error, jax.errors.TracerArrayConversionError) else "")
         raise TypeError(f"{where}: {kind} {name} must take ({', '.join(arguments)}) scalars and return one "
-                        f"{'floating-point score' if kind == 'score_mod' else 'boolean'}: {error}") from error
+                        f"{returns}{hint}: {error}") from error
     # Constants that are concrete scalars are compiled in; every other one is a capture.
     inline = [not isinstance(c, jax.core.Tracer) and np.shape(c) == () for c in closed.consts]
     captured = tuple(jnp.asarray(c) for c, keep in zip(closed.consts, inline) if not keep)
@@ -258,6 +374,7 @@ def _checked_output(out, kind: str, name: str, where: str, score_dtype):
                             f"{jnp.result_type(out)}{list(jnp.shape(out))}")
         return jnp.asarray(out)
     if jnp.shape(out) != () or not jnp.issubdtype(jnp.result_type(out), jnp.floating):
-        raise TypeError(f"{where}: score_mod {name} must return one floating-point score per call, got "
+        what = "score" if kind == "score_mod" else "value"
+        raise TypeError(f"{where}: {kind} {name} must return one floating-point {what} per call, got "
                         f"{jnp.result_type(out)}{list(jnp.shape(out))}")
     return jnp.asarray(out, score_dtype)

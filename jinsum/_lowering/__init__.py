@@ -17,14 +17,19 @@ from jax.interpreters import mlir
 from jinsum._rules import _deterministic
 from jinsum._lowering import _triton, _xla
 from jinsum._lang import Spec
-from jinsum._rules._primitive import jinsum_p
+from jinsum._rules._primitive import apply_epilogue, jinsum_p
 
 
-def _lowering(evaluate: Callable[..., jax.Array]):
+def _lowering(evaluate: Callable[..., jax.Array], fuses_epilogue: Callable[[Spec], bool]):
     """A lowering rule running `evaluate(*arrays, spec=spec)`, or deterministic mode's rewrite of the statement.
-    (Both read the statement's operands, `spec.names`; a column order's come after them.)"""
+    (Both read the statement's operands, `spec.names`; a column order's come after them.) An epilogue that
+    `fuses_epilogue(spec)` does not take into the statement's kernel is an element-wise pass after it."""
 
     def rule(*arrays: jax.Array, spec: Spec) -> jax.Array:
+        if spec.epilogue is not None and (_deterministic.rewritten(spec) or not fuses_epilogue(spec)):
+            count = len(spec.epilogue_names)
+            out = rule(*arrays[:len(arrays) - count], spec=spec.without_epilogue)
+            return apply_epilogue(spec, out, arrays[len(arrays) - count:])
         if _deterministic.rewritten(spec):
             return _deterministic.evaluate(spec, dict(zip(spec.arguments, arrays)),
                                            lambda s, a: evaluate(*(a[n] for n in s.arguments), spec=s))
@@ -33,5 +38,5 @@ def _lowering(evaluate: Callable[..., jax.Array]):
     return mlir.lower_fun(rule, multiple_results=False)
 
 
-mlir.register_lowering(jinsum_p, _lowering(_xla.evaluate))
-mlir.register_lowering(jinsum_p, _lowering(_triton.evaluate), platform="cuda")
+mlir.register_lowering(jinsum_p, _lowering(_xla.evaluate, lambda spec: False))
+mlir.register_lowering(jinsum_p, _lowering(_triton.evaluate, _triton.fuses_epilogue), platform="cuda")

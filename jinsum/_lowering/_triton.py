@@ -63,6 +63,14 @@ def _small(spec: Spec) -> bool:
     return not (spec.deterministic or spec.by_columns) and math.prod(spec.extent.values()) < limit
 
 
+def fuses_epilogue(spec: Spec) -> bool:
+    """Whether the kernel for `spec` applies its epilogue (else the lowering applies it after the statement)."""
+    if os.environ.get("JINSUM_TRITON", "1") == "0" or _small(spec):
+        return False
+    plan = plan_for(spec)
+    return not isinstance(plan, Fallback) and plan.fuses_epilogue and _has_work(plan)
+
+
 def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     """The statement on CUDA arrays: one generated kernel (the body of the primitive's cuda lowering), or XLA's
     lowering where the statement is too small for a kernel to pay (`SMALL_TERMS`)."""
@@ -84,6 +92,7 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
             "before they get here")
     kernel_spec = plan.spec
     env = dict(zip(kernel_spec.names, arrays))
+    env.update(zip(kernel_spec.epilogue_names, arrays[len(arrays) - len(kernel_spec.epilogue_names):]))
     lhs = env[kernel_spec.lhs.name]
     if not _has_work(plan):
         return lhs if not spec.winners else jnp.zeros(lhs.shape, spec.out_dtype)
@@ -168,7 +177,10 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
     plan = plan_for(spec, config)
     if isinstance(plan, Fallback):
         raise ValueError(f"jinsum: no kernel for {spec.statement}: {plan.reason}")
-    arrays = {kernel_name: arrays[name] for kernel_name, name in zip(plan.spec.names, spec.names)}
+    if spec.epilogue is not None and not plan.fuses_epilogue:
+        raise ValueError(f"jinsum: the kernel for {spec.statement} ({plan.write} write) does not apply the epilogue")
+    arrays = {kernel_name: arrays[name] for kernel_name, name in zip(plan.spec.names + plan.spec.epilogue_names,
+                                                                      spec.names + spec.epilogue_names)}
     lhs = np.asarray(arrays[plan.spec.lhs.name])
     if not _has_work(plan):
         return lhs if not spec.winners else np.zeros(lhs.shape, spec.out_dtype)

@@ -21,23 +21,27 @@ from jax.interpreters import ad, batching
 from jinsum import _config
 from jinsum._rules import _derive
 from jinsum._rules._avals import varying
-from jinsum._lang import WINNER_NONE, Access, ColumnOrder, Operand, Spec, Statement, check, tensor_names, walk
+from jinsum._lang._elementwise import on_grid
+from jinsum._lang import (WINNER_NONE, Access, ColumnOrder, Elementwise, Operand, Spec, Statement, check,
+                          tensor_names, walk)
 
 
 def make_spec(statement: Statement, arrays: Mapping[str, jax.Array], *,
               sorted_indices: frozenset[str] = frozenset(), allow_tf32: bool = False, zero_lhs: bool = False,
               column_order: ColumnOrder | None = None, deterministic: bool | None = None,
-              winners: bool = False, by_columns: bool = False) -> Spec:
+              winners: bool = False, by_columns: bool = False, epilogue: Elementwise | None = None) -> Spec:
     """Checks `statement` against `arrays` (name -> array; extra names ignored): the primitive's parameter.
     `zero_lhs` promises that the left-hand side array is all zeros; `column_order` names a format's entries in
     column order among `arrays`; `deterministic` defaults to the `jinsum_deterministic` option; `winners` asks a
-    `max=` / `min=` where its results came from; `by_columns` marks a derivative in column order (see `Spec`)."""
+    `max=` / `min=` where its results came from; `by_columns` marks a derivative in column order; `epilogue` is
+    applied to every element of the result, its captured arrays in `arrays` under `Spec.epilogue_names` (see
+    `Spec`)."""
     names = tensor_names(statement)
     operands = tuple(operand(n, arrays[n]) for n in names)
     if deterministic is None:
         deterministic = _config.deterministic.value
     return check(statement, operands, frozenset(sorted_indices), allow_tf32, zero_lhs, column_order, deterministic,
-                 winners, by_columns)
+                 winners, by_columns, epilogue)
 
 
 def operand(name: str, array) -> Operand:
@@ -99,7 +103,9 @@ def _impl(*arrays, spec: Spec):
 
 def _abstract_eval(*avals, spec: Spec):
     order = () if spec.column_order is None else spec.column_order.operands
-    for aval, expected in zip(avals, spec.operands + order, strict=True):
+    captures = tuple(Operand(name, c.shape, np.dtype(c.dtype)) for name, c in zip(
+        spec.epilogue_names, spec.epilogue.captures if spec.epilogue else ()))
+    for aval, expected in zip(avals, spec.operands + order + captures, strict=True):
         if aval.shape != expected.shape or aval.dtype != expected.dtype:
             raise TypeError(f"jinsum: operand {expected.name} is {aval.str_short()}, but {spec!r} was checked for "
                             f"{expected.dtype}{list(expected.shape)}")
@@ -110,12 +116,28 @@ jinsum_p.def_impl(_impl)
 jinsum_p.def_abstract_eval(_abstract_eval)
 
 
+def apply_epilogue(spec: Spec, out: jax.Array, captures) -> jax.Array:
+    """`spec.epilogue` applied to every element of the statement's result `out` (the value in float32, float64 for
+    float64 results, and its position), in XLA: the lowerings' path where a kernel does not fuse it, and the
+    derivative rules'."""
+    value = out.astype(jnp.promote_types(out.dtype, jnp.float32))
+    return jnp.broadcast_to(on_grid(spec.epilogue, tuple(captures), value), out.shape).astype(spec.out_dtype)
+
+
+def _split_epilogue(values, spec: Spec):
+    """The primitive's operands (or their tangents, batch axes) -> (the statement's, the epilogue's captures)."""
+    count = len(spec.epilogue_names)
+    return values[:len(values) - count], values[len(values) - count:]
+
+
 # --- forward-mode differentiation -----------------------------------------------------------------------------
 # The statement is linear in its left-hand side and in each factor occurrence. Its tangent is a chain of
 # statements on the tangent of the left-hand side: for `+=`, one `+=` term per factor with a tangent; for `=`, the
 # first term sets (overwritten elements take the term's tangent) and the others add.
 
 def _jvp(primals, tangents, *, spec: Spec):
+    if spec.epilogue is not None:
+        return _epilogue_jvp(primals, tangents, spec)
     out = jinsum_p.bind(*primals, spec=spec)
     if spec.winners:  # integers: no tangent
         return out, ad.Zero(jax.typeof(out).to_tangent_aval())
@@ -188,6 +210,26 @@ def _extremal_tangent(out, env, tangent_of, spec: Spec):
     return jnp.where(none, initial, tangent).astype(out.dtype)
 
 
+# An epilogue is differentiated as what it is, an element-wise function of the statement's result and of the
+# arrays it captures: the result and its tangent come from the statement alone (so its kernel stores the result,
+# which reverse mode keeps for the epilogue's derivative), then `jax.jvp` of the epilogue in XLA.
+
+def _epilogue_jvp(primals, tangents, spec: Spec):
+    (statement_primals, captures), (statement_tangents, capture_tangents) = (
+        _split_epilogue(primals, spec), _split_epilogue(tangents, spec))
+    out, out_tangent = _jvp(statement_primals, statement_tangents, spec=spec.without_epilogue)
+    floating = [k for k, c in enumerate(captures) if jnp.issubdtype(c.dtype, jnp.floating)]
+
+    def epilogue(out, *floats):
+        held = list(captures)
+        for k, x in zip(floating, floats):
+            held[k] = x
+        return apply_epilogue(spec, out, held)
+
+    return jax.jvp(epilogue, (out, *(captures[k] for k in floating)),
+                   (ad.instantiate_zeros(out_tangent), *(ad.instantiate_zeros(capture_tangents[k]) for k in floating)))
+
+
 ad.primitive_jvps[jinsum_p] = _jvp
 
 
@@ -199,7 +241,7 @@ ad.primitive_jvps[jinsum_p] = _jvp
 
 def _transpose(cotangent, *args, spec: Spec):
     statement = spec.statement
-    if statement.reduction != "sum" or spec.winners:
+    if statement.reduction != "sum" or spec.winners or spec.epilogue is not None:
         raise NotImplementedError(f"jinsum: {spec!r} is not linear in any operand; it cannot be transposed (its "
                                   "derivatives are taken at its winners, by the JVP rule)")
     linear = [name for name, a in zip(spec.names, args) if ad.is_undefined_primal(a)]
@@ -267,6 +309,8 @@ ad.primitive_transposes[jinsum_p] = _transpose
 # left-hand side is broadcast with the new axis last. A batched index array is no longer 1-D, hence not sorted.
 
 def _batch(args, dims, *, spec: Spec):
+    if spec.epilogue is not None:
+        return _batch_epilogue(args, dims, spec)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     lhs_name = spec.lhs.name
     batched = {name: d for name, d in zip(spec.names, dims) if d is not None and name != lhs_name}
@@ -284,6 +328,21 @@ def _batch(args, dims, *, spec: Spec):
                zero_lhs=spec.zero_lhs, column_order=order,  # zeros, broadcast or batched, are zeros
                deterministic=spec.deterministic, winners=spec.winners)
     return out, lhs_axis
+
+
+def _batch_epilogue(args, dims, spec: Spec):
+    """The statement batched, then the epilogue mapped over the batch (in XLA: a batch of captures is a batch of
+    functions, which one kernel does not apply)."""
+    (statement_args, captures), (statement_dims, capture_dims) = _split_epilogue(args, spec), _split_epilogue(dims,
+                                                                                                          spec)
+    plain = spec.without_epilogue
+    if all(d is None for d in statement_dims):
+        out, axis = jinsum_p.bind(*statement_args, spec=plain), None
+    else:
+        out, axis = _batch(statement_args, statement_dims, spec=plain)
+    applied = jax.vmap(lambda out, *captures: apply_epilogue(spec, out, captures), in_axes=(axis, *capture_dims),
+                       out_axes=0 if axis is None else axis)
+    return applied(out, *captures), 0 if axis is None else axis
 
 
 batching.primitive_batchers[jinsum_p] = _batch

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.nn._graph import aggregate, expect_adjacency, row_sums
 
@@ -19,11 +20,29 @@ def gcn_scale(A: GroupCOO | BlockGroupCOO, dtype, self_loops: float = 1.0) -> ja
     return jnp.where(deg > 0, jax.lax.rsqrt(jnp.where(deg > 0, deg, 1)), 0)[:, None]
 
 
-def gcn_propagate(A: GroupCOO | BlockGroupCOO, h: jax.Array, scale: jax.Array, self_loops: float = 1.0) -> jax.Array:
-    """`D^-1/2 (A + self_loops I) D^-1/2 h` with `scale = gcn_scale(A, ..., self_loops)`: one SpMM; the self loops
-    and the normalisation never rebuild the adjacency."""
+def gcn_propagate(A: GroupCOO | BlockGroupCOO, h: jax.Array, scale: jax.Array, self_loops: float = 1.0,
+                  bias: jax.Array | None = None) -> jax.Array:
+    """`D^-1/2 (A + self_loops I) D^-1/2 h (+ bias)` with `scale = gcn_scale(A, ..., self_loops)`: one SpMM; the
+    self loops and the normalisation never rebuild the adjacency.
+
+    On a `GroupCOO` the SpMM's epilogue adds the self loops, scales and adds the bias: `C[Ai[g],n] += Av[g,p] *
+    H[Ak[g,p],n]` with `epilogue(c, i, n) = S[i] * (c + self_loops * H[i,n]) + b[n]` for `H = S h`, so on a GPU
+    (outside differentiation) the kernel stores the layer's output, with no pass over `(N, F)` after it. The
+    statement stays the plain SpMM, whose transpose over the column order is the same kernel. (Scaling inside
+    the statement, `Av[g,p] * S[Ai[g]] * S[Ak[g,p]] * H[Ak[g,p],n]`, would save the pass before it too, but its
+    transpose lists the two scales in the other order: a second kernel to compile.)"""
     h = h * scale
-    return (aggregate(A, h) + self_loops * h) * scale
+    if not isinstance(A, GroupCOO):
+        out = (aggregate(A, h) + self_loops * h) * scale
+        return out if bias is None else out + bias
+    s = scale[:, 0]
+
+    def epilogue(c, row, n):
+        out = s[row] * (c + self_loops * h[row, n])
+        return out if bias is None else out + bias[n]
+
+    return jinsum.einsum("C[Ai[g],n] += Av[g,p] * H[Ak[g,p],n]", A=A.astype(h.dtype), H=h,
+                         C=jax.ShapeDtypeStruct(h.shape, h.dtype), epilogue=epilogue)
 
 
 class GCNConv(nnx.Module):
@@ -67,11 +86,11 @@ class GCNConv(nnx.Module):
         """`x` `(N, in_features)`, `A` a `GroupCOO` or `BlockGroupCOO` `(N, N)` -> `(N, out_features)`."""
         expect_adjacency("GCNConv", A, x, (GroupCOO, BlockGroupCOO), self.linear.in_features)
         h = self.linear(x)
+        bias = None if self.bias is None else self.bias[...]
         if self.normalize:
-            out = gcn_propagate(A, h, gcn_scale(A, h.dtype, self.self_loops), self.self_loops)
-        else:
-            out = aggregate(A, h) + self.self_loops * h
-        return out if self.bias is None else out + self.bias[...]
+            return gcn_propagate(A, h, gcn_scale(A, h.dtype, self.self_loops), self.self_loops, bias)
+        out = aggregate(A, h) + self.self_loops * h
+        return out if bias is None else out + bias
 
 
 class SGConv(nnx.Module):
