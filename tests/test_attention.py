@@ -308,6 +308,14 @@ def test_fused_kernels_match_the_reference(fmt, case, config, dtype, rng):
     (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case, dtype)
     kwargs.update(dropout=case.get("dropout", 0.0), seed=11)
     chain, arrays, _ = _attention.build_chain(q, k, v, pattern, **kwargs)
+    assert chain.differentiable == ("Q", "K", "V")
+    check_chain_kernels(chain, arrays, config, dtype, rng)
+
+
+def check_chain_kernels(chain, arrays, config, dtype, rng, *, nonzero: bool = False):
+    """The interpreted forward and backward kernels of `chain` against its unfused reference lowering: the output,
+    the finite log-sum-exps (rows that attend somewhere), and the gradient of every differentiable operand (with
+    `nonzero`, each one not all zeros). Returns the fused output and where the log-sum-exp is finite."""
     out, lse = _chain_reference.forward(chain, arrays)
     fused_out, fused_lse = _chain_triton.interpret_forward(chain, arrays, config)
     assert fused_out.dtype == dtype
@@ -321,9 +329,12 @@ def test_fused_kernels_match_the_reference(fmt, case, config, dtype, rng):
     expected = _chain_reference.backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
     fused = _chain_triton.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse},
                                             config)
-    for name, actual, reference in zip("QKV", fused, expected):
-        assert actual.dtype == dtype
-        assert_allclose(actual, np.asarray(reference, np.float64), dtype, err_msg=f"d{name}")
+    assert len(fused) == len(expected) == len(chain.differentiable)
+    for name, actual, want in zip(chain.differentiable, fused, expected):
+        assert actual.shape == want.shape and actual.dtype == want.dtype, name
+        assert not nonzero or np.abs(np.asarray(want)).max() > 0, name
+        assert_allclose(actual, np.asarray(want, np.float64), dtype, err_msg=f"d{name}")
+    return fused_out, finite
 
 
 @interpreted

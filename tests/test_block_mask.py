@@ -14,12 +14,11 @@ from jax.test_util import check_grads
 import jinsum
 import jinsum.nn
 from jinsum import _attention
-from jinsum._attention import _chain_reference, _chain_triton
 from jinsum.kernels import ChainConfig
 from jinsum.testing import assert_allclose
 from jinsum.testing import dense_attention as reference
 
-from test_attention import _id, block_pattern, graph_pattern, interpreted
+from test_attention import _id, block_pattern, check_chain_kernels, graph_pattern, interpreted
 
 # --- masks, a brute-force block classification and a dense float64 reference --------------------------------------
 
@@ -437,26 +436,12 @@ def _compare_kernels(rng, q, k, v, pattern, kwargs, config, dtype, dense=None):
     """The interpreted forward and backward kernels against the unfused reference lowering (and, if `dense` =
     `(allowed, bias)`, the forward laid back out against the dense reference)."""
     chain, arrays, unpad = _attention.build_chain(q, k, v, pattern, **kwargs)
-    out, lse = _chain_reference.forward(chain, arrays)
-    fused_out, fused_lse = _chain_triton.interpret_forward(chain, arrays, config)
-    assert fused_out.dtype == dtype
-    assert_allclose(fused_out, np.asarray(out, np.float64), dtype, err_msg="forward")
-    finite = np.isfinite(np.asarray(lse))
-    assert np.array_equal(finite, np.isfinite(fused_lse)) and not finite.all()
-    np.testing.assert_allclose(fused_lse[finite], np.asarray(lse)[finite], rtol=1e-5, atol=1e-5)
+    assert chain.differentiable == ("Q", "K", "V")
+    fused_out, finite = check_chain_kernels(chain, arrays, config, dtype, rng)
+    assert not finite.all()
     if dense is not None:
         assert_allclose(unpad(jnp.asarray(fused_out)), reference(q, k, v, dense[0], bias=dense[1])[0], dtype,
                         err_msg="laid back out")
-
-    d_out = rng.standard_normal(out.shape).astype(dtype)
-    d_lse = np.where(finite, rng.standard_normal(lse.shape), 0).astype(np.float32)
-    expected = _chain_reference.backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
-    fused = _chain_triton.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse},
-                                            config)
-    assert len(fused) == 3
-    for name, actual, want in zip("QKV", fused, expected):
-        assert actual.dtype == dtype and actual.shape == want.shape
-        assert_allclose(actual, np.asarray(want, np.float64), dtype, err_msg=f"d{name}")
 
 
 @interpreted

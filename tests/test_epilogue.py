@@ -26,27 +26,23 @@ CASES = {c.name: c for c in CATALOG}
 
 
 def _epilogue(operands, expression):
-    """A nonlinear epilogue over the output's last dimension and first position, capturing a bias (indexed by the
-    last position), a row scale (by the first) and a residual of the output's shape: with the reference's float64
-    value of it."""
+    """The float64 reference of a nonlinear epilogue capturing a bias (indexed by the last position), a row scale
+    (by the first) and a residual of the output's shape (`_bound`), and those arrays."""
     shape = np.shape(operands[expression.split("[")[0].strip()])
     rng = np.random.default_rng(7)
     bias = rng.standard_normal(shape[-1])
     scale = rng.random(shape[0]) + 0.5
     residual = rng.standard_normal(shape)
 
-    def fn(value, *position):
-        return jnp.tanh(value * scale_[position[0]] + bias_[position[-1]]) + residual_[position]
-
     def expected(result):
         rows = scale.reshape((-1,) + (1,) * (len(shape) - 1))
         return np.tanh(result * rows + bias) + residual
 
-    return fn, expected, (bias, scale, residual)
+    return expected, (bias, scale, residual)
 
 
-def _bound(fn, captured):
-    """`fn` with the captured arrays bound as jax arrays of `dtype` (closures over jax arrays, as users write)."""
+def _bound(captured):
+    """The epilogue over the captured arrays as float32 jax arrays (closures over jax arrays, as users write)."""
     bias, scale, residual = (jnp.asarray(c, jnp.float32) for c in captured)
 
     def bound(value, *position):
@@ -81,12 +77,12 @@ def test_xla_lowering_applies_the_epilogue_to_every_element(name, given_lhs, rng
     lhs = case.expression.split("[")[0].strip()
     if not given_lhs:
         operands[lhs] = np.zeros_like(operands[lhs])
-    fn, expected, captured = _epilogue(operands, case.expression)
+    expected, captured = _epilogue(operands, case.expression)
     named = dict(operands)
     if not given_lhs:
         named[lhs] = jax.ShapeDtypeStruct(operands[lhs].shape, operands[lhs].dtype)
     sorted_rows = ("Ai",) if "Ai" in operands else ()
-    out = jinsum.einsum(case.expression, sorted_indices=sorted_rows, epilogue=_bound(fn, captured), **named)
+    out = jinsum.einsum(case.expression, sorted_indices=sorted_rows, epilogue=_bound(captured), **named)
     assert out.dtype == np.float32
     assert_allclose(out, expected(reference(case.expression, **operands)), np.float32)
 
@@ -105,8 +101,8 @@ def test_kernels_fuse_the_epilogue(name, given_lhs, dtype, config, rng):
     lhs = case.expression.split("[")[0].strip()
     if not given_lhs:
         operands[lhs] = np.zeros_like(operands[lhs])
-    fn, expected, captured = _epilogue(operands, case.expression)
-    spec, arrays = _spec(case.expression, operands, _bound(fn, captured), given_lhs)
+    expected, captured = _epilogue(operands, case.expression)
+    spec, arrays = _spec(case.expression, operands, _bound(captured), given_lhs)
     if make_plan(spec.without_epilogue, config).write in ("segmented", "atomic") and "Ai" in operands:
         config = dataclasses.replace(config, schedule="rows")  # (sums of a format's rows fuse in row programs)
     plan = make_plan(spec, config)
@@ -151,10 +147,10 @@ def test_atomic_writes_apply_the_epilogue_after_the_kernel(rng):
     the lowering applies it after, and the interpreter refuses to run it fused."""
     case = CASES["coo_spmm"]
     operands = case.make(rng, np.float32)
-    fn, expected, captured = _epilogue(operands, case.expression)
-    spec, arrays = _spec(case.expression, operands, _bound(fn, captured))
+    expected, captured = _epilogue(operands, case.expression)
+    spec, arrays = _spec(case.expression, operands, _bound(captured))
     assert not make_plan(spec).fuses_epilogue
-    out = jinsum.einsum(case.expression, epilogue=_bound(fn, captured), **operands)
+    out = jinsum.einsum(case.expression, epilogue=_bound(captured), **operands)
     assert_allclose(out, expected(reference(case.expression, **operands)), np.float32)
     if not ON_GPU:
         pytest.importorskip("torch")
@@ -250,3 +246,18 @@ def test_epilogue_errors_say_what_to_write(rng):
         jinsum.einsum(expression, A=A, H=h, C=out, epilogue=lambda c, i, n: c > 0)
     with pytest.raises(TypeError, match="needs the indirect notation"):
         jinsum.einsum("ik,kn->in", A, h, epilogue=lambda c, i, n: c)
+
+
+def test_reads_at_the_positions_are_broadcasts_and_their_gradients_sums():
+    """Applied after a kernel (and differentiated), `bias[n]`, `scale[row]` and `h[row, n]` are the captured arrays
+    broadcast: no gather forward, no scatter backward (a scatter of N x F updates into F biases serialises)."""
+    h, bias, scale = jnp.ones((6, 4)), jnp.ones(4), jnp.ones(6)
+    traced, captured = _elementwise.trace(lambda c, row, n: jax.nn.relu(scale[row] * (c + h[row, n]) + bias[n]),
+                                          "epilogue", "test", 2)
+    loss = lambda value, *captures: jnp.sum(_elementwise.on_grid(traced, captures, value))  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(jnp.ones((6, 4)), *captured).as_text()
+    assert "gather" not in text and "scatter" not in text
+    ramp = jnp.arange(4.0)
+    shifted, captured = _elementwise.trace(lambda c, row, n: c + ramp[3 - n] + ramp[row % 4], "epilogue", "test", 2)
+    out = _elementwise.on_grid(shifted, captured, jnp.zeros((6, 4)))  # (gathers at indices computed on the host)
+    np.testing.assert_array_equal(out, np.arange(4.0)[::-1][None, :] + (np.arange(6) % 4)[:, None])
