@@ -37,6 +37,7 @@ import numpy as np
 # The coordinates after the score, in order: batch index, head, query position, key position.
 COORDINATES = ("b", "h", "q_idx", "kv_idx")
 KINDS = {"score_mod": ("score", *COORDINATES), "mask_mod": COORDINATES, "epilogue": ("value",)}
+_RETURNS = {"score_mod": "one floating-point score", "mask_mod": "one boolean", "epilogue": "one floating-point value"}
 
 
 def arguments_of(kind: str, rank: int = 0) -> tuple[str, ...]:
@@ -45,6 +46,8 @@ def arguments_of(kind: str, rank: int = 0) -> tuple[str, ...]:
     if kind == "epilogue":
         return ("value", *(f"i{d}" for d in range(rank)))
     return KINDS[kind]
+
+
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat", "checkpoint")
 
 
@@ -91,7 +94,7 @@ class Elementwise:
         if not self.captures:  # the user's function, traced afresh here (inside shard_map: with its varying axes)
             return jax.vmap(self.fn)(*flat).reshape(shape)
         closed = self.wide if self.wide is not None and flat[0].dtype == jnp.float64 else self.value
-        if self.kind != "mask_mod":  # the score or value: in the dtype it was traced with
+        if self.kind == "score_mod":
             flat[0] = flat[0].astype(closed.in_avals[len(self.captures)].dtype)
         out = jax.vmap(lambda *a: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *captures, *a)[0])(*flat)
         return out.reshape(shape)
@@ -202,8 +205,8 @@ def trace(fn: Callable, kind: str, where: str = "jinsum.attention",
     arguments = arguments_of(kind, rank)
     signature = f"({', '.join(arguments)})"
     if not callable(fn):
-        raise TypeError(f"{where}: {kind} must be a function {signature} -> "
-                        f"{'bool' if kind == 'mask_mod' else kind[:5]}, got {type(fn).__name__}")
+        raise TypeError(f"{where}: {kind} must be a function {signature} -> {_RETURNS[kind]}, got "
+                        f"{type(fn).__name__}")
     name = getattr(fn, "__name__", type(fn).__name__)
     value, captured = _trace_value(fn, kind, name, where, jnp.float32, arguments)
     specs = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in captured)
@@ -211,12 +214,9 @@ def trace(fn: Callable, kind: str, where: str = "jinsum.attention",
     scalars = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in value.in_avals[len(specs):]]
     if kind == "score_mod":
         kernel = jax.make_jaxpr(_with_derivatives(value, specs))(*specs, *scalars)
-        wide = _trace_value(fn, kind, name, where, jnp.float64, arguments)[0] if _x64() else None
-    elif kind == "epilogue":
+    else:  # (an epilogue is differentiated by the primitive's rules, outside the kernels)
         kernel = None
-        wide = _trace_value(fn, kind, name, where, jnp.float64, arguments)[0] if _x64() else None
-    else:
-        kernel = wide = None
+    wide = _trace_value(fn, kind, name, where, jnp.float64, arguments)[0] if kind != "mask_mod" and _x64() else None
     text = f"{kind} {[(s.shape, str(s.dtype)) for s in specs]}\n{value}"
     return Elementwise(kind, name, text, specs, fn, value, kernel or value, wide), captured
 
@@ -225,14 +225,13 @@ def _trace_value(fn, kind: str, name: str, where: str, score_dtype, arguments: t
     """`(*captures, *arguments) -> output` as a closed jaxpr whose score (or value) is `score_dtype`, and the
     captures."""
     scalars = [jax.ShapeDtypeStruct((), score_dtype if a in ("score", "value") else jnp.int32) for a in arguments]
-    returns = {"score_mod": "floating-point score", "mask_mod": "boolean", "epilogue": "floating-point value"}[kind]
     try:
         closed = jax.make_jaxpr(lambda *a: _checked_output(fn(*a), kind, name, where, score_dtype))(*scalars)
     except TypeError as error:
         hint = ("; it indexes a NumPy array with a traced position: close over jnp.asarray(...) instead"
                 if isinstance(error, jax.errors.TracerArrayConversionError) else "")
-        raise TypeError(f"{where}: {kind} {name} must take ({', '.join(arguments)}) scalars and return one "
-                        f"{returns}{hint}: {error}") from error
+        raise TypeError(f"{where}: {kind} {name} must take ({', '.join(arguments)}) scalars and return "
+                        f"{_RETURNS[kind]}{hint}: {error}") from error
     # Constants that are concrete scalars are compiled in; every other one is a capture.
     inline = [not isinstance(c, jax.core.Tracer) and np.shape(c) == () for c in closed.consts]
     captured = tuple(jnp.asarray(c) for c, keep in zip(closed.consts, inline) if not keep)

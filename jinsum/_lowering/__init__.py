@@ -17,7 +17,7 @@ from jax.interpreters import mlir
 from jinsum._rules import _deterministic
 from jinsum._lowering import _triton, _xla
 from jinsum._lang import Spec
-from jinsum._rules._primitive import apply_epilogue, jinsum_p
+from jinsum._rules._primitive import apply_epilogue, jinsum_p, split_epilogue
 
 
 def _lowering(evaluate: Callable[..., jax.Array], fuses_epilogue: Callable[[Spec], bool]):
@@ -27,9 +27,8 @@ def _lowering(evaluate: Callable[..., jax.Array], fuses_epilogue: Callable[[Spec
 
     def rule(*arrays: jax.Array, spec: Spec) -> jax.Array:
         if spec.epilogue is not None and (_deterministic.rewritten(spec) or not fuses_epilogue(spec)):
-            count = len(spec.epilogue_names)
-            out = rule(*arrays[:len(arrays) - count], spec=spec.without_epilogue)
-            return apply_epilogue(spec, out, arrays[len(arrays) - count:])
+            statement_arrays, captures = split_epilogue(arrays, spec)
+            return apply_epilogue(spec, rule(*statement_arrays, spec=spec.without_epilogue), captures)
         if _deterministic.rewritten(spec):
             return _deterministic.evaluate(spec, dict(zip(spec.arguments, arrays)),
                                            lambda s, a: evaluate(*(a[n] for n in s.arguments), spec=s))

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum._lowering import _kernel_cache, _xla
+from jinsum._rules._primitive import split_epilogue
 from jinsum._lang import Spec
 from jinsum.kernels import (Fallback, KernelConfig, KernelPlan, canonical, generate, kernel_inputs, load_kernel,
                             make_plan, tuned_config)
@@ -92,7 +93,7 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
             "before they get here")
     kernel_spec = plan.spec
     env = dict(zip(kernel_spec.names, arrays))
-    env.update(zip(kernel_spec.epilogue_names, arrays[len(arrays) - len(kernel_spec.epilogue_names):]))
+    env.update(zip(kernel_spec.epilogue_names, split_epilogue(arrays, kernel_spec)[1]))
     lhs = env[kernel_spec.lhs.name]
     if not _has_work(plan):
         return lhs if not spec.winners else jnp.zeros(lhs.shape, spec.out_dtype)

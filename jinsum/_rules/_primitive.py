@@ -124,7 +124,7 @@ def apply_epilogue(spec: Spec, out: jax.Array, captures) -> jax.Array:
     return jnp.broadcast_to(on_grid(spec.epilogue, tuple(captures), value), out.shape).astype(spec.out_dtype)
 
 
-def _split_epilogue(values, spec: Spec):
+def split_epilogue(values, spec: Spec):
     """The primitive's operands (or their tangents, batch axes) -> (the statement's, the epilogue's captures)."""
     count = len(spec.epilogue_names)
     return values[:len(values) - count], values[len(values) - count:]
@@ -215,8 +215,8 @@ def _extremal_tangent(out, env, tangent_of, spec: Spec):
 # which reverse mode keeps for the epilogue's derivative), then `jax.jvp` of the epilogue in XLA.
 
 def _epilogue_jvp(primals, tangents, spec: Spec):
-    (statement_primals, captures), (statement_tangents, capture_tangents) = (
-        _split_epilogue(primals, spec), _split_epilogue(tangents, spec))
+    statement_primals, captures = split_epilogue(primals, spec)
+    statement_tangents, capture_tangents = split_epilogue(tangents, spec)
     out, out_tangent = _jvp(statement_primals, statement_tangents, spec=spec.without_epilogue)
     floating = [k for k, c in enumerate(captures) if jnp.issubdtype(c.dtype, jnp.floating)]
 
@@ -333,8 +333,8 @@ def _batch(args, dims, *, spec: Spec):
 def _batch_epilogue(args, dims, spec: Spec):
     """The statement batched, then the epilogue mapped over the batch (in XLA: a batch of captures is a batch of
     functions, which one kernel does not apply)."""
-    (statement_args, captures), (statement_dims, capture_dims) = _split_epilogue(args, spec), _split_epilogue(dims,
-                                                                                                          spec)
+    statement_args, captures = split_epilogue(args, spec)
+    statement_dims, capture_dims = split_epilogue(dims, spec)
     plain = spec.without_epilogue
     if all(d is None for d in statement_dims):
         out, axis = jinsum_p.bind(*statement_args, spec=plain), None
