@@ -58,6 +58,7 @@ except ImportError:
     torch = None
 
 ROWS: list[dict] = []
+BREAKDOWN = 0  # --breakdown N: print the N longest kernels of each jinsum step
 MODELS = ["GCN", "GraphSAGE", "SAGE-max", "EdgeConv"]
 
 
@@ -113,7 +114,17 @@ def jax_step(model, x, y, graph, calls: int, kernels: bool, deterministic: bool 
     if not times:  # (no GPU trace)
         return seconds, ""
     ours = sum(t for name, t in times.items() if name.startswith("jinsum"))
+    if BREAKDOWN:
+        print(f"    device time by kernel (top {BREAKDOWN} of {len(times)}):")
+        for name, t in sorted(times.items(), key=lambda item: -item[1])[:BREAKDOWN]:
+            print(f"      {1e3 * t:8.3f} ms  {name[:100]}")
     return seconds, f"device {1e3 * sum(times.values()):.3f} ms, of which jinsum kernels {1e3 * ours:.3f}"
+
+
+def without_column_order(A: jinsum.GroupCOO) -> jinsum.GroupCOO:
+    """`A` without the entries in column order that `jnn.adjacency` builds: its transpose adds atomically."""
+    Ai, Ak, Av, _, overflow = A.tree_flatten()[0]
+    return type(A).tree_unflatten(A.tree_flatten()[1], (Ai, Ak, Av, None, overflow))
 
 
 def model(conv, x, classes):
@@ -134,7 +145,7 @@ def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str]) -> N
         workload = f"{model_name} step, {name}"
         print(f"\n{workload}")
 
-        unordered = adjacency.with_values(adjacency.Av)
+        unordered = without_column_order(adjacency)
         systems = {"jinsum": (jinsum_conv, adjacency, True),
                    "jinsum, no column order (atomic transpose)": (jinsum_conv, unordered, True),
                    "jinsum, deterministic": (jinsum_conv, adjacency, True, True),
@@ -250,8 +261,11 @@ def main() -> None:
     p.add_argument("--graphs", nargs="*", choices=["rmat", "uniform", "pubmed"], default=["rmat", "uniform", "pubmed"])
     p.add_argument("--models", nargs="*", choices=MODELS, default=MODELS)
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--breakdown", type=int, default=0, metavar="N", help="print each jinsum step's N longest kernels")
     p.add_argument("--tag", default="", help="names the results training_<tag>_<device> (a run of some models)")
     args = p.parse_args()
+    global BREAKDOWN
+    BREAKDOWN = args.breakdown
     started = time.time()
     for graph in graphs(args.scale, args.graphs):
         run_graph(*graph, args.calls, args.models)

@@ -181,7 +181,7 @@ def test_plan_of_the_catalog():
 
 
 def _layer_specs():
-    """The statements of every jinsum.nn layer's forward pass and gradient, on small graphs."""
+    """The statements of every jinsum.nn layer's forward pass and gradient, on small graphs (and SparseLinear's)."""
     from flax import nnx  # noqa: PLC0415
 
     import jinsum.nn as jnn  # noqa: PLC0415
@@ -194,13 +194,16 @@ def _layer_specs():
     rngs = nnx.Rngs(0)
     cases = [(jnn.GCNConv(4, 3, rngs=rngs), A), (jnn.SAGEConv(4, 3, rngs=rngs), A),
              (jnn.GINConv(nnx.Linear(4, 3, rngs=rngs)), A), (jnn.GATConv(4, 3, heads=2, rngs=rngs), A),
-             (jnn.RGCNConv(4, 3, num_relations=3, num_bases=2, rngs=rngs), graph)]
+             (jnn.RGCNConv(4, 3, num_relations=3, num_bases=2, rngs=rngs), graph),
+             (jnn.SparseLinear(4, 6, jnn.random_pattern(4, 6, 0.4), rngs=rngs), None),
+             (jnn.SparseLinear(4, 6, np.ones((2, 2)), block_shape=(2, 3), rngs=rngs), None)]
     specs = {}
     for layer, adjacency in cases:
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def loss(params, x, graphdef=graphdef, rest=rest, adjacency=adjacency):
-            return jnp.sum(nnx.merge(graphdef, params, rest)(x, adjacency) ** 2)
+            layer = nnx.merge(graphdef, params, rest)
+            return jnp.sum((layer(x) if adjacency is None else layer(x, adjacency)) ** 2)
 
         for spec in specs_in(jax.grad(loss, argnums=(0, 1)), params, x):
             specs.setdefault(str(spec.statement) + repr([o.shape for o in spec.operands]), spec)

@@ -9,6 +9,7 @@ generator `jinsum.kernels` (plan -> Triton source), whose kernel it launches. Ne
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -38,4 +39,6 @@ def _lowering(evaluate: Callable[..., jax.Array], fuses_epilogue: Callable[[Spec
 
 
 mlir.register_lowering(jinsum_p, _lowering(_xla.evaluate, lambda spec: False))
+mlir.register_lowering(jinsum_p, _lowering(functools.partial(_xla.evaluate, widen_halves=True), lambda spec: False),
+                       platform="cpu")
 mlir.register_lowering(jinsum_p, _lowering(_triton.evaluate, _triton.fuses_epilogue), platform="cuda")

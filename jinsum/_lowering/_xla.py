@@ -32,8 +32,10 @@ from jinsum._lang import Access, Spec, Var
 Labelled = tuple[jax.Array, tuple[str, ...]]  # an array and the index variable of each of its axes
 
 
-def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
-    """The value of the checked statement `spec` on `arrays` (in `spec.names` order)."""
+def evaluate(*arrays: jax.Array, spec: Spec, widen_halves: bool = False) -> jax.Array:
+    """The value of the checked statement `spec` on `arrays` (in `spec.names` order). With `widen_halves`, 16-bit
+    factors are cast to float32 before a contraction (the same products and sums: XLA's CPU dot has no
+    half-precision inputs with a float32 result)."""
     env = dict(zip(spec.names, arrays))
     statement = spec.statement
     if statement.reduction != "sum":
@@ -51,6 +53,8 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
         product = jnp.broadcast_to(product, [spec.extent[v] for v in every])
         return _write(product, every, env, spec, summed=tuple(v for v in every if v in spec.summed_variables))
     out_axes = tuple(v for v in spec.loop_variables if v in every)
+    if widen_halves:
+        terms = [(array.astype(jnp.promote_types(array.dtype, jnp.float32)), axes) for array, axes in terms]
     return _write(_contract(terms, out_axes, spec), out_axes, env, spec)
 
 

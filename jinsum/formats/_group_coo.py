@@ -462,7 +462,7 @@ class GroupCOO(GroupedFormat):
         (static sizes bounded by the slots, ``G * P``).
 
         The index lists the entries whose value is nonzero now (group padding is left out); it stays valid while
-        the values keep their zeros, so :meth:`with_values` drops it.
+        the values keep their zeros, and :meth:`with_values` keeps it (learned values of a fixed structure).
 
         Example:
           >>> A = jinsum.GroupCOO.from_edge_index(edge_index, num_nodes=N).with_transpose()

@@ -19,7 +19,8 @@ TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N
 `knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix;
 `radius` / `radius_graph` likewise (the first points within `r`, with a count that reports a cut), and
 `DynamicEdgeConv` (DGCNN: EdgeConv over a kNN graph that each call rebuilds from its input).
-Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by
+Sparse weights: `SparseLinear` (a linear layer over a fixed element or block pattern, learned values;
+`random_pattern`). Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by
 `bags`; `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
@@ -69,4 +70,7 @@ from jinsum.nn._rgcn import RGCNConv as RGCNConv
 from jinsum.nn._rgcn import relational_adjacency as relational_adjacency
 from jinsum.nn._rgcn import relational_graph as relational_graph
 from jinsum.nn._sage import SAGEConv as SAGEConv
+from jinsum.nn._sparse_linear import SparseLinear as SparseLinear
+from jinsum.nn._sparse_linear import SparsityPattern as SparsityPattern
+from jinsum.nn._sparse_linear import random_pattern as random_pattern
 from jinsum.nn._transformer import TransformerConv as TransformerConv
