@@ -52,31 +52,33 @@ def segment_convs():
     from flax import nnx  # noqa: PLC0415
 
     class SegmentGCNConv(nnx.Module):
-        def __init__(self, in_features, out_features, *, rngs):
-            self.linear = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
+        def __init__(self, in_features, out_features, *, dtype=None, rngs):
+            self.linear = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, rngs=rngs)
             self.bias = nnx.Param(jnp.zeros((out_features,)))
 
         def __call__(self, x, graph):  # graph: segment_graph(..., self_loops=True)
             src, dst, weight = graph
             h = self.linear(x)
-            return jax.ops.segment_sum(weight[:, None] * h[src], dst, num_segments=x.shape[0],
-                                       indices_are_sorted=True) + self.bias[...]
+            return jax.ops.segment_sum(weight[:, None].astype(h.dtype) * h[src], dst, num_segments=x.shape[0],
+                                       indices_are_sorted=True) + self.bias[...].astype(h.dtype)
 
     class SegmentSAGEConv(nnx.Module):
-        def __init__(self, in_features, out_features, *, rngs):
-            self.lin_neighbors = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
-            self.lin_root = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
+        def __init__(self, in_features, out_features, *, dtype=None, rngs):
+            self.dtype = dtype
+            self.lin_neighbors = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, rngs=rngs)
+            self.lin_root = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, rngs=rngs)
             self.bias = nnx.Param(jnp.zeros((out_features,)))
 
         def __call__(self, x, graph):  # graph: segment_graph(..., self_loops=False)
             src, dst, _ = graph
+            x = x if self.dtype is None else x.astype(self.dtype)
             count = jax.ops.segment_sum(jnp.ones_like(dst, x.dtype), dst, num_segments=x.shape[0],
                                         indices_are_sorted=True)[:, None]
             h = self.lin_neighbors(x) if self.lin_neighbors.out_features < x.shape[1] else x
             mean = jax.ops.segment_sum(h[src], dst, num_segments=x.shape[0], indices_are_sorted=True) / jnp.maximum(
                 count, 1)
             mean = mean if h is not x else self.lin_neighbors(mean)
-            return mean + self.lin_root(x) + self.bias[...]
+            return mean + self.lin_root(x) + self.bias[...].astype(x.dtype)
 
     return SegmentGCNConv, SegmentSAGEConv
 

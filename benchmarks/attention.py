@@ -53,8 +53,8 @@ computing the same mask are checked against FlexAttention (max abs difference).
 
 6. GAT training step (2 layers: 4 heads x 64, then 1 head; forward, backward and Adam; dropout 0.6) on an
    R-MAT graph made undirected (scale 17: 131k nodes, ~3.7M edges), 128 synthetic input features, 40 classes:
-   jinsum `GATConv` (fused), the same layer unfused (`JINSUM_FUSE=0`: the chain's statements as separate
-   kernels), the same model with gathers and `jax.ops.segment_*` (examples/gat), and PyG's `GATConv` where
+   jinsum `GATConv` (fused; and with `dtype=bfloat16`, float32 parameters), the same layer unfused
+   (`JINSUM_FUSE=0`: the chain's statements as separate kernels), the same model with gathers and `jax.ops.segment_*` (examples/gat), and PyG's `GATConv` where
    torch_geometric is installed (`--gat-scale 0` skips it).
 
 `--smoke` runs every attention workload at tiny sizes (512 positions, BigBird 1,024; a few heads) through the jinsum systems only
@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import gc
 import importlib.util
 import os
@@ -636,6 +637,8 @@ def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
 
     adjacency = jnn.adjacency(edge_index, nodes)
     systems = {"jinsum GATConv (fused)": (jnn.GATConv, adjacency),
+               "jinsum GATConv (fused), dtype=bfloat16": (functools.partial(jnn.GATConv, dtype=jnp.bfloat16),
+                                                          adjacency),
                "jinsum GATConv unfused (JINSUM_FUSE=0)": (jnn.GATConv, adjacency),
                "gathers + jax.ops.segment_*": (example.SegmentGATConv,
                                                example.edges_with_self_loops(edge_index, nodes))}

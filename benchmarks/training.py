@@ -2,7 +2,7 @@
 system timed the same way.
 
     python benchmarks/training.py [--scale 17] [--graphs rmat uniform pubmed] [--models GCN GraphSAGE SAGE-max EdgeConv]
-                                  [--calls 20] [--out benchmarks/results]
+                                  [--calls 20] [--dtype float32] [--breakdown N] [--tag T] [--out benchmarks/results]
 
 Graphs: an R-MAT graph made undirected (scale 17: 131k nodes, 3.7M edges, hubs of 10^4 edges), a uniform random
 graph of the same size (no hubs) and PubMed (the real graph, shipped; random features). Models: 128 -> 256 -> 40
@@ -21,6 +21,9 @@ Max aggregation (`SAGEConv(aggr="max")`, `EdgeConv` with linear messages, `jinsu
 `_training.segment_max_convs`, which use a sorted `jax.ops.segment_max`): jinsum, the segment_max models, and PyG's
 `SAGEConv(aggr="max")` / `EdgeConv(Linear(2F, out))` on a CSR `adj_t` and on the edge index.
 
+Mixed precision (`--dtype bfloat16`): GCN and GraphSAGE with the layers' `dtype=bfloat16` (float32 parameters and
+Adam), jinsum (default and deterministic) and the segment-op layers computing in bfloat16 likewise.
+
 Timing: `jinsum.timing.time_calls` (back-to-back steps, one sync per round, median of rounds) for every system,
 and each jinsum step's device time by kernel. Results go to `--out` as `training_<device>.{md,csv}`.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import pathlib
 import sys
@@ -132,10 +136,15 @@ def model(conv, x, classes):
     return GCN(conv, x.shape[1], 256, classes, dropout=0.5, rngs=nnx.Rngs(0))
 
 
-def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str]) -> None:
+def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str], dtype: str = "float32") -> None:
     classes = int(y.max()) + 1
     adjacency = jnn.adjacency(edge_index, nodes)
     SegmentGCNConv, SegmentSAGEConv = segment_convs()
+    if dtype != "float32":  # mixed precision: the jinsum and plain JAX layers compute in dtype (float32 parameters)
+        run_mixed_precision(name, x, y, calls, models, adjacency, dtype, SegmentGCNConv, SegmentSAGEConv,
+                            segment_graph(edge_index, nodes, self_loops=True),
+                            segment_graph(edge_index, nodes, self_loops=False))
+        return
     with_loops, without_loops = (segment_graph(edge_index, nodes, self_loops=s) for s in (True, False))
     for model_name, jinsum_conv, segment_conv, segment_edges in (("GCN", jnn.GCNConv, SegmentGCNConv, with_loops),
                                                                   ("GraphSAGE", jnn.SAGEConv, SegmentSAGEConv,
@@ -164,6 +173,24 @@ def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str]) -> N
             attempt(workload, f"PyG {model_name} (CSR adj_t)",
                     lambda m=model_name: pyg_step(m, edge_index, nodes, x, y, classes, calls))
     run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, without_loops)
+
+
+def run_mixed_precision(name, x, y, calls, models, adjacency, dtype, SegmentGCNConv, SegmentSAGEConv, with_loops,
+                        without_loops) -> None:
+    """GCN and GraphSAGE steps with `dtype=` layers: jinsum (default and deterministic) and the segment ops."""
+    classes = int(y.max()) + 1
+    for model_name, jinsum_conv, segment_conv, edges in (("GCN", jnn.GCNConv, SegmentGCNConv, with_loops),
+                                                         ("GraphSAGE", jnn.SAGEConv, SegmentSAGEConv, without_loops)):
+        if model_name not in models:
+            continue
+        workload = f"{model_name} step {dtype}, {name}"
+        print(f"\n{workload}")
+        ours, theirs = (functools.partial(conv, dtype=dtype) for conv in (jinsum_conv, segment_conv))
+        attempt(workload, "jinsum", lambda: jax_step(model(ours, x, classes), x, y, adjacency, calls, True))
+        attempt(workload, "jinsum, deterministic",
+                lambda: jax_step(model(ours, x, classes), x, y, adjacency, calls, True, True))
+        attempt(workload, "gathers + segment_sum", lambda: jax_step(model(theirs, x, classes), x, y, edges, calls,
+                                                                     False))
 
 
 def run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, edges) -> None:
@@ -261,6 +288,8 @@ def main() -> None:
     p.add_argument("--graphs", nargs="*", choices=["rmat", "uniform", "pubmed"], default=["rmat", "uniform", "pubmed"])
     p.add_argument("--models", nargs="*", choices=MODELS, default=MODELS)
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the layers' computation dtype (bfloat16: GCN and GraphSAGE, jinsum and segment ops only)")
     p.add_argument("--breakdown", type=int, default=0, metavar="N", help="print each jinsum step's N longest kernels")
     p.add_argument("--tag", default="", help="names the results training_<tag>_<device> (a run of some models)")
     args = p.parse_args()
@@ -268,7 +297,7 @@ def main() -> None:
     BREAKDOWN = args.breakdown
     started = time.time()
     for graph in graphs(args.scale, args.graphs):
-        run_graph(*graph, args.calls, args.models)
+        run_graph(*graph, args.calls, args.models, args.dtype)
         write(args.out, started, args.tag)  # (after each graph: a run cut short keeps what it measured)
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 import jinsum
 import jinsum.nn as jnn
+from jinsum.testing import assert_allclose
 
 N, F_IN = 11, 5
 
@@ -452,3 +453,28 @@ def test_edge_adjacency_errors(rng):
         jnn.GATv2Conv(F_IN, 3, edge_dim=2, rngs=rngs)(x, E, attr)
     with pytest.raises(NotImplementedError, match=r"attention weights come in the edge index's order"):
         jnn.GATConv(F_IN, 3, edge_dim=2, rngs=rngs)(x, E, return_attention_weights=True)
+
+
+# --- mixed precision -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer", ["GCNConv", "SAGEConv", "SAGEConv-max", "GATConv"])
+def test_mixed_precision_layers_match_float32(layer, rng):
+    """`dtype=bfloat16` with float32 parameters: bfloat16 outputs (and sparse products) within bfloat16's tolerance
+    of the float32 layer, float32 parameter gradients close to the float32 layer's."""
+    edge_index, _ = _graph(rng)
+    A = jnn.adjacency(edge_index, N)
+    x = _features(rng, N, 6)
+    make = {"GCNConv": lambda **kw: jnn.GCNConv(6, 5, **kw), "SAGEConv": lambda **kw: jnn.SAGEConv(6, 5, **kw),
+            "SAGEConv-max": lambda **kw: jnn.SAGEConv(6, 5, aggr="max", **kw),
+            "GATConv": lambda **kw: jnn.GATConv(6, 5, heads=2, **kw)}[layer]
+    full = _randomize(make(rngs=nnx.Rngs(0)), np.random.default_rng(1))
+    half = _randomize(make(dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), np.random.default_rng(1))
+    out = _apply(half, x, A)
+    assert out.dtype == jnp.bfloat16
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(half, nnx.Param)))
+    assert_allclose(out, _apply(full, x, A), jnp.bfloat16)
+    loss = lambda model: jnp.sum(jnp.tanh(model(x, A).astype(jnp.float32)))  # noqa: E731
+    grads_half, grads_full = nnx.grad(loss)(half), nnx.grad(loss)(full)
+    for g_half, g_full in zip(jax.tree.leaves(grads_half), jax.tree.leaves(grads_full)):
+        assert g_half.dtype == jnp.float32
+        assert_allclose(g_half, g_full, jnp.bfloat16)

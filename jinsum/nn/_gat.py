@@ -3,6 +3,8 @@ fused `jinsum.attention` chain."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -52,7 +54,8 @@ class GATConv(nnx.Module):
 
     def __init__(self, in_features: int | tuple[int, int], out_features: int, *, heads: int = 1, concat: bool = True,
                  negative_slope: float = 0.2, dropout: float = 0.0, add_self_loops: bool = True,
-                 edge_dim: int | None = None, use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 edge_dim: int | None = None, use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
@@ -68,7 +71,9 @@ class GATConv(nnx.Module):
           edge_dim: width of the edge features that enter the scores (edge by edge: an `EdgeList` or an
             `edge_adjacency`).
           use_bias: add a learned bias to the output.
-          param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
+          dtype: the computation's dtype (features and weights are cast to it, as `nnx.Linear` does; sparse
+            products accumulate in float32); None: JAX's promotion of input and parameters.
+          param_dtype: dtype of the parameters.
           rngs: initialises the parameters and seeds the dropout.
         """
         if heads < 1 or out_features < 1:
@@ -77,15 +82,14 @@ class GATConv(nnx.Module):
         self.heads, self.out_features, self.concat = heads, out_features, concat
         self.negative_slope, self.add_self_loops = negative_slope, add_self_loops
         in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, None)
-        self.linear = nnx.Linear(in_src, heads * out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.linear = linear(in_src, heads * out_features)
         # A bipartite layer transforms the destinations by their own weight (PyG's lin_dst; lin_src is `linear`).
-        self.lin_dst = (nnx.Linear(in_dst, heads * out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-                        if in_dst is not None else None)
+        self.lin_dst = linear(in_dst, heads * out_features) if in_dst is not None else None
         init = nnx.initializers.glorot_uniform()
         self.att_src = nnx.Param(init(rngs.params(), (heads, out_features), param_dtype))
         self.att_dst = nnx.Param(init(rngs.params(), (heads, out_features), param_dtype))
-        self.lin_edge = (nnx.Linear(edge_dim, heads * out_features, use_bias=False, param_dtype=param_dtype,
-                                    rngs=rngs) if edge_dim is not None else None)
+        self.lin_edge = linear(edge_dim, heads * out_features) if edge_dim is not None else None
         self.att_edge = (nnx.Param(init(rngs.params(), (heads, out_features), param_dtype)) if edge_dim is not None
                          else None)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)  # holds the rate, the train/eval switch and the stream
@@ -112,8 +116,8 @@ class GATConv(nnx.Module):
                          in_features=None if self.lin_dst is None else self.lin_dst.in_features)
         h = self.linear(x_src).reshape(x_src.shape[0], self.heads, self.out_features)
         h_dst = h if self.lin_dst is None else self.lin_dst(x).reshape(x.shape[0], self.heads, self.out_features)
-        s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...])
-        s_dst = jnp.einsum("nhf,hf->nh", h_dst, self.att_dst[...])
+        s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...].astype(h.dtype))
+        s_dst = jnp.einsum("nhf,hf->nh", h_dst, self.att_dst[...].astype(h.dtype))
         slope = self.negative_slope
         rate, seed = dropout_seed(self.dropout)
         queries = jnp.stack([s_dst, jnp.ones_like(s_dst)], -1)  # (queries . keys = s_dst + s_src)
@@ -125,7 +129,7 @@ class GATConv(nnx.Module):
 
     def _finish(self, out: jax.Array) -> jax.Array:
         out = out.reshape(out.shape[0], -1) if self.concat else out.mean(axis=1)
-        return out if self.bias is None else out + self.bias[...]
+        return out if self.bias is None else out + self.bias[...].astype(out.dtype)
 
     def _edge_by_edge(self, x, edges, edge_attr, return_attention_weights: bool):
         """On an `EdgeList` (with `edge_attr` if the layer has `edge_dim`), or an `edge_adjacency` (or its
@@ -149,10 +153,10 @@ class GATConv(nnx.Module):
                                       "a GroupCOO); on edges one by one, set dropout=0 or call .eval()")
         n, H, C = x.shape[0], self.heads, self.out_features
         h = self.linear(x).reshape(n, H, C)
-        s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...])
-        s_dst = jnp.einsum("nhf,hf->nh", h, self.att_dst[...])
+        s_src = jnp.einsum("nhf,hf->nh", h, self.att_src[...].astype(h.dtype))
+        s_dst = jnp.einsum("nhf,hf->nh", h, self.att_dst[...].astype(h.dtype))
         edge_layer = () if self.lin_edge is None else nnx.split(self.lin_edge)
-        params = () if self.lin_edge is None else (self.att_edge[...], *edge_layer[1:])
+        params = () if self.lin_edge is None else (self.att_edge[...].astype(h.dtype), *edge_layer[1:])
 
         def edge_score(features, att_edge, *edge_state):
             projected = nnx.merge(edge_layer[0], *edge_state)(features).reshape(-1, H, C)

@@ -31,10 +31,10 @@ def gcn_propagate(A: GroupCOO | BlockGroupCOO, h: jax.Array, scale: jax.Array, s
     statement stays the plain SpMM, whose transpose over the column order is the same kernel. (Scaling inside
     the statement, `Av[g,p] * S[Ai[g]] * S[Ak[g,p]] * H[Ak[g,p],n]`, would save the pass before it too, but its
     transpose lists the two scales in the other order: a second kernel to compile.)"""
-    h = h * scale
+    h = h * scale.astype(h.dtype)  # (a float32 scale of bfloat16 features: the SpMM reads bfloat16)
     if not isinstance(A, GroupCOO):
         out = (aggregate(A, h) + self_loops * h) * scale
-        return out if bias is None else out + bias
+        return (out if bias is None else out + bias).astype(h.dtype)
     s = scale[:, 0]
 
     def epilogue(c, row, n):
@@ -64,7 +64,8 @@ class GCNConv(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, add_self_loops: bool = True,
-                 improved: bool = False, normalize: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 improved: bool = False, normalize: bool = True, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
@@ -74,10 +75,13 @@ class GCNConv(nnx.Module):
           improved: self loops of weight 2, `A + 2I` (Kipf & Welling's "renormalisation trick", PyG's `improved`).
           normalize: apply the symmetric normalisation `D^-1/2 . D^-1/2`; without it the layer is
             `(A [+ I]) x W + b`.
-          param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
+          dtype: the computation's dtype (features and weights are cast to it, as `nnx.Linear` does; sparse
+            products accumulate in float32); None: JAX's promotion of input and parameters.
+          param_dtype: dtype of the parameters.
           rngs: initialises the weight.
         """
-        self.linear = nnx.Linear(in_features, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.linear = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                 rngs=rngs)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
         self.self_loops = (2.0 if improved else 1.0) if add_self_loops else 0.0
         self.normalize = normalize
@@ -87,10 +91,11 @@ class GCNConv(nnx.Module):
         expect_adjacency("GCNConv", A, x, (GroupCOO, BlockGroupCOO), self.linear.in_features)
         h = self.linear(x)
         bias = None if self.bias is None else self.bias[...]
-        if self.normalize:
-            return gcn_propagate(A, h, gcn_scale(A, h.dtype, self.self_loops), self.self_loops, bias)
+        if self.normalize:  # (degrees summed in float32 at least: a hub's degree is not exact in bfloat16)
+            scale = gcn_scale(A, jnp.promote_types(h.dtype, jnp.float32), self.self_loops)
+            return gcn_propagate(A, h, scale, self.self_loops, bias)
         out = aggregate(A, h) + self.self_loops * h
-        return out if bias is None else out + bias
+        return out if bias is None else out + bias.astype(out.dtype)
 
 
 class SGConv(nnx.Module):

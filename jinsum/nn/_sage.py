@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -38,7 +40,7 @@ class SAGEConv(nnx.Module):
 
     def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "mean",
                  normalize: bool = False, project: bool = False, use_bias: bool = True, root_weight: bool = True,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
@@ -49,7 +51,9 @@ class SAGEConv(nnx.Module):
           project: first replace the neighbours' features by `ReLU(W_p x + b_p)` (a learned `in -> in` layer).
           use_bias: add a learned bias `b`.
           root_weight: add the node's own transformed features `W_r x_i`.
-          param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
+          dtype: the computation's dtype (features and weights are cast to it, as `nnx.Linear` does; sparse
+            products accumulate in float32); None: JAX's promotion of input and parameters.
+          param_dtype: dtype of the parameters.
           rngs: initialises the weights.
         """
         aggrs = [aggr] if isinstance(aggr, str) else list(aggr)
@@ -58,11 +62,11 @@ class SAGEConv(nnx.Module):
         self.aggrs, self.normalize = tuple(aggrs), normalize
         in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, in_features)
         self.in_features = (in_src, in_dst)
-        self.project = nnx.Linear(in_src, in_src, param_dtype=param_dtype, rngs=rngs) if project else None
-        self.lin_neighbors = nnx.Linear(len(aggrs) * in_src, out_features, use_bias=False, param_dtype=param_dtype,
-                                        rngs=rngs)
-        self.lin_root = (nnx.Linear(in_dst, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-                         if root_weight else None)
+        linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.dtype = dtype
+        self.project = linear(in_src, in_src) if project else None
+        self.lin_neighbors = linear(len(aggrs) * in_src, out_features, use_bias=False)
+        self.lin_root = linear(in_dst, out_features, use_bias=False) if root_weight else None
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
     def __call__(self, x: jax.Array | tuple[jax.Array, jax.Array], A: GroupCOO | BlockGroupCOO) -> jax.Array:
@@ -73,21 +77,23 @@ class SAGEConv(nnx.Module):
         x_src, x = node_features("SAGEConv", x)
         expect_adjacency("SAGEConv", A, x, formats, self.in_features[1], sources=x_src,
                          source_features=self.in_features[0])
+        if self.dtype is not None:
+            x_src, x = x_src.astype(self.dtype), x.astype(self.dtype)
         neighbors = x_src if self.project is None else jax.nn.relu(self.project(x_src))
         if not linear:
             out = self.lin_neighbors(multi_aggregate(A, neighbors, self.aggrs))
         else:
             scale = 1
             if self.aggrs == ("mean",):
-                deg = row_sums(A, x.dtype)[:, None]
-                scale = 1 / jnp.where(deg != 0, deg, 1)
+                deg = row_sums(A, jnp.promote_types(x.dtype, jnp.float32))[:, None]
+                scale = (1 / jnp.where(deg != 0, deg, 1)).astype(x.dtype)
             if _transform_first(A, self.lin_neighbors.in_features, self.lin_neighbors.out_features):
                 out = aggregate(A, self.lin_neighbors(neighbors)) * scale
             else:
                 out = self.lin_neighbors(aggregate(A, neighbors) * scale)
         if self.lin_root is not None:
             out = out + self.lin_root(x)
-        out = out if self.bias is None else out + self.bias[...]
+        out = out if self.bias is None else out + self.bias[...].astype(out.dtype)
         if self.normalize:
             out = out / jnp.maximum(jnp.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out
