@@ -32,8 +32,9 @@ class Headline:
 
 SPMM = ("segment_sum (sorted)", "jax.experimental.sparse BCOO", "cuSPARSE CSR (torch.sparse)")
 SDDMM = ("gather idiom", "jax.experimental.sparse bcoo_dot_general_sampled", "torch.sparse.sampled_addmm")
-FLEX = ("FlexAttention (torch.compile)", "dense FlashAttention (torch SDPA)", "dense FlashAttention (torch SDPA, causal)",
-        "dense cuDNN (JAX)", "dense cuDNN (JAX, causal)", "cuDNN sliding window (JAX)")
+FLEX = ("FlexAttention (torch.compile)", "dense FlashAttention (torch SDPA)",
+        "dense FlashAttention (torch SDPA, causal)", "dense cuDNN (JAX)", "dense cuDNN (JAX, causal)",
+        "cuDNN sliding window (JAX)")
 RUN, ATTENTION, TRAINING = "benchmarks/run.py", "benchmarks/attention.py", "benchmarks/training.py"
 HEADLINES = [
     Headline("SpMM / SDDMM", "SpMM, R-MAT 20, F=128", "", "SpMM fp32 rmat20 F=128", "jinsum", SPMM, command=RUN),
@@ -66,10 +67,10 @@ HEADLINES = [
              "SAGE step, R-MAT 20 (31,400,456 edges), batch 1024, fanouts (15, 10)", "jinsum, in place",
              ("plain JAX (same sampler), in place", "plain JAX (same sampler), PyG reading", "PyG (host sampler)"),
              command="benchmarks/minibatch.py"),
-    Headline("sparse weights", "SparseLinear 4096^2, 32x32 blocks at 10%", "sparse_linear",
+    Headline("sparse weights", "SparseLinear 4096^2, 32x32 blocks at 10%, fwd+bwd", "sparse_linear",
              "4096x4096, 32x32 blocks at 10%, bf16, batch 8192", "jinsum SparseLinear",
              ("dense x @ W (JAX)", "dense F.linear (torch)", "torch F.linear, BSR weight (Triton)"),
-             column="forward_ms", command="benchmarks/sparse_linear.py"),
+             column="forward_backward_ms", command="benchmarks/sparse_linear.py"),
 ]
 
 
@@ -89,14 +90,15 @@ def read(results: pathlib.Path, device: str) -> list[dict]:
         if h.jinsum not in times or not ran:
             raise LookupError(f"{path.name}: no '{h.jinsum}' or none of {h.peers} for workload {h.workload!r}")
         peer = min(ran, key=ran.get)
-        rows.append(dict(group=h.group, label=h.label + (" (forward)" if h.column == "forward_ms" else ""),
+        rows.append(dict(group=h.group, label=h.label,
                          jinsum=times[h.jinsum], peer=peer, peer_ms=ran[peer], speedup=ran[peer] / times[h.jinsum],
                          command=h.command))
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| | workload | jinsum ms | best peer in the same run | its ms | speed-up |", "|---|---|---:|---|---:|---:|"]
+    lines = ["| | workload | jinsum ms | best peer in the same run | its ms | speed-up |",
+             "|---|---|---:|---|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['group']} | {r['label']} | {r['jinsum']:.3f} | {r['peer']} | {r['peer_ms']:.3f} | "
                      f"**{r['speedup']:.2f}x** |")

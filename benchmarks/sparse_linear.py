@@ -179,7 +179,8 @@ def write(out: pathlib.Path, started: float) -> None:
     show = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     lines = [f"# Sparse linear layers on {device}", "",
              f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/sparse_linear.py "
-             f"{' '.join(sys.argv[1:])}` ({time.time() - started:.0f} s). ms: median over rounds of back-to-back calls; "
+             f"{' '.join(sys.argv[1:])}` ({time.time() - started:.0f} s). ms: median over rounds of back-to-back "
+             "calls; "
              "x dense: the JAX dense layer's time over the system's (above 1: faster than dense); TFLOP/s: the "
              "stored entries' (or the dense layer's) forward + backward multiply-adds over its time.", "",
              "| workload | system | forward ms | x dense | forward + backward ms | x dense | TFLOP/s | note |",

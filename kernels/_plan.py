@@ -73,6 +73,12 @@ WIDE_LANES = 128
 UNROLL_LIMIT = 16
 # At most this many copies of the innermost body once write loops are unrolled too.
 UNROLLED_BODIES = 64
+# A dot plan updating a plain left-hand side whose reduction (the k of its product) is at least twice this long cuts
+# it into chunks of this many terms: each chunk's programs add their partial products atomically, and the chunk is
+# the slow grid axis, so the programs running at once read one chunk of both operands, which stays in L2. A
+# SparseLinear's value gradient (dW of 32 x 32 blocks over a batch of 8,192, H100): windows of blocks each summing the
+# whole batch read 1.77 GB mostly from HBM, 0.843 ms; 8 chunks and a block per program, 0.232 ms.
+K_CHUNK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,7 @@ class KernelConfig:
     block_k: int = 0
     num_warps: int = 0
     num_stages: int = 0  # software pipelining depth of the window loop
+    k_chunks: int = 0  # dot plans that update a plain left-hand side: the reduction cut into this many chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,12 +224,19 @@ class KernelPlan:
         return {name: int(size) for name, size in sizes.items()}  # (Python ints: jax-triton's scalar arguments)
 
     @property
+    def k_chunk(self) -> int:
+        """Dot plans: terms of the reduction per chunk (whole `block_k` tiles; the last chunk may be shorter)."""
+        k, tile = self.spec.extent[self.dot.k], self.config.block_k
+        return _ceil(_ceil(k, self.config.k_chunks), tile) * tile
+
+    @property
     def grid_shape(self) -> tuple[int, int]:
         """(programs over the grid variables and windows, programs over output tiles)."""
         extent = self.spec.extent
         programs = self.windows * int(np.prod([extent[v] for v in self.grid], dtype=np.int64))
         if self.template == "dot":
             tiles = _ceil(extent[self.dot.m], self.config.block_m) * _ceil(extent[self.dot.n], self.config.block_n)
+            tiles *= self.config.k_chunks
         else:
             tiles = _ceil(extent[self.rows], self.config.block_rows) if self.rows and not self.tiled_window else 1
             if self.lanes in self.spec.loop_variables:
@@ -327,7 +341,16 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     write_loops = tuple(write_loops)
     grid = tuple(v for v in parallel if v not in write_loops)
 
-    config = default_config(spec, dot, tiles, config)
+    given, config = config, default_config(spec, dot, tiles, config)
+    chunks = 1
+    if dot and write == "update" and summing and not spec.deterministic and spec.epilogue is None:
+        chunks = config.k_chunks or (_ceil(spec.extent[dot.k], K_CHUNK) if spec.extent[dot.k] >= 2 * K_CHUNK else 1)
+    config = dataclasses.replace(config, k_chunks=chunks)
+    if chunks > 1:
+        write = "atomic"  # (several programs add into each output tile)
+        # A chunk is work enough for a program: one output tile each, all in flight (the SparseLinear value
+        # gradient above: windows of 8 blocks 0.514 ms, of 2 0.252, of 1 0.232; unchunked 0.843).
+        config = dataclasses.replace(config, window=given.window or 1)
     out_dtype = np.dtype(spec.lhs.dtype)
     if spec.winners:
         out_dtype = np.dtype(np.int32)

@@ -120,7 +120,9 @@ class _Writer:
                f"template {plan.template}; tiles {', '.join(plan.tile_vars)}; grid {', '.join(plan.grid) or '-'}; "
                f"window {plan.window or '-'}; write loops {', '.join(plan.write_loops) or '-'}; "
                f"loops {', '.join(plan.loops) or '-'}; write {plan.write}"
-               + (f" ({config.schedule} schedule)" if plan.write == "segmented" else ""),
+               + (f" ({config.schedule} schedule)" if plan.write == "segmented" else "")
+               + (f"; {plan.dot.k} in {config.k_chunks} chunks" if plan.template == "dot" and config.k_chunks > 1
+                  else ""),
                '"""']
         name = f"jinsum_{plan.template}_{plan.write}"  # what a profile shows
         return ["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
@@ -145,8 +147,13 @@ class _Writer:
         if plan.template == "dot":
             m, n = plan.dot.m, plan.dot.n
             tiles_n = -(-extent[n] // plan.config.block_n)
-            self.emit(f"v_{m} = (tl.program_id(1) // {tiles_n}) * BLOCK_M + tl.arange(0, BLOCK_M)")
-            self.emit(f"v_{n} = (tl.program_id(1) % {tiles_n}) * BLOCK_N + tl.arange(0, BLOCK_N)")
+            tile = "tl.program_id(1)"
+            if plan.config.k_chunks > 1:  # chunks of the reduction: the slow axis, tiles within
+                tiles = -(-extent[m] // plan.config.block_m) * tiles_n
+                self.emit(f"k_start = (tl.program_id(1) // {tiles}) * {plan.k_chunk}")
+                tile = f"(tl.program_id(1) % {tiles})"
+            self.emit(f"v_{m} = ({tile} // {tiles_n}) * BLOCK_M + tl.arange(0, BLOCK_M)")
+            self.emit(f"v_{n} = ({tile} % {tiles_n}) * BLOCK_N + tl.arange(0, BLOCK_N)")
             for v in (m, n):
                 self.emit(f"m_{v} = v_{v} < {extent[v]}")
         else:
@@ -409,7 +416,10 @@ class _Writer:
         inner = self.inner_tile
         if inner:
             block = "BLOCK_K" if plan.template == "dot" else "BLOCK"
-            self.emit(f"for t_{inner} in tl.range(0, {extent[inner]}, {block}, num_stages=NUM_STAGES):")
+            span = f"0, {extent[inner]}"
+            if plan.template == "dot" and plan.config.k_chunks > 1:
+                span = f"k_start, tl.minimum(k_start + {plan.k_chunk}, {extent[inner]})"
+            self.emit(f"for t_{inner} in tl.range({span}, {block}, num_stages=NUM_STAGES):")
             self.depth += 1
             opened += 1
             self.emit(f"v_{inner} = t_{inner} + tl.arange(0, {block})")

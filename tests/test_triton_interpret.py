@@ -245,3 +245,28 @@ def test_a_pattern_of_another_size_runs_the_same_kernel(expression, config):
         assert_allclose(interpret(spec, operands, config), reference(expression, **operands), np.float32,
                         err_msg=f"{rows} x {cols}")
     assert len(sources) == 1
+
+
+def test_long_reductions_are_cut_into_chunks_added_atomically(rng):
+    """A dot plan updating a plain left-hand side over a long reduction (a SparseLinear's value gradient: one
+    32 x 32 dot over the whole batch per block) cuts it into chunks summed by programs of their own and added
+    atomically; the chunks, the last one short, add up to the reference. Short reductions and deterministic mode
+    keep one program per output tile."""
+    def spec_for(batch, deterministic=False):
+        operands = dict(X=rng.standard_normal((batch, 6, 16)).astype(np.float32),
+                        Dy=rng.standard_normal((batch, 5, 16)).astype(np.float32),
+                        Ai=np.sort(rng.integers(0, 5, 7)).astype(np.int32),
+                        Ak=rng.integers(0, 6, (7, 1)).astype(np.int32),
+                        dAv=np.zeros((7, 16, 16, 1), np.float32))
+        with jinsum.deterministic(deterministic):
+            return _spec("dAv[g,m,k,p] += X[n,Ak[g,p],k] * Dy[n,Ai[g],m]", operands), operands
+
+    spec, operands = spec_for(2500)
+    plan = make_plan(spec)
+    assert (plan.write, plan.config.k_chunks, plan.k_chunk, plan.config.window) == ("atomic", 3, 896, 1)
+    assert "n in 3 chunks" in generate(plan)
+    expected = reference(str(spec.statement), **operands)
+    for config in (KernelConfig(), KernelConfig(k_chunks=5, block_m=16, block_n=16, block_k=16, window=3)):
+        assert_allclose(interpret(spec, operands, config), expected, np.float32, err_msg=str(config))
+    assert make_plan(spec_for(500)[0]).config.k_chunks == 1 and make_plan(spec_for(500)[0]).write == "update"
+    assert make_plan(spec_for(2500, deterministic=True)[0]).config.k_chunks == 1

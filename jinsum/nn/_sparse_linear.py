@@ -7,10 +7,11 @@ transformers: the Scorch and SparseTIR workloads), element by element or in dens
     element:  Y^T[Ai[g],n] += Wv[g,p] * X^T[Ak[g,p],n]            (NumPy subscripts "oi,in->on", an SpMM)
     block:    Y[n,Ai[g],m] += X[n,Ak[g,p],k] * Wv[g,m,k,p]       ("ni,oi->no", tensor-core dots)
 
-writes each output row (element) or column block (block) from one program (no atomics). Its two gradients are statements too: `dX` runs the same
-kernel over the pattern's entries in column order (built once, at construction), `dW` is an SDDMM, one dot per
-stored block. The pattern is a constant of the layer (`SparsityPattern`, not a `Param`: optimisers leave it alone);
-only the stored values are parameters, so memory and work scale with the density.
+writes each output row (element) or column block (block) from one program (no atomics). Its two gradients are
+statements too: `dX` runs the same kernel over the pattern's entries in column order (built once, at construction),
+`dW` is an SDDMM, one dot per stored block (a long batch cut into chunks, added atomically). The pattern is a
+constant of the layer (`SparsityPattern`, not a `Param`: optimisers leave it alone); only the stored values are
+parameters, so memory and work scale with the density.
 """
 
 from __future__ import annotations
