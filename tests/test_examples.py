@@ -36,6 +36,7 @@ RUNS = {
                                    "plain JAX gather + segment_sum"]),
     "packed_lm/main.py": (["--smoke"], ["dense causal + document mask", "sliding window + document mask",
                                         "BigBird + document mask"]),
+    "sparse_mlp/main.py": (["--smoke"], ["jinsum SparseLinear, 10% of the weights", "dense nnx.Linear"]),
 }
 
 
