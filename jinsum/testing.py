@@ -166,6 +166,24 @@ def random_operands(spec: Spec, rng: np.random.Generator, dtype=None) -> dict[st
     return operands
 
 
+class CountingJit:
+    """`jax.jit(fn, **jit_kwargs)` that counts its traces (`.traces`): how many programs it compiled, for tests that
+    the jit cache does not grow with the data. (The C++ dispatch cache behind `_cache_size()` stayed empty for every
+    function after some tests of a full run, so it cannot count compiles there.) Also a decorator."""
+
+    def __init__(self, fn, **jit_kwargs):
+        self.traces = 0
+
+        def counted(*args, **kwargs):
+            self.traces += 1
+            return fn(*args, **kwargs)
+
+        self._jitted = jax.jit(counted, **jit_kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self._jitted(*args, **kwargs)
+
+
 def specs_in(fn, *args) -> list[Spec]:
     """The checked statements `fn(*args)` binds, in order, including those inside nested jaxprs (jit, grad, ...)."""
     return [eqn.params["spec"] for eqn in equations(fn, *args) if eqn.primitive is jinsum_p]

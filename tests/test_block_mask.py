@@ -15,7 +15,7 @@ import jinsum
 import jinsum.nn
 from jinsum import _attention
 from jinsum.kernels import ChainConfig
-from jinsum.testing import assert_allclose
+from jinsum.testing import CountingJit, assert_allclose
 from jinsum.testing import dense_attention as reference
 
 from test_attention import _id, block_pattern, check_chain_kernels, graph_pattern, interpreted
@@ -184,7 +184,7 @@ def test_new_document_boundaries_reuse_the_compiled_program(rng):
     L, H = 64, 2
     q, k, v = qkv(rng, L, L, heads=H, dtype=np.float32)
 
-    @jax.jit
+    @CountingJit
     def step(doc, q, k, v):
         mask = jinsum.block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), L, L, 16, capacity=10)
         return jinsum.attention(q, k, v, mask), mask.overflow
@@ -195,7 +195,7 @@ def test_new_document_boundaries_reuse_the_compiled_program(rng):
         out, overflow = step(doc, q, k, v)
         assert not bool(overflow)
         assert_allclose(out, reference(q, k, v, (doc[:, None] == doc[None]) & (i >= j))[0], np.float32)
-    assert step._cache_size() == 1
+    assert step.traces == 1
 
 
 # --- capacity -------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from jax.test_util import check_grads
 import jinsum
 import jinsum.nn
 from jinsum.formats._build import capacity_group_size, group_bound
+from jinsum.testing import CountingJit
 
 
 @pytest.fixture(autouse=True)
@@ -149,14 +150,14 @@ def test_overflow_and_bad_indices_are_checkify_errors(rng):
 
 
 def test_one_compile_for_many_graphs(rng):
-    build = jax.jit(lambda e, x: jinsum.GroupCOO.from_edge_index(e, num_nodes=30, capacity=100) @ x)
+    build = CountingJit(lambda e, x: jinsum.GroupCOO.from_edge_index(e, num_nodes=30, capacity=100) @ x)
     x = rng.normal(size=(30, 2))
     for _ in range(10):
         n = int(rng.integers(0, 100))
         edges, _ = _pad(_edges(rng, 30, 30, n), np.ones(n), 100 - n, rng)
         out = build(edges, x)
         np.testing.assert_allclose(np.asarray(out), _reference(edges, np.ones(100), (30, 30)) @ x, atol=1e-12)
-    assert build._cache_size() == 1
+    assert build.traces == 1
 
 
 def test_from_neighbors_is_the_fixed_fanout_table(rng):
@@ -214,7 +215,7 @@ def _block_mask(rng, grid, density=0.4):
 def test_block_mask_built_in_jit_equals_the_host_build(rng):
     mask, block = _block_mask(rng, (7, 5)), (4, 3)
     host = jinsum.BlockGroupCOO.from_block_mask(mask, block_shape=block)
-    build = jax.jit(lambda m: jinsum.BlockGroupCOO.from_block_mask(m, block_shape=block, capacity=35))
+    build = CountingJit(lambda m: jinsum.BlockGroupCOO.from_block_mask(m, block_shape=block, capacity=35))
     A = build(mask)
     dense = np.kron(mask, np.ones(block))
     np.testing.assert_array_equal(np.asarray(host.todense()), dense)
@@ -231,7 +232,7 @@ def test_block_mask_built_in_jit_equals_the_host_build(rng):
         np.asarray(host.Ak).reshape(-1)[np.asarray(host_order.perm)])
     for _ in range(3):
         build(_block_mask(rng, (7, 5)))
-    assert build._cache_size() == 1
+    assert build.traces == 1
 
 
 def test_block_mask_overflow_keeps_the_first_blocks(rng):

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import jinsum.nn as jnn
+from jinsum.testing import CountingJit
 
 F = 3
 
@@ -64,7 +65,7 @@ def test_each_graph_in_a_batch_gives_what_it_gives_alone(rng, sizes):
         loader = jnn.GraphLoader(graphs, batch_size=3, budget=budget)
         model = _Model(nnx.Rngs(0))
         graphdef, state = nnx.split(model)
-        step = jax.jit(lambda state, batch: nnx.merge(graphdef, state)(batch))
+        step = CountingJit(lambda state, batch: nnx.merge(graphdef, state)(batch))
         seen = 0
         for batch in loader:
             out = step(state, batch)
@@ -79,7 +80,7 @@ def test_each_graph_in_a_batch_gives_what_it_gives_alone(rng, sizes):
             alone = nnx.grad(lambda m: sum(jnp.sum(m.alone(g) * weights) for g in graphs[seen: seen + real]))(model)
             jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12), masked, alone)
             seen += real
-        assert seen == len(graphs) and step._cache_size() == 1
+        assert seen == len(graphs) and step.traces == 1
         if sizes == [6, 6]:
             (batch,) = _batches(loader)
             assert batch.n_node.sum() == 12 and batch.n_edge.sum() == 24  # exactly at budget, nothing padded

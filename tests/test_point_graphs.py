@@ -11,6 +11,7 @@ from flax import nnx
 
 import jinsum
 import jinsum.nn as jnn
+from jinsum.testing import CountingJit
 
 
 def _brute_force(pos, k, batch, loop):
@@ -55,10 +56,10 @@ def test_knn_graph_reads_like_pyg_and_feeds_an_adjacency(rng):
 
 
 def test_new_positions_do_not_recompile(rng):
-    step = jax.jit(lambda p: jnn.knn_graph(p, 3, block_size=16))
+    step = CountingJit(lambda p: jnn.knn_graph(p, 3, block_size=16))
     for _ in range(5):
         step(rng.standard_normal((40, 3)))
-    assert step._cache_size() == 1
+    assert step.traces == 1
 
 
 def test_bad_arguments():
@@ -118,10 +119,10 @@ def test_radius_graph_feeds_an_adjacency(rng):
 
 
 def test_radius_new_positions_and_radii_do_not_recompile(rng):
-    step = jax.jit(lambda p, r: jnn.radius_graph(p, r, max_num_neighbors=6, block_size=16))
+    step = CountingJit(lambda p, r: jnn.radius_graph(p, r, max_num_neighbors=6, block_size=16))
     for r in (0.5, 1.0, 2.0):
         step(rng.standard_normal((40, 3)), r)
-    assert step._cache_size() == 1
+    assert step.traces == 1
 
 
 def test_radius_bad_arguments_and_empty_input():

@@ -11,6 +11,7 @@ import scipy.stats
 
 import jinsum
 from jinsum.sampling import CSRGraph, hop_sizes, sample_neighbors
+from jinsum.testing import CountingJit
 
 
 def _graph(rng, num_nodes=60, num_edges=400):
@@ -105,11 +106,8 @@ def test_an_epoch_of_batches_compiles_once(with_transpose, rng):
     graph = CSRGraph.from_edge_index(edges, n)
     features = jnp.asarray(rng.normal(size=(n, 3)))
 
-    traces = []  # (counted by traces: `_cache_size()`, the C++ dispatch cache, read 0 in some full-suite runs)
-
-    @jax.jit
+    @CountingJit
     def step(graph, seeds, key):
-        traces.append(seeds.shape)
         sample = sample_neighbors(graph, seeds, (3, 2), key, with_transpose=with_transpose)
         assert all((A.transposed is not None) == with_transpose for A in sample.adjacencies)
 
@@ -125,7 +123,7 @@ def test_an_epoch_of_batches_compiles_once(with_transpose, rng):
     for i in range(100):
         seeds = np.resize(np.roll(order, i), 8)
         grad = step(graph, seeds, jax.random.key(i))
-    assert len(traces) == 1
+    assert step.traces == 1
     # the last batch's gradient: each node's feature row counts the sampled paths from it to the seeds
     sample = sample_neighbors(graph, seeds, (3, 2), jax.random.key(99), with_transpose=with_transpose)
     paths = np.ones((8, 1))

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.test_util import check_grads
 
 import jinsum.nn as jnn
-from jinsum.testing import assert_allclose
+from jinsum.testing import CountingJit, assert_allclose
 
 # (in_features, out_features, block_shape, density): elements with padded groups (rows of unequal lengths), blocks
 # of unequal sides, a pattern with empty output columns and a single stored block.
@@ -104,21 +104,13 @@ def test_mixed_precision_within_half_precision_tolerance(case, dtype, rng):
 
 
 def test_new_inputs_and_values_compile_once(rng):
-    """Counted by traces: `_cache_size()` (the C++ dispatch cache) read 0 for this function in one full-suite run
-    (the Python path had served every call) while it read 1 alone; a trace is what a recompile needs."""
     layer, _ = _layer(12, 20, (4, 5), 0.4, param_dtype=jnp.float32)
     graphdef, state = nnx.split(layer)
-    traces = []
-
-    def apply(state, x):
-        traces.append(x.shape)
-        return nnx.merge(graphdef, state)(x)
-
-    forward = jax.jit(apply)
+    forward = CountingJit(lambda state, x: nnx.merge(graphdef, state)(x))
     for seed in range(3):
         state = jax.tree.map(lambda v: v + seed if jnp.issubdtype(v.dtype, jnp.floating) else v, state)
         forward(state, jnp.asarray(np.random.default_rng(seed).standard_normal((4, 12)), jnp.float32))
-    assert len(traces) == 1
+    assert forward.traces == 1
 
 
 def test_pattern_is_not_a_parameter(x64):
