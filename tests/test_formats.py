@@ -803,3 +803,15 @@ def test_block_group_coo_validation(kwargs, error, match):
 def test_block_group_coo_converter_errors(call, error, match):
     with pytest.raises(error, match=f"^BlockGroupCOO[.:] ?{match}"):
         call()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=300), st.integers(0, 3))
+def test_host_argsort_is_numpys_stable_argsort(keys, spare_bins):
+    """The host builders' counting sort (SciPy's CSR -> CSC) orders equal keys as they came, like NumPy's stable
+    sort, with unused bins and empty input."""
+    from jinsum.formats._build import host_argsort
+
+    key = np.asarray(keys, np.int64)
+    bins = (int(key.max()) + 1 if key.size else 1) + spare_bins
+    np.testing.assert_array_equal(host_argsort(key, bins), np.argsort(key, kind="stable"))

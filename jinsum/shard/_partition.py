@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.formats._build import host_argsort
 from jinsum.formats._convert import default_group_size, groups_from_csr, host_array
 from jinsum.formats._group_coo import TransposedIndex, transposed_index
 
@@ -248,7 +249,12 @@ def _entries(A: GroupCOO | BlockGroupCOO):
 def _grouped(rows, cols, values, shape: tuple[int, int], group_size: int, block: bool):
     """`GroupCOO` (`BlockGroupCOO`, with `block`) arrays of COO entries (duplicates kept: a maximum over them must
     see each), sorted by row, then column."""
-    order = np.argsort(rows * max(shape[1], 1) + cols, kind="stable")
+    key = rows * max(shape[1], 1) + cols
+    if key.size and not (key[1:] >= key[:-1]).all():  # (a part of a graph in row-major order keeps it)
+        order = host_argsort(cols, max(shape[1], 1))
+        order = order[host_argsort(rows[order], max(shape[0], 1))]
+    else:
+        order = np.arange(key.size)
     indptr = np.zeros(shape[0] + 1, np.int64)
     np.cumsum(np.bincount(rows, minlength=shape[0]), out=indptr[1:])
     Ai, Ak, Av = groups_from_csr(indptr, cols[order], values[order], group_size, values.dtype, shape[1])
@@ -353,18 +359,26 @@ def _mesh_axis(mesh, axis) -> str:
     return axis
 
 
+def _distinct(values: np.ndarray, size: int) -> np.ndarray:
+    """The distinct values of `values` (ints in `[0, size)`), sorted: a mask over `size`, not a sort."""
+    seen = np.zeros(size, bool)
+    seen[values] = True
+    return np.flatnonzero(seen)
+
+
 def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
     """The plan of moving the rows each part reads from other devices; those rows, `needed[d][s]`: the distinct
     rows of device `s` that part `d` reads (sorted); and the entries in part order: part `d`'s are
     `order[first[d]:first[d + 1]]`."""
     part = layout.owner[rows]
-    order = np.argsort(part, kind="stable")  # (stays in row order within a part)
+    order = host_argsort(part, parts)  # (stays in row order within a part)
     first = np.searchsorted(part[order], np.arange(parts + 1))
     col_owner = layout.owner[cols]
     needed = []
     for d in range(parts):
         mine = order[first[d]:first[d + 1]]
-        needed.append([np.unique(cols[mine][col_owner[mine] == s]) if s != d else None for s in range(parts)])
+        needed.append([_distinct(cols[mine][col_owner[mine] == s], layout.owner.size) if s != d else None
+                       for s in range(parts)])
     shift_rows = tuple(max(needed[d][(d - k) % parts].size for d in range(parts)) for k in range(1, parts))
     counts = tuple(sum(n.size for n in row if n is not None) for row in needed)
     R = layout.rows_per_part
@@ -439,15 +453,14 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
         o = layout.owner[c]
         mine = o == d
         c_remote, o_remote = c[~mine], o[~mine]
-        remote_cols = np.empty(c_remote.size, np.int64)
-        for s in range(parts):
-            at = o_remote == s
-            if s == d or not at.any():
-                continue
-            if plan.exchange == "halo":
-                remote_cols[at] = offsets[(d - s) % parts - 1] + np.searchsorted(needed[d][s], c_remote[at])
-            else:
-                remote_cols[at] = s * R + layout.local[c_remote[at]]
+        if plan.exchange == "halo":  # each needed row's position in the received rows (-1: not received)
+            received = np.full(layout.owner.size, -1, np.int64)
+            for s in range(parts):
+                if s != d:
+                    received[needed[d][s]] = offsets[(d - s) % parts - 1] + np.arange(needed[d][s].size)
+            remote_cols = received[c_remote]
+        else:
+            remote_cols = o_remote.astype(np.int64) * R + layout.local[c_remote]
         located["local"].append((r[mine], layout.local[c[mine]]))
         located["remote"].append((r[~mine], remote_cols))
         if d in here:
