@@ -10,7 +10,7 @@ import pathlib
 import re
 import tempfile
 
-_LOADED: dict[str, object] = {}
+_LOADED: dict[str, object] = {}  # digest -> module
 
 
 def cache_dir() -> pathlib.Path:
@@ -19,9 +19,9 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("JINSUM_CACHE_DIR", default))
 
 
-def load_kernel(source: str):
-    """The `@triton.jit` kernel defined by `source`, the function `jinsum_...` it defines (imported once per
-    distinct source and process)."""
+def load_kernel(source: str, name: str | None = None):
+    """The `@triton.jit` kernel `name` defined by `source`, by default the first function `jinsum_...` it defines
+    (the module is imported once per distinct source and process)."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:24]
     if digest not in _LOADED:
         directory = cache_dir()
@@ -34,6 +34,5 @@ def load_kernel(source: str):
         spec = importlib.util.spec_from_file_location(f"jinsum_generated_{digest}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        [name] = re.findall(r"^def (jinsum_\w+)\(", source, re.MULTILINE)
-        _LOADED[digest] = getattr(module, name)
-    return _LOADED[digest]
+        _LOADED[digest] = module
+    return getattr(_LOADED[digest], name or re.findall(r"^def (jinsum_\w+)\(", source, re.MULTILINE)[0])

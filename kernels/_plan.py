@@ -146,7 +146,27 @@ class KernelPlan:
     def adds_atomically(self) -> bool:
         """Some outputs are float-added by several programs (`tl.atomic_add`): the order, hence the rounding, varies
         from run to run. (Atomic maxima and minima are exact.)"""
-        return _writes_atomically(self.write, self.config) and self.reduction == "sum"
+        return _writes_atomically(self.write, self.config) and self.reduction == "sum" and not self.carries
+
+    @property
+    def acc_dtype(self) -> np.dtype:
+        """What values are multiplied and accumulated in: float32, float64 for float64 results."""
+        return np.dtype(np.float64 if np.float64 in (self.out_dtype, self.spec.lhs.dtype) else np.float32)
+
+    @property
+    def carries(self) -> bool:
+        """The `split` schedule into zeros, its shared rows carried instead of added atomically: each program stores
+        its partial sums of the (at most two) rows it shares with its neighbours into a scratch array, and a second
+        kernel (`jinsum_lanes_fixup`) adds each shared row's partials in a fixed order and stores the row; the first
+        kernel stores every other row, the empty ones as zeros. So nothing zero-fills the output first, no atomics
+        run (the result is the same in every run), and a 16-bit output is written in its dtype, not in float32 and
+        cast after. For sums (`+=`) with one row index and one lane variable on the left (SpMM's `C[Ai[g],n]`),
+        outside grids and row tiles, with 16-bit results or in deterministic mode: for float32 results the zero
+        fill and the atomics cost the same (H100, SpMM F = 128 on R-MAT 17 / 20: 0.250 / 2.42 ms device time
+        against 0.254 / 2.54; the first kernel stores the empty rows, the fill wrote them faster)."""
+        return (_carriable(self.spec, self.lanes, self.rows, self.write, self.grid, self.write_loops)
+                and self.template == "lanes" and self.config.schedule == "split"
+                and (self.spec.deterministic or np.dtype(self.spec.lhs.dtype).itemsize < 4))
 
     @property
     def reduction(self) -> str:
@@ -169,9 +189,9 @@ class KernelPlan:
     @property
     def covers_output(self) -> bool:
         """Row programs into zeros write every element of the output once: a program per row (empty rows too, which
-        store zeros) and the output's other axes parallel variables. The launcher then leaves the output unfilled
-        (a zero fill of a block SpMM's output is 6% of its time)."""
-        return self.row_programs and self.zeroes_output  # (a segmented write has one indirection on the left)
+        store zeros) and the output's other axes parallel variables; so do carried windows (`carries`). The
+        launcher then leaves the output unfilled (a zero fill of a block SpMM's output is 6% of its time)."""
+        return (self.row_programs or self.carries) and self.zeroes_output  # (a segmented write: one indirection)
 
     @functools.cached_property
     def tile_vars(self) -> tuple[str, ...]:
@@ -201,6 +221,12 @@ class KernelPlan:
         if self.row_programs:
             return self.row_count
         return -(-self.spec.extent[self.window] // self.config.window) if self.window else 1
+
+    @property
+    def fixup_sizes(self) -> dict[str, int]:
+        """The runtime sizes of the fixup kernel (`carries`): programs, groups and the output's rows."""
+        names = ("programs", f"size_{self.window}", f"rows_{self.spec.lhs.name}")
+        return {name: self.sizes[name] for name in names}
 
     @functools.cached_property
     def sizes(self) -> dict[str, int]:
@@ -323,9 +349,6 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             rows = window  # deterministic: the tile's runs of equal rows are summed inside the program
         else:
             config = dataclasses.replace(config, schedule="owned")
-    if spec.deterministic and summing and write == "segmented" and (config.schedule == "split"
-                                                                    or not (dot or config.schedule)):
-        config = dataclasses.replace(config, schedule="owned")  # every row written by one program: no atomics
     if spec.winners and config.schedule == "rows":
         config = dataclasses.replace(config, schedule="owned")  # (they read the result at each term's row)
     parallel = [v for v in scalar_loop if v != window]
@@ -340,6 +363,10 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             bodies *= spec.extent[v]
     write_loops = tuple(write_loops)
     grid = tuple(v for v in parallel if v not in write_loops)
+    if (spec.deterministic and summing and write == "segmented" and (config.schedule == "split"
+                                                                      or not (dot or config.schedule))
+            and not (not dot and _carriable(spec, lanes, rows, write, grid, write_loops))):
+        config = dataclasses.replace(config, schedule="owned")  # every row written by one program: no atomics
 
     given, config = config, default_config(spec, dot, tiles, config)
     chunks = 1
@@ -351,17 +378,24 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
         # A chunk is work enough for a program: one output tile each, all in flight (the SparseLinear value
         # gradient above: windows of 8 blocks 0.514 ms, of 2 0.252, of 1 0.232; unchunked 0.843).
         config = dataclasses.replace(config, window=given.window or 1)
-    out_dtype = np.dtype(spec.lhs.dtype)
-    if spec.winners:
-        out_dtype = np.dtype(np.int32)
-    elif _writes_atomically(write, config) and out_dtype.itemsize < 4:
-        out_dtype = np.dtype(np.float32)  # 16-bit atomics lose precision and are slow; the launcher casts back
     plan = KernelPlan(spec, "dot" if dot else "lanes", lanes, rows, dot, grid, window, write_loops, loops, write,
-                      config, out_dtype)
+                      config, np.dtype(np.int32) if spec.winners else np.dtype(spec.lhs.dtype))
+    if _writes_atomically(write, config) and not plan.carries and plan.out_dtype.itemsize < 4 and not spec.winners:
+        # 16-bit atomics lose precision and are slow; the launcher casts back
+        plan = dataclasses.replace(plan, out_dtype=np.dtype(np.float32))
     programs, tile_programs = plan.grid_shape
     if programs > INT32_LIMIT or tile_programs > 65535:
         return Fallback(f"the grid ({programs} x {tile_programs} programs) exceeds CUDA's launch limits")
     return plan
+
+
+def _carriable(spec: Spec, lanes: str | None, rows: str | None, write: str, grid: tuple[str, ...],
+               write_loops: tuple[str, ...]) -> bool:
+    """Whether a `split` schedule of this shape can carry its shared rows (`KernelPlan.carries`)."""
+    lhs = spec.statement.lhs.indices
+    return (write == "segmented" and spec.zero_lhs and spec.statement.reduction == "sum" and not spec.winners
+            and not grid and not write_loops and rows is None and len(lhs) == 2 and isinstance(lhs[0], Access)
+            and isinstance(lhs[1], Var) and lhs[1].name == lanes)
 
 
 def _writes_atomically(write: str, config: KernelConfig) -> bool:

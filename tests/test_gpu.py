@@ -41,7 +41,7 @@ def _jinsum(case, operands):
     return jax.jit(lambda ops: jinsum.einsum(case.expression, **ops, sorted_indices=_sorted(ops)))(operands)
 
 
-def _xla(case, operands):
+def _on_xla(case, operands):
     """The same statement forced onto the XLA lowering, on the same device."""
     from jinsum._frontend import _einsum  # noqa: PLC0415
 
@@ -58,7 +58,7 @@ def test_catalog_kernels_on_gpu(case, dtype, rng):
     assert "triton_kernel_call" in lowered or case.name == "group_spmm_empty"
     actual = _jinsum(case, operands)
     assert_allclose(actual, reference(case.expression, **operands), dtype)
-    assert_allclose(actual, np.asarray(_xla(case, operands), np.float64), dtype, err_msg="against XLA")
+    assert_allclose(actual, np.asarray(_on_xla(case, operands), np.float64), dtype, err_msg="against XLA")
 
 
 @pytest.mark.parametrize("case", CATALOG, ids=repr)

@@ -54,8 +54,9 @@ def test_catalog_kernel_matches_reference_and_xla(case, dtype, config, rng):
 
 
 @pytest.mark.parametrize("config", [KernelConfig(), STRESS, KernelConfig(schedule="owned", window=2),
-                                    KernelConfig(schedule="rows"), KernelConfig(schedule="tile", window=3)],
-                         ids=["default", "stress", "owned", "rows", "tile"])
+                                    KernelConfig(schedule="rows"), KernelConfig(schedule="tile", window=3),
+                                    KernelConfig(schedule="split", window=2)],
+                         ids=["default", "stress", "owned", "rows", "tile", "split"])
 @pytest.mark.parametrize("case", [c for c in CATALOG if "+=" in c.expression], ids=repr)
 def test_kernels_into_zeros_store_without_reading(case, config, rng):
     operands = case.make(rng, np.float32)
@@ -270,3 +271,35 @@ def test_long_reductions_are_cut_into_chunks_added_atomically(rng):
         assert_allclose(interpret(spec, operands, config), expected, np.float32, err_msg=str(config))
     assert make_plan(spec_for(500)[0]).config.k_chunks == 1 and make_plan(spec_for(500)[0]).write == "update"
     assert make_plan(spec_for(2500, deterministic=True)[0]).config.k_chunks == 1
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("window", [1, 2, 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_windows_carry_shared_rows_without_atomics(window, dtype, deterministic, rng):
+    """An SpMM into zeros under the `split` schedule, with a 16-bit result or in deterministic mode, stores every
+    row once: a hub row running through several windows is added up by the fixup kernel from each window's partial
+    sums, and empty rows (before the first group's row, between rows, after the last) are stored as zeros by the
+    first kernel; the output is never zero-filled (the interpreter's launcher fills it with NaN), and 16-bit
+    outputs are written in their dtype. (Float32 results outside deterministic mode add shared rows atomically.)"""
+    lengths = np.array([0, 0, 3, 61, 0, 1, 0, 0, 9, 2, 0, 0])  # empty rows first, between and last; a hub row
+    # of 31 groups runs through more windows than the fixup kernel reads at once (`CHAIN`)
+    rows = np.repeat(np.arange(lengths.size), lengths)
+    cols = rng.integers(0, 10, rows.size)
+    A = jinsum.GroupCOO.from_scipy(sp.csr_matrix((rng.standard_normal(rows.size), (rows, cols)), (lengths.size, 10)),
+                                   group_size=2)
+    B = rng.standard_normal((10, 7)).astype(dtype)
+    operands = dict(Ai=np.asarray(A.Ai), Ak=np.asarray(A.Ak), Av=np.asarray(A.Av).astype(dtype), B=B,
+                    C=np.zeros((lengths.size, 7), dtype))
+    expression = "C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]"
+    spec = dataclasses.replace(_spec(expression, operands), zero_lhs=True, deterministic=deterministic)
+    config = KernelConfig(schedule="split", window=window)
+    plan = make_plan(spec, config)
+    carried = deterministic or dtype.itemsize < 4
+    assert plan.carries == plan.covers_output == (not plan.adds_atomically) == carried
+    assert plan.out_dtype == (dtype if carried else np.float32)
+    source = generate(plan)
+    assert ("def jinsum_lanes_fixup(" in source) == ("segment_store(" not in source) == carried  # (atomic helper)
+    actual = interpret(spec, operands, config)
+    assert actual.dtype == dtype
+    assert_allclose(actual, reference(expression, **operands), dtype)

@@ -21,16 +21,21 @@ from jinsum._lang import Spec
 from jinsum._rules._primitive import apply_epilogue, jinsum_p, split_epilogue
 
 
-def _lowering(evaluate: Callable[..., jax.Array], fuses_epilogue: Callable[[Spec], bool]):
-    """A lowering rule running `evaluate(*arrays, spec=spec)`, or deterministic mode's rewrite of the statement.
-    (Both read the statement's operands, `spec.names`; a column order's come after them.) An epilogue that
+def _lowering(evaluate: Callable[..., jax.Array], fuses_epilogue: Callable[[Spec], bool],
+              adds_in_order: Callable[[Spec], bool] = lambda spec: False):
+    """A lowering rule running `evaluate(*arrays, spec=spec)`, or deterministic mode's rewrite of the statement
+    where `adds_in_order(spec)` (the platform's evaluation adding each element's terms in a fixed order) does not
+    hold. (Both read the statement's operands, `spec.names`; a column order's come after them.) An epilogue that
     `fuses_epilogue(spec)` does not take into the statement's kernel is an element-wise pass after it."""
 
+    def rewrite(spec: Spec) -> bool:
+        return _deterministic.rewritten(spec) and not adds_in_order(spec)
+
     def rule(*arrays: jax.Array, spec: Spec) -> jax.Array:
-        if spec.epilogue is not None and (_deterministic.rewritten(spec) or not fuses_epilogue(spec)):
+        if spec.epilogue is not None and (rewrite(spec) or not fuses_epilogue(spec)):
             statement_arrays, captures = split_epilogue(arrays, spec)
             return apply_epilogue(spec, rule(*statement_arrays, spec=spec.without_epilogue), captures)
-        if _deterministic.rewritten(spec):
+        if rewrite(spec):
             return _deterministic.evaluate(spec, dict(zip(spec.arguments, arrays)),
                                            lambda s, a: evaluate(*(a[n] for n in s.arguments), spec=s))
         return evaluate(*arrays, spec=spec)
@@ -41,4 +46,5 @@ def _lowering(evaluate: Callable[..., jax.Array], fuses_epilogue: Callable[[Spec
 mlir.register_lowering(jinsum_p, _lowering(_xla.evaluate, lambda spec: False))
 mlir.register_lowering(jinsum_p, _lowering(functools.partial(_xla.evaluate, widen_halves=True), lambda spec: False),
                        platform="cpu")
-mlir.register_lowering(jinsum_p, _lowering(_triton.evaluate, _triton.fuses_epilogue), platform="cuda")
+mlir.register_lowering(jinsum_p, _lowering(_triton.evaluate, _triton.fuses_epilogue, _triton.adds_in_order),
+                       platform="cuda")

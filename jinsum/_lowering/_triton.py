@@ -7,6 +7,7 @@ generated kernel without a GPU. Statements the code generator does not take stay
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -19,8 +20,8 @@ import numpy as np
 from jinsum._lowering import _kernel_cache, _xla
 from jinsum._rules._primitive import split_epilogue
 from jinsum._lang import Spec
-from jinsum.kernels import (Fallback, KernelConfig, KernelPlan, canonical, generate, kernel_inputs, load_kernel,
-                            make_plan, tuned_config)
+from jinsum.kernels import (Fallback, KernelConfig, KernelPlan, canonical, generate, kernel_inputs,
+                            load_kernel, make_plan, tuned_config)
 
 
 class FallbackWarning(UserWarning):
@@ -72,6 +73,16 @@ def fuses_epilogue(spec: Spec) -> bool:
     return not isinstance(plan, Fallback) and plan.fuses_epilogue and _has_work(plan)
 
 
+def adds_in_order(spec: Spec) -> bool:
+    """Whether the kernel for `spec` adds each output element's terms in a fixed order as it stands (a carried
+    `split` schedule, `KernelPlan.carries`), so that deterministic mode runs it without the rewrite into sorted
+    segment reductions."""
+    if os.environ.get("JINSUM_TRITON", "1") == "0":
+        return False
+    plan = plan_for(spec)
+    return not isinstance(plan, Fallback) and plan.carries
+
+
 def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     """The statement on CUDA arrays: one generated kernel (the body of the primitive's cuda lowering), or XLA's
     lowering where the statement is too small for a kernel to pay (`SMALL_TERMS`)."""
@@ -102,20 +113,25 @@ def evaluate(*arrays: jax.Array, spec: Spec) -> jax.Array:
     inputs = [env[n] for n in kernel_inputs(plan)]
     if plan.row_programs:
         inputs.append(row_starts(env[kernel_spec.lhs_sorted_index], plan.row_count, jnp))
-    out = _jax_triton().triton_call(
-        *inputs,
-        *plan.sizes.values(),
-        kernel=load_kernel(generate(plan)),
-        out_shape=jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype),
-        grid=plan.grid_shape,
-        input_output_aliases={0: 0} if plan.reads_lhs else {},
-        zeroed_outputs=(0,) if plan.zeroes_output and not plan.covers_output else (),
-        num_warps=plan.config.num_warps,
-        num_stages=plan.config.num_stages,
-        name="jinsum",
-        **_metaparameters(plan),
-    )
+    source, out_shape = generate(plan), jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype)
+    launch = functools.partial(_jax_triton().triton_call, grid=plan.grid_shape, num_warps=plan.config.num_warps,
+                               num_stages=plan.config.num_stages, name="jinsum", **_metaparameters(plan))
+    if plan.carries:  # the rows that windows share: partial sums, then the fixup kernel adds them up
+        out, partials = launch(*inputs, *plan.sizes.values(), kernel=load_kernel(source),
+                               out_shape=(out_shape, jax.ShapeDtypeStruct(_partials_shape(plan), plan.acc_dtype)))
+        rows = env[kernel_spec.lhs_sorted_index]
+        out = launch(rows, partials, out, *plan.fixup_sizes.values(), out_shape=out_shape,
+                     kernel=load_kernel(source, f"jinsum_{plan.template}_fixup"), input_output_aliases={2: 0})
+        return out.astype(spec.out_dtype)
+    out = launch(*inputs, *plan.sizes.values(), kernel=load_kernel(source), out_shape=out_shape,
+                 input_output_aliases={0: 0} if plan.reads_lhs else {},
+                 zeroed_outputs=(0,) if plan.zeroes_output and not plan.covers_output else ())
     return out.astype(spec.out_dtype)
+
+
+def _partials_shape(plan: KernelPlan) -> tuple[int, int, int]:
+    """The scratch array of a carried split schedule: two rows of partial sums per window (`KernelPlan.carries`)."""
+    return plan.windows, 2, plan.spec.extent[plan.lanes]
 
 
 def row_starts(rows, count: int, xp):
@@ -196,8 +212,17 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
         out.zero_()  # as the launcher's zeroed output: the kernel must not rely on the left-hand side's values
     if plan.reads_lhs:
         inputs.insert(0, out)  # aliased: the kernel reads and writes the output buffer only
-    load_kernel(generate(plan))[plan.grid_shape](*inputs, *plan.sizes.values(), out,
-                                                 num_warps=plan.config.num_warps, **_metaparameters(plan))
+    source, launch = generate(plan), dict(num_warps=plan.config.num_warps, **_metaparameters(plan))
+    if plan.carries:
+        import torch  # noqa: PLC0415
+
+        partials = torch.full(_partials_shape(plan), float("nan"), dtype=to_torch(np.zeros(0, plan.acc_dtype)).dtype)
+        load_kernel(source)[plan.grid_shape](*inputs, *plan.sizes.values(), out, partials, **launch)
+        rows = to_torch(np.asarray(arrays[plan.spec.lhs_sorted_index]))
+        load_kernel(source, f"jinsum_{plan.template}_fixup")[plan.grid_shape](
+            rows, partials, out, *plan.fixup_sizes.values(), out, **launch)
+    else:
+        load_kernel(source)[plan.grid_shape](*inputs, *plan.sizes.values(), out, **launch)
     return from_torch(out).astype(spec.out_dtype)
 
 
