@@ -15,6 +15,9 @@ neighbourhood and runs forward, backward and the update. Systems, every one time
   adjacency in column order, `with_transpose=(False, True)`);
 - PyG (where torch_geometric and CUDA torch are present): a vectorised NumPy sampler on the host (with
   replacement, the cheapest one to write) and PyG's `SAGEConv` on the sampled `edge_index`.
+Where there are several devices, jinsum also runs data parallel (`sampled_step(..., mesh=...)`: the seeds split
+over the devices, each sampling its share from the replicated graph, the gradients summed with `jax.lax.psum`),
+with the same batch split over the devices and with a batch per device.
 Also timed: `GroupCOO.from_edge_index(..., capacity=E)` from E random edges on the device, with its column order
 (`--build-edges`, 1M by default), against a plain `jnp.argsort` of the same edges. Results go to `--out` as
 `minibatch_<device>.{md,csv}`; each jitted step's compile count is checked (one).
@@ -187,19 +190,29 @@ def main() -> None:
             if system.split(" (")[0] in args.skip:
                 continue
             train, _, state = sampled_step(model(SIZES, rngs=nnx.Rngs(0)), FANOUTS, **sampling)
-            steps.append((f"{system}, {reading}", note, train, state))
+            steps.append((f"{system}, {reading}", note, train, state, batches))
+    devices = jax.devices()
+    if len(devices) > 1 and "jinsum" not in args.skip:  # data parallel: each device samples its share of the seeds
+        mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+        D = len(devices)
+        wide = [jnp.asarray(order[i * D * args.batch:(i + 1) * D * args.batch].astype(np.int32)) for i in range(8)]
+        for label, seeds in ((f"batch {args.batch} split over them", batches), (f"batch {D} x {args.batch}", wide)):
+            train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh,
+                                           **readings["in place"])
+            steps.append((f"jinsum, in place, {D} devices data parallel, {label}",
+                          "1 compile; gradients summed with psum", train, state, seeds))
     # Three passes over the systems, the first discarded: on a GPU whichever system ran first measured 0.2-0.4 ms a
     # step slower (clocks and first-launch work). The steps are bound by the host's dispatch (XLA updating its
     # command buffers with each call's new buffers), which drifts by up to 0.2 ms between passes: the row is the
     # mean of the two timed passes' medians, and the note gives the device's own time, which does not drift.
     timed = {}
     for _ in range(3):
-        for system, note, train, state in steps:
+        for system, note, train, state, seeds in steps:
             try:
-                timed.setdefault(system, []).append(time_step(train, state, graph, x, y, batches, args.calls))
+                timed.setdefault(system, []).append(time_step(train, state, graph, x, y, seeds, args.calls))
             except Exception:  # a system that fails is a row, not the end of the run
                 traceback.print_exc()
-    for system, note, _, _ in steps:
+    for system, note, *_ in steps:
         runs = timed.get(system, [])[1:]
         if not runs:
             record(workload, system, None, "failed")

@@ -18,10 +18,13 @@ Each step draws a batch of seed nodes from a shuffled epoch, samples their two-h
 - plain JAX: the same on-device sampler, then gathers + a sorted `jax.ops.segment_sum` per layer;
 - PyG (where torch_geometric is installed): a vectorised NumPy sampler on the host, PyG's `SAGEConv` on the
   sampled `edge_index`, on CUDA when torch has it.
+- jinsum, data parallel (where there are several devices): the seeds split over the devices, each sampling its
+  share from the replicated graph, the gradients summed with `jax.lax.psum` (`sampled_step(..., mesh=...)`).
 Reported: steps per second over the training run (with a progress bar), the compile count of each jitted step, and
 the test accuracy (inference on sampled neighbourhoods of the test nodes, as in training).
 
-    python examples/minibatch_sage/main.py [--scale 18] [--epochs 2] [--batch 1024] [--fanouts 15 10] [--smoke]
+    python examples/minibatch_sage/main.py [--scale 18] [--epochs 2] [--batch 1024] [--fanouts 15 10] [--devices D]
+                                           [--smoke]
 """
 
 from __future__ import annotations
@@ -87,10 +90,17 @@ class SegmentSAGE(nnx.Module):
         return x
 
 
-def sampled_step(model, fanouts, *, learning_rate=0.01, **sampling):
+def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
     """`(train, predict, state)`: jitted functions of `(state, graph, features, labels, seeds, key)` that sample the
     seeds' neighbourhood on the device (`sampling`: `sample_neighbors`' keywords); `train` returns the new state
-    and the loss, `predict` the seeds' classes. `model(features, sample)` gives the sample's destinations' logits."""
+    and the loss, `predict` the seeds' classes. `model(features, sample)` gives the sample's destinations' logits.
+
+    Data parallel over a one-axis `mesh` (`jax.sharding.Mesh(jax.devices(), ("data",))`): the seeds are split into D equal
+    shards, device d samples its shard's neighbourhood from the replicated graph with the key
+    `jax.random.fold_in(key, d)` and takes the gradient of its share of the batch's mean loss, and the gradients
+    are summed over the devices (`jax.lax.psum`) before every device applies the same Adam update: the step of one
+    device over the whole batch sampled shard by shard with those keys (`tests/test_examples.py` checks it on 4
+    CPU devices). `len(seeds)` must divide by D."""
     optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
 
@@ -98,19 +108,39 @@ def sampled_step(model, fanouts, *, learning_rate=0.01, **sampling):
         sample = sample_neighbors(graph, seeds, fanouts, key, **sampling)
         return model(features, sample)[: seeds.shape[0]]
 
-    @jax.jit
-    def train(state, graph, features, labels, seeds, key):
+    def loss_sum(model, graph, features, labels, seeds, key):
+        """The summed cross-entropy of the real seeds (a short last batch is padded with -1), and their count."""
+        real = seeds >= 0
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits(model, graph, features, seeds, key),
+                                                                 labels[jnp.maximum(seeds, 0)])
+        return jnp.sum(jnp.where(real, losses, 0)), real.sum()
+
+    def update(state, graph, features, labels, seeds, key, total=lambda x: x):
+        """One Adam step on the mean loss over the seeds of every shard (`total` sums over the shards)."""
         model, optimizer = nnx.merge(graphdef, state)
-        real = seeds >= 0  # a short last batch is padded with -1
+        count = jnp.maximum(total(jnp.sum(seeds >= 0)), 1)
 
         def loss_fn(model):
-            losses = optax.softmax_cross_entropy_with_integer_labels(logits(model, graph, features, seeds, key),
-                                                                     labels[jnp.maximum(seeds, 0)])
-            return jnp.sum(jnp.where(real, losses, 0)) / jnp.maximum(real.sum(), 1)
+            return loss_sum(model, graph, features, labels, seeds, key)[0] / count
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
+        optimizer.update(model, total(grads))
+        return nnx.state((model, optimizer)), total(loss)
+
+    if mesh is None:
+        train = jax.jit(update)
+    else:
+        [axis] = mesh.axis_names
+        replicated, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(axis)
+
+        def shard(state, graph, features, labels, seeds, key):
+            key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+            return update(state, graph, features, labels, seeds, key, lambda x: jax.lax.psum(x, axis))
+
+        train = jax.jit(jax.shard_map(shard, mesh=mesh, out_specs=(replicated, replicated),
+                                      in_specs=(replicated, replicated, replicated, replicated, split, replicated)))
+        # (placed as the steps return it: the first step's input then has the sharding of every later one's)
+        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, replicated))
 
     @jax.jit
     def predict(state, graph, features, seeds, key):
@@ -259,6 +289,8 @@ def main(argv=None) -> None:
     p.add_argument("--fanouts", type=int, nargs="+", default=[15, 10])
     p.add_argument("--features", type=int, default=64)
     p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--devices", type=int, default=0,
+                   help="also train data parallel on this many devices (default: all, where there are several)")
     args = p.parse_args(argv)
     if args.smoke:
         args.scale, args.epochs, args.batch = 9, 1, 64
@@ -280,8 +312,13 @@ def main(argv=None) -> None:
     rows = []
     # The first layer reads the feature table in place, inner layers get their column order (module docstring).
     sampling = dict(outer_sources="graph", with_transpose=(False,) + (True,) * (len(fanouts) - 1))
-    for name, model in [("jinsum SAGEConv", JinsumSAGE), ("plain JAX segment_sum", SegmentSAGE)]:
-        train, predict, state = sampled_step(model(sizes, rngs=nnx.Rngs(args.seed)), fanouts, **sampling)
+    runs = [("jinsum SAGEConv", JinsumSAGE, None), ("plain JAX segment_sum", SegmentSAGE, None)]
+    devices = jax.devices()[: args.devices or len(jax.devices())]
+    if len(devices) > 1 and args.batch % len(devices) == 0:  # each device samples its share of the seeds
+        mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+        runs.append((f"jinsum SAGEConv, {len(devices)} devices (data parallel)", JinsumSAGE, mesh))
+    for name, model, mesh in runs:
+        train, predict, state = sampled_step(model(sizes, rngs=nnx.Rngs(args.seed)), fanouts, mesh=mesh, **sampling)
         rate, accuracy, compiles = run_jax(name, train, predict, state, graph, x, y,
                                            [jnp.asarray(b) for b in train_batches],
                                            [jnp.asarray(b) for b in test_batches], args.epochs, args.seed)

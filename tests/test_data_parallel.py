@@ -1,0 +1,85 @@
+"""Data-parallel mini-batch training (examples/minibatch_sage's `sampled_step(..., mesh=...)`) on 4 CPU devices: each
+device samples its shard of the seeds from the replicated graph and the gradients are summed over the devices, which
+must equal one device sampling the shards one after another with the same keys, loss and updated parameters."""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jinsum.datasets import rmat
+from jinsum.sampling import CSRGraph, sample_neighbors
+from jinsum.testing import CountingJit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from minibatch_sage.main import JinsumSAGE, sampled_step  # noqa: E402
+
+SIZES, FANOUTS = (16, 32, 4), (5, 3)
+SAMPLING = dict(outer_sources="graph", with_transpose=(False, True))
+
+
+@pytest.fixture(scope="module")
+def task():
+    edge_index, n = rmat(10, undirected=True, seed=0), 1 << 10
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(n, SIZES[0])).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, SIZES[-1], n).astype(np.int32))
+    seeds = np.concatenate([rng.permutation(n)[:60], np.full(4, -1)]).astype(np.int32)  # the last shard padded
+    return CSRGraph.from_edge_index(edge_index, n), x, y, jnp.asarray(seeds)
+
+
+def _one_device_over_shards(graph, x, y, seeds, key, shards: int):
+    """The reference: one model and Adam, the shards sampled in turn with `fold_in(key, d)`, one mean loss."""
+    model = JinsumSAGE(SIZES, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+
+    def loss_fn(model):
+        total = 0.0
+        for d, part in enumerate(jnp.split(seeds, shards)):
+            sample = sample_neighbors(graph, part, FANOUTS, jax.random.fold_in(key, d), **SAMPLING)
+            losses = optax.softmax_cross_entropy_with_integer_labels(model(x, sample)[: part.shape[0]],
+                                                                     y[jnp.maximum(part, 0)])
+            total += jnp.sum(jnp.where(part >= 0, losses, 0))
+        return total / jnp.sum(seeds >= 0)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss, model
+
+
+def test_data_parallel_step_equals_one_device_over_the_shards(task):
+    graph, x, y, seeds = task
+    devices = jax.devices()
+    assert len(devices) == 4, "conftest runs the suite on 4 host devices"
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    key = jax.random.key(7)
+    train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh, **SAMPLING)
+    new_state, loss = train(state, graph, x, y, seeds, key)
+    expected_loss, expected = _one_device_over_shards(graph, x, y, seeds, key, len(devices))
+    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-5)
+    trained = jax.tree.leaves(new_state[0])  # (the state of (model, optimizer): the model's first)
+    reference = jax.tree.leaves(nnx.state(expected))
+    assert len(trained) == len(reference)
+    for a, b in zip(trained, reference):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # (Adam: lr 0.01)
+    # The shards drew different neighbourhoods: not a single device's step over the whole batch with one key.
+    single, _, state1 = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, **SAMPLING)
+    assert abs(float(single(state1, graph, x, y, seeds, key)[1]) - float(loss)) > 1e-6
+
+
+def test_data_parallel_step_compiles_once(task):
+    graph, x, y, seeds = task
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh, **SAMPLING)
+    counted = CountingJit(lambda *args: train(*args))
+    rng = np.random.default_rng(1)
+    for step in range(3):  # new seeds and keys every step, as in training
+        batch = jnp.asarray(rng.permutation(x.shape[0])[: seeds.shape[0]].astype(np.int32))
+        state, loss = counted(state, graph, x, y, batch, jax.random.key(step))
+        assert np.isfinite(float(loss))
+    assert counted.traces == 1
