@@ -79,8 +79,10 @@ def capacity_group_size(capacity: int, num_rows: int) -> int:
 def _scatter(xp, target, index, values):
     """``target[index] = values``, dropping indices ``>= len(target)``."""
     if xp is np:
-        keep = index < target.shape[0]
-        target[index[keep]] = values[keep]
+        if index.size and index.max() >= target.shape[0]:  # (on the host usually none is dropped: no copies then)
+            keep = index < target.shape[0]
+            index, values = index[keep], values[keep]
+        target[index] = values
         return target
     return target.at[index].set(values.astype(target.dtype), mode="drop")
 
@@ -110,9 +112,12 @@ def group_slots(xp, rows, *, num_rows: int, group_size: int, num_groups: int):
     lengths = _row_lengths(xp, rows, num_rows)
     groups = -(-lengths // group_size)
     first_group = xp.cumsum(groups) - groups
-    row_start = xp.cumsum(lengths) - lengths
-    row = xp.minimum(rows, max(num_rows - 1, 0))
-    slot = first_group[row] * group_size + xp.arange(rows.shape[0]) - row_start[row]
+    # Entry i of row r: slot first_group[r] * P + (i - row_start[r]), one gather of the rows' shifts.
+    shift = first_group * group_size - (xp.cumsum(lengths) - lengths)
+    if xp is np and num_groups * group_size + rows.shape[0] < np.iinfo(np.int32).max:
+        shift = shift.astype(np.int32)  # (half the bytes of every pass over the entries on the host)
+    positions = xp.arange(rows.shape[0], dtype=shift.dtype)
+    slot = shift[xp.minimum(rows, max(num_rows - 1, 0))] + positions
     return xp.where(rows < num_rows, slot, num_groups * group_size), first_group, groups
 
 

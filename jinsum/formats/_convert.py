@@ -384,7 +384,8 @@ def groups_from_csr(indptr, indices, data, group_size: int, dtype, num_cols: int
     num_rows = indptr.size - 1
     lengths = np.diff(indptr)
     num_groups = int((-(-lengths // group_size)).sum())
-    rows = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)
+    rows = np.repeat(np.arange(num_rows, dtype=np.int32 if num_rows < np.iinfo(np.int32).max else np.int64),
+                     lengths)
     Ai, Ak, Av, _ = groups_from_rows(np, rows, np.asarray(indices), np.asarray(data), num_rows=num_rows,
                                      group_size=group_size, num_groups=num_groups, dtype=dtype,
                                      index_dtype=index_dtype(num_rows, num_cols))

@@ -17,7 +17,9 @@ local matrix can run while the rows are in flight. The rows travel one of two wa
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +27,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.formats._build import host_argsort
+from jinsum.formats._build import host_argsort, transposed_from_slots
 from jinsum.formats._convert import default_group_size, groups_from_csr, host_array
-from jinsum.formats._group_coo import TransposedIndex, transposed_index
+from jinsum.formats._group_coo import TransposedIndex
 
 EXCHANGES = ("auto", "halo", "all_gather")
 SPLITS = ("auto", "contiguous", "dealt")
@@ -94,7 +96,7 @@ def _ranks(owner: np.ndarray, parts: int) -> np.ndarray:
     """Each row's rank among the rows of its device, in row order."""
     order = np.argsort(owner, kind="stable")
     counts = np.bincount(owner, minlength=parts)
-    ranks = np.empty(owner.size, np.int64)
+    ranks = np.empty(owner.size, np.int32 if owner.size < np.iinfo(np.int32).max else np.int64)
     ranks[order] = np.arange(owner.size) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
     return ranks
 
@@ -243,21 +245,20 @@ def _entries(A: GroupCOO | BlockGroupCOO):
     else:
         values = Av.reshape(Ak.size, *A.dense_shape)
     keep = values.reshape(Ak.size, -1).any(axis=1) if Ak.size else np.zeros(0, bool)
-    return np.repeat(Ai, Ak.shape[1])[keep].astype(np.int64), Ak.reshape(-1)[keep].astype(np.int64), values[keep]
+    return np.repeat(Ai, Ak.shape[1])[keep], Ak.reshape(-1)[keep], values[keep]  # (the format's index dtype)
 
 
 def _grouped(rows, cols, values, shape: tuple[int, int], group_size: int, block: bool):
     """`GroupCOO` (`BlockGroupCOO`, with `block`) arrays of COO entries (duplicates kept: a maximum over them must
     see each), sorted by row, then column."""
-    key = rows * max(shape[1], 1) + cols
-    if key.size and not (key[1:] >= key[:-1]).all():  # (a part of a graph in row-major order keeps it)
-        order = host_argsort(cols, max(shape[1], 1))
+    later = rows[1:] > rows[:-1]
+    if not (later | ((rows[1:] == rows[:-1]) & (cols[1:] >= cols[:-1]))).all():  # (a part of a graph in
+        order = host_argsort(cols, max(shape[1], 1))                             # row-major order keeps it)
         order = order[host_argsort(rows[order], max(shape[0], 1))]
-    else:
-        order = np.arange(key.size)
+        cols, values = cols[order], values[order]
     indptr = np.zeros(shape[0] + 1, np.int64)
     np.cumsum(np.bincount(rows, minlength=shape[0]), out=indptr[1:])
-    Ai, Ak, Av = groups_from_csr(indptr, cols[order], values[order], group_size, values.dtype, shape[1])
+    Ai, Ak, Av = groups_from_csr(indptr, cols, values, group_size, values.dtype, shape[1])
     return Ai, Ak, (np.moveaxis(Av, 1, 3) if block else Av)
 
 
@@ -301,16 +302,20 @@ def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | Blo
         x = np.asarray(x)
         return np.concatenate([x, np.full((size - x.shape[0], *x.shape[1:]), fill, x.dtype)])
 
-    Ais, Aks, Avs, indices = [], [], [], []
-    for r, c, v in parts:
-        Ai, Ak, Av = _grouped(r, c, v, shape, sizes.group_size, block)
-        Ais.append(padded(Ai, groups, rows - 1).astype(np.int32))
-        Aks.append(padded(Ak, groups, 0).astype(np.int32))
-        Avs.append(padded(Av, groups, 0))
+    def build(part):
+        Ai, Ak, Av = _grouped(*part, shape, sizes.group_size, block)
+        Ai, Ak, Av = padded(Ai, groups, rows - 1).astype(np.int32), padded(Ak, groups, 0).astype(np.int32), \
+            padded(Av, groups, 0)
         # (each slot: a value nonzero anywhere in its dense dimensions or block)
-        nonzero = (Avs[-1] != 0).any(axis=(1, 2)).reshape(-1) if block else \
-            (Avs[-1].reshape(groups * Ak.shape[1], -1) != 0).any(axis=1)
-        indices.append(transposed_index(where, Ais[-1], Aks[-1], nonzero, shape, jnp.int32, sizes.column_group))
+        nonzero = (Av != 0).any(axis=(1, 2)).reshape(-1) if block else \
+            (Av.reshape(groups * Ak.shape[1], -1) != 0).any(axis=1)
+        found = transposed_from_slots(np, Ai, Ak, nonzero, num_columns=cols, group_size=sizes.column_group,
+                                      num_groups=None, index_dtype=np.int32)
+        return Ai, Ak, Av, TransposedIndex(*found)
+
+    # The parts are independent, and NumPy's and SciPy's loops release the GIL: one thread per part.
+    with concurrent.futures.ThreadPoolExecutor(min(len(parts), os.cpu_count() or 1) or 1) as pool:
+        Ais, Aks, Avs, indices = zip(*pool.map(build, parts)) if parts else ((), (), (), ())
     transposed = TransposedIndex(
         perm=np.stack([padded(t.perm, entries, 0) for t in indices]),
         starts=np.stack([np.asarray(t.starts) for t in indices]),
