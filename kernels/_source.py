@@ -329,8 +329,9 @@ class _Writer:
             lanes = self.plan.lanes
             self.emit(f"if {shared}:")
             self.emit("    slot = tl.where((row == first_row) & shares_first, 0, 1)")
-            self.emit(f"    tl.store(p_partials + (pid * 2 + slot).to(tl.int64) * {self.spec.extent[lanes]} + v_{lanes}, "
-                      f"{value}, mask=m_{lanes})")
+            width = self.spec.extent[lanes]
+            self.emit(f"    tl.store(p_partials + (pid * 2 + slot).to(tl.int64) * {width} + v_{lanes}, {value}, "
+                      f"mask=m_{lanes})")
             self.emit("else:")
             self.depth += 1
             self._write_alone(pointer, value, mask, row="row")
@@ -353,8 +354,8 @@ class _Writer:
     def _fixup_kernel(self) -> list[str]:
         """The second kernel of a carried split schedule (`KernelPlan.carries`): the program of each window whose
         last row continues into the next window, and starts in this one, adds that row's partial sums, its own and
-        those of the windows it runs through (`FIXUP_TILE` elements at a time, in a fixed order: the same result in every run), and
-        stores the row."""
+        those of the windows it runs through (`FIXUP_TILE` elements at a time, in a fixed order: the same result in
+        every run), and stores the row."""
         plan, spec = self.plan, self.spec
         lanes, g, out = plan.lanes, plan.window, spec.lhs.name
         rows, size, width = f"p_{spec.lhs_sorted_index}", f"size_{g}", spec.extent[lanes]

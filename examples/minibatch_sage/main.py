@@ -95,11 +95,11 @@ def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
     seeds' neighbourhood on the device (`sampling`: `sample_neighbors`' keywords); `train` returns the new state
     and the loss, `predict` the seeds' classes. `model(features, sample)` gives the sample's destinations' logits.
 
-    Data parallel over a one-axis `mesh` (`jax.sharding.Mesh(jax.devices(), ("data",))`): the seeds are split into D equal
-    shards, device d samples its shard's neighbourhood from the replicated graph with the key
+    Data parallel over a one-axis `mesh` (`jax.sharding.Mesh(jax.devices(), ("data",))`): the seeds are split into D
+    equal shards, device d samples its shard's neighbourhood from the replicated graph with the key
     `jax.random.fold_in(key, d)` and takes the gradient of its share of the batch's mean loss, and the gradients
     are summed over the devices (`jax.lax.psum`) before every device applies the same Adam update: the step of one
-    device over the whole batch sampled shard by shard with those keys (`tests/test_examples.py` checks it on 4
+    device over the whole batch sampled shard by shard with those keys (`tests/test_data_parallel.py` checks it on 4
     CPU devices). `len(seeds)` must divide by D."""
     optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))

@@ -452,7 +452,9 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
     here = _parts_here(mesh, axis)
     located = {"local": [], "remote": []}  # every part's (rows, columns) of its entries
     built = {"local": [], "remote": []}  # this process's parts' (rows, columns, values)
-    for d in range(parts):
+
+    def locate(d: int):
+        """Part d's entries as `(rows, columns)` of its local and remote matrices, and their values if built here."""
         entries = order[first[d]:first[d + 1]]
         r, c = layout.local[rows[entries]], cols[entries]
         o = layout.owner[c]
@@ -466,16 +468,20 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
             remote_cols = received[c_remote]
         else:
             remote_cols = o_remote.astype(np.int64) * R + layout.local[c_remote]
-        located["local"].append((r[mine], layout.local[c[mine]]))
-        located["remote"].append((r[~mine], remote_cols))
-        if d in here:
-            v = values[entries]
-            built["local"].append((*located["local"][-1], v[mine]))
-            built["remote"].append((*located["remote"][-1], v[~mine]))
+        local_part, remote_part = (r[mine], layout.local[c[mine]]), (r[~mine], remote_cols)
+        values_here = values[entries] if d in here else None
+        return local_part, remote_part, values_here, mine
 
-    shapes = {"local": (R, R), "remote": (R, max(plan.columns, 1))}
-    local, remote = (_stack(built[kind], _Sizes.of(located[kind], shapes[kind]), shapes[kind], A, where)
-                     for kind in ("local", "remote"))
+    with concurrent.futures.ThreadPoolExecutor(min(parts, os.cpu_count() or 1)) as pool:
+        for d, (local_part, remote_part, v, mine) in enumerate(pool.map(locate, range(parts))):
+            located["local"].append(local_part)
+            located["remote"].append(remote_part)
+            if v is not None:
+                built["local"].append((*local_part, v[mine]))
+                built["remote"].append((*remote_part, v[~mine]))
+        shapes = {"local": (R, R), "remote": (R, max(plan.columns, 1))}
+        local, remote = pool.map(lambda kind: _stack(built[kind], _Sizes.of(located[kind], shapes[kind]),
+                                                     shapes[kind], A, where), ("local", "remote"))
     send = np.zeros((len(here), max(sum(plan.shift_rows), 1)), np.int32)
     for row, s in zip(send, here):
         for k in range(1, parts if plan.exchange == "halo" else 1):
