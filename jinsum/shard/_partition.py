@@ -377,13 +377,15 @@ def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
     `order[first[d]:first[d + 1]]`."""
     part = layout.owner[rows]
     order = host_argsort(part, parts)  # (stays in row order within a part)
-    first = np.searchsorted(part[order], np.arange(parts + 1))
-    col_owner = layout.owner[cols]
-    needed = []
-    for d in range(parts):
-        mine = order[first[d]:first[d + 1]]
-        needed.append([_distinct(cols[mine][col_owner[mine] == s], layout.owner.size) if s != d else None
-                       for s in range(parts)])
+    first = np.concatenate([[0], np.cumsum(np.bincount(part, minlength=parts))])
+
+    def reads(d: int) -> list:
+        read = cols[order[first[d]:first[d + 1]]]
+        owner = layout.owner[read]
+        return [_distinct(read[owner == s], layout.owner.size) if s != d else None for s in range(parts)]
+
+    with concurrent.futures.ThreadPoolExecutor(min(parts, os.cpu_count() or 1)) as pool:
+        needed = list(pool.map(reads, range(parts)))
     shift_rows = tuple(max(needed[d][(d - k) % parts].size for d in range(parts)) for k in range(1, parts))
     counts = tuple(sum(n.size for n in row if n is not None) for row in needed)
     R = layout.rows_per_part
