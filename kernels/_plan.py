@@ -365,7 +365,7 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     grid = tuple(v for v in parallel if v not in write_loops)
     if (spec.deterministic and summing and write == "segmented" and (config.schedule == "split"
                                                                       or not (dot or config.schedule))
-            and not (not dot and _carriable(spec, lanes, rows, write, grid, write_loops))):
+            and (dot or not _carriable(spec, lanes, rows, write, grid, write_loops))):
         config = dataclasses.replace(config, schedule="owned")  # every row written by one program: no atomics
 
     given, config = config, default_config(spec, dot, tiles, config)

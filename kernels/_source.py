@@ -261,13 +261,11 @@ class _Writer:
             self.depth -= 1
             return
         if schedule == "split":
-            # Rows at the window's edges may continue in the neighbouring windows: those are added atomically.
-            self.emit(f"first_row = tl.load({rows} + start)")
-            self.emit(f"last_row = tl.load({rows} + stop - 1)")
-            self.emit(f"shares_first = tl.load({rows} + start - 1, mask=start > 0, other=-1) == first_row")
-            self.emit(f"shares_last = tl.load({rows} + stop, mask=stop < {size}, other=-1) == last_row")
+            # Rows at the window's edges may continue in the neighbouring windows: those are added atomically
+            # (or carried, `KernelPlan.carries`).
+            for line in self._window_edges():
+                self.emit(line)
             if plan.carries:  # the empty rows before this window's first row are this program's to store
-                self.emit(f"earlier = tl.load({rows} + start - 1, mask=start > 0, other=-1)")
                 self._store_empty_rows("earlier + 1", "first_row")
             begin, end = "start", "stop"
         else:
@@ -341,6 +339,15 @@ class _Writer:
             self.helpers.add(helper)
             self.emit(f"{helper}({pointer}, {value}, {mask}, {shared}, {self.reduction})")
 
+    def _window_edges(self) -> list[str]:
+        """The lines giving a `split` window's first and last rows and whether its neighbours share them."""
+        rows, size = f"p_{self.spec.lhs_sorted_index}", f"size_{self.plan.window}"
+        return [f"first_row = tl.load({rows} + start)",
+                f"last_row = tl.load({rows} + stop - 1)",
+                f"earlier = tl.load({rows} + start - 1, mask=start > 0, other=-1)  # the previous window's last row",
+                "shares_first = earlier == first_row",
+                f"shares_last = tl.load({rows} + stop, mask=stop < {size}, other=-1) == last_row"]
+
     def _store_empty_rows(self, first: str, end: str | None = None) -> None:
         """Zeros into the rows `first` up to `end` (exclusive; no further than the output's rows), which no group
         addresses (`carries`: the output is not zero-filled)."""
@@ -369,10 +376,8 @@ class _Writer:
             f"m_{lanes} = v_{lanes} < {width}",
             "start = pid * WINDOW",
             f"stop = tl.minimum(start + WINDOW, {size})",
-            f"first_row = tl.load({rows} + start)",
-            f"row = tl.load({rows} + stop - 1)",
-            f"shares_first = tl.load({rows} + start - 1, mask=start > 0, other=-1) == first_row",
-            f"shares_last = tl.load({rows} + stop, mask=stop < {size}, other=-1) == row",
+            *self._window_edges(),
+            "row = last_row",
             f"if shares_last & ((first_row != row) | ~shares_first) & (row >= 0) & (row < rows_{out}):",
             f"    acc = tl.load(p_partials + (pid * 2 + 1).to(tl.int64) * {width} + v_{lanes}, mask=m_{lanes}, "
             "other=0.0)",

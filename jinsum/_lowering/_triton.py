@@ -216,7 +216,7 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig = 
     if plan.carries:
         import torch  # noqa: PLC0415
 
-        partials = torch.full(_partials_shape(plan), float("nan"), dtype=to_torch(np.zeros(0, plan.acc_dtype)).dtype)
+        partials = torch.full(_partials_shape(plan), float("nan"), dtype=getattr(torch, plan.acc_dtype.name))
         load_kernel(source)[plan.grid_shape](*inputs, *plan.sizes.values(), out, partials, **launch)
         rows = to_torch(np.asarray(arrays[plan.spec.lhs_sorted_index]))
         load_kernel(source, f"jinsum_{plan.template}_fixup")[plan.grid_shape](

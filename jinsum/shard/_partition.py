@@ -289,8 +289,8 @@ class _Sizes:
                    most_groups(column_lengths, column_group), max(r.size for r, _ in everyone))
 
 
-def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | BlockGroupCOO,
-           where: str) -> GroupCOO | BlockGroupCOO:
+def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | BlockGroupCOO
+           ) -> GroupCOO | BlockGroupCOO:
     """Formats like `A` over a `shape` grid of (block) rows and columns, of the parts' entries `(rows, columns,
     values)`, with their transposed indices, padded to `sizes` (padding groups: last row, column 0, value 0) and
     stacked along a leading axis."""
@@ -313,9 +313,7 @@ def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | Blo
                                       num_groups=None, index_dtype=np.int32)
         return Ai, Ak, Av, TransposedIndex(*found)
 
-    # The parts are independent, and NumPy's and SciPy's loops release the GIL: one thread per part.
-    with concurrent.futures.ThreadPoolExecutor(min(len(parts), os.cpu_count() or 1) or 1) as pool:
-        Ais, Aks, Avs, indices = zip(*pool.map(build, parts)) if parts else ((), (), (), ())
+    Ais, Aks, Avs, indices = zip(*_on_threads(build, parts)) if parts else ((), (), (), ())
     transposed = TransposedIndex(
         perm=np.stack([padded(t.perm, entries, 0) for t in indices]),
         starts=np.stack([np.asarray(t.starts) for t in indices]),
@@ -364,6 +362,13 @@ def _mesh_axis(mesh, axis) -> str:
     return axis
 
 
+def _on_threads(fn, items) -> list:
+    """`[fn(x) for x in items]`, one thread per item (at most one per core): the parts of a partition are
+    independent, and NumPy's and SciPy's loops release the GIL."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(items), os.cpu_count() or 1))) as pool:
+        return list(pool.map(fn, items))
+
+
 def _distinct(values: np.ndarray, size: int) -> np.ndarray:
     """The distinct values of `values` (ints in `[0, size)`), sorted: a mask over `size`, not a sort."""
     seen = np.zeros(size, bool)
@@ -384,8 +389,7 @@ def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
         owner = layout.owner[read]
         return [_distinct(read[owner == s], layout.owner.size) if s != d else None for s in range(parts)]
 
-    with concurrent.futures.ThreadPoolExecutor(min(parts, os.cpu_count() or 1)) as pool:
-        needed = list(pool.map(reads, range(parts)))
+    needed = _on_threads(reads, range(parts))
     shift_rows = tuple(max(needed[d][(d - k) % parts].size for d in range(parts)) for k in range(1, parts))
     counts = tuple(sum(n.size for n in row if n is not None) for row in needed)
     R = layout.rows_per_part
@@ -474,16 +478,15 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
         values_here = values[entries] if d in here else None
         return local_part, remote_part, values_here, mine
 
-    with concurrent.futures.ThreadPoolExecutor(min(parts, os.cpu_count() or 1)) as pool:
-        for d, (local_part, remote_part, v, mine) in enumerate(pool.map(locate, range(parts))):
-            located["local"].append(local_part)
-            located["remote"].append(remote_part)
-            if v is not None:
-                built["local"].append((*local_part, v[mine]))
-                built["remote"].append((*remote_part, v[~mine]))
-        shapes = {"local": (R, R), "remote": (R, max(plan.columns, 1))}
-        local, remote = pool.map(lambda kind: _stack(built[kind], _Sizes.of(located[kind], shapes[kind]),
-                                                     shapes[kind], A, where), ("local", "remote"))
+    for local_part, remote_part, v, mine in _on_threads(locate, range(parts)):
+        located["local"].append(local_part)
+        located["remote"].append(remote_part)
+        if v is not None:
+            built["local"].append((*local_part, v[mine]))
+            built["remote"].append((*remote_part, v[~mine]))
+    shapes = {"local": (R, R), "remote": (R, max(plan.columns, 1))}
+    local, remote = _on_threads(lambda kind: _stack(built[kind], _Sizes.of(located[kind], shapes[kind]),
+                                                    shapes[kind], A), ("local", "remote"))
     send = np.zeros((len(here), max(sum(plan.shift_rows), 1)), np.int32)
     for row, s in zip(send, here):
         for k in range(1, parts if plan.exchange == "halo" else 1):
