@@ -49,7 +49,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from _training import package_versions  # noqa: E402
 from minibatch_sage.main import (  # noqa: E402
-    JinsumSAGE, SegmentSAGE, host_sample, pyg_trainer, sampled_step)
+    JinsumSAGE, SegmentSAGE, host_sample, on_mesh, pyg_trainer, sampled_step)
 
 ROWS: list[dict] = []
 
@@ -190,7 +190,7 @@ def main() -> None:
             if system.split(" (")[0] in args.skip:
                 continue
             train, _, state = sampled_step(model(SIZES, rngs=nnx.Rngs(0)), FANOUTS, **sampling)
-            steps.append((f"{system}, {reading}", note, train, state, batches))
+            steps.append((f"{system}, {reading}", note, train, state, (graph, x, y, batches)))
     devices = jax.devices()
     if len(devices) > 1 and "jinsum" not in args.skip:  # data parallel: each device samples its share of the seeds
         mesh = jax.sharding.Mesh(np.array(devices), ("data",))
@@ -200,26 +200,31 @@ def main() -> None:
             train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh,
                                            **readings["in place"])
             steps.append((f"jinsum, in place, {D} devices data parallel, {label}",
-                          "1 compile; gradients summed with psum", train, state, seeds))
+                          "1 compile; gradients summed with psum", train, state, on_mesh(mesh, graph, x, y, seeds)))
     # Three passes over the systems, the first discarded: on a GPU whichever system ran first measured 0.2-0.4 ms a
     # step slower (clocks and first-launch work). The steps are bound by the host's dispatch (XLA updating its
     # command buffers with each call's new buffers), which drifts by up to 0.2 ms between passes: the row is the
     # mean of the two timed passes' medians, and the note gives the device's own time, which does not drift.
     timed = {}
     for _ in range(3):
-        for system, note, train, state, seeds in steps:
+        for system, note, train, state, inputs in steps:
             try:
-                timed.setdefault(system, []).append(time_step(train, state, graph, x, y, seeds, args.calls))
+                timed.setdefault(system, []).append(time_step(train, state, *inputs, args.calls))
             except Exception:  # a system that fails is a row, not the end of the run
                 traceback.print_exc()
-    for system, note, *_ in steps:
+    one_device = "jinsum, in place"  # (the data-parallel rows' baseline: the same step on one device)
+    for system, note, _, _, inputs in steps:
         runs = timed.get(system, [])[1:]
         if not runs:
             record(workload, system, None, "failed")
             continue
-        device = runs[-1][1]
-        record(workload, system, float(np.mean([ms for ms, _ in runs])),
-               note + ("" if device is None else f"; device {device:.3f} ms") +
+        device, ms = runs[-1][1], float(np.mean([ms for ms, _ in runs]))
+        if "data parallel" in system and timed.get(one_device, [])[1:]:
+            baseline = float(np.mean([ms for ms, _ in timed[one_device][1:]]))
+            seeds = inputs[-1][0].shape[0]  # (seeds per step, all devices together)
+            note += (f"; {baseline / ms:.2f}x the steps/s and {baseline * seeds / (ms * args.batch):.2f}x the "
+                     f"seeds/s of one device")
+        record(workload, system, ms, note + ("" if device is None else f"; device {device:.3f} ms") +
                f"; passes {', '.join(f'{ms:.3f}' for ms, _ in runs)}")
     for reading, sampling in readings.items():
         sampler = jax.jit(lambda g, s, k, sampling=sampling: sample_neighbors(g, s, FANOUTS, k, **sampling))

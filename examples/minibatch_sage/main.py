@@ -100,7 +100,8 @@ def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
     `jax.random.fold_in(key, d)` and takes the gradient of its share of the batch's mean loss, and the gradients
     are summed over the devices (`jax.lax.psum`) before every device applies the same Adam update: the step of one
     device over the whole batch sampled shard by shard with those keys (`tests/test_data_parallel.py` checks it on 4
-    CPU devices). `len(seeds)` must divide by D."""
+    CPU devices). `len(seeds)` must divide by D. Place the graph, features and labels on the mesh first
+    (`on_mesh`): arrays left on one device are copied to the others by every step."""
     optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
 
@@ -148,6 +149,14 @@ def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
         return logits(model, graph, features, seeds, key).argmax(-1)
 
     return train, predict, state
+
+
+def on_mesh(mesh, graph, features, labels, batches):
+    """The data-parallel step's inputs placed once: the graph, features and labels replicated on every device of
+    `mesh`, each batch of seeds split over them (what the step's `shard_map` expects, so no step copies them)."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh.axis_names))
+    return (*jax.device_put((graph, features, labels), replicated), [jax.device_put(b, split) for b in batches])
 
 
 def batches(nodes: np.ndarray, batch: int, rng) -> list[np.ndarray]:
@@ -319,8 +328,10 @@ def main(argv=None) -> None:
         runs.append((f"jinsum SAGEConv, {len(devices)} devices (data parallel)", JinsumSAGE, mesh))
     for name, model, mesh in runs:
         train, predict, state = sampled_step(model(sizes, rngs=nnx.Rngs(args.seed)), fanouts, mesh=mesh, **sampling)
-        rate, accuracy, compiles = run_jax(name, train, predict, state, graph, x, y,
-                                           [jnp.asarray(b) for b in train_batches],
+        inputs = (graph, x, y, [jnp.asarray(b) for b in train_batches])
+        if mesh is not None:
+            inputs = on_mesh(mesh, *inputs)
+        rate, accuracy, compiles = run_jax(name, train, predict, state, *inputs,
                                            [jnp.asarray(b) for b in test_batches], args.epochs, args.seed)
         rows.append([name, f"{rate:.1f}", f"{accuracy:.3f}", str(compiles)])
     try:
