@@ -1,11 +1,12 @@
 """Scaling over the GPUs of one host (`jinsum.shard`): SpMM and GCN training steps on 1 GPU and on all visible GPUs,
 same run, same timing method, and a model too wide for one GPU.
 
-    python benchmarks/sharded.py [--scale 22] [--features 128] [--wide 8192] [--out benchmarks/results]
+    python benchmarks/sharded.py [--scale 22] [--features 128] [--wide 8192] [--chunks 3] [--out benchmarks/results]
 
 Graph: R-MAT (directed, Graph500 parameters; scale 22: 4.2M nodes, ~64M edges), `jinsum.nn.adjacency`.
 - SpMM `A @ X`, X float32 `(N, features)`: one GPU on the whole matrix, against `P @ X` on the partition over all
-  GPUs (`jinsum.shard.partition`). Timing: `jinsum.timing.time_calls` for both; memory per device: XLA's analysis
+  GPUs (`jinsum.shard.partition`), its exchange in one piece and in `--chunks` chunks (less memory, less overlap).
+  Timing: `jinsum.timing.time_calls` for both; memory per device: XLA's analysis
   of the compiled call (arguments + outputs + temporaries); the bytes each device receives per call, read off the
   program (`jinsum.shard.communication`); the device time by kernel of the sharded call.
 - GCN training step (features -> 256 -> 40, Adam, masked cross-entropy; examples/sharded_gcn): the same.
@@ -72,22 +73,28 @@ def top_kernels(fn, *args, count: int = 6) -> str:
     return f"total {1e3 * sum(kernels.values()):.2f} ms: " + "; ".join(f"{name[:40]} {1e3 * t:.2f}" for name, t in top)
 
 
-def spmm(A, P, x_np, devices) -> None:
+def spmm(A, partitions, x_np, devices) -> None:
+    """The SpMM on one GPU, then over each partition (the exchange in one piece, then in chunks)."""
     workload = f"SpMM F={x_np.shape[1]} fp32"
     x1 = jax.device_put(x_np, devices[0])
     A1 = jax.device_put(A, devices[0])
     f1 = jax.jit(lambda A, x: A @ x).lower(A1, x1).compile()
     t1 = time_calls(f1, A1, x1, calls=20)
-    record(workload, "1 GPU", 1e3 * t1, memory_per_device(f1), 0)
-    xs = P.shard_rows(x_np)
-    fn = jax.jit(lambda P, x: P @ x)
-    fs = fn.lower(P, xs).compile()
-    ts = time_calls(fs, P, xs, calls=20)
-    received = sum(jinsum.shard.communication(lambda P, x: P @ x, P, xs).values())
-    record(workload, f"{len(devices)} GPUs", 1e3 * ts, memory_per_device(fs), received,
-           f"{t1 / ts:.2f}x; device time (both GPUs) by kernel: {top_kernels(fs, P, xs)}")
-    check = np.asarray(P.unshard_rows(fs(P, xs))[:4096]) - np.asarray(f1(A1, x1)[:4096])
-    print(f"  max |sharded - single| over the first 4096 rows: {np.abs(check).max():.2e}")
+    m1 = memory_per_device(f1)
+    record(workload, "1 GPU", 1e3 * t1, m1, 0)
+    reference = np.asarray(f1(A1, x1)[:4096])
+    del x1, A1
+    for P in partitions:
+        xs = P.shard_rows(x_np)
+        fs = jax.jit(lambda P, x: P @ x).lower(P, xs).compile()
+        ts = time_calls(fs, P, xs, calls=20)
+        received = sum(jinsum.shard.communication(lambda P, x: P @ x, P, xs).values())
+        chunks = "" if P.plan.chunks == 1 else f", {P.plan.chunks} chunks"
+        record(workload, f"{len(devices)} GPUs{chunks}", 1e3 * ts, memory_per_device(fs), received,
+               f"{t1 / ts:.2f}x, memory {memory_per_device(fs) / m1:.3f}x; device time (all GPUs) by kernel: "
+               f"{top_kernels(fs, P, xs)}")
+        check = np.asarray(P.unshard_rows(fs(P, xs))[:4096]) - reference
+        print(f"  max |sharded - single| over the first 4096 rows: {np.abs(check).max():.2e}")
 
 
 def gcn(A, P, x_np, y_np, devices, mesh) -> None:
@@ -159,12 +166,15 @@ def device_alone(P: jinsum.shard.Partitioned, x_np: np.ndarray) -> tuple[float, 
     plan = P.plan if P.plan.exchange == "halo" else None
 
     def part(local, remote, send, x):
-        if plan is None:  # all_gather: every block received; here D copies of its own
-            received = jnp.tile(x, (P.num_parts, 1))
-        else:
-            received = jnp.concatenate([jnp.take(x, send[start:start + count], axis=0) for start, count in
-                                        zip(np.cumsum((0, *plan.shift_rows[:-1])), plan.shift_rows)])
-        return spmm(remote, received, out=spmm(local, x))
+        out = spmm(local, x)
+        for chunk, matrix in enumerate(remote):
+            if plan is None:  # all_gather: every block received; here D copies of its own
+                received = jnp.tile(x, (P.num_parts, 1))
+            else:
+                received = jnp.concatenate([jnp.take(x, send[start:start + count], axis=0)
+                                            for _, start, count in plan.pieces(chunk) if count] or [x[:1] * 0])
+            out = spmm(matrix, received, out=out)
+        return out
 
     compiled = jax.jit(part).lower(local, remote, send, x).compile()
     return time_calls(compiled, local, remote, send, x, calls=20), top_kernels(compiled, local, remote, send, x)
@@ -231,6 +241,7 @@ def main() -> None:
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--wide", type=int, default=7168, help="input width of the wide model (0: skip)")
     p.add_argument("--split", default="auto", choices=jinsum.shard.SPLITS)
+    p.add_argument("--chunks", type=int, default=3, help="also the SpMM with the exchange in this many chunks (1: not)")
     p.add_argument("--compile-only", type=int, nargs="+", metavar="D",
                    help="compile for D GPUs of this kind (each D given) instead of running on the visible ones")
     p.add_argument("--out", default=str(HERE / "results"))
@@ -249,7 +260,11 @@ def main() -> None:
         header = [f"{P!r}; rows per device {P.layout.rows_per_device(P.num_parts)}, distinct remote rows read per "
                   f"device {list(P.plan.needed)} ({time.perf_counter() - started:.1f} s to partition)."]
         print(header[0], flush=True)
-        spmm(A, P, x, devices)
+        partitions = [P]
+        if args.chunks > 1:
+            partitions.append(jinsum.shard.partition(A, mesh, split=args.split, chunks=args.chunks))
+        spmm(A, partitions, x, devices)
+        del partitions[1:]
         gcn(A, P, x, y, devices, mesh)
         if args.wide:
             wide(A, P, args.wide, devices, mesh)

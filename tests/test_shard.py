@@ -131,6 +131,34 @@ def test_two_devices(rng, split):
     np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
 
 
+@pytest.mark.parametrize("devices,chunks", [(4, 2), (4, 3), (2, 3), (2, 40)])
+def test_chunked_exchange_equals_one_device(rng, devices, chunks):
+    """The exchange in chunks (40: more chunks than some shifts have rows, so some pieces are empty): the same
+    products, gradients and bytes moved as in one piece."""
+    A = graph(rng, duplicates=True)
+    whole = jinsum.shard.partition(A, mesh(devices), split="dealt", exchange="halo")
+    P = jinsum.shard.partition(A, mesh(devices), split="dealt", chunks=chunks)
+    assert P.plan.exchange == "halo" and len(P.remote) == chunks and f"in {chunks} chunks" in repr(P)
+    assert sum(P.plan.columns) == P.plan.received_rows == whole.plan.received_rows
+    chunk, column = P.plan.received_at()  # every row received has one place in one chunk
+    assert len({(c, k) for c, k in zip(chunk.tolist(), column.tolist())}) == P.plan.received_rows
+    x = rng.standard_normal((A.shape[0], 5))
+    xs = P.shard_rows(x)
+    np.testing.assert_allclose(P.unshard_rows(jax.jit(lambda P, x: P @ x)(P, xs)), dense(A) @ x, atol=1e-12)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(P @ x))))(xs)
+    np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
+    assert jinsum.shard.communication(lambda x: P @ x, xs) == jinsum.shard.communication(lambda x: whole @ x, xs)
+    # An SDDMM keeps one matrix per chunk; attention merges every chunk's keys.
+    q, k = rng.standard_normal((A.shape[0], 4)), rng.standard_normal((A.shape[0], 4))
+    S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))
+    assert len(S.remote) == chunks
+    np.testing.assert_allclose(P.unshard_rows(S @ xs), (dense(A) * (q @ k.T)) @ x, atol=1e-12)
+    q, k, v = (rng.standard_normal((A.shape[0], 2, 3)) for _ in range(3))
+    ours = jinsum.shard.attention(*map(P.shard_rows, (q, k, v)), P, self_loops=True)
+    np.testing.assert_allclose(P.unshard_rows(ours), jinsum.attention(q, k, v, A, self_loops=True),
+                               atol=ATTENTION_ATOL)
+
+
 def test_one_device_and_an_empty_part(rng):
     A = graph(rng, n=3, edges=5)  # fewer rows than devices: some parts own nothing
     for count in sorted({1, len(DEVICES)}):
@@ -355,6 +383,10 @@ def test_errors_name_the_problem(rng):
         jinsum.shard.partition(A, mesh(), exchange="broadcast")
     with pytest.raises(TypeError, match="Mesh"):
         jinsum.shard.partition(A, DEVICES)
+    with pytest.raises(ValueError, match="chunks=2 cuts the halo exchange"):
+        jinsum.shard.partition(A, mesh(), exchange="all_gather", chunks=2)
+    with pytest.raises(ValueError, match="chunks must be a positive int, got 0"):
+        jinsum.shard.partition(A, mesh(), chunks=0)
     P = jinsum.shard.partition(A, mesh(max(2, len(DEVICES))))  # (on one device the layout is the matrix's own)
     with pytest.raises(ValueError, match=r"laid out by the partition.*shard_rows"):
         P @ jnp.ones((A.shape[0], 2))

@@ -23,29 +23,31 @@ from jinsum.shard._partition import Partitioned
 KINDS = ("rows", "columns", "replicated")
 
 
-def _exchange(A: Partitioned, send: jax.Array, x: jax.Array) -> jax.Array:
-    """The rows of `x` (this device's rows) that this device's remote matrix reads, received from the others (in
-    blocks of rows, for a block format)."""
+def _exchange(A: Partitioned, send: jax.Array, x: jax.Array, chunk: int) -> jax.Array:
+    """The rows of `x` (this device's rows) that this device's remote matrix of chunk `chunk` reads, received from
+    the others (in blocks of rows, for a block format)."""
     if A.plan.exchange == "all_gather":
         return jax.lax.all_gather(x, A.axis, tiled=True)
     block = A.layout.block
     blocks = x.reshape(x.shape[0] // block, block, *x.shape[1:])
-    parts, pieces, start = A.num_parts, [], 0
-    for k, count in enumerate(A.plan.shift_rows, start=1):
+    parts, pieces = A.num_parts, []
+    for k, start, count in A.plan.pieces(chunk):
+        if not count:  # (a chunk of a shift with fewer rows than chunks: nothing to send)
+            continue
         rows = jnp.take(blocks, send[start:start + count], axis=0, indices_are_sorted=True)
         pieces.append(jax.lax.ppermute(rows, A.axis, perm=[(s, (s + k) % parts) for s in range(parts)]))
-        start += count
     received = jnp.concatenate(pieces) if pieces else jnp.zeros((1, *blocks.shape[1:]), x.dtype)
     return received.reshape(-1, *x.shape[1:])
 
 
 def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
              columns: Sequence[jax.Array] = (), replicated: Sequence = ()):
-    """`fn` on every device: over its local matrix, then over its remote matrix into that result.
+    """`fn` on every device: over its local matrix, then over its remote matrices (one per chunk of the exchange)
+    into that result.
 
     `fn(part, *rows, *columns, *replicated, out=None)` takes a `GroupCOO` over the device's rows (local: `(R, R)`;
-    remote: `(R, rows received)`) and arrays, and returns an array `(R, ...)`; called again with `out=` the first
-    result, it combines its own into it (`C[Ai[g],n] += ...` with `C=out` writes into the buffer in place: no
+    remote: `(R, rows received)`) and arrays, and returns an array `(R, ...)`; called again with `out=` the result so
+    far, it combines its own into it (`C[Ai[g],n] += ...` with `C=out` writes into the buffer in place: no
     second output, no addition after). A `fn` that returns a `GroupCOO` (new values at the entries, an SDDMM) is
     called once per matrix without `out`.
 
@@ -71,12 +73,19 @@ def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
     def body(local, remote, send, rows, columns, replicated):
         local, remote, send = jax.tree.map(lambda a: a[0], (local, remote, send))
         # The exchange does not wait for the local product: XLA runs the two at once.
-        received = [_exchange(A, send, x) for x in columns]
         mine = fn(local, *rows, *columns, *replicated)
         if isinstance(mine, (GroupCOO, BlockGroupCOO)):
             returns_format.append(True)
-            return mine.Av[None], fn(remote, *rows, *received, *replicated).Av[None]
-        return fn(remote, *rows, *received, *replicated, out=mine)
+            return mine.Av[None], tuple(fn(part, *rows, *[_exchange(A, send, x, c) for x in columns],
+                                           *replicated).Av[None] for c, part in enumerate(remote))
+        results = [mine]  # (the result after the local matrix, then after each chunk)
+        for c, part in enumerate(remote):
+            sources = columns
+            if c >= 2:  # chunk c's rows leave once chunk c - 2's product has run: three chunks in flight at most
+                sources, _ = jax.lax.optimization_barrier((columns, results[c - 1]))
+            received = [_exchange(A, send, x, c) for x in sources]
+            results.append(fn(part, *rows, *received, *replicated, out=results[-1]))
+        return results[-1]
 
     spec = PartitionSpec(A.axis)
     in_specs = (spec, spec, spec, spec, spec, PartitionSpec())
@@ -172,7 +181,7 @@ def einsum(subscripts: str, *operands):
 
 def _merge_softmax(first, second):
     """Two softmax-weighted sums over disjoint keys, `(out, lse)` each (`lse` +inf where a query had no key), as
-    the one sum over all their keys (FlashDecoding's combine of key splits)."""
+    the one sum over all their keys, `(out, lse)` (FlashDecoding's combine of key splits)."""
     (o1, l1), (o2, l2) = first, second
     l1, l2 = (jnp.where(jnp.isposinf(lse), -jnp.inf, lse) for lse in (l1, l2))
     shift = jnp.maximum(l1, l2)
@@ -180,7 +189,8 @@ def _merge_softmax(first, second):
     w1, w2 = jnp.exp(l1 - shift), jnp.exp(l2 - shift)
     total = w1 + w2
     out = (o1 * w1[..., None].astype(o1.dtype) + o2 * w2[..., None].astype(o2.dtype))
-    return out / jnp.where(total > 0, total, 1)[..., None].astype(out.dtype)
+    lse = jnp.where(total > 0, shift + jnp.log(jnp.where(total > 0, total, 1)), jnp.inf)
+    return out / jnp.where(total > 0, total, 1)[..., None].astype(out.dtype), lse
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_loops: bool = False,
@@ -190,7 +200,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_
 
     Each device attends over its local keys, then over the keys it received, and combines the two with their
     log-sum-exps. `self_loops` (graph attention) adds each node to its local keys. Dropout draws from `seed`
-    folded with the device and the part, so no two parts share a mask. Other keyword arguments go to
+    folded with the device and the matrix (local, or a chunk's remote one), so no two share a mask. Other keyword arguments go to
     `jinsum.attention` (`scale`, `score_mod`, ...; not `causal` or `key_padding_mask`, which read global indices).
     """
     if {"causal", "key_padding_mask"} & set(options):
@@ -200,12 +210,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_
         raise ValueError("jinsum.shard.attention: dropout needs a seed")
     seeds = () if not dropout else (jax.random.key(seed) if isinstance(seed, int) else seed,)
 
+    matrices = 1 + len(A.remote)
+    called = []  # the matrices attended so far in this trace: per_part calls the local one first, without `out`
+
     def attend(part, q, k, v, *seed, out=None):
-        remote = out is not None  # (per_part calls the local matrix first, without `out`)
+        remote = out is not None
+        if not remote:
+            called.clear()
+        called.append(part)
         if dropout:
-            seed = jax.random.fold_in(seed[0], 2 * jax.lax.axis_index(A.axis) + remote)
+            seed = jax.random.fold_in(seed[0], matrices * jax.lax.axis_index(A.axis) + len(called) - 1)
         result = jinsum.attention(q, k, v, part, self_loops=self_loops and not remote, dropout=dropout,
                                   seed=seed if dropout else None, return_lse=True, **options)
         return result if out is None else _merge_softmax(out, result)
 
-    return per_part(attend, A, rows=(q,), columns=(k, v), replicated=seeds)
+    return per_part(attend, A, rows=(q,), columns=(k, v), replicated=seeds)[0]

@@ -13,6 +13,11 @@ local matrix can run while the rows are in flight. The rows travel one of two wa
   from it (a `ppermute`); the remote columns index the received rows, shift after shift.
 - `"all_gather"`: every device receives every block (an `all_gather`); the remote columns index that.
 `partition` picks the one that moves fewer rows, unless told.
+
+The halo exchange may move its rows in `chunks`: each shift's rows cut into that many pieces, chunk `c` made of
+every shift's `c`-th piece, and the remote matrix cut by columns into one matrix per chunk. A chunk's rows then
+leave only once the product of the chunk before last has run, so at most three chunks' buffers are alive at once
+(sent and received rows: `3 / (2 * chunks)` of an exchange in one piece), at the cost of less overlap.
 """
 
 from __future__ import annotations
@@ -44,12 +49,14 @@ class HaloPlan:
       shift_rows: for `"halo"`, the rows sent at shift `k = 1 .. D-1` (each device's count padded to the largest).
       needed: for each device, the distinct rows of other devices its part reads (unpadded).
       rows_per_part: `R`, the rows of each device's block.
+      chunks: for `"halo"`, the pieces each shift's rows move in (module docstring); 1 for `"all_gather"`.
     """
 
     exchange: str
     shift_rows: tuple[int, ...]
     needed: tuple[int, ...]
     rows_per_part: int
+    chunks: int = 1
 
     @property
     def received_rows(self) -> int:
@@ -58,10 +65,36 @@ class HaloPlan:
             return sum(self.shift_rows)
         return len(self.needed) * self.rows_per_part - self.rows_per_part
 
+    def pieces(self, chunk: int) -> list[tuple[int, int, int]]:
+        """Chunk `chunk`'s pieces, one per shift `k = 1 .. D-1`: `(k, start, count)`, `start` indexing the rows sent
+        (`Partitioned.send`: shift after shift, each shift's rows cut into `chunks` near-equal pieces)."""
+        pieces, first = [], 0
+        for k, rows in enumerate(self.shift_rows, start=1):
+            cuts = [first + rows * c // self.chunks for c in range(self.chunks + 1)]
+            pieces.append((k, cuts[chunk], cuts[chunk + 1] - cuts[chunk]))
+            first += rows
+        return pieces
+
     @property
-    def columns(self) -> int:
-        """The number of columns of the remote matrices: rows of the received buffer."""
-        return sum(self.shift_rows) if self.exchange == "halo" else len(self.needed) * self.rows_per_part
+    def columns(self) -> tuple[int, ...]:
+        """The columns of each remote matrix (one per chunk): the rows received in its chunk (`"all_gather"`: all
+        `D` blocks)."""
+        if self.exchange == "all_gather":
+            return (len(self.needed) * self.rows_per_part,)
+        return tuple(sum(count for _, _, count in self.pieces(c)) for c in range(self.chunks))
+
+    def received_at(self) -> tuple[np.ndarray, np.ndarray]:
+        """For each row received by the halo exchange, in the order sent (`Partitioned.send`), its chunk and its
+        position in that chunk's received rows."""
+        chunk = np.empty(self.received_rows, np.int32)
+        column = np.empty(self.received_rows, np.int64)
+        for c in range(self.chunks):
+            placed = 0
+            for _, start, count in self.pieces(c):
+                chunk[start:start + count] = c
+                column[start:start + count] = placed + np.arange(count)
+                placed += count
+        return chunk, column
 
 
 class Layout:
@@ -105,16 +138,17 @@ def _ranks(owner: np.ndarray, parts: int) -> np.ndarray:
 class Partitioned:
     """A square sparse matrix split by rows over a mesh axis; build it with :func:`partition`.
 
-    A pytree whose arrays all have a leading axis of one part per device (`local` and `remote` are `GroupCOO`s, or
-    `BlockGroupCOO`s, of stacked arrays, padded to equal shapes; `send` holds, for the `"halo"` exchange, the local rows each device
-    sends at each shift), so it is placed with `NamedSharding(mesh, P(axis))` and passes through `jit` and `grad`.
+    A pytree whose arrays all have a leading axis of one part per device (`local` is a `GroupCOO`, or a
+    `BlockGroupCOO`, of stacked arrays, padded to equal shapes; `remote` a tuple of such, one per chunk of the
+    exchange; `send` holds, for the `"halo"` exchange, the local rows each device sends at each shift), so it is
+    placed with `NamedSharding(mesh, P(axis))` and passes through `jit` and `grad`.
     Static: the mesh, the axis, the logical `shape`, the `Layout` and the `HaloPlan`.
     """
 
     __slots__ = ("local", "remote", "send", "mesh", "axis", "shape", "layout", "plan")
 
-    def __init__(self, local: GroupCOO, remote: GroupCOO, send, mesh: Mesh, axis: str, shape: tuple[int, ...],
-                 layout: Layout, plan: HaloPlan):
+    def __init__(self, local: GroupCOO, remote: tuple[GroupCOO, ...], send, mesh: Mesh, axis: str,
+                 shape: tuple[int, ...], layout: Layout, plan: HaloPlan):
         self.local, self.remote, self.send = local, remote, send
         self.mesh, self.axis, self.shape, self.layout, self.plan = mesh, axis, shape, layout, plan
 
@@ -157,22 +191,23 @@ class Partitioned:
         return (f"Partitioned({jnp.dtype(self.dtype).name}[{dims}], {self.num_parts} parts of "
                 f"{self.layout.rows_per_part} rows over axis {self.axis!r}, split={self.layout.split!r}, "
                 f"exchange={self.plan.exchange!r}, "
+                f"{'' if self.plan.chunks == 1 else f'in {self.plan.chunks} chunks, '}"
                 f"{'' if self.layout.block == 1 else f'blocks of {self.layout.block} rows, '}"
                 f"{self.plan.received_rows} rows received per device)")
 
     def astype(self, dtype) -> Partitioned:
         """The same partition with its values cast to the floating `dtype`."""
-        return self.with_parts(self.local.astype(dtype), self.remote.astype(dtype))
+        return self.with_parts(self.local.astype(dtype), tuple(part.astype(dtype) for part in self.remote))
 
-    def with_parts(self, local: GroupCOO, remote: GroupCOO) -> Partitioned:
-        """The same partition over new stacked parts."""
+    def with_parts(self, local: GroupCOO, remote: tuple[GroupCOO, ...]) -> Partitioned:
+        """The same partition over new stacked parts (the remote ones, one per chunk)."""
         return Partitioned(local, remote, self.send, self.mesh, self.axis, self.shape, self.layout,
                                    self.plan)
 
-    def with_values(self, local_values, remote_values) -> Partitioned:
-        """The same structure with new stacked values of the local and remote parts, `(D, *part.Av.shape)` (a
-        `GroupCOO`'s dense dimensions may change: the scores of an SDDMM, per head); like the formats'
-        `with_values`, it drops the entries in column order."""
+    def with_values(self, local_values, remote_values: tuple) -> Partitioned:
+        """The same structure with new stacked values of the local and remote parts, `(D, *part.Av.shape)` (the
+        remote ones a tuple, one per chunk; a `GroupCOO`'s dense dimensions may change: the scores of an SDDMM, per
+        head); like the formats' `with_values`, it drops the entries in column order."""
         def stacked(part, values):
             kept = 3 if self.format is GroupCOO else values.ndim  # (dimensions that must stay)
             if values.shape[:kept] != part.Av.shape[:kept]:
@@ -184,8 +219,9 @@ class Partitioned:
             return self.format.tree_unflatten(aux, (part.Ai, part.Ak, values, None, None))
 
         shape = (*self.shape[:2], *local_values.shape[3:]) if self.format is GroupCOO else self.shape
-        return Partitioned(stacked(self.local, local_values), stacked(self.remote, remote_values), self.send,
-                           self.mesh, self.axis, shape, self.layout, self.plan)
+        remote = tuple(stacked(part, values) for part, values in zip(self.remote, remote_values, strict=True))
+        return Partitioned(stacked(self.local, local_values), remote, self.send, self.mesh, self.axis, shape,
+                           self.layout, self.plan)
 
     # -- node features in the partition's layout --------------------------------------------------------------
 
@@ -298,30 +334,33 @@ def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | Blo
     block = isinstance(A, BlockGroupCOO)
     groups, entries, column_groups = (max(1, n) for n in (sizes.groups, sizes.entries, sizes.column_groups))
 
-    def padded(x, size, fill):
-        x = np.asarray(x)
-        return np.concatenate([x, np.full((size - x.shape[0], *x.shape[1:]), fill, x.dtype)])
-
     def build(part):
         Ai, Ak, Av = _grouped(*part, shape, sizes.group_size, block)
-        Ai, Ak, Av = padded(Ai, groups, rows - 1).astype(np.int32), padded(Ak, groups, 0).astype(np.int32), \
-            padded(Av, groups, 0)
         # (each slot: a value nonzero anywhere in its dense dimensions or block)
-        nonzero = (Av != 0).any(axis=(1, 2)).reshape(-1) if block else \
-            (Av.reshape(groups * Ak.shape[1], -1) != 0).any(axis=1)
+        nonzero = (Av != 0).any(axis=(1, 2) if block else tuple(range(2, Av.ndim))).reshape(-1)
         found = transposed_from_slots(np, Ai, Ak, nonzero, num_columns=cols, group_size=sizes.column_group,
                                       num_groups=None, index_dtype=np.int32)
         return Ai, Ak, Av, TransposedIndex(*found)
 
-    Ais, Aks, Avs, indices = zip(*_on_threads(build, parts)) if parts else ((), (), (), ())
+    def stacked(arrays, size: int, fill, dtype=None):
+        """The parts' arrays padded with `fill` to `size` and stacked, written once into the result."""
+        first = np.asarray(arrays[0])
+        out = np.empty((len(arrays), size, *first.shape[1:]), dtype or first.dtype)
+        for row, x in zip(out, arrays):
+            row[:len(x)] = x
+            row[len(x):] = fill
+        return out
+
+    Ais, Aks, Avs, indices = zip(*_on_threads(build, parts))
     transposed = TransposedIndex(
-        perm=np.stack([padded(t.perm, entries, 0) for t in indices]),
-        starts=np.stack([np.asarray(t.starts) for t in indices]),
-        columns=np.stack([padded(t.columns, column_groups, max(cols - 1, 0)) for t in indices]),
-        rows=np.stack([padded(t.rows, column_groups, 0) for t in indices]),
-        slots=np.stack([padded(t.slots, column_groups, -1) for t in indices]),
+        perm=stacked([t.perm for t in indices], entries, 0),
+        starts=stacked([t.starts for t in indices], cols + 1, 0),
+        columns=stacked([t.columns for t in indices], column_groups, max(cols - 1, 0)),
+        rows=stacked([t.rows for t in indices], column_groups, 0),
+        slots=stacked([t.slots for t in indices], column_groups, -1),
     )
-    arrays = (np.stack(Ais), np.stack(Aks), np.stack(Avs), transposed, None)  # (no overflow: built on the host)
+    arrays = (stacked(Ais, groups, rows - 1, np.int32), stacked(Aks, groups, 0, np.int32), stacked(Avs, groups, 0),
+              transposed, None)  # (no overflow: built on the host)
     if block:
         (bm, bk) = A.block_shape
         return BlockGroupCOO.tree_unflatten(((rows * bm, cols * bk), A.block_shape, sizes.entries), arrays)
@@ -376,7 +415,7 @@ def _distinct(values: np.ndarray, size: int) -> np.ndarray:
     return np.flatnonzero(seen)
 
 
-def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
+def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str, chunks: int):
     """The plan of moving the rows each part reads from other devices; those rows, `needed[d][s]`: the distinct
     rows of device `s` that part `d` reads (sorted); and the entries in part order: part `d`'s are
     `order[first[d]:first[d + 1]]`."""
@@ -394,13 +433,14 @@ def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str):
     counts = tuple(sum(n.size for n in row if n is not None) for row in needed)
     R = layout.rows_per_part
     if exchange == "auto":
-        exchange = "halo" if sum(shift_rows) < (parts - 1) * R else "all_gather"
-    plan = HaloPlan(exchange, shift_rows if exchange == "halo" else (), counts, R)
+        exchange = "halo" if chunks > 1 or sum(shift_rows) < (parts - 1) * R else "all_gather"
+    halo = exchange == "halo"
+    plan = HaloPlan(exchange, shift_rows if halo else (), counts, R, chunks if halo else 1)
     return plan, needed, order, first
 
 
 def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = "auto",
-              exchange: str = "auto") -> Partitioned:
+              exchange: str = "auto", chunks: int = 1) -> Partitioned:
     """Splits a square `GroupCOO` (`BlockGroupCOO`) by rows (block rows) into one part per device along `axis` of
     `mesh`, on the host.
 
@@ -419,6 +459,10 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
         entries whatever the order: a power-law graph's hubs are spread); `"auto"`: the one whose devices hold
         fewer rows, own and received.
       exchange: `"halo"`, `"all_gather"`, or `"auto"`: the one that moves fewer rows per product.
+      chunks: move the halo exchange's rows in this many chunks (module docstring): less memory for the rows in
+        flight (R-MAT 22 on 2 H200s, F = 128: 3 chunks 0.58x of one GPU's memory per device, 1 chunk 0.65x),
+        less overlap of the exchange with the products (1.39x of one GPU's speed instead of 1.55x). Needs the
+        halo exchange (`"auto"` then picks it).
 
     Returns:
       A `Partitioned`, its arrays placed row-sharded on the mesh (`A.sharding`).
@@ -442,6 +486,11 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
         raise ValueError(f"{where}: exchange must be one of {EXCHANGES}, got {exchange!r}")
     if split not in SPLITS:
         raise ValueError(f"{where}: split must be one of {SPLITS}, got {split!r}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{where}: chunks must be a positive int, got {chunks!r}")
+    if chunks > 1 and exchange == "all_gather":
+        raise ValueError(f"{where}: chunks={chunks} cuts the halo exchange's rows; the all_gather exchange moves "
+                         "whole blocks. Use exchange='halo' (or 'auto'), or chunks=1")
     axis = _mesh_axis(mesh, axis)
     parts = mesh.shape[axis]
     rows, cols, values = _entries(A)
@@ -449,23 +498,28 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
     candidates = []
     for name in (("contiguous", "dealt") if split == "auto" else (split,)):
         layout = Layout(_owners(lengths, parts, name), parts, name, block, A.shape[0])
-        candidates.append((layout, *_halo_plan(rows, cols, layout, parts, exchange)))
+        candidates.append((layout, *_halo_plan(rows, cols, layout, parts, exchange, chunks)))
     layout, plan, needed, order, first = min(candidates, key=lambda c: c[0].rows_per_part + c[1].received_rows)
     R, offsets = layout.rows_per_part, np.concatenate([[0], np.cumsum(plan.shift_rows)]).astype(np.int64)
 
     # Every part's entries are located (cheap: the sizes all parts are padded to come from them); the parts this
-    # process's devices hold are built (the sort, the groups and the transposed indices).
+    # process's devices hold are built (the sort, the groups and the transposed indices). Matrix 0 of a part is its
+    # local one, matrix 1 + c its remote one of chunk c.
     here = _parts_here(mesh, axis)
-    located = {"local": [], "remote": []}  # every part's (rows, columns) of its entries
-    built = {"local": [], "remote": []}  # this process's parts' (rows, columns, values)
+    matrices = 1 + plan.chunks
+    located = [[] for _ in range(matrices)]  # every part's (rows, columns) of its entries, by matrix
+    built = [[] for _ in range(matrices)]  # this process's parts' (rows, columns, values), by matrix
+    if plan.chunks > 1:
+        chunk_of, column_of = plan.received_at()
 
     def locate(d: int):
-        """Part d's entries as `(rows, columns)` of its local and remote matrices, and their values if built here."""
+        """Part d's entries as `(rows, columns)` of each of its matrices, and their values if built here."""
         entries = order[first[d]:first[d + 1]]
         r, c = layout.local[rows[entries]], cols[entries]
         o = layout.owner[c]
         mine = o == d
-        c_remote, o_remote = c[~mine], o[~mine]
+        theirs = ~mine
+        c_remote = c[theirs]
         if plan.exchange == "halo":  # each needed row's position in the received rows (-1: not received)
             received = np.full(layout.owner.size, -1, np.int64)
             for s in range(parts):
@@ -473,20 +527,24 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
                     received[needed[d][s]] = offsets[(d - s) % parts - 1] + np.arange(needed[d][s].size)
             remote_cols = received[c_remote]
         else:
-            remote_cols = o_remote.astype(np.int64) * R + layout.local[c_remote]
-        local_part, remote_part = (r[mine], layout.local[c[mine]]), (r[~mine], remote_cols)
-        values_here = values[entries] if d in here else None
-        return local_part, remote_part, values_here, mine
+            remote_cols = o[theirs].astype(np.int64) * R + layout.local[c_remote]
+        rows_remote = r[theirs]
+        where, positions = [mine, theirs], [(r[mine], layout.local[c[mine]]), (rows_remote, remote_cols)]
+        if plan.chunks > 1:  # the remote entries by chunk, their columns the rows received in that chunk
+            chunk, column = chunk_of[remote_cols], column_of[remote_cols]
+            entries_remote = np.flatnonzero(theirs)
+            where[1:] = [entries_remote[chunk == k] for k in range(plan.chunks)]
+            positions[1:] = [(rows_remote[chunk == k], column[chunk == k]) for k in range(plan.chunks)]
+        return positions, values[entries] if d in here else None, where
 
-    for local_part, remote_part, v, mine in _on_threads(locate, range(parts)):
-        located["local"].append(local_part)
-        located["remote"].append(remote_part)
-        if v is not None:
-            built["local"].append((*local_part, v[mine]))
-            built["remote"].append((*remote_part, v[~mine]))
-    shapes = {"local": (R, R), "remote": (R, max(plan.columns, 1))}
-    local, remote = _on_threads(lambda kind: _stack(built[kind], _Sizes.of(located[kind], shapes[kind]),
-                                                    shapes[kind], A), ("local", "remote"))
+    for positions, v, where in _on_threads(locate, range(parts)):
+        for m in range(matrices):
+            located[m].append(positions[m])
+            if v is not None:
+                built[m].append((*positions[m], v[where[m]]))
+    shapes = [(R, R)] + [(R, max(columns, 1)) for columns in plan.columns]
+    local, *remote = _on_threads(lambda m: _stack(built[m], _Sizes.of(located[m], shapes[m]), shapes[m], A),
+                                 range(matrices))
     send = np.zeros((len(here), max(sum(plan.shift_rows), 1)), np.int32)
     for row, s in zip(send, here):
         for k in range(1, parts if plan.exchange == "halo" else 1):
@@ -495,4 +553,5 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
             row[offsets[k - 1]:offsets[k]] = rows_sent[-1] if rows_sent.size else 0
             row[offsets[k - 1]:offsets[k - 1] + rows_sent.size] = rows_sent
     sharding = NamedSharding(mesh, PartitionSpec(axis))
-    return Partitioned(*_placed((local, remote, send), here, parts, sharding), mesh, axis, A.shape, layout, plan)
+    return Partitioned(*_placed((local, tuple(remote), send), here, parts, sharding), mesh, axis, A.shape, layout,
+                       plan)
