@@ -30,7 +30,7 @@ RUNS = {
     "minibatch_sage/main.py": (["--smoke"], ["jinsum SAGEConv", "plain JAX segment_sum", "PyG SAGEConv (host sampler)",
                                             "jinsum SAGEConv, 4 devices (data parallel)"]),
     "block_sparse_attention/main.py": (["--smoke"], ["jinsum block_sparse_attention", "dense dot_product_attention"]),
-    "sharded_gcn/main.py": (["--smoke"], ["1 device:", "4 devices:", "speed-up"]),
+    "sharded_gcn/main.py": (["--smoke", "--chunks", "2"], ["1 device:", "4 devices:", "speed-up"]),
     "spmm_cora.py": ([16], ["jinsum (A @ H)", "jax.experimental.sparse BCOO"]),
     "point_cloud/main.py": (["--smoke"], ["jinsum DynamicEdgeConv", "PyG EdgeConv + cdist kNN"]),
     "dlrm/main.py": (["--smoke"], ["jinsum EmbeddingBag, sparse rows", "jinsum EmbeddingBag, dense gradient",

@@ -284,6 +284,22 @@ def test_layer_on_a_partitioned_adjacency(rng, name):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
 
 
+@pytest.mark.parametrize("name", ["SAGE max+std", "GAT", "EdgeConv nn"])
+def test_layer_on_a_chunked_partition(rng, name):
+    """Layers whose aggregation is not a sum (maxima, softmax merges, per-edge messages) over the remote matrices of
+    a chunked exchange, one after another into the running result."""
+    A = graph(rng)
+    P = jinsum.shard.partition(A, mesh(), split="dealt", chunks=3)
+    layer = LAYERS[name]()
+    x = rng.standard_normal((A.shape[0], 6))
+    atol = ATTENTION_ATOL if name == "GAT" else 1e-10
+    np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), layer(x, A), rtol=1e-10, atol=atol)
+    ours = nnx.jit(nnx.grad(lambda layer, x: jnp.sum(jnp.tanh(P.unshard_rows(layer(x, P))))))(layer, P.shard_rows(x))
+    theirs = nnx.grad(lambda layer: jnp.sum(jnp.tanh(layer(x, A))))(layer)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
+
+
 EDGE_LAYERS = {  # layers whose messages depend on each edge's features: (layer, takes edge features)
     "GINE": lambda: jnn.GINEConv(nnx.Linear(6, 5, rngs=nnx.Rngs(0), param_dtype=jnp.float64), edge_dim=3,
                                  in_features=6, train_eps=True, param_dtype=jnp.float64, rngs=nnx.Rngs(1)),

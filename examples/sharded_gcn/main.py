@@ -1,6 +1,6 @@
 """Train a GCN on an R-MAT graph split over every visible device (`jinsum.shard`), beside the same model on one.
 
-    python examples/sharded_gcn/main.py [--scale 16] [--features 128] [--steps 30] [--smoke]
+    python examples/sharded_gcn/main.py [--scale 16] [--features 128] [--steps 30] [--chunks 1] [--smoke]
 
 No GPUs? Pretend: `XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/sharded_gcn/main.py`.
 
@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--classes", type=int, default=40)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--chunks", type=int, default=1,
+                   help="move each exchange in this many chunks: less memory in flight, less overlap")
     p.add_argument("--smoke", action="store_true", help="a tiny graph and 3 steps (CI)")
     p.add_argument("--coordinator", help="host:port of process 0, to run as one of several processes")
     p.add_argument("--num-processes", type=int, default=1)
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges; {len(devices)} x {devices[0].device_kind}{where} "
           f"({time.perf_counter() - started:.1f} s to build)")
     started = time.perf_counter()
-    P = jinsum.shard.partition(A, mesh)
+    P = jinsum.shard.partition(A, mesh, chunks=args.chunks)
     print(f"{P}\n  rows per device {P.layout.rows_per_device(P.num_parts)}, remote rows read per device "
           f"{list(P.plan.needed)} ({time.perf_counter() - started:.1f} s to partition)")
 
