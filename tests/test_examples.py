@@ -75,3 +75,33 @@ def test_sharded_gcn_runs_as_two_processes():
     for i, (p, out) in enumerate(zip(processes, outputs)):
         assert p.returncode == 0, f"process {i}:\n{out}"
         assert f"process {i} of 2" in out and "4 devices:" in out and "largest loss difference" in out, out
+
+
+def _last_loss(output: str, system: str) -> str:
+    """The 'last loss' column of the example table's row for `system` (not its progress bar's lines)."""
+    [row] = [line for line in output.splitlines() if line.startswith(system) and line.split()[-1].isdigit()]
+    return row.split()[-2]
+
+
+def test_minibatch_sage_data_parallel_runs_as_two_processes():
+    """One process per device group, as on a machine of several GPUs: two processes of two CPU devices each (Gloo)
+    train the data-parallel step over one mesh of four, and end with the loss of the same run in one process."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    script = str(EXAMPLES / "minibatch_sage/main.py")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    processes = [subprocess.Popen([sys.executable, script, "--smoke", "--coordinator", f"localhost:{port}",
+                                   "--num-processes", "2", "--process-id", str(i)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in processes]
+    for i, (p, out) in enumerate(zip(processes, outputs)):
+        assert p.returncode == 0, f"process {i}:\n{out}"
+        assert f"process {i} of 2" in out and "jinsum SAGEConv, 4 devices, 2 processes" in out, out
+    one = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=240,
+                         env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert one.returncode == 0, one.stdout + one.stderr
+    expected = _last_loss(one.stdout, "jinsum SAGEConv, 4 devices (data parallel)")
+    for out in outputs:
+        assert abs(float(_last_loss(out, "jinsum SAGEConv, 4 devices, 2 processes")) - float(expected)) < 1e-5, out

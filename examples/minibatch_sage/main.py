@@ -25,6 +25,15 @@ the test accuracy (inference on sampled neighbourhoods of the test nodes, as in 
 
     python examples/minibatch_sage/main.py [--scale 18] [--epochs 2] [--batch 1024] [--fanouts 15 10] [--devices D]
                                            [--smoke]
+
+Data parallel with one process per GPU (each process dispatches its own device's steps; in one process, one host
+thread dispatches them all), on a machine of two GPUs:
+
+    CUDA_VISIBLE_DEVICES=0 python examples/minibatch_sage/main.py --coordinator localhost:1234 --num-processes 2 --process-id 0
+    CUDA_VISIBLE_DEVICES=1 python examples/minibatch_sage/main.py --coordinator localhost:1234 --num-processes 2 --process-id 1
+
+Every process builds the same graph, features and batches (the same seed), places them on the mesh of all
+processes' devices and runs the same step; each prints the table (the data-parallel run only).
 """
 
 from __future__ import annotations
@@ -153,7 +162,8 @@ def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
 
 def on_mesh(mesh, graph, features, labels, batches):
     """The data-parallel step's inputs placed once: the graph, features and labels replicated on every device of
-    `mesh`, each batch of seeds split over them (what the step's `shard_map` expects, so no step copies them)."""
+    `mesh`, each batch of seeds split over them (what the step's `shard_map` expects, so no step copies them). Over
+    several processes, each passes the same values and places its own devices' copies."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh.axis_names))
     return (*jax.device_put((graph, features, labels), replicated), [jax.device_put(b, split) for b in batches])
@@ -253,9 +263,15 @@ def pyg_trainer(sizes, indptr, indices, features, labels, fanouts, seed):
 
 # --- the run -------------------------------------------------------------------------------------------------------
 
-def run_jax(name, train, predict, state, graph, x, y, train_batches, test_batches, epochs, seed):
-    """Trains over `epochs` shuffled epochs with a progress bar; returns (steps/s, test accuracy, compiles)."""
-    keys = list(jax.random.split(jax.random.key(seed), len(train_batches) * epochs + len(test_batches)))
+def run_jax(name, train, predict, state, graph, x, y, train_batches, test_batches, epochs, seed, mesh=None):
+    """Trains over `epochs` shuffled epochs with a progress bar; returns (steps/s, test accuracy, compiles, last
+    loss). With a `mesh`, the inputs must be placed on it (`on_mesh`); the keys and test batches are placed here."""
+    keys = jax.random.split(jax.random.key(seed), len(train_batches) * epochs + len(test_batches))
+    if mesh is not None:  # (replicated on every device, of every process: a key array travels as its raw data)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        keys = jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(keys)), replicated))
+        test_batches = [jax.device_put(np.asarray(b), replicated) for b in test_batches]
+    keys = list(keys)
     steps = len(train_batches) * epochs
     state, loss = train(state, graph, x, y, train_batches[0], keys[0])  # compile outside the timed loop
     jax.block_until_ready(loss)
@@ -274,7 +290,7 @@ def run_jax(name, train, predict, state, graph, x, y, train_batches, test_batche
         real = np.asarray(seeds) >= 0
         correct += int((classes[real] == np.asarray(y)[np.asarray(seeds)[real]]).sum())
         total += int(real.sum())
-    return rate, correct / total, train._cache_size()
+    return rate, correct / total, train._cache_size(), float(loss)
 
 
 def run_pyg(trainer, labels, train_batches, test_batches, epochs):
@@ -287,7 +303,7 @@ def run_pyg(trainer, labels, train_batches, test_batches, epochs):
     sync(loss)
     rate = steps / (time.perf_counter() - start)
     correct = sum(int((predict(s) == labels[s[s >= 0]]).sum()) for s in test_batches)
-    return rate, correct / sum(int((s >= 0).sum()) for s in test_batches)
+    return rate, correct / sum(int((s >= 0).sum()) for s in test_batches), float(loss)
 
 
 def main(argv=None) -> None:
@@ -300,7 +316,14 @@ def main(argv=None) -> None:
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--devices", type=int, default=0,
                    help="also train data parallel on this many devices (default: all, where there are several)")
+    p.add_argument("--coordinator", help="host:port of process 0: train data parallel over every process's devices")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0)
     args = p.parse_args(argv)
+    if args.coordinator:  # (before anything starts JAX's backends)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    processes = jax.process_count()
     if args.smoke:
         args.scale, args.epochs, args.batch = 9, 1, 64
     fanouts, sizes = tuple(args.fanouts), (args.features, 256, args.classes)
@@ -314,37 +337,41 @@ def main(argv=None) -> None:
     train_batches, test_batches = batches(train_nodes, args.batch, rng), batches(test_nodes, args.batch, rng)
     graph = CSRGraph.from_edge_index(edge_index, n)
     x, y = jnp.asarray(features), jnp.asarray(labels)
+    where = f"; process {jax.process_index()} of {processes}" if processes > 1 else ""
     print(f"R-MAT {args.scale}: {n:,} nodes, {edge_index.shape[1]:,} edges; {len(train_batches)} batches of "
-          f"{args.batch} a epoch, fanouts {fanouts}; {_common.device_name()}")
+          f"{args.batch} a epoch, fanouts {fanouts}; {_common.device_name()}{where}")
     print(f"constant guess: {np.bincount(labels[test_nodes]).max() / test_nodes.size:.3f} test accuracy")
 
     rows = []
     # The first layer reads the feature table in place, inner layers get their column order (module docstring).
     sampling = dict(outer_sources="graph", with_transpose=(False,) + (True,) * (len(fanouts) - 1))
-    runs = [("jinsum SAGEConv", JinsumSAGE, None), ("plain JAX segment_sum", SegmentSAGE, None)]
+    # Several processes (one per GPU, each dispatching its own): only the data-parallel run, over all their devices.
+    runs = [] if processes > 1 else [("jinsum SAGEConv", JinsumSAGE, None), ("plain JAX segment_sum", SegmentSAGE, None)]
     devices = jax.devices()[: args.devices or len(jax.devices())]
     if len(devices) > 1 and args.batch % len(devices) == 0:  # each device samples its share of the seeds
         mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-        runs.append((f"jinsum SAGEConv, {len(devices)} devices (data parallel)", JinsumSAGE, mesh))
+        by = f", {processes} processes" if processes > 1 else ""
+        runs.append((f"jinsum SAGEConv, {len(devices)} devices{by} (data parallel)", JinsumSAGE, mesh))
     for name, model, mesh in runs:
         train, predict, state = sampled_step(model(sizes, rngs=nnx.Rngs(args.seed)), fanouts, mesh=mesh, **sampling)
         inputs = (graph, x, y, [jnp.asarray(b) for b in train_batches])
         if mesh is not None:
             inputs = on_mesh(mesh, *inputs)
-        rate, accuracy, compiles = run_jax(name, train, predict, state, *inputs,
-                                           [jnp.asarray(b) for b in test_batches], args.epochs, args.seed)
-        rows.append([name, f"{rate:.1f}", f"{accuracy:.3f}", str(compiles)])
-    try:
-        import torch_geometric  # noqa: F401, PLC0415
-    except ImportError:
-        rows.append(["PyG SAGEConv (host sampler)", "-", "-", "torch_geometric not installed"])
-    else:
-        trainer = pyg_trainer(sizes, np.asarray(graph.indptr).astype(np.int64), np.asarray(graph.indices), features,
-                              labels, fanouts, args.seed)
-        rate, accuracy = run_pyg(trainer, labels, train_batches, test_batches, args.epochs)
-        rows.append(["PyG SAGEConv (host sampler)", f"{rate:.1f}", f"{accuracy:.3f}", "-"])
+        rate, accuracy, compiles, loss = run_jax(name, train, predict, state, *inputs,
+                                                 [jnp.asarray(b) for b in test_batches], args.epochs, args.seed, mesh)
+        rows.append([name, f"{rate:.1f}", f"{accuracy:.3f}", f"{loss:.6f}", str(compiles)])
+    if processes == 1:
+        try:
+            import torch_geometric  # noqa: F401, PLC0415
+        except ImportError:
+            rows.append(["PyG SAGEConv (host sampler)", "-", "-", "-", "torch_geometric not installed"])
+        else:
+            trainer = pyg_trainer(sizes, np.asarray(graph.indptr).astype(np.int64), np.asarray(graph.indices),
+                                  features, labels, fanouts, args.seed)
+            rate, accuracy, loss = run_pyg(trainer, labels, train_batches, test_batches, args.epochs)
+            rows.append(["PyG SAGEConv (host sampler)", f"{rate:.1f}", f"{accuracy:.3f}", f"{loss:.6f}", "-"])
     _common.print_table(f"GraphSAGE, {args.epochs} epoch(s) of mini-batches",
-                        ["system", "steps/s", "test accuracy", "compiles"], rows)
+                        ["system", "steps/s", "test accuracy", "last loss", "compiles"], rows)
 
 
 if __name__ == "__main__":
