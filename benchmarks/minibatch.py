@@ -1,6 +1,7 @@
 """Mini-batch GraphSAGE with neighbor sampling, end to end (sampling included), and device-built formats.
 
-    python benchmarks/minibatch.py [--scale 20] [--batch 1024] [--fanouts 15 10] [--calls 20] [--out benchmarks/results]
+    python benchmarks/minibatch.py [--scale 20] [--batch 1024] [--fanouts 15 10] [--calls 20] [--processes N]
+                                   [--out benchmarks/results]
 
 Graph: R-MAT (`jinsum.datasets.rmat`, made undirected; scale 20: 1.05M nodes, 31.4M edges), random 128 features,
 40 random classes. Model: GraphSAGE (mean) 128 -> 256 -> 40, ReLU, Adam; one step samples a batch of seeds' 2-hop
@@ -17,7 +18,8 @@ neighbourhood and runs forward, backward and the update. Systems, every one time
   replacement, the cheapest one to write) and PyG's `SAGEConv` on the sampled `edge_index`.
 Where there are several devices, jinsum also runs data parallel (`sampled_step(..., mesh=...)`: the seeds split
 over the devices, each sampling its share from the replicated graph, the gradients summed with `jax.lax.psum`),
-with the same batch split over the devices and with a batch per device.
+with the same batch split over the devices and with a batch per device; with `--processes N`, the same again as N
+processes of this script (`jax.distributed`, one GPU visible to each), each dispatching its own device.
 Also timed: `GroupCOO.from_edge_index(..., capacity=E)` from E random edges on the device, with its column order
 (`--build-edges`, 1M by default), against a plain `jnp.argsort` of the same edges. Results go to `--out` as
 `minibatch_<device>.{md,csv}`; each jitted step's compile count is checked (one).
@@ -27,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import pathlib
+import re
+import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -70,10 +76,15 @@ def attempt(workload: str, system: str, run) -> None:
 
 # --- the systems (the example's models, step and PyG trainer) ---------------------------------------------------------
 
-def time_step(train, state, graph, features, labels, seed_batches, calls):
+def time_step(train, state, graph, features, labels, seed_batches, mesh=None, *, calls):
     """(ms per step over distinct batches (a new sample each call), the GPU's own ms per step or None); checks the
-    step compiled once."""
-    keys = list(jax.random.split(jax.random.key(1), len(seed_batches)))  # (indexing an array per call dispatches)
+    step compiled once. With a `mesh` (data parallel), the keys are placed on it; over several processes the device
+    time is not read (None)."""
+    keys = jax.random.split(jax.random.key(1), len(seed_batches))
+    if mesh is not None:  # (a key array travels as its raw data: device_put refuses it for other processes' devices)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        keys = jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(keys)), replicated))
+    keys = list(keys)  # (indexing an array per call dispatches)
     position = [0]
 
     def one():
@@ -83,6 +94,8 @@ def time_step(train, state, graph, features, labels, seed_batches, calls):
 
     ms = time_calls(one, calls=calls, rounds=10) * 1e3
     assert train._cache_size() == 1, f"the step compiled {train._cache_size()} times"
+    if jax.process_count() > 1:
+        return ms, None
     kernels = kernel_times(one, calls=calls)
     if KERNELS:
         print(f"  device time {sum(kernels.values()) * 1e3:.3f} ms in {len(kernels)} kernels; the largest:")
@@ -149,6 +162,65 @@ KERNELS = 0  # --kernels N: print each jitted step's N largest kernels
 SIZES: tuple[int, ...] = (128, 256, 40)
 
 
+def data_parallel_steps(graph, x, y, batches, order, batch, sampling) -> list:
+    """jinsum data parallel over every device (of every process): the batch split over them, and a batch per
+    device; the inputs placed on the mesh once."""
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    D, processes = len(devices), jax.process_count()
+    by = f"{processes} processes x {D // processes} device(s)" if processes > 1 else f"{D} devices"
+    wide = [order[i * D * batch:(i + 1) * D * batch].astype(np.int32) for i in range(len(batches))]
+    steps = []
+    for label, seeds in ((f"batch {batch} split over them", batches), (f"batch {D} x {batch}", wide)):
+        train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh, **sampling)
+        steps.append((f"jinsum, in place, {by} data parallel, {label}", "1 compile; gradients summed with psum",
+                      train, state, (*on_mesh(mesh, graph, x, y, [np.asarray(s) for s in seeds]), mesh)))
+    return steps
+
+
+def time_passes(steps, calls) -> dict:
+    """Each step timed in three passes over the systems, the first discarded: on a GPU whichever system ran first
+    measured 0.2-0.4 ms a step slower (clocks and first-launch work). The steps are bound by the host's dispatch (XLA
+    updating its command buffers with each call's new buffers), which drifts by up to 0.2 ms between passes: a row is
+    the mean of the two timed passes' medians, and its note gives the device's own time, which does not drift."""
+    timed = {}
+    for _ in range(3):
+        for system, _note, train, state, inputs in steps:
+            try:
+                timed.setdefault(system, []).append(time_step(train, state, *inputs, calls=calls))
+            except Exception:  # a system that fails is a row, not the end of the run
+                traceback.print_exc()
+    return timed
+
+
+def in_processes(count: int) -> dict:
+    """The data-parallel steps timed as `count` processes of this script, one device each (one GPU visible to each
+    on a GPU machine): `{system: [(ms, None), ...]}` as process 0 measured them."""
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    argv = sys.argv[1:]
+    children = []
+    for i in range(count):
+        env = dict(os.environ)
+        if jax.default_backend() == "gpu":
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        children.append(subprocess.Popen(
+            [sys.executable, __file__, *argv, "--processes", "1", "--coordinator", f"localhost:{port}",
+             "--num-processes", str(count), "--process-id", str(i)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [child.communicate()[0] for child in children]
+    for i, (child, out) in enumerate(zip(children, outputs)):
+        if child.returncode:
+            print(f"process {i} of {count} failed:\n{out}", flush=True)
+            return {}
+    return {json.loads(line[len(RESULT):])["system"]: [tuple(run) for run in json.loads(line[len(RESULT):])["runs"]]
+            for line in outputs[0].splitlines() if line.startswith(RESULT)}
+
+
+RESULT = "data-parallel result: "  # (how a child process reports a row to the parent)
+
+
 def main() -> None:
     global FANOUTS, KERNELS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,8 +232,16 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["jinsum", "plain JAX", "PyG", "build"])
     p.add_argument("--kernels", type=int, default=0, help="print each jitted step's N largest GPU kernels")
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--processes", type=int, default=1,
+                   help="also time jinsum data parallel as this many processes, one device (GPU) each")
+    p.add_argument("--coordinator", help=argparse.SUPPRESS)  # (the child processes of --processes)
+    p.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     FANOUTS, KERNELS = tuple(args.fanouts), args.kernels
+    if args.coordinator:  # a child: its devices in the mesh of every process's, the data-parallel rows only
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # (CPU devices of several processes)
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     started = time.time()
 
     edge_index = rmat(args.scale, undirected=True)
@@ -183,6 +263,12 @@ def main() -> None:
     # carry their column order). Plain JAX gets the identical sampler and ignores the column order (XLA drops it).
     inner = (False,) + (True,) * (len(FANOUTS) - 1)
     readings = {"PyG reading": dict(), "in place": dict(outer_sources="graph", with_transpose=inner)}
+    if args.coordinator:  # a child of --processes: the data-parallel rows, reported by process 0 to the parent
+        for system, runs in time_passes(data_parallel_steps(graph, x, y, batches, order, args.batch,
+                                                            readings["in place"]), args.calls).items():
+            if jax.process_index() == 0:
+                print(RESULT + json.dumps({"system": system, "runs": runs}), flush=True)
+        return
     steps = []
     for system, model, note in [("jinsum", JinsumSAGE, "1 compile"),
                                 ("plain JAX (same sampler)", SegmentSAGE, "1 compile; gathers + segment_sum")]:
@@ -191,29 +277,15 @@ def main() -> None:
                 continue
             train, _, state = sampled_step(model(SIZES, rngs=nnx.Rngs(0)), FANOUTS, **sampling)
             steps.append((f"{system}, {reading}", note, train, state, (graph, x, y, batches)))
-    devices = jax.devices()
-    if len(devices) > 1 and "jinsum" not in args.skip:  # data parallel: each device samples its share of the seeds
-        mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-        D = len(devices)
-        wide = [jnp.asarray(order[i * D * args.batch:(i + 1) * D * args.batch].astype(np.int32)) for i in range(8)]
-        for label, seeds in ((f"batch {args.batch} split over them", batches), (f"batch {D} x {args.batch}", wide)):
-            train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh,
-                                           **readings["in place"])
-            steps.append((f"jinsum, in place, {D} devices data parallel, {label}",
-                          "1 compile; gradients summed with psum", train, state, on_mesh(mesh, graph, x, y, seeds)))
-    # Three passes over the systems, the first discarded: on a GPU whichever system ran first measured 0.2-0.4 ms a
-    # step slower (clocks and first-launch work). The steps are bound by the host's dispatch (XLA updating its
-    # command buffers with each call's new buffers), which drifts by up to 0.2 ms between passes: the row is the
-    # mean of the two timed passes' medians, and the note gives the device's own time, which does not drift.
-    timed = {}
-    for _ in range(3):
-        for system, note, train, state, inputs in steps:
-            try:
-                timed.setdefault(system, []).append(time_step(train, state, *inputs, args.calls))
-            except Exception:  # a system that fails is a row, not the end of the run
-                traceback.print_exc()
+    if len(jax.devices()) > 1 and "jinsum" not in args.skip:
+        steps += data_parallel_steps(graph, x, y, batches, order, args.batch, readings["in place"])
+    timed = time_passes(steps, args.calls)
+    notes = {system: note for system, note, *_ in steps}
+    if args.processes > 1 and "jinsum" not in args.skip:
+        for system, runs in in_processes(args.processes).items():
+            timed[system], notes[system] = runs, "1 compile; gradients summed with psum; each process dispatches its own devices"
     one_device = "jinsum, in place"  # (the data-parallel rows' baseline: the same step on one device)
-    for system, note, _, _, inputs in steps:
+    for system, note in notes.items():
         runs = timed.get(system, [])[1:]
         if not runs:
             record(workload, system, None, "failed")
@@ -221,7 +293,8 @@ def main() -> None:
         device, ms = runs[-1][1], float(np.mean([ms for ms, _ in runs]))
         if "data parallel" in system and timed.get(one_device, [])[1:]:
             baseline = float(np.mean([ms for ms, _ in timed[one_device][1:]]))
-            seeds = inputs[-1][0].shape[0]  # (seeds per step, all devices together)
+            per_device = re.search(r"batch (\d+) x \d+", system)  # (else the batch is split over the devices)
+            seeds = args.batch * (int(per_device.group(1)) if per_device else 1)  # (a step's, all devices')
             note += (f"; {baseline / ms:.2f}x the steps/s and {baseline * seeds / (ms * args.batch):.2f}x the "
                      f"seeds/s of one device")
         record(workload, system, ms, note + ("" if device is None else f"; device {device:.3f} ms") +
