@@ -159,6 +159,24 @@ def test_chunked_exchange_equals_one_device(rng, devices, chunks):
                                atol=ATTENTION_ATOL)
 
 
+def test_attention_dropout_over_a_chunked_partition(rng):
+    """Dropout over the local and every chunk's remote matrix: the same seed draws the same masks, another seed
+    others, and over many seeds the mean is the result without dropout (inverted dropout keeps the expectation)."""
+    A = graph(rng)
+    P = jinsum.shard.partition(A, mesh(), split="dealt", chunks=3)
+    n = A.shape[0]
+    q, k = rng.standard_normal((n, 1, 2)), rng.standard_normal((n, 1, 2))
+    v = 1 + 0.1 * rng.standard_normal((n, 1, 1))
+    q, k, v = map(P.shard_rows, (q, k, v))
+    attend = jax.jit(lambda seed: jinsum.shard.attention(q, k, v, P, dropout=0.5, seed=seed))
+    draws = np.stack([P.unshard_rows(attend(jax.random.key(s))) for s in range(200)])
+    np.testing.assert_array_equal(draws[0], P.unshard_rows(attend(jax.random.key(0))))
+    assert not np.allclose(draws[0], draws[1])
+    rows = dense(A).sum(1) != 0
+    expected = P.unshard_rows(jinsum.shard.attention(q, k, v, P))
+    np.testing.assert_allclose(draws.mean(0)[rows], expected[rows], atol=0.15)
+
+
 def test_one_device_and_an_empty_part(rng):
     A = graph(rng, n=3, edges=5)  # fewer rows than devices: some parts own nothing
     for count in sorted({1, len(DEVICES)}):

@@ -199,9 +199,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_
     rows, `k`, `v` at its columns (exchanged), row-sharded `(D * R, H, E)` out.
 
     Each device attends over its local keys, then over the keys it received, and combines the two with their
-    log-sum-exps. `self_loops` (graph attention) adds each node to its local keys. Dropout draws from `seed`
-    folded with the device and the matrix (local, or a chunk's remote one), so no two share a mask. Other keyword arguments go to
-    `jinsum.attention` (`scale`, `score_mod`, ...; not `causal` or `key_padding_mask`, which read global indices).
+    log-sum-exps (over each chunk's remote matrix in turn, for a chunked exchange). `self_loops` (graph attention)
+    adds each node to its local keys. Dropout draws from `seed` folded with the device and the matrix (local, or a
+    chunk's remote one), so no two share a mask. Other keyword arguments go to `jinsum.attention` (`scale`,
+    `score_mod`, ...; not `causal` or `key_padding_mask`, which read global indices).
     """
     if {"causal", "key_padding_mask"} & set(options):
         raise NotImplementedError("jinsum.shard.attention: causal and key_padding_mask read global key indices; "
@@ -211,15 +212,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_
     seeds = () if not dropout else (jax.random.key(seed) if isinstance(seed, int) else seed,)
 
     matrices = 1 + len(A.remote)
-    called = []  # the matrices attended so far in this trace: per_part calls the local one first, without `out`
+    matrix = [0]  # which matrix of the device is attended: per_part calls the local one first, without `out`, then
+    #               the remote ones in order
 
     def attend(part, q, k, v, *seed, out=None):
         remote = out is not None
-        if not remote:
-            called.clear()
-        called.append(part)
+        matrix[0] = matrix[0] + 1 if remote else 0
         if dropout:
-            seed = jax.random.fold_in(seed[0], matrices * jax.lax.axis_index(A.axis) + len(called) - 1)
+            seed = jax.random.fold_in(seed[0], matrices * jax.lax.axis_index(A.axis) + matrix[0])
         result = jinsum.attention(q, k, v, part, self_loops=self_loops and not remote, dropout=dropout,
                                   seed=seed if dropout else None, return_lse=True, **options)
         return result if out is None else _merge_softmax(out, result)
