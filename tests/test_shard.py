@@ -131,7 +131,7 @@ def test_two_devices(rng, split):
     np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
 
 
-@pytest.mark.parametrize("devices,chunks", [(4, 2), (4, 3), (2, 3), (2, 40)])
+@pytest.mark.parametrize("devices,chunks", [(4, 3), (2, 40)])
 def test_chunked_exchange_equals_one_device(rng, devices, chunks):
     """The exchange in chunks (40: more chunks than some shifts have rows, so some pieces are empty): the same
     products, gradients and bytes moved as in one piece."""
@@ -302,10 +302,10 @@ def test_layer_on_a_partitioned_adjacency(rng, name):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
 
 
-@pytest.mark.parametrize("name", ["SAGE max+std", "GAT", "EdgeConv nn"])
+@pytest.mark.parametrize("name", ["SAGE max+std", "GAT"])
 def test_layer_on_a_chunked_partition(rng, name):
-    """Layers whose aggregation is not a sum (maxima, softmax merges, per-edge messages) over the remote matrices of
-    a chunked exchange, one after another into the running result."""
+    """Layers whose aggregation is not a sum (maxima and deviations, softmax merges) over the remote matrices of a
+    chunked exchange, one after another into the running result."""
     A = graph(rng)
     P = jinsum.shard.partition(A, mesh(), split="dealt", chunks=3)
     layer = LAYERS[name]()

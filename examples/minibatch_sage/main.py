@@ -303,7 +303,7 @@ def run_pyg(trainer, labels, train_batches, test_batches, epochs):
     sync(loss)
     rate = steps / (time.perf_counter() - start)
     correct = sum(int((predict(s) == labels[s[s >= 0]]).sum()) for s in test_batches)
-    return rate, correct / sum(int((s >= 0).sum()) for s in test_batches), float(loss)
+    return rate, correct / sum(int((s >= 0).sum()) for s in test_batches), loss.detach().item()
 
 
 def main(argv=None) -> None:
