@@ -55,7 +55,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from _training import package_versions  # noqa: E402
 from minibatch_sage.main import (  # noqa: E402
-    JinsumSAGE, SegmentSAGE, host_sample, on_mesh, pyg_trainer, sampled_step)
+    JinsumSAGE, SegmentSAGE, host_sample, on_mesh, pyg_trainer, replicated_keys, sampled_step)
+from _common import join_processes  # noqa: E402  (examples/_common.py)
 
 ROWS: list[dict] = []
 
@@ -81,10 +82,7 @@ def time_step(train, state, graph, features, labels, seed_batches, mesh=None, *,
     step compiled once. With a `mesh` (data parallel), the keys are placed on it; over several processes the device
     time is not read (None)."""
     keys = jax.random.split(jax.random.key(1), len(seed_batches))
-    if mesh is not None:  # (a key array travels as its raw data: device_put refuses it for other processes' devices)
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        keys = jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(keys)), replicated))
-    keys = list(keys)  # (indexing an array per call dispatches)
+    keys = list(keys if mesh is None else replicated_keys(mesh, keys))  # (indexing an array per call dispatches)
     position = [0]
 
     def one():
@@ -214,8 +212,8 @@ def in_processes(count: int) -> dict:
         if child.returncode:
             print(f"process {i} of {count} failed:\n{out}", flush=True)
             return {}
-    return {json.loads(line[len(RESULT):])["system"]: [tuple(run) for run in json.loads(line[len(RESULT):])["runs"]]
-            for line in outputs[0].splitlines() if line.startswith(RESULT)}
+    rows = [json.loads(line[len(RESULT):]) for line in outputs[0].splitlines() if line.startswith(RESULT)]
+    return {row["system"]: [tuple(run) for run in row["runs"]] for row in rows}
 
 
 RESULT = "data-parallel result: "  # (how a child process reports a row to the parent)
@@ -240,8 +238,7 @@ def main() -> None:
     args = p.parse_args()
     FANOUTS, KERNELS = tuple(args.fanouts), args.kernels
     if args.coordinator:  # a child: its devices in the mesh of every process's, the data-parallel rows only
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # (CPU devices of several processes)
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        join_processes(args.coordinator, args.num_processes, args.process_id)
     started = time.time()
 
     edge_index = rmat(args.scale, undirected=True)

@@ -31,6 +31,13 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def join_processes(coordinator: str, count: int, index: int) -> None:
+    """Makes this process one of `count` running the same program (`jax.distributed`; Gloo between CPU devices of
+    several processes, NCCL between GPUs). Call it before anything starts JAX's backends."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, count, index)
+
+
 def timing_options(smoke: bool) -> dict:
     """Arguments of jinsum.timing.time_calls: its defaults for real runs, as few calls as possible for smoke runs."""
     return dict(calls=2, rounds=1, warmup=1) if smoke else {}

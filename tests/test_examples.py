@@ -60,12 +60,17 @@ def test_example_smoke(path, capsys):
     assert not re.search(r"\bnan\b", out, re.IGNORECASE), out
 
 
+def _free_port() -> int:
+    """A free port for the processes' coordinator."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def test_sharded_gcn_runs_as_two_processes():
     """The multi-host recipe of the README, on one machine: two processes of two CPU devices each (Gloo between
     them) train on one mesh of four, and each reports losses equal to its single-device run (else it exits 1)."""
-    with socket.socket() as s:  # a free port for the coordinator
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     processes = [subprocess.Popen([sys.executable, str(EXAMPLES / "sharded_gcn/main.py"), "--smoke", "--coordinator",
                                    f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
@@ -86,9 +91,7 @@ def _last_loss(output: str, system: str) -> str:
 def test_minibatch_sage_data_parallel_runs_as_two_processes():
     """One process per device group, as on a machine of several GPUs: two processes of two CPU devices each (Gloo)
     train the data-parallel step over one mesh of four, and end with the loss of the same run in one process."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     script = str(EXAMPLES / "minibatch_sage/main.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     processes = [subprocess.Popen([sys.executable, script, "--smoke", "--coordinator", f"localhost:{port}",

@@ -160,6 +160,13 @@ def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
     return train, predict, state
 
 
+def replicated_keys(mesh, keys: jax.Array) -> jax.Array:
+    """PRNG keys replicated on every device of `mesh`, of every process. They travel as their raw data: `device_put`
+    refuses a key array for other processes' devices."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(keys)), replicated))
+
+
 def on_mesh(mesh, graph, features, labels, batches):
     """The data-parallel step's inputs placed once: the graph, features and labels replicated on every device of
     `mesh`, each batch of seeds split over them (what the step's `shard_map` expects, so no step copies them). Over
@@ -267,9 +274,9 @@ def run_jax(name, train, predict, state, graph, x, y, train_batches, test_batche
     """Trains over `epochs` shuffled epochs with a progress bar; returns (steps/s, test accuracy, compiles, last
     loss). With a `mesh`, the inputs must be placed on it (`on_mesh`); the keys and test batches are placed here."""
     keys = jax.random.split(jax.random.key(seed), len(train_batches) * epochs + len(test_batches))
-    if mesh is not None:  # (replicated on every device, of every process: a key array travels as its raw data)
+    if mesh is not None:
+        keys = replicated_keys(mesh, keys)
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        keys = jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(keys)), replicated))
         test_batches = [jax.device_put(np.asarray(b), replicated) for b in test_batches]
     keys = list(keys)
     steps = len(train_batches) * epochs
@@ -320,9 +327,8 @@ def main(argv=None) -> None:
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
     args = p.parse_args(argv)
-    if args.coordinator:  # (before anything starts JAX's backends)
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.coordinator:
+        _common.join_processes(args.coordinator, args.num_processes, args.process_id)
     processes = jax.process_count()
     if args.smoke:
         args.scale, args.epochs, args.batch = 9, 1, 64

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,9 @@ import jinsum.nn as jnn
 import jinsum.shard
 from jinsum.datasets import rmat
 from jinsum.timing import kernel_times, time_calls
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' shared helpers
+import _common  # noqa: E402
 
 
 class GCN(nnx.Module):
@@ -139,9 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.smoke:
         args.scale, args.steps, args.features, args.hidden = 9, 3, 16, 32
-    if args.coordinator:  # (before anything starts JAX's backends)
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices of several processes
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    if args.coordinator:
+        _common.join_processes(args.coordinator, args.num_processes, args.process_id)
     devices = jax.devices()  # (every process's: the mesh spans them all)
     mesh = Mesh(np.array(devices), ("x",))
     started = time.perf_counter()
