@@ -19,7 +19,7 @@ Each step draws a batch of seed nodes from a shuffled epoch, samples their two-h
 - PyG (where torch_geometric is installed): a vectorised NumPy sampler on the host, PyG's `SAGEConv` on the
   sampled `edge_index`, on CUDA when torch has it.
 - jinsum, data parallel (where there are several devices): the seeds split over the devices, each sampling its
-  share from the replicated graph, the gradients summed with `jax.lax.psum` (`sampled_step(..., mesh=...)`).
+  share from the replicated graph, the gradients summed over the devices (`sampled_step(..., mesh=...)`).
 Reported: steps per second over the training run (with a progress bar), the compile count of each jitted step, and
 the test accuracy (inference on sampled neighbourhoods of the test nodes, as in training).
 
@@ -99,19 +99,25 @@ class SegmentSAGE(nnx.Module):
         return x
 
 
-def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
+def sampled_step(model, fanouts, *, tx=None, mesh=None, steps=1, **sampling):
     """`(train, predict, state)`: jitted functions of `(state, graph, features, labels, seeds, key)` that sample the
     seeds' neighbourhood on the device (`sampling`: `sample_neighbors`' keywords); `train` returns the new state
-    and the loss, `predict` the seeds' classes. `model(features, sample)` gives the sample's destinations' logits.
+    and the loss, `predict` the seeds' classes. `model(features, sample)` gives the sample's destinations' logits;
+    `tx` is the optax optimizer (Adam, learning rate 0.01, by default).
 
     Data parallel over a one-axis `mesh` (`jax.sharding.Mesh(jax.devices(), ("data",))`): the seeds are split into D
     equal shards, device d samples its shard's neighbourhood from the replicated graph with the key
     `jax.random.fold_in(key, d)` and takes the gradient of its share of the batch's mean loss, and the gradients
-    are summed over the devices (`jax.lax.psum`) before every device applies the same Adam update: the step of one
-    device over the whole batch sampled shard by shard with those keys (`tests/test_data_parallel.py` checks it on 4
-    CPU devices). `len(seeds)` must divide by D. Place the graph, features and labels on the mesh first
-    (`on_mesh`): arrays left on one device are copied to the others by every step."""
-    optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
+    are summed over the devices before every device applies the same update: the step of one device over the whole
+    batch sampled shard by shard with those keys (`tests/test_data_parallel.py` checks it on 4 CPU devices, with
+    plain SGD, which shows a gradient summed twice). `len(seeds)` must divide by D. Place the graph, features and labels on the mesh first
+    (`on_mesh`): arrays left on one device are copied to the others by every step.
+
+    With `steps > 1`, `train` runs that many steps in one call (a `jax.lax.scan`): it takes `seeds` `(steps, B)` and
+    `keys` `(steps,)` and returns the state and the `(steps,)` losses. A step of this model is a few hundred
+    microseconds of GPU work in ~130 kernels; dispatching them once per call, not once per step, is what lets the
+    GPUs, not the host, set the pace (one host thread dispatching two GPUs took 2x one's time a step)."""
+    optimizer = nnx.Optimizer(model, tx or optax.adam(0.01), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
 
     def logits(model, graph, features, seeds, key):
@@ -126,7 +132,10 @@ def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
         return jnp.sum(jnp.where(real, losses, 0)), real.sum()
 
     def update(state, graph, features, labels, seeds, key, total=lambda x: x):
-        """One Adam step on the mean loss over the seeds of every shard (`total` sums over the shards)."""
+        """One update on the mean loss over the seeds of every shard (`total` sums the loss and the count over the
+        shards). Inside `shard_map` the parameters are replicated (invariant over the mesh axis) and each device's
+        loss is its shard's share, so reverse mode already sums the gradients over the devices (the transpose of the
+        parameters' implicit `pvary` is a `psum`); a `psum` of them here would count each D times."""
         model, optimizer = nnx.merge(graphdef, state)
         count = jnp.maximum(total(jnp.sum(seeds >= 0)), 1)
 
@@ -134,18 +143,29 @@ def sampled_step(model, fanouts, *, learning_rate=0.01, mesh=None, **sampling):
             return loss_sum(model, graph, features, labels, seeds, key)[0] / count
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, total(grads))
+        optimizer.update(model, grads)
         return nnx.state((model, optimizer)), total(loss)
 
+    def run(state, graph, features, labels, seeds, keys, total=lambda x: x, device=None):
+        """`update`, or `steps` of them one after the other; `device` (data parallel) is folded into the keys."""
+        if device is not None:
+            keys = jax.random.fold_in(keys, device) if steps == 1 else jax.vmap(jax.random.fold_in, (0, None))(
+                keys, device)
+        if steps == 1:
+            return update(state, graph, features, labels, seeds, keys, total)
+        return jax.lax.scan(lambda state, batch: update(state, graph, features, labels, *batch, total), state,
+                            (seeds, keys))
+
     if mesh is None:
-        train = jax.jit(update)
+        train = jax.jit(run)
     else:
         [axis] = mesh.axis_names
-        replicated, split = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(axis)
+        replicated = jax.sharding.PartitionSpec()
+        split = jax.sharding.PartitionSpec(axis) if steps == 1 else jax.sharding.PartitionSpec(None, axis)
 
-        def shard(state, graph, features, labels, seeds, key):
-            key = jax.random.fold_in(key, jax.lax.axis_index(axis))
-            return update(state, graph, features, labels, seeds, key, lambda x: jax.lax.psum(x, axis))
+        def shard(state, graph, features, labels, seeds, keys):
+            return run(state, graph, features, labels, seeds, keys, lambda x: jax.lax.psum(x, axis),
+                       jax.lax.axis_index(axis))
 
         train = jax.jit(jax.shard_map(shard, mesh=mesh, out_specs=(replicated, replicated),
                                       in_specs=(replicated, replicated, replicated, replicated, split, replicated)))
@@ -172,8 +192,12 @@ def on_mesh(mesh, graph, features, labels, batches):
     `mesh`, each batch of seeds split over them (what the step's `shard_map` expects, so no step copies them). Over
     several processes, each passes the same values and places its own devices' copies."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*mesh.axis_names))
-    return (*jax.device_put((graph, features, labels), replicated), [jax.device_put(b, split) for b in batches])
+    [axis] = mesh.axis_names
+
+    def split(seeds):  # (along their last axis: a batch, or `(steps, B)` batches of several steps a call)
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * (np.ndim(seeds) - 1), axis))
+
+    return (*jax.device_put((graph, features, labels), replicated), [jax.device_put(b, split(b)) for b in batches])
 
 
 def batches(nodes: np.ndarray, batch: int, rng) -> list[np.ndarray]:
