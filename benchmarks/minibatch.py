@@ -1,7 +1,7 @@
 """Mini-batch GraphSAGE with neighbor sampling, end to end (sampling included), and device-built formats.
 
-    python benchmarks/minibatch.py [--scale 20] [--batch 1024] [--fanouts 15 10] [--calls 20] [--processes N]
-                                   [--out benchmarks/results]
+    python benchmarks/minibatch.py [--scale 20] [--batch 1024] [--fanouts 15 10] [--calls 20] [--steps-per-call 8]
+                                   [--processes N] [--out benchmarks/results]
 
 Graph: R-MAT (`jinsum.datasets.rmat`, made undirected; scale 20: 1.05M nodes, 31.4M edges), random 128 features,
 40 random classes. Model: GraphSAGE (mean) 128 -> 256 -> 40, ReLU, Adam; one step samples a batch of seeds' 2-hop
@@ -16,10 +16,12 @@ neighbourhood and runs forward, backward and the update. Systems, every one time
   adjacency in column order, `with_transpose=(False, True)`);
 - PyG (where torch_geometric and CUDA torch are present): a vectorised NumPy sampler on the host (with
   replacement, the cheapest one to write) and PyG's `SAGEConv` on the sampled `edge_index`.
-Where there are several devices, jinsum also runs data parallel (`sampled_step(..., mesh=...)`: the seeds split
-over the devices, each sampling its share from the replicated graph, the gradients summed with `jax.lax.psum`),
-with the same batch split over the devices and with a batch per device; with `--processes N`, the same again as N
-processes of this script (`jax.distributed`, one GPU visible to each), each dispatching its own device.
+jinsum also runs `--steps-per-call K` steps in one call (`sampled_step(steps=K)`, a `lax.scan`: one dispatch for K
+steps). Where there are several devices, jinsum also runs data parallel (`sampled_step(..., mesh=...)`: the seeds
+split over the devices, each sampling its share from the replicated graph, the gradients summed over them), with
+the same batch split over the devices and with a batch per device, each at one step a call and at K, against one
+device at as many steps a call; with `--processes N`, the same again as N processes of this
+script (`jax.distributed`, one GPU visible to each), each dispatching its own device.
 Also timed: `GroupCOO.from_edge_index(..., capacity=E)` from E random edges on the device, with its column order
 (`--build-edges`, 1M by default), against a plain `jnp.argsort` of the same edges. Results go to `--out` as
 `minibatch_<device>.{md,csv}`; each jitted step's compile count is checked (one).
@@ -80,8 +82,10 @@ def attempt(workload: str, system: str, run) -> None:
 def time_step(train, state, graph, features, labels, seed_batches, mesh=None, *, calls):
     """(ms per step over distinct batches (a new sample each call), the GPU's own ms per step or None); checks the
     step compiled once. With a `mesh` (data parallel), the keys are placed on it; over several processes the device
-    time is not read (None)."""
-    keys = jax.random.split(jax.random.key(1), len(seed_batches))
+    time is not read (None). Batches of shape `(K, B)` are `K` steps a call (`sampled_step(steps=K)`): the times
+    are per step."""
+    steps = seed_batches[0].shape[0] if seed_batches[0].ndim == 2 else 1
+    keys = jax.random.split(jax.random.key(1), (len(seed_batches), steps) if steps > 1 else len(seed_batches))
     keys = list(keys if mesh is None else replicated_keys(mesh, keys))  # (indexing an array per call dispatches)
     position = [0]
 
@@ -90,16 +94,17 @@ def time_step(train, state, graph, features, labels, seed_batches, mesh=None, *,
         position[0] += 1
         return train(state, graph, features, labels, seed_batches[i], keys[i])[1]
 
-    ms = time_calls(one, calls=calls, rounds=10) * 1e3
+    ms = time_calls(one, calls=calls, rounds=10) * 1e3 / steps
     assert train._cache_size() == 1, f"the step compiled {train._cache_size()} times"
     if jax.process_count() > 1:
         return ms, None
     kernels = kernel_times(one, calls=calls)
     if KERNELS:
-        print(f"  device time {sum(kernels.values()) * 1e3:.3f} ms in {len(kernels)} kernels; the largest:")
+        print(f"  device time {sum(kernels.values()) * 1e3 / steps:.3f} ms a step in {len(kernels)} kernels; the "
+              "largest:")
         for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[:KERNELS]:
-            print(f"    {seconds * 1e6:8.1f} us  {name[:110]}")
-    return ms, (sum(kernels.values()) * 1e3 if kernels else None)
+            print(f"    {seconds * 1e6 / steps:8.1f} us  {name[:110]}")
+    return ms, (sum(kernels.values()) * 1e3 / steps if kernels else None)
 
 
 def pyg_step_time(indptr, indices, features, labels, seed_batches, calls):
@@ -160,20 +165,41 @@ KERNELS = 0  # --kernels N: print each jitted step's N largest kernels
 SIZES: tuple[int, ...] = (128, 256, 40)
 
 
-def data_parallel_steps(graph, x, y, batches, order, batch, sampling) -> list:
+def stacked_batches(order: np.ndarray, batch: int, steps: int, calls: int) -> list[np.ndarray]:
+    """`calls` arrays of seeds from the shuffled nodes `order` (wrapping round on a small graph): `(batch,)`, or
+    `(steps, batch)` for `steps` a call."""
+    size = steps * batch
+    return [np.take(order, np.arange(i * size, (i + 1) * size), mode="wrap").reshape(
+        (steps, batch) if steps > 1 else (batch,)).astype(np.int32) for i in range(calls)]
+
+
+def one_device_many_steps(graph, x, y, order, batch, steps, sampling) -> list:
+    """jinsum on one device, `steps` steps a call (`sampled_step(steps=...)`): the baseline of the data-parallel rows
+    of as many steps a call."""
+    train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, steps=steps, **sampling)
+    seeds = [jnp.asarray(s) for s in stacked_batches(order, batch, steps, 4)]
+    return [(f"jinsum, in place, {steps} steps a call", "1 compile; one lax.scan over the steps", train, state,
+             (graph, x, y, seeds))]
+
+
+def data_parallel_steps(graph, x, y, batches, order, batch, steps, sampling) -> list:
     """jinsum data parallel over every device (of every process): the batch split over them, and a batch per
-    device; the inputs placed on the mesh once."""
+    device, one step a call and `steps` a call; the inputs placed on the mesh once."""
     devices = jax.devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     D, processes = len(devices), jax.process_count()
     by = f"{processes} processes x {D // processes} device(s)" if processes > 1 else f"{D} devices"
-    wide = [order[i * D * batch:(i + 1) * D * batch].astype(np.int32) for i in range(len(batches))]
-    steps = []
-    for label, seeds in ((f"batch {batch} split over them", batches), (f"batch {D} x {batch}", wide)):
-        train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh, **sampling)
-        steps.append((f"jinsum, in place, {by} data parallel, {label}", "1 compile; gradients summed with psum",
-                      train, state, (*on_mesh(mesh, graph, x, y, [np.asarray(s) for s in seeds]), mesh)))
-    return steps
+    runs = [(f"batch {batch} split over them", 1, batches), (f"batch {D} x {batch}", 1,
+                                                               stacked_batches(order, D * batch, 1, len(batches)))]
+    if steps > 1:
+        runs += [(f"batch {batch} split over them, {steps} steps a call", steps, stacked_batches(order, batch, steps, 4)),
+                 (f"batch {D} x {batch}, {steps} steps a call", steps, stacked_batches(order, D * batch, steps, 4))]
+    systems = []
+    for label, k, seeds in runs:
+        train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh, steps=k, **sampling)
+        systems.append((f"jinsum, in place, {by} data parallel, {label}", "1 compile; gradients summed over the devices",
+                        train, state, (*on_mesh(mesh, graph, x, y, [np.asarray(s) for s in seeds]), mesh)))
+    return systems
 
 
 def time_passes(steps, calls) -> dict:
@@ -230,6 +256,8 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["jinsum", "plain JAX", "PyG", "build"])
     p.add_argument("--kernels", type=int, default=0, help="print each jitted step's N largest GPU kernels")
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--steps-per-call", type=int, default=8,
+                   help="also time jinsum (one device and data parallel) with this many steps a call (1: not)")
     p.add_argument("--processes", type=int, default=1,
                    help="also time jinsum data parallel as this many processes, one device (GPU) each")
     p.add_argument("--coordinator", help=argparse.SUPPRESS)  # (the child processes of --processes)
@@ -248,7 +276,7 @@ def main() -> None:
     labels = rng.integers(0, SIZES[-1], nodes).astype(np.int32)
     graph = CSRGraph.from_edge_index(edge_index, nodes)
     order = rng.permutation(nodes)
-    seed_batches = [order[i * args.batch:(i + 1) * args.batch].astype(np.int32) for i in range(8)]
+    seed_batches = stacked_batches(order, args.batch, 1, 8)
     workload = (f"SAGE step, R-MAT {args.scale} ({edge_index.shape[1]:,} edges), batch {args.batch}, "
                 f"fanouts {FANOUTS}")
     print(workload, flush=True)
@@ -262,7 +290,8 @@ def main() -> None:
     readings = {"PyG reading": dict(), "in place": dict(outer_sources="graph", with_transpose=inner)}
     if args.coordinator:  # a child of --processes: the data-parallel rows, reported by process 0 to the parent
         for system, runs in time_passes(data_parallel_steps(graph, x, y, batches, order, args.batch,
-                                                            readings["in place"]), args.calls).items():
+                                                            args.steps_per_call, readings["in place"]),
+                                        args.calls).items():
             if jax.process_index() == 0:
                 print(RESULT + json.dumps({"system": system, "runs": runs}), flush=True)
         return
@@ -274,20 +303,26 @@ def main() -> None:
                 continue
             train, _, state = sampled_step(model(SIZES, rngs=nnx.Rngs(0)), FANOUTS, **sampling)
             steps.append((f"{system}, {reading}", note, train, state, (graph, x, y, batches)))
+    if args.steps_per_call > 1 and "jinsum" not in args.skip:
+        steps += one_device_many_steps(graph, x, y, order, args.batch, args.steps_per_call, readings["in place"])
     if len(jax.devices()) > 1 and "jinsum" not in args.skip:
-        steps += data_parallel_steps(graph, x, y, batches, order, args.batch, readings["in place"])
+        steps += data_parallel_steps(graph, x, y, batches, order, args.batch, args.steps_per_call,
+                                     readings["in place"])
     timed = time_passes(steps, args.calls)
     notes = {system: note for system, note, *_ in steps}
     if args.processes > 1 and "jinsum" not in args.skip:
         for system, runs in in_processes(args.processes).items():
-            timed[system], notes[system] = runs, "1 compile; gradients summed with psum; each process dispatches its own devices"
-    one_device = "jinsum, in place"  # (the data-parallel rows' baseline: the same step on one device)
+            timed[system], notes[system] = runs, ("1 compile; gradients summed over the devices; each process "
+                                                  "dispatches its own devices")
     for system, note in notes.items():
         runs = timed.get(system, [])[1:]
         if not runs:
             record(workload, system, None, "failed")
             continue
         device, ms = runs[-1][1], float(np.mean([ms for ms, _ in runs]))
+        # (a data-parallel row's baseline: the same step on one device, as many steps a call)
+        many = re.search(r", (\d+) steps a call", system)
+        one_device = "jinsum, in place" + (f", {many.group(1)} steps a call" if many else "")
         if "data parallel" in system and timed.get(one_device, [])[1:]:
             baseline = float(np.mean([ms for ms, _ in timed[one_device][1:]]))
             per_device = re.search(r"batch (\d+) x \d+", system)  # (else the batch is split over the devices)

@@ -408,11 +408,23 @@ def _on_threads(fn, items) -> list:
         return list(pool.map(fn, items))
 
 
-def _distinct(values: np.ndarray, size: int) -> np.ndarray:
-    """The distinct values of `values` (ints in `[0, size)`), sorted: a mask over `size`, not a sort."""
-    seen = np.zeros(size, bool)
-    seen[values] = True
-    return np.flatnonzero(seen)
+def _slices(first: np.ndarray, size: int = 1 << 22) -> list[tuple[int, int, int]]:
+    """`(d, lo, hi)`: slices of about `size` of each part's entries (part `d`'s are `first[d]:first[d + 1]` in
+    part order), the units of work shared out on threads: a part is a few large passes of gathers (~2 s at R-MAT
+    22) that would otherwise keep one core of many busy while the rest wait."""
+    jobs = []
+    for d in range(first.size - 1):
+        n = int(first[d + 1] - first[d])
+        cuts = np.linspace(0, n, max(1, -(-n // size)) + 1).astype(np.int64).tolist()
+        jobs += [(d, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:])]
+    return jobs
+
+
+def _joined(arrays: list):
+    """The arrays of a part's slices as one (no copy for one slice); None if they are None (values not built)."""
+    if arrays[0] is None:
+        return None
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str, chunks: int):
@@ -423,12 +435,19 @@ def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str, chunks: in
     order = host_argsort(part, parts)  # (stays in row order within a part)
     first = np.concatenate([[0], np.cumsum(np.bincount(part, minlength=parts))])
 
-    def reads(d: int) -> list:
-        read = cols[order[first[d]:first[d + 1]]]
-        owner = layout.owner[read]
-        return [_distinct(read[owner == s], layout.owner.size) if s != d else None for s in range(parts)]
+    def reads(job) -> np.ndarray:
+        """bool `(parts, N)`: the rows of each device read by entries `lo:hi` of part `d`."""
+        d, lo, hi = job
+        read = cols[order[first[d] + lo:first[d] + hi]]
+        seen = np.zeros((parts, layout.owner.size), bool)
+        seen[layout.owner[read], read] = True
+        return seen
 
-    needed = _on_threads(reads, range(parts))
+    slices = _slices(first)  # (a mask per slice, not a sort)
+    seen = [np.zeros((parts, layout.owner.size), bool) for _ in range(parts)]
+    for (d, *_), read in zip(slices, _on_threads(reads, slices)):
+        seen[d] |= read
+    needed = [[np.flatnonzero(seen[d][s]) if s != d else None for s in range(parts)] for d in range(parts)]
     shift_rows = tuple(max(needed[d][(d - k) % parts].size for d in range(parts)) for k in range(1, parts))
     counts = tuple(sum(n.size for n in row if n is not None) for row in needed)
     R = layout.rows_per_part
@@ -512,19 +531,25 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
     if plan.chunks > 1:
         chunk_of, column_of = plan.received_at()
 
-    def locate(d: int):
-        """Part d's entries as `(rows, columns)` of each of its matrices, and their values if built here."""
-        entries = order[first[d]:first[d + 1]]
+    def received(d: int) -> np.ndarray | None:
+        """For the halo exchange: each row's position in the rows part `d` receives (-1: not received)."""
+        if plan.exchange != "halo":
+            return None
+        position = np.full(layout.owner.size, -1, np.int64)
+        for s in range(parts):
+            if s != d:
+                position[needed[d][s]] = offsets[(d - s) % parts - 1] + np.arange(needed[d][s].size)
+        return position
+
+    def locate(d: int, received: np.ndarray | None, lo: int, hi: int):
+        """Entries `lo:hi` of part d as `(rows, columns)` of each of its matrices, and their values if built here."""
+        entries = order[first[d] + lo:first[d] + hi]
         r, c = layout.local[rows[entries]], cols[entries]
         o = layout.owner[c]
         mine = o == d
         theirs = ~mine
         c_remote = c[theirs]
-        if plan.exchange == "halo":  # each needed row's position in the received rows (-1: not received)
-            received = np.full(layout.owner.size, -1, np.int64)
-            for s in range(parts):
-                if s != d:
-                    received[needed[d][s]] = offsets[(d - s) % parts - 1] + np.arange(needed[d][s].size)
+        if received is not None:
             remote_cols = received[c_remote]
         else:
             remote_cols = o[theirs].astype(np.int64) * R + layout.local[c_remote]
@@ -535,13 +560,21 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
             entries_remote = np.flatnonzero(theirs)
             where[1:] = [entries_remote[chunk == k] for k in range(plan.chunks)]
             positions[1:] = [(rows_remote[chunk == k], column[chunk == k]) for k in range(plan.chunks)]
-        return positions, values[entries] if d in here else None, where
+        mine_values = values[entries] if d in here else None
+        return [(*rc, None if mine_values is None else mine_values[w]) for rc, w in zip(positions, where)]
 
-    for positions, v, where in _on_threads(locate, range(parts)):
+    receiving = _on_threads(received, range(parts))
+    slices = _slices(first)
+    found = _on_threads(lambda job: locate(job[0], receiving[job[0]], *job[1:]), slices)
+    joins = [(d, m, k) for d in range(parts) for m in range(matrices) for k in range(3)]
+    joined = dict(zip(joins, _on_threads(lambda job: _joined(
+        [piece[job[1]][job[2]] for (part, *_), piece in zip(slices, found) if part == job[0]]), joins)))
+    for d in range(parts):
         for m in range(matrices):
-            located[m].append(positions[m])
+            r, c, v = (joined[d, m, k] for k in range(3))
+            located[m].append((r, c))
             if v is not None:
-                built[m].append((*positions[m], v[where[m]]))
+                built[m].append((r, c, v))
     shapes = [(R, R)] + [(R, max(columns, 1)) for columns in plan.columns]
     local, *remote = _on_threads(lambda m: _stack(built[m], _Sizes.of(located[m], shapes[m]), shapes[m], A),
                                  range(matrices))
