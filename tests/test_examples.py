@@ -88,13 +88,17 @@ def _last_loss(output: str, system: str) -> str:
     return row.split()[-2]
 
 
+SMOKE_MANY_STEPS = ["--smoke", "--steps-per-call", "2"]
+
+
 def test_minibatch_sage_data_parallel_runs_as_two_processes():
     """One process per device group, as on a machine of several GPUs: two processes of two CPU devices each (Gloo)
-    train the data-parallel step over one mesh of four, and end with the loss of the same run in one process."""
+    train the data-parallel step over one mesh of four, two steps a call, and end with the loss of the same run in
+    one process."""
     port = _free_port()
     script = str(EXAMPLES / "minibatch_sage/main.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    processes = [subprocess.Popen([sys.executable, script, "--smoke", "--coordinator", f"localhost:{port}",
+    processes = [subprocess.Popen([sys.executable, script, *SMOKE_MANY_STEPS, "--coordinator", f"localhost:{port}",
                                    "--num-processes", "2", "--process-id", str(i)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(2)]
@@ -102,7 +106,7 @@ def test_minibatch_sage_data_parallel_runs_as_two_processes():
     for i, (p, out) in enumerate(zip(processes, outputs)):
         assert p.returncode == 0, f"process {i}:\n{out}"
         assert f"process {i} of 2" in out and "jinsum SAGEConv, 4 devices, 2 processes" in out, out
-    one = subprocess.run([sys.executable, script, "--smoke"], capture_output=True, text=True, timeout=240,
+    one = subprocess.run([sys.executable, script, *SMOKE_MANY_STEPS], capture_output=True, text=True, timeout=240,
                          env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     assert one.returncode == 0, one.stdout + one.stderr
     expected = _last_loss(one.stdout, "jinsum SAGEConv, 4 devices (data parallel)")

@@ -24,13 +24,15 @@ Reported: steps per second over the training run (with a progress bar), the comp
 the test accuracy (inference on sampled neighbourhoods of the test nodes, as in training).
 
     python examples/minibatch_sage/main.py [--scale 18] [--epochs 2] [--batch 1024] [--fanouts 15 10] [--devices D]
-                                           [--smoke]
+                                           [--steps-per-call K] [--smoke]
 
-Data parallel with one process per GPU (each process dispatches its own device's steps; in one process, one host
-thread dispatches them all), on a machine of two GPUs:
+A step of 1,024 seeds is less GPU work (0.42 ms on an H200) than its dispatch: `--steps-per-call 8` runs 8 steps in
+one call (a `lax.scan`), and the data-parallel run goes fastest as one process per GPU (each dispatching its own
+device; in one process, one host thread dispatches them all). On a machine of two GPUs (2 x H200: 1.98x one GPU's
+seeds per second, `benchmarks/minibatch.py --processes 2`):
 
-    CUDA_VISIBLE_DEVICES=0 python examples/minibatch_sage/main.py --coordinator localhost:1234 --num-processes 2 --process-id 0
-    CUDA_VISIBLE_DEVICES=1 python examples/minibatch_sage/main.py --coordinator localhost:1234 --num-processes 2 --process-id 1
+    CUDA_VISIBLE_DEVICES=0 python examples/minibatch_sage/main.py --steps-per-call 8 --coordinator localhost:1234 --num-processes 2 --process-id 0
+    CUDA_VISIBLE_DEVICES=1 python examples/minibatch_sage/main.py --steps-per-call 8 --coordinator localhost:1234 --num-processes 2 --process-id 1
 
 Every process builds the same graph, features and batches (the same seed), places them on the mesh of all
 processes' devices and runs the same step; each prints the table (the data-parallel run only).
@@ -294,30 +296,36 @@ def pyg_trainer(sizes, indptr, indices, features, labels, fanouts, seed):
 
 # --- the run -------------------------------------------------------------------------------------------------------
 
-def run_jax(name, train, predict, state, graph, x, y, train_batches, test_batches, epochs, seed, mesh=None):
+def run_jax(name, train, predict, state, graph, x, y, train_calls, test_batches, epochs, seed, mesh=None):
     """Trains over `epochs` shuffled epochs with a progress bar; returns (steps/s, test accuracy, compiles, last
-    loss). With a `mesh`, the inputs must be placed on it (`on_mesh`); the keys and test batches are placed here."""
-    keys = jax.random.split(jax.random.key(seed), len(train_batches) * epochs + len(test_batches))
+    loss). `train_calls` are an epoch's seeds call by call: `(B,)` batches, or `(K, B)` stacks of K steps for a
+    `train` of `steps=K`. With a `mesh`, the inputs must be placed on it (`on_mesh`); the keys and test batches are
+    placed here."""
+    per_call = train_calls[0].shape[0] if train_calls[0].ndim == 2 else 1
+    calls = len(train_calls) * epochs
+    keys = jax.random.split(jax.random.key(seed), calls * per_call + len(test_batches))
+    train_keys = keys[:calls * per_call].reshape((calls, per_call) if per_call > 1 else (calls,))
+    test_keys = keys[calls * per_call:]
     if mesh is not None:
-        keys = replicated_keys(mesh, keys)
+        train_keys, test_keys = replicated_keys(mesh, train_keys), replicated_keys(mesh, test_keys)
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         test_batches = [jax.device_put(np.asarray(b), replicated) for b in test_batches]
-    keys = list(keys)
-    steps = len(train_batches) * epochs
-    state, loss = train(state, graph, x, y, train_batches[0], keys[0])  # compile outside the timed loop
+    train_keys, test_keys = list(train_keys), list(test_keys)  # (indexing an array per call dispatches)
+    state, loss = train(state, graph, x, y, train_calls[0], train_keys[0])  # compile outside the timed loop
     jax.block_until_ready(loss)
     start = time.perf_counter()
-    with tqdm(total=steps, desc=name, unit="step", leave=False) as bar:
-        for step in range(steps):
-            state, loss = train(state, graph, x, y, train_batches[step % len(train_batches)], keys[step])
-            if step % 20 == 0:
+    with tqdm(total=calls * per_call, desc=name, unit="step", leave=False) as bar:
+        for call in range(calls):
+            state, losses = train(state, graph, x, y, train_calls[call % len(train_calls)], train_keys[call])
+            loss = losses[-1] if per_call > 1 else losses
+            if call % max(1, 20 // per_call) == 0:
                 bar.set_postfix(loss=f"{float(loss):.3f}")
-            bar.update()
+            bar.update(per_call)
         jax.block_until_ready(loss)
-    rate = steps / (time.perf_counter() - start)
+    rate = calls * per_call / (time.perf_counter() - start)
     correct = total = 0
-    for i, seeds in enumerate(test_batches):
-        classes = np.asarray(predict(state, graph, x, seeds, keys[steps + i]))
+    for seeds, key in zip(test_batches, test_keys):
+        classes = np.asarray(predict(state, graph, x, seeds, key))
         real = np.asarray(seeds) >= 0
         correct += int((classes[real] == np.asarray(y)[np.asarray(seeds)[real]]).sum())
         total += int(real.sum())
@@ -350,6 +358,9 @@ def main(argv=None) -> None:
     p.add_argument("--coordinator", help="host:port of process 0: train data parallel over every process's devices")
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--steps-per-call", type=int, default=1,
+                   help="run K steps in one call of the JAX systems (one dispatch for K: sampled_step(steps=K)); "
+                        "an epoch's last (batches mod K) batches are left out")
     args = p.parse_args(argv)
     if args.coordinator:
         _common.join_processes(args.coordinator, args.num_processes, args.process_id)
@@ -382,9 +393,13 @@ def main(argv=None) -> None:
         mesh = jax.sharding.Mesh(np.array(devices), ("data",))
         by = f", {processes} processes" if processes > 1 else ""
         runs.append((f"jinsum SAGEConv, {len(devices)} devices{by} (data parallel)", JinsumSAGE, mesh))
+    K = args.steps_per_call
+    train_calls = train_batches if K == 1 else [np.stack(train_batches[i:i + K])
+                                                for i in range(0, len(train_batches) - K + 1, K)]
     for name, model, mesh in runs:
-        train, predict, state = sampled_step(model(sizes, rngs=nnx.Rngs(args.seed)), fanouts, mesh=mesh, **sampling)
-        inputs = (graph, x, y, [jnp.asarray(b) for b in train_batches])
+        train, predict, state = sampled_step(model(sizes, rngs=nnx.Rngs(args.seed)), fanouts, mesh=mesh, steps=K,
+                                             **sampling)
+        inputs = (graph, x, y, [jnp.asarray(b) for b in train_calls])
         if mesh is not None:
             inputs = on_mesh(mesh, *inputs)
         rate, accuracy, compiles, loss = run_jax(name, train, predict, state, *inputs,
