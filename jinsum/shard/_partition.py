@@ -342,25 +342,29 @@ def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | Blo
                                       num_groups=None, index_dtype=np.int32)
         return Ai, Ak, Av, TransposedIndex(*found)
 
-    def stacked(arrays, size: int, fill, dtype=None):
-        """The parts' arrays padded with `fill` to `size` and stacked, written once into the result."""
+    def stacked(job):
+        """The parts' arrays padded with `fill` to `size` and stacked, each written once into the result."""
+        arrays, size, fill, dtype = job
         first = np.asarray(arrays[0])
         out = np.empty((len(arrays), size, *first.shape[1:]), dtype or first.dtype)
-        for row, x in zip(out, arrays):
-            row[:len(x)] = x
-            row[len(x):] = fill
+
+        def write(d: int):
+            out[d, :len(arrays[d])] = arrays[d]
+            out[d, len(arrays[d]):] = fill
+
+        _on_threads(write, range(len(arrays)))
         return out
 
     Ais, Aks, Avs, indices = zip(*_on_threads(build, parts))
-    transposed = TransposedIndex(
-        perm=stacked([t.perm for t in indices], entries, 0),
-        starts=stacked([t.starts for t in indices], cols + 1, 0),
-        columns=stacked([t.columns for t in indices], column_groups, max(cols - 1, 0)),
-        rows=stacked([t.rows for t in indices], column_groups, 0),
-        slots=stacked([t.slots for t in indices], column_groups, -1),
-    )
-    arrays = (stacked(Ais, groups, rows - 1, np.int32), stacked(Aks, groups, 0, np.int32), stacked(Avs, groups, 0),
-              transposed, None)  # (no overflow: built on the host)
+    # (every array's copies at once: a matrix's are ~1 s of memory traffic at R-MAT 22)
+    *index, Ai, Ak, Av = _on_threads(stacked, [
+        ([t.perm for t in indices], entries, 0, None),
+        ([t.starts for t in indices], cols + 1, 0, None),
+        ([t.columns for t in indices], column_groups, max(cols - 1, 0), None),
+        ([t.rows for t in indices], column_groups, 0, None),
+        ([t.slots for t in indices], column_groups, -1, None),
+        (Ais, groups, rows - 1, np.int32), (Aks, groups, 0, np.int32), (Avs, groups, 0, None)])
+    arrays = (Ai, Ak, Av, TransposedIndex(*index), None)  # (no overflow: built on the host)
     if block:
         (bm, bk) = A.block_shape
         return BlockGroupCOO.tree_unflatten(((rows * bm, cols * bk), A.block_shape, sizes.entries), arrays)
@@ -408,13 +412,13 @@ def _on_threads(fn, items) -> list:
         return list(pool.map(fn, items))
 
 
-def _slices(first: np.ndarray, size: int = 1 << 22) -> list[tuple[int, int, int]]:
-    """`(d, lo, hi)`: slices of about `size` of each part's entries (part `d`'s are `first[d]:first[d + 1]` in
-    part order), the units of work shared out on threads: a part is a few large passes of gathers (~2 s at R-MAT
-    22) that would otherwise keep one core of many busy while the rest wait."""
+def _slices(members: list, size: int = 1 << 22) -> list[tuple[int, int, int]]:
+    """`(d, lo, hi)`: slices of about `size` of each part's entries (`members[d]`), the units of work shared out on
+    threads: a part is a few large passes of gathers (~2 s at R-MAT 22) that would otherwise keep one core of many
+    busy while the rest wait."""
     jobs = []
-    for d in range(first.size - 1):
-        n = int(first[d + 1] - first[d])
+    for d, entries in enumerate(members):
+        n = entries.size
         cuts = np.linspace(0, n, max(1, -(-n // size)) + 1).astype(np.int64).tolist()
         jobs += [(d, lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:])]
     return jobs
@@ -429,21 +433,19 @@ def _joined(arrays: list):
 
 def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str, chunks: int):
     """The plan of moving the rows each part reads from other devices; those rows, `needed[d][s]`: the distinct
-    rows of device `s` that part `d` reads (sorted); and the entries in part order: part `d`'s are
-    `order[first[d]:first[d + 1]]`."""
+    rows of device `s` that part `d` reads (sorted); and each part's entries, `members[d]` (in row order)."""
     part = layout.owner[rows]
-    order = host_argsort(part, parts)  # (stays in row order within a part)
-    first = np.concatenate([[0], np.cumsum(np.bincount(part, minlength=parts))])
+    members = _on_threads(lambda d: np.flatnonzero(part == d), range(parts))  # (a pass per part, not a sort)
 
     def reads(job) -> np.ndarray:
         """bool `(parts, N)`: the rows of each device read by entries `lo:hi` of part `d`."""
         d, lo, hi = job
-        read = cols[order[first[d] + lo:first[d] + hi]]
+        read = cols[members[d][lo:hi]]
         seen = np.zeros((parts, layout.owner.size), bool)
         seen[layout.owner[read], read] = True
         return seen
 
-    slices = _slices(first)  # (a mask per slice, not a sort)
+    slices = _slices(members)  # (a mask per slice, not a sort)
     seen = [np.zeros((parts, layout.owner.size), bool) for _ in range(parts)]
     for (d, *_), read in zip(slices, _on_threads(reads, slices)):
         seen[d] |= read
@@ -455,7 +457,7 @@ def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str, chunks: in
         exchange = "halo" if chunks > 1 or sum(shift_rows) < (parts - 1) * R else "all_gather"
     halo = exchange == "halo"
     plan = HaloPlan(exchange, shift_rows if halo else (), counts, R, chunks if halo else 1)
-    return plan, needed, order, first
+    return plan, needed, members
 
 
 def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, *, split: str = "auto",
@@ -518,7 +520,7 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
     for name in (("contiguous", "dealt") if split == "auto" else (split,)):
         layout = Layout(_owners(lengths, parts, name), parts, name, block, A.shape[0])
         candidates.append((layout, *_halo_plan(rows, cols, layout, parts, exchange, chunks)))
-    layout, plan, needed, order, first = min(candidates, key=lambda c: c[0].rows_per_part + c[1].received_rows)
+    layout, plan, needed, members = min(candidates, key=lambda c: c[0].rows_per_part + c[1].received_rows)
     R, offsets = layout.rows_per_part, np.concatenate([[0], np.cumsum(plan.shift_rows)]).astype(np.int64)
 
     # Every part's entries are located (cheap: the sizes all parts are padded to come from them); the parts this
@@ -543,7 +545,7 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
 
     def locate(d: int, received: np.ndarray | None, lo: int, hi: int):
         """Entries `lo:hi` of part d as `(rows, columns)` of each of its matrices, and their values if built here."""
-        entries = order[first[d] + lo:first[d] + hi]
+        entries = members[d][lo:hi]
         r, c = layout.local[rows[entries]], cols[entries]
         o = layout.owner[c]
         mine = o == d
@@ -564,7 +566,7 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
         return [(*rc, None if mine_values is None else mine_values[w]) for rc, w in zip(positions, where)]
 
     receiving = _on_threads(received, range(parts))
-    slices = _slices(first)
+    slices = _slices(members)
     found = _on_threads(lambda job: locate(job[0], receiving[job[0]], *job[1:]), slices)
     joins = [(d, m, k) for d in range(parts) for m in range(matrices) for k in range(3)]
     joined = dict(zip(joins, _on_threads(lambda job: _joined(
