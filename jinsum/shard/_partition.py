@@ -437,18 +437,16 @@ def _halo_plan(rows, cols, layout: Layout, parts: int, exchange: str, chunks: in
     part = layout.owner[rows]
     members = _on_threads(lambda d: np.flatnonzero(part == d), range(parts))  # (a pass per part, not a sort)
 
-    def reads(job) -> np.ndarray:
-        """bool `(parts, N)`: the rows of each device read by entries `lo:hi` of part `d`."""
+    # seen[d][s, n]: part d reads row n of device s. A mask, not a sort; the slices of a part set their flags in one
+    # mask at once (every write stores True).
+    seen = [np.zeros((parts, layout.owner.size), bool) for _ in range(parts)]
+
+    def reads(job):
         d, lo, hi = job
         read = cols[members[d][lo:hi]]
-        seen = np.zeros((parts, layout.owner.size), bool)
-        seen[layout.owner[read], read] = True
-        return seen
+        seen[d][layout.owner[read], read] = True
 
-    slices = _slices(members)  # (a mask per slice, not a sort)
-    seen = [np.zeros((parts, layout.owner.size), bool) for _ in range(parts)]
-    for (d, *_), read in zip(slices, _on_threads(reads, slices)):
-        seen[d] |= read
+    _on_threads(reads, _slices(members))
     needed = [[np.flatnonzero(seen[d][s]) if s != d else None for s in range(parts)] for d in range(parts)]
     shift_rows = tuple(max(needed[d][(d - k) % parts].size for d in range(parts)) for k in range(1, parts))
     counts = tuple(sum(n.size for n in row if n is not None) for row in needed)
@@ -563,8 +561,8 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
             entries_remote = np.flatnonzero(theirs)
             where[1:] = [entries_remote[chunk == k] for k in range(plan.chunks)]
             positions[1:] = [(rows_remote[chunk == k], column[chunk == k]) for k in range(plan.chunks)]
-        mine_values = values[entries] if d in here else None
-        return [(*rc, None if mine_values is None else mine_values[w]) for rc, w in zip(positions, where)]
+        part_values = values[entries] if d in here else None
+        return [(*rc, None if part_values is None else part_values[w]) for rc, w in zip(positions, where)]
 
     receiving = _on_threads(received, range(parts))
     slices = _slices(members)
