@@ -189,15 +189,16 @@ def data_parallel_steps(graph, x, y, batches, order, batch, steps, sampling) -> 
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     D, processes = len(devices), jax.process_count()
     by = f"{processes} processes x {D // processes} device(s)" if processes > 1 else f"{D} devices"
-    runs = [(f"batch {batch} split over them", 1, batches), (f"batch {D} x {batch}", 1,
-                                                               stacked_batches(order, D * batch, 1, len(batches)))]
-    if steps > 1:
-        runs += [(f"batch {batch} split over them, {steps} steps a call", steps, stacked_batches(order, batch, steps, 4)),
-                 (f"batch {D} x {batch}, {steps} steps a call", steps, stacked_batches(order, D * batch, steps, 4))]
+    runs = []  # (label, steps a call, the calls' seeds)
+    for k in sorted({1, steps}):
+        for label, size in ((f"batch {batch} split over them", batch), (f"batch {D} x {batch}", D * batch)):
+            runs.append((label + ("" if k == 1 else f", {k} steps a call"), k,
+                         stacked_batches(order, size, k, len(batches) if k == 1 else 4)))
     systems = []
     for label, k, seeds in runs:
         train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh, steps=k, **sampling)
-        systems.append((f"jinsum, in place, {by} data parallel, {label}", "1 compile; gradients summed over the devices",
+        systems.append((f"jinsum, in place, {by} data parallel, {label}",
+                        "1 compile; gradients summed over the devices",
                         train, state, (*on_mesh(mesh, graph, x, y, [np.asarray(s) for s in seeds]), mesh)))
     return systems
 

@@ -244,7 +244,8 @@ def main() -> None:
     p.add_argument("--features", type=int, default=128)
     p.add_argument("--wide", type=int, default=7168, help="input width of the wide model (0: skip)")
     p.add_argument("--split", default="auto", choices=jinsum.shard.SPLITS)
-    p.add_argument("--chunks", type=int, default=3, help="also the SpMM and GCN step with the exchange in this many chunks (1: not)")
+    p.add_argument("--chunks", type=int, default=3,
+                   help="also the SpMM and GCN step with the exchange in this many chunks (1: not)")
     p.add_argument("--compile-only", type=int, nargs="+", metavar="D",
                    help="compile for D GPUs of this kind (each D given) instead of running on the visible ones")
     p.add_argument("--out", default=str(HERE / "results"))

@@ -112,8 +112,8 @@ def sampled_step(model, fanouts, *, tx=None, mesh=None, steps=1, **sampling):
     `jax.random.fold_in(key, d)` and takes the gradient of its share of the batch's mean loss, and the gradients
     are summed over the devices before every device applies the same update: the step of one device over the whole
     batch sampled shard by shard with those keys (`tests/test_data_parallel.py` checks it on 4 CPU devices, with
-    plain SGD, which shows a gradient summed twice). `len(seeds)` must divide by D. Place the graph, features and labels on the mesh first
-    (`on_mesh`): arrays left on one device are copied to the others by every step.
+    plain SGD, which shows a gradient summed twice). `len(seeds)` must divide by D. Place the graph, features and
+    labels on the mesh first (`on_mesh`): arrays left on one device are copied to the others by every step.
 
     With `steps > 1`, `train` runs that many steps in one call (a `jax.lax.scan`): it takes `seeds` `(steps, B)` and
     `keys` `(steps,)` and returns the state and the `(steps,)` losses. A step of this model is a few hundred
