@@ -35,7 +35,6 @@ import json
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -58,7 +57,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from _training import package_versions  # noqa: E402
 from minibatch_sage.main import (  # noqa: E402
     JinsumSAGE, SegmentSAGE, host_sample, on_mesh, pyg_trainer, replicated_keys, sampled_step)
-from _common import join_processes  # noqa: E402  (examples/_common.py)
+from _common import free_port, join_processes  # noqa: E402  (examples/_common.py)
 
 ROWS: list[dict] = []
 
@@ -182,7 +181,7 @@ def one_device_many_steps(graph, x, y, order, batch, steps, sampling) -> list:
              (graph, x, y, seeds))]
 
 
-def data_parallel_steps(graph, x, y, batches, order, batch, steps, sampling) -> list:
+def data_parallel_steps(graph, x, y, order, batch, steps, sampling) -> list:
     """jinsum data parallel over every device (of every process): the batch split over them, and a batch per
     device, one step a call and `steps` a call; the inputs placed on the mesh once."""
     devices = jax.devices()
@@ -193,7 +192,7 @@ def data_parallel_steps(graph, x, y, batches, order, batch, steps, sampling) -> 
     for k in sorted({1, steps}):
         for label, size in ((f"batch {batch} split over them", batch), (f"batch {D} x {batch}", D * batch)):
             runs.append((label + ("" if k == 1 else f", {k} steps a call"), k,
-                         stacked_batches(order, size, k, len(batches) if k == 1 else 4)))
+                         stacked_batches(order, size, k, 8 if k == 1 else 4)))  # (as the one-device rows)
     systems = []
     for label, k, seeds in runs:
         train, _, state = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, mesh=mesh, steps=k, **sampling)
@@ -221,9 +220,7 @@ def time_passes(steps, calls) -> dict:
 def in_processes(count: int) -> dict:
     """The data-parallel steps timed as `count` processes of this script, one device each (one GPU visible to each
     on a GPU machine): `{system: [(ms, None), ...]}` as process 0 measured them."""
-    with socket.socket() as s:  # a free port for the coordinator
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = sys.argv[1:]
     children = []
     for i in range(count):
@@ -290,7 +287,7 @@ def main() -> None:
     inner = (False,) + (True,) * (len(FANOUTS) - 1)
     readings = {"PyG reading": dict(), "in place": dict(outer_sources="graph", with_transpose=inner)}
     if args.coordinator:  # a child of --processes: the data-parallel rows, reported by process 0 to the parent
-        for system, runs in time_passes(data_parallel_steps(graph, x, y, batches, order, args.batch,
+        for system, runs in time_passes(data_parallel_steps(graph, x, y, order, args.batch,
                                                             args.steps_per_call, readings["in place"]),
                                         args.calls).items():
             if jax.process_index() == 0:
@@ -307,7 +304,7 @@ def main() -> None:
     if args.steps_per_call > 1 and "jinsum" not in args.skip:
         steps += one_device_many_steps(graph, x, y, order, args.batch, args.steps_per_call, readings["in place"])
     if len(jax.devices()) > 1 and "jinsum" not in args.skip:
-        steps += data_parallel_steps(graph, x, y, batches, order, args.batch, args.steps_per_call,
+        steps += data_parallel_steps(graph, x, y, order, args.batch, args.steps_per_call,
                                      readings["in place"])
     timed = time_passes(steps, args.calls)
     notes = {system: note for system, note, *_ in steps}

@@ -8,6 +8,7 @@ are trained, evaluated, timed and measured by the same code.
 from __future__ import annotations
 
 import argparse
+import socket
 import dataclasses
 from collections.abc import Callable
 
@@ -29,6 +30,13 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true", help="tiny sizes and a few epochs: checks that it runs")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def free_port() -> int:
+    """A free port on this machine, for the coordinator of several processes started here."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def join_processes(coordinator: str, count: int, index: int) -> None:

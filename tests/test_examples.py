@@ -7,7 +7,6 @@ they take about half a minute on two CPU cores.
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from _common import free_port  # noqa: E402  (examples/_common.py)
 
 # example -> (the argument of its main(), the systems it compares: each must have a line in the summary)
 RUNS = {
@@ -60,17 +61,10 @@ def test_example_smoke(path, capsys):
     assert not re.search(r"\bnan\b", out, re.IGNORECASE), out
 
 
-def _free_port() -> int:
-    """A free port for the processes' coordinator."""
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_sharded_gcn_runs_as_two_processes():
     """The multi-host recipe of the README, on one machine: two processes of two CPU devices each (Gloo between
     them) train on one mesh of four, and each reports losses equal to its single-device run (else it exits 1)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     processes = [subprocess.Popen([sys.executable, str(EXAMPLES / "sharded_gcn/main.py"), "--smoke", "--coordinator",
                                    f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)],
@@ -95,7 +89,7 @@ def test_minibatch_sage_data_parallel_runs_as_two_processes():
     """One process per device group, as on a machine of several GPUs: two processes of two CPU devices each (Gloo)
     train the data-parallel step over one mesh of four, two steps a call, and end with the loss of the same run in
     one process."""
-    port = _free_port()
+    port = free_port()
     script = str(EXAMPLES / "minibatch_sage/main.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     processes = [subprocess.Popen([sys.executable, script, *SMOKE_MANY_STEPS, "--coordinator", f"localhost:{port}",

@@ -149,14 +149,14 @@ def sampled_step(model, fanouts, *, tx=None, mesh=None, steps=1, **sampling):
         return nnx.state((model, optimizer)), total(loss)
 
     def run(state, graph, features, labels, seeds, keys, total=lambda x: x, device=None):
-        """`update`, or `steps` of them one after the other; `device` (data parallel) is folded into the keys."""
-        if device is not None:
-            keys = jax.random.fold_in(keys, device) if steps == 1 else jax.vmap(jax.random.fold_in, (0, None))(
-                keys, device)
+        """`update`, or `steps` of them one after the other; `device` (data parallel) is folded into each key."""
+        def step(state, seeds, key):
+            key = key if device is None else jax.random.fold_in(key, device)
+            return update(state, graph, features, labels, seeds, key, total)
+
         if steps == 1:
-            return update(state, graph, features, labels, seeds, keys, total)
-        return jax.lax.scan(lambda state, batch: update(state, graph, features, labels, *batch, total), state,
-                            (seeds, keys))
+            return step(state, seeds, keys)
+        return jax.lax.scan(lambda state, batch: step(state, *batch), state, (seeds, keys))
 
     if mesh is None:
         train = jax.jit(run)

@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--classes", type=int, default=40)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--chunks", type=int, default=1,
-                   help="move each exchange in this many chunks: less memory in flight, less overlap")
+                   help="move each exchange in this many chunks (less overlap; less memory in flight for a "
+                        "product, but not for this training step: 2 H200s measured more, benchmarks/README.md)")
     p.add_argument("--smoke", action="store_true", help="a tiny graph and 3 steps (CI)")
     p.add_argument("--coordinator", help="host:port of process 0, to run as one of several processes")
     p.add_argument("--num-processes", type=int, default=1)
