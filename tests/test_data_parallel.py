@@ -50,7 +50,7 @@ def _one_device_over_shards(graph, x, y, seeds, key, shards: int):
             total += jnp.sum(jnp.where(part >= 0, losses, 0))
         return total / jnp.sum(seeds >= 0)
 
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model)  # (jitted: eager, the sampler dispatches op by op)
     optimizer.update(model, grads)
     return loss, model
 
