@@ -131,27 +131,29 @@ def test_two_devices(rng, split):
     np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
 
 
-@pytest.mark.parametrize("devices,chunks", [(4, 3), (2, 24)])
+@pytest.mark.parametrize("devices,chunks", [(3, 2), (2, 24)])
 def test_chunked_exchange_equals_one_device(rng, devices, chunks):
-    """The exchange in chunks (24: more chunks than the 18 rows of the shift, so some pieces are empty): the same
-    products, gradients and bytes moved as in one piece."""
+    """Each shift's rows in chunks (24: more chunks than the 18 rows of the shift, so some pieces are empty): the
+    same products, gradients and bytes moved as in one piece a shift."""
     A = graph(rng, duplicates=True)
     whole = jinsum.shard.partition(A, mesh(devices), split="dealt", exchange="halo")
     P = jinsum.shard.partition(A, mesh(devices), split="dealt", chunks=chunks)
-    assert P.plan.exchange == "halo" and len(P.remote) == chunks and f"in {chunks} chunks" in repr(P)
+    pieces = (devices - 1) * chunks  # (a remote matrix per piece: shift after shift, each cut in chunks)
+    assert P.plan.exchange == "halo" and len(P.remote) == pieces and f"in {chunks} chunks" in repr(P)
+    assert len(whole.remote) == devices - 1
     assert sum(P.plan.columns) == P.plan.received_rows == whole.plan.received_rows
-    chunk, column = P.plan.received_at()  # every row received has one place in one chunk
-    assert len({(c, k) for c, k in zip(chunk.tolist(), column.tolist())}) == P.plan.received_rows
+    piece, column = P.plan.received_at()  # every row received has one place in one piece
+    assert len({(m, k) for m, k in zip(piece.tolist(), column.tolist())}) == P.plan.received_rows
     x = rng.standard_normal((A.shape[0], 5))
     xs = P.shard_rows(x)
     np.testing.assert_allclose(P.unshard_rows(jax.jit(lambda P, x: P @ x)(P, xs)), dense(A) @ x, atol=1e-12)
     grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(P @ x))))(xs)
     np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
     assert jinsum.shard.communication(lambda x: P @ x, xs) == jinsum.shard.communication(lambda x: whole @ x, xs)
-    # An SDDMM keeps one matrix per chunk; attention merges every chunk's keys.
+    # An SDDMM keeps one matrix per piece; attention merges every piece's keys.
     q, k = rng.standard_normal((A.shape[0], 4)), rng.standard_normal((A.shape[0], 4))
     S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))
-    assert len(S.remote) == chunks
+    assert len(S.remote) == pieces
     np.testing.assert_allclose(P.unshard_rows(S @ xs), (dense(A) * (q @ k.T)) @ x, atol=1e-12)
     q, k, v = (rng.standard_normal((A.shape[0], 2, 3)) for _ in range(3))
     ours = jinsum.shard.attention(*map(P.shard_rows, (q, k, v)), P, self_loops=True)
@@ -159,11 +161,13 @@ def test_chunked_exchange_equals_one_device(rng, devices, chunks):
                                atol=ATTENTION_ATOL)
 
 
-def test_attention_dropout_over_a_chunked_partition(rng):
-    """Dropout over the local and every chunk's remote matrix: the same seed draws the same masks, another seed
-    others, and over many seeds the mean is the result without dropout (inverted dropout keeps the expectation)."""
+def test_attention_dropout_over_several_remote_matrices(rng):
+    """Dropout over the local and every piece's remote matrix (one a shift): the same seed draws the same masks,
+    another seed others, and over many seeds the mean is the result without dropout (inverted dropout keeps the
+    expectation)."""
     A = graph(rng)
-    P = jinsum.shard.partition(A, mesh(), split="dealt", chunks=3)
+    P = jinsum.shard.partition(A, mesh(), split="dealt", exchange="halo")
+    assert len(P.remote) == P.num_parts - 1
     n = A.shape[0]
     q, k = rng.standard_normal((n, 1, 2)), rng.standard_normal((n, 1, 2))
     v = 1 + 0.1 * rng.standard_normal((n, 1, 1))
@@ -263,6 +267,13 @@ def test_communication_counts_the_exchange(rng):
     assert forward == {"ppermute": P.plan.received_rows * 5 * 8}
     backward = jinsum.shard.communication(jax.grad(lambda x: jnp.sum(P @ x)), xs)
     assert backward == {"ppermute": 2 * P.plan.received_rows * 5 * 8}  # the exchange, and its transpose
+    # An all_to_all: every piece but the device's own, the pieces counted over the enclosing shard_map's mesh.
+    spec = jax.sharding.PartitionSpec("x")
+    swap = jax.shard_map(lambda x: jax.lax.all_to_all(x, "x", 0, 0, tiled=True), mesh=P.mesh, in_specs=spec,
+                         out_specs=spec)
+    parts, rows = P.num_parts, xs.shape[0]  # (each device's rows `rows`, cut into `parts` pieces)
+    received = jinsum.shard.communication(swap, jnp.zeros((parts * rows, 5)))
+    assert received == {"all_to_all": (parts - 1) * rows // parts * 5 * 8}
 
 
 # -- layers --------------------------------------------------------------------------------------------------------
@@ -303,11 +314,12 @@ def test_layer_on_a_partitioned_adjacency(rng, name):
 
 
 @pytest.mark.parametrize("name", ["SAGE max+std", "GAT"])
-def test_layer_on_a_chunked_partition(rng, name):
-    """Layers whose aggregation is not a sum (maxima and deviations, softmax merges) over the remote matrices of a
-    chunked exchange, one after another into the running result."""
+def test_layer_over_several_remote_matrices(rng, name):
+    """Layers whose aggregation is not a sum (maxima and deviations, softmax merges) over the remote matrices (one
+    a shift), one after another into the running result."""
     A = graph(rng)
-    P = jinsum.shard.partition(A, mesh(), split="dealt", chunks=3)
+    P = jinsum.shard.partition(A, mesh(), split="dealt", exchange="halo")
+    assert len(P.remote) == P.num_parts - 1
     layer = LAYERS[name]()
     x = rng.standard_normal((A.shape[0], 6))
     atol = ATTENTION_ATOL if name == "GAT" else 1e-10

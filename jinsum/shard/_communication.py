@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections import Counter
 
 import jax
+import numpy as np
 
 
 def _nbytes(var) -> int:
     return var.aval.size * var.aval.dtype.itemsize
 
 
-def _received(eqn) -> int | None:
-    """Bytes one device receives in a collective of the traced program (None: not a collective)."""
+def _received(eqn, axis_sizes: dict) -> int | None:
+    """Bytes one device receives in a collective of the traced program (None: not a collective); `axis_sizes`:
+    the devices along each axis of the enclosing `shard_map`'s mesh."""
     name = eqn.primitive.name
     if name == "ppermute":
         return sum(map(_nbytes, eqn.invars))
@@ -21,7 +23,8 @@ def _received(eqn) -> int | None:
     if name in ("reduce_scatter", "psum_scatter"):  # the others' pieces of its block
         return sum(map(_nbytes, eqn.invars)) - sum(map(_nbytes, eqn.outvars))
     if name == "all_to_all":  # all pieces but its own
-        size = eqn.params["axis_size"]
+        names = eqn.params["axis_name"]
+        size = int(np.prod([axis_sizes[a] for a in (names if isinstance(names, tuple) else (names,))]))
         return sum(map(_nbytes, eqn.invars)) * (size - 1) // size
     if name in ("psum", "psum_invariant", "all_reduce"):
         return sum(map(_nbytes, eqn.invars))
@@ -49,14 +52,16 @@ def communication(fn, *args) -> dict[str, int]:
     """
     totals: Counter = Counter()
 
-    def walk(jaxpr):
+    def walk(jaxpr, axis_sizes):
         for eqn in jaxpr.eqns:
-            received = _received(eqn)
+            received = _received(eqn, axis_sizes)
             if received is not None:
                 totals[eqn.primitive.name] += received
+            mesh = eqn.params.get("mesh")  # (a shard_map: the axes its body's collectives run over)
+            inner = {**axis_sizes, **dict(mesh.shape)} if mesh is not None else axis_sizes
             for value in eqn.params.values():
                 for sub in _subjaxprs(value):
-                    walk(sub)
+                    walk(sub, inner)
 
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, {})
     return dict(totals)

@@ -1,8 +1,8 @@
 """Products over a `Partitioned`: each device runs the ordinary statements (and so the generated kernels) on
 its part, inside one `jax.shard_map`.
 
-A device's result is its local matrix's product with its own rows, into which its remote matrix's product with
-the rows it received is then added (or maximised) in place. Derivatives need nothing here: reverse mode transposes the
+A device's result is its local matrix's product with its own rows, into which each remote matrix's product with
+the rows of its piece of the exchange is then added (or maximised) in place, piece after piece. Derivatives need nothing here: reverse mode transposes the
 exchange too (a `ppermute` runs backwards, the gather of the rows to send becomes a scatter-add of their
 cotangents, an `all_gather` becomes a `psum_scatter`), so the gradient with respect to the dense operand comes
 back row-sharded on the same split.
@@ -23,26 +23,25 @@ from jinsum.shard._partition import Partitioned
 KINDS = ("rows", "columns", "replicated")
 
 
-def _exchange(A: Partitioned, send: jax.Array, x: jax.Array, chunk: int) -> jax.Array:
-    """The rows of `x` (this device's rows) that this device's remote matrix of chunk `chunk` reads, received from
-    the others (in blocks of rows, for a block format)."""
+def _exchange(A: Partitioned, send: jax.Array, x: jax.Array, piece: int) -> jax.Array:
+    """The rows of `x` (this device's rows) that this device's remote matrix `piece` reads, received from the
+    others (in blocks of rows, for a block format)."""
     if A.plan.exchange == "all_gather":
         return jax.lax.all_gather(x, A.axis, tiled=True)
     block = A.layout.block
     blocks = x.reshape(x.shape[0] // block, block, *x.shape[1:])
-    parts, pieces = A.num_parts, []
-    for k, start, count in A.plan.pieces(chunk):
-        if not count:  # (a chunk of a shift with fewer rows than chunks: nothing to send)
-            continue
-        rows = jnp.take(blocks, send[start:start + count], axis=0, indices_are_sorted=True)
-        pieces.append(jax.lax.ppermute(rows, A.axis, perm=[(s, (s + k) % parts) for s in range(parts)]))
-    received = jnp.concatenate(pieces) if pieces else jnp.zeros((1, *blocks.shape[1:]), x.dtype)
+    k, start, count = A.plan.pieces[piece]
+    if not count:  # (a piece of a shift with fewer rows than chunks: nothing to send)
+        return jnp.zeros((block, *x.shape[1:]), x.dtype)
+    rows = jnp.take(blocks, send[start:start + count], axis=0, indices_are_sorted=True)
+    parts = A.num_parts
+    received = jax.lax.ppermute(rows, A.axis, perm=[(s, (s + k) % parts) for s in range(parts)])
     return received.reshape(-1, *x.shape[1:])
 
 
 def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
              columns: Sequence[jax.Array] = (), replicated: Sequence = ()):
-    """`fn` on every device: over its local matrix, then over its remote matrices (one per chunk of the exchange)
+    """`fn` on every device: over its local matrix, then over its remote matrices (one per piece of the exchange)
     into that result.
 
     `fn(part, *rows, *columns, *replicated, out=None)` takes a `GroupCOO` over the device's rows (local: `(R, R)`;
@@ -78,12 +77,16 @@ def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
             returns_format.append(True)
             return mine.Av[None], tuple(fn(part, *rows, *[_exchange(A, send, x, c) for x in columns],
                                            *replicated).Av[None] for c, part in enumerate(remote))
-        results = [mine]  # (the result after the local matrix, then after each chunk)
-        for c, part in enumerate(remote):
+        results = [mine]  # (the result after the local matrix, then after each piece)
+        for m, part in enumerate(remote):
             sources = columns
-            if c >= 2:  # chunk c's rows leave once chunk c - 2's product has run: three chunks in flight at most
-                sources, _ = jax.lax.optimization_barrier((columns, results[c - 1]))
-            received = [_exchange(A, send, x, c) for x in sources]
+            if m >= 1:
+                # Piece m's rows leave once the product before last has run (piece m - 2's; the local one for
+                # piece 1), so each piece moves while one product runs and at most three pieces are in flight.
+                # Left free, XLA starts every transfer as early as it can and, one collective in flight at a
+                # time, waits for all but the last before any product (it sees no cost in the kernels).
+                sources, _ = jax.lax.optimization_barrier((columns, results[m - 1]))
+            received = [_exchange(A, send, x, m) for x in sources]
             results.append(fn(part, *rows, *received, *replicated, out=results[-1]))
         return results[-1]
 
@@ -199,9 +202,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_
     rows, `k`, `v` at its columns (exchanged), row-sharded `(D * R, H, E)` out.
 
     Each device attends over its local keys, then over the keys it received, and combines the two with their
-    log-sum-exps (over each chunk's remote matrix in turn, for a chunked exchange). `self_loops` (graph attention)
+    log-sum-exps (over each piece's remote matrix in turn). `self_loops` (graph attention)
     adds each node to its local keys. Dropout draws from `seed` folded with the device and the matrix (local, or a
-    chunk's remote one), so no two share a mask. Other keyword arguments go to `jinsum.attention` (`scale`,
+    piece's remote one), so no two share a mask. Other keyword arguments go to `jinsum.attention` (`scale`,
     `score_mod`, ...; not `causal` or `key_padding_mask`, which read global indices).
     """
     if {"causal", "key_padding_mask"} & set(options):

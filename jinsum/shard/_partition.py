@@ -14,10 +14,12 @@ local matrix can run while the rows are in flight. The rows travel one of two wa
 - `"all_gather"`: every device receives every block (an `all_gather`); the remote columns index that.
 `partition` picks the one that moves fewer rows, unless told.
 
-The halo exchange may move its rows in `chunks`: each shift's rows cut into that many pieces, chunk `c` made of
-every shift's `c`-th piece, and the remote matrix cut by columns into one matrix per chunk. A chunk's rows then
-leave only once the product of the chunk before last has run, so at most three chunks' buffers are alive at once
-(sent and received rows: `3 / (2 * chunks)` of an exchange in one piece), at the cost of less overlap.
+The halo exchange's rows move in pieces, each with a remote matrix of its own (`remote[m]`, its columns the rows
+of piece `m`): shift after shift, each shift's rows cut into `chunks` pieces. A piece's product runs as soon as its
+rows are in, while the next piece moves: with `D - 1` shifts the remote products (most of the work on 4 devices)
+overlap the exchange too, not only the local one, and no piece is copied into one buffer of all received rows.
+A piece's rows leave only once the product of the piece before last has run, so at most three pieces' buffers are
+alive at once (sent and received rows: `3 / (2 * chunks)` of an exchange in one piece, on two devices).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class HaloPlan:
     """How each device gets the rows of the dense operand its part reads from other devices (static, hashable).
 
     Attributes:
-      exchange: `"halo"` (a `ppermute` per shift of only the rows read) or `"all_gather"` (every row).
+      exchange: `"halo"` (a `ppermute` per piece of only the rows read) or `"all_gather"` (every row).
       shift_rows: for `"halo"`, the rows sent at shift `k = 1 .. D-1` (each device's count padded to the largest).
       needed: for each device, the distinct rows of other devices its part reads (unpadded).
       rows_per_part: `R`, the rows of each device's block.
@@ -65,36 +67,34 @@ class HaloPlan:
             return sum(self.shift_rows)
         return len(self.needed) * self.rows_per_part - self.rows_per_part
 
-    def pieces(self, chunk: int) -> list[tuple[int, int, int]]:
-        """Chunk `chunk`'s pieces, one per shift `k = 1 .. D-1`: `(k, start, count)`, `start` indexing the rows sent
-        (`Partitioned.send`: shift after shift, each shift's rows cut into `chunks` near-equal pieces)."""
+    @property
+    def pieces(self) -> tuple[tuple[int, int, int], ...]:
+        """For `"halo"`, the pieces the rows move in, one per remote matrix: `(k, start, count)`, the rows of shift
+        `k` at `start:start + count` of those sent (`Partitioned.send`: shift after shift, each shift's rows cut into
+        `chunks` near-equal pieces)."""
         pieces, first = [], 0
         for k, rows in enumerate(self.shift_rows, start=1):
             cuts = [first + rows * c // self.chunks for c in range(self.chunks + 1)]
-            pieces.append((k, cuts[chunk], cuts[chunk + 1] - cuts[chunk]))
+            pieces += [(k, lo, hi - lo) for lo, hi in zip(cuts[:-1], cuts[1:])]
             first += rows
-        return pieces
+        return tuple(pieces)
 
     @property
     def columns(self) -> tuple[int, ...]:
-        """The columns of each remote matrix (one per chunk): the rows received in its chunk (`"all_gather"`: all
-        `D` blocks)."""
+        """The columns of each remote matrix: the rows of its piece (`"all_gather"`: one matrix, all `D` blocks)."""
         if self.exchange == "all_gather":
             return (len(self.needed) * self.rows_per_part,)
-        return tuple(sum(count for _, _, count in self.pieces(c)) for c in range(self.chunks))
+        return tuple(count for _, _, count in self.pieces)
 
     def received_at(self) -> tuple[np.ndarray, np.ndarray]:
-        """For each row received by the halo exchange, in the order sent (`Partitioned.send`), its chunk and its
-        position in that chunk's received rows."""
-        chunk = np.empty(self.received_rows, np.int32)
+        """For each row received by the halo exchange, in the order sent (`Partitioned.send`), its piece (remote
+        matrix) and its position among that piece's rows."""
+        piece = np.empty(self.received_rows, np.int32)
         column = np.empty(self.received_rows, np.int64)
-        for c in range(self.chunks):
-            placed = 0
-            for _, start, count in self.pieces(c):
-                chunk[start:start + count] = c
-                column[start:start + count] = placed + np.arange(count)
-                placed += count
-        return chunk, column
+        for m, (_, start, count) in enumerate(self.pieces):
+            piece[start:start + count] = m
+            column[start:start + count] = np.arange(count)
+        return piece, column
 
 
 class Layout:
@@ -139,7 +139,7 @@ class Partitioned:
     """A square sparse matrix split by rows over a mesh axis; build it with :func:`partition`.
 
     A pytree whose arrays all have a leading axis of one part per device (`local` is a `GroupCOO`, or a
-    `BlockGroupCOO`, of stacked arrays, padded to equal shapes; `remote` a tuple of such, one per chunk of the
+    `BlockGroupCOO`, of stacked arrays, padded to equal shapes; `remote` a tuple of such, one per piece of the
     exchange; `send` holds, for the `"halo"` exchange, the local rows each device sends at each shift), so it is
     placed with `NamedSharding(mesh, P(axis))` and passes through `jit` and `grad`.
     Static: the mesh, the axis, the logical `shape`, the `Layout` and the `HaloPlan`.
@@ -200,13 +200,13 @@ class Partitioned:
         return self.with_parts(self.local.astype(dtype), tuple(part.astype(dtype) for part in self.remote))
 
     def with_parts(self, local: GroupCOO, remote: tuple[GroupCOO, ...]) -> Partitioned:
-        """The same partition over new stacked parts (the remote ones, one per chunk)."""
+        """The same partition over new stacked parts (the remote ones, one per piece of the exchange)."""
         return Partitioned(local, remote, self.send, self.mesh, self.axis, self.shape, self.layout,
                                    self.plan)
 
     def with_values(self, local_values, remote_values: tuple) -> Partitioned:
         """The same structure with new stacked values of the local and remote parts, `(D, *part.Av.shape)` (the
-        remote ones a tuple, one per chunk; a `GroupCOO`'s dense dimensions may change: the scores of an SDDMM, per
+        remote ones a tuple, one per piece; a `GroupCOO`'s dense dimensions may change: the scores of an SDDMM, per
         head); like the formats' `with_values`, it drops the entries in column order."""
         def stacked(part, values):
             kept = 3 if self.format is GroupCOO else values.ndim  # (dimensions that must stay)
@@ -478,11 +478,11 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
         entries whatever the order: a power-law graph's hubs are spread); `"auto"`: the one whose devices hold
         fewer rows, own and received.
       exchange: `"halo"`, `"all_gather"`, or `"auto"`: the one that moves fewer rows per product.
-      chunks: move the halo exchange's rows in this many chunks (module docstring): less memory for the rows in
-        flight (R-MAT 22 on 2 H200s, an SpMM F = 128: 3 chunks 0.58x of one GPU's memory per device, 1 chunk
-        0.65x), less overlap of the exchange with the products (1.40x of one GPU's speed instead of 1.57x). A
-        training step saves nothing (a GCN step: 15.06 GiB per device against 11.56). Needs the halo exchange
-        (`"auto"` then picks it).
+      chunks: cut each shift's rows of the halo exchange into this many pieces (module docstring): less memory
+        for the rows in flight (R-MAT 22 on 2 H200s, an SpMM F = 128: 3 chunks 0.58x of one GPU's memory per
+        device, 1 chunk 0.65x), less overlap of the exchange with the products (1.40x of one GPU's speed instead
+        of 1.57x). A training step saves nothing (a GCN step: 15.06 GiB per device against 11.56). Needs the halo
+        exchange (`"auto"` then picks it).
 
     Returns:
       A `Partitioned`, its arrays placed row-sharded on the mesh (`A.sharding`).
@@ -524,13 +524,13 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
 
     # Every part's entries are located (cheap: the sizes all parts are padded to come from them); the parts this
     # process's devices hold are built (the sort, the groups and the transposed indices). Matrix 0 of a part is its
-    # local one, matrix 1 + c its remote one of chunk c.
+    # local one, matrix 1 + m its remote one of piece m.
     here = _parts_here(mesh, axis)
-    matrices = 1 + plan.chunks
+    matrices = 1 + len(plan.columns)
     located = [[] for _ in range(matrices)]  # every part's (rows, columns) of its entries, by matrix
     built = [[] for _ in range(matrices)]  # this process's parts' (rows, columns, values), by matrix
-    if plan.chunks > 1:
-        chunk_of, column_of = plan.received_at()
+    if matrices > 2:
+        piece_of, column_of = plan.received_at()
 
     def received(d: int) -> np.ndarray | None:
         """For the halo exchange: each row's position in the rows part `d` receives (-1: not received)."""
@@ -556,11 +556,12 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
             remote_cols = o[theirs].astype(np.int64) * R + layout.local[c_remote]
         rows_remote = r[theirs]
         where, positions = [mine, theirs], [(r[mine], layout.local[c[mine]]), (rows_remote, remote_cols)]
-        if plan.chunks > 1:  # the remote entries by chunk, their columns the rows received in that chunk
-            chunk, column = chunk_of[remote_cols], column_of[remote_cols]
+        if matrices > 2:  # the remote entries by piece, their columns the rows received in that piece
+            piece, column = piece_of[remote_cols], column_of[remote_cols]
             entries_remote = np.flatnonzero(theirs)
-            where[1:] = [entries_remote[chunk == k] for k in range(plan.chunks)]
-            positions[1:] = [(rows_remote[chunk == k], column[chunk == k]) for k in range(plan.chunks)]
+            by_piece = [piece == m for m in range(matrices - 1)]
+            where[1:] = [entries_remote[w] for w in by_piece]
+            positions[1:] = [(rows_remote[w], column[w]) for w in by_piece]
         part_values = values[entries] if d in here else None
         return [(*rc, None if part_values is None else part_values[w]) for rc, w in zip(positions, where)]
 
