@@ -12,7 +12,7 @@ Graph: R-MAT (directed, Graph500 parameters; scale 22: 4.2M nodes, ~64M edges), 
 - GCN training step (features -> 256 -> 40, Adam, masked cross-entropy; examples/sharded_gcn): the same.
 - A wide model: `--wide` input features (generated on the devices), the same GCN; tried on one GPU first (expected
   to run out of memory), then on all; compiled without XLA's autotuning of matmuls (it would copy the features).
-Results: `--out`/sharded_<device>.{md,csv}.
+Results: `--out`/sharded_<D>x_<device>_rmat<scale>.{md,csv}.
 
     python benchmarks/sharded.py --compile-only 2 4 8 [--scale 22] [--wide 7168]
 
@@ -97,6 +97,38 @@ def spmm(A, partitions, x_np, devices) -> None:
         print(f"  max |sharded - single| over the first 4096 rows: {np.abs(check).max():.2e}")
 
 
+def exchanges(P: jinsum.shard.Partitioned, x_np: np.ndarray) -> None:
+    """The halo exchange alone (the rows gathered and moved, no product), two ways: a `ppermute` per shift (what
+    `P @ x` runs, one piece after another), and one `all_to_all` of the same rows, each destination's slot padded to
+    the largest shift (one NCCL call to every peer at once, but every row in before any remote product starts)."""
+    parts, shift_rows = P.num_parts, P.plan.shift_rows
+    xs = P.shard_rows(x_np)
+    spec = PartitionSpec(P.axis)
+    slot = max(shift_rows)
+    offsets = np.concatenate([[0], np.cumsum(shift_rows)])
+    send = np.asarray(P.send)
+    slots = np.zeros((parts, parts * slot), np.int32)  # device s's rows for device j at slots[s, j * slot:]
+    for s in range(parts):
+        for k in range(1, parts):
+            j = (s + k) % parts
+            slots[s, j * slot:j * slot + shift_rows[k - 1]] = send[s, offsets[k - 1]:offsets[k]]
+    slots = jax.device_put(slots, P.sharding)
+
+    def per_shift(send, x):
+        return tuple(jax.lax.ppermute(jnp.take(x, send[0, start:start + count], axis=0), P.axis,
+                                      [(s, (s + k) % parts) for s in range(parts)])
+                     for k, start, count in P.plan.pieces)
+
+    def at_once(slots, x):
+        return jax.lax.all_to_all(jnp.take(x, slots[0], axis=0), P.axis, 0, 0, tiled=True)
+
+    for name, fn, indices in (("a ppermute per shift", per_shift, P.send), ("one all_to_all", at_once, slots)):
+        exchange = jax.shard_map(fn, mesh=P.mesh, in_specs=(spec, spec), out_specs=spec)
+        compiled = jax.jit(exchange).lower(indices, xs).compile()
+        record(f"exchange alone F={x_np.shape[1]} fp32", f"{parts} GPUs", 1e3 * time_calls(compiled, indices, xs),
+               memory_per_device(compiled), sum(jinsum.shard.communication(exchange, indices, xs).values()), name)
+
+
 def gcn(A, partitions, x_np, y_np, devices, mesh) -> None:
     """The GCN training step on one GPU, then over each partition (the exchange in one piece, then in chunks)."""
     workload = f"GCN step {x_np.shape[1]}->256->40"
@@ -170,12 +202,12 @@ def device_alone(P: jinsum.shard.Partitioned, x_np: np.ndarray) -> tuple[float, 
 
     def part(local, remote, send, x):
         out = spmm(local, x)
-        for chunk, matrix in enumerate(remote):
+        for piece, matrix in enumerate(remote):
             if plan is None:  # all_gather: every block received; here D copies of its own
                 received = jnp.tile(x, (P.num_parts, 1))
             else:
-                received = jnp.concatenate([jnp.take(x, send[start:start + count], axis=0)
-                                            for _, start, count in plan.pieces(chunk) if count] or [x[:1] * 0])
+                _, start, count = plan.pieces[piece]
+                received = jnp.take(x, send[start:start + count], axis=0) if count else x[:1] * 0
             out = spmm(matrix, received, out=out)
         return out
 
@@ -256,7 +288,8 @@ def main() -> None:
     print(f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges ({time.perf_counter() - started:.1f} s)", flush=True)
     if args.compile_only:
         header = compile_only(A, x, args.compile_only, args.split, args.wide)
-        stem, title = "sharded_compiled", f"Memory per device, compiled for D x {devices[0].device_kind}"
+        name = devices[0].device_kind.replace(" ", "_")
+        stem, title = f"sharded_compiled_{name}", f"Memory per device, compiled for D x {devices[0].device_kind}"
     else:
         mesh = Mesh(np.array(devices), ("x",))
         started = time.perf_counter()
@@ -268,16 +301,19 @@ def main() -> None:
         if args.chunks > 1:
             partitions.append(jinsum.shard.partition(A, mesh, split=args.split, chunks=args.chunks))
         spmm(A, partitions, x, devices)
+        if len(devices) > 2:
+            exchanges(P, x)
         gcn(A, partitions, x, y, devices, mesh)
         del partitions[1:]
         if args.wide:
             wide(A, P, args.wide, devices, mesh)
-        stem, title = "sharded", f"Sharded SpMM and GCN steps: {len(devices)} x {devices[0].device_kind}"
+        name = devices[0].device_kind.replace(" ", "_")
+        stem, title = f"sharded_{len(devices)}x_{name}_rmat{args.scale}", \
+            f"Sharded SpMM and GCN steps: {len(devices)} x {devices[0].device_kind}"
 
-    name = devices[0].device_kind.replace(" ", "_")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{stem}_{name}.csv", "w", newline="") as f:
+    with open(out / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(ROWS[0]))
         writer.writeheader()
         writer.writerows(ROWS)
@@ -291,7 +327,7 @@ def main() -> None:
         mem = "" if r["memory_gib"] is None else f"{r['memory_gib']:.2f}"
         rec = "" if r["received_mib"] is None else f"{r['received_mib']:.1f}"
         lines.append(f"| {r['workload']} | {r['system']} | {ms or ''} | {mem} | {rec} | {r['note']} |")
-    (out / f"{stem}_{name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
