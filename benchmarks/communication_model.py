@@ -7,8 +7,8 @@ locality), a node whose features go to `k` distinct destinations is needed by a 
 probability `1 - (1 - 1/D)^k`; the expected rows a device receives per product are the sum over the other devices'
 nodes. A 2-layer GCN step (widths 256 and 40, float32) exchanges each such row once per layer forward and once
 backward: 2 * (256 + 40) * 4 bytes. Against it: the compute of one device, the single-GPU step (measured: 50.5 ms
-on an H200 at scale 22, benchmarks/results/sharded_NVIDIA_H200.md) over D, and the link: NVLink within a node of 8
-(~450 GB/s per GPU and direction), InfiniBand between nodes (~50 GB/s per GPU, 400 Gb/s NICs).
+on an H200 at scale 22, benchmarks/results/sharded_2x_NVIDIA_H200_rmat22.md) over D, and the link: NVLink within a
+node of 8 (~450 GB/s per GPU and direction), InfiniBand between nodes (~50 GB/s per GPU, 400 Gb/s NICs).
 """
 
 from __future__ import annotations

@@ -481,8 +481,9 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
       chunks: cut each shift's rows of the halo exchange into this many pieces (module docstring): less memory
         for the rows in flight (R-MAT 22 on 2 H200s, an SpMM F = 128: 3 chunks 0.58x of one GPU's memory per
         device, 1 chunk 0.65x), less overlap of the exchange with the products (1.40x of one GPU's speed instead
-        of 1.57x). A training step saves nothing (a GCN step: 15.06 GiB per device against 11.56). Needs the halo
-        exchange (`"auto"` then picks it).
+        of 1.57x; on 4, where each shift is a piece already, R-MAT 23: 1.59x instead of 2.40x). A training step
+        saves nothing (a GCN step: 15.06 GiB per device against 11.56). Needs the halo exchange (`"auto"` then
+        picks it).
 
     Returns:
       A `Partitioned`, its arrays placed row-sharded on the mesh (`A.sharding`).
