@@ -2,10 +2,10 @@
 its part, inside one `jax.shard_map`.
 
 A device's result is its local matrix's product with its own rows, into which each remote matrix's product with
-the rows of its piece of the exchange is then added (or maximised) in place, piece after piece. Derivatives need nothing here: reverse mode transposes the
-exchange too (a `ppermute` runs backwards, the gather of the rows to send becomes a scatter-add of their
-cotangents, an `all_gather` becomes a `psum_scatter`), so the gradient with respect to the dense operand comes
-back row-sharded on the same split.
+the rows of its piece of the exchange is then added (or maximised) in place, piece after piece. Derivatives need
+nothing here: reverse mode transposes the exchange too (a `ppermute` runs backwards, the gather of the rows to send
+becomes a scatter-add of their cotangents, an `all_gather` becomes a `psum_scatter`), so the gradient with respect
+to the dense operand comes back row-sharded on the same split.
 """
 
 from __future__ import annotations
@@ -202,9 +202,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_
     rows, `k`, `v` at its columns (exchanged), row-sharded `(D * R, H, E)` out.
 
     Each device attends over its local keys, then over the keys it received, and combines the two with their
-    log-sum-exps (over each piece's remote matrix in turn). `self_loops` (graph attention)
-    adds each node to its local keys. Dropout draws from `seed` folded with the device and the matrix (local, or a
-    piece's remote one), so no two share a mask. Other keyword arguments go to `jinsum.attention` (`scale`,
+    log-sum-exps (over each piece's remote matrix in turn). `self_loops` (graph attention) adds each node to its
+    local keys. Dropout draws from `seed` folded with the device and the matrix (local, or a piece's remote one),
+    so no two share a mask. Other keyword arguments go to `jinsum.attention` (`scale`,
     `score_mod`, ...; not `causal` or `key_padding_mask`, which read global indices).
     """
     if {"causal", "key_padding_mask"} & set(options):
