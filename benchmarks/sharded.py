@@ -101,23 +101,22 @@ def exchanges(P: jinsum.shard.Partitioned, x_np: np.ndarray) -> None:
     """The halo exchange alone (the rows gathered and moved, no product), two ways: a `ppermute` per shift (what
     `P @ x` runs, one piece after another), and one `all_to_all` of the same rows, each destination's slot padded to
     the largest shift (one NCCL call to every peer at once, but every row in before any remote product starts)."""
-    parts, shift_rows = P.num_parts, P.plan.shift_rows
+    parts, pieces = P.num_parts, P.plan.pieces  # (one a shift: P has one chunk)
     xs = P.shard_rows(x_np)
     spec = PartitionSpec(P.axis)
-    slot = max(shift_rows)
-    offsets = np.concatenate([[0], np.cumsum(shift_rows)])
+    slot = max(P.plan.columns)
     send = np.asarray(P.send)
     slots = np.zeros((parts, parts * slot), np.int32)  # device s's rows for device j at slots[s, j * slot:]
     for s in range(parts):
-        for k in range(1, parts):
+        for k, start, count in pieces:
             j = (s + k) % parts
-            slots[s, j * slot:j * slot + shift_rows[k - 1]] = send[s, offsets[k - 1]:offsets[k]]
+            slots[s, j * slot:j * slot + count] = send[s, start:start + count]
     slots = jax.device_put(slots, P.sharding)
 
     def per_shift(send, x):
         return tuple(jax.lax.ppermute(jnp.take(x, send[0, start:start + count], axis=0), P.axis,
                                       [(s, (s + k) % parts) for s in range(parts)])
-                     for k, start, count in P.plan.pieces)
+                     for k, start, count in pieces)
 
     def at_once(slots, x):
         return jax.lax.all_to_all(jnp.take(x, slots[0], axis=0), P.axis, 0, 0, tiled=True)
