@@ -2,14 +2,15 @@
 its part, inside one `jax.shard_map`.
 
 A device's result is its local matrix's product with its own rows, into which each remote matrix's product with
-the rows of its piece of the exchange is then added (or maximised) in place, piece after piece. Derivatives need
-nothing here: reverse mode transposes the exchange too (a `ppermute` runs backwards, the gather of the rows to send
-becomes a scatter-add of their cotangents, an `all_gather` becomes a `psum_scatter`), so the gradient with respect
-to the dense operand comes back row-sharded on the same split.
+the rows of its piece of the exchange is then added (or maximised) in place, piece after piece. Reverse mode
+transposes the exchange too (a `ppermute` runs backwards, the gather of the rows each piece sends becomes a
+scatter-add of their cotangents, every piece into one array (`_send`), an `all_gather` becomes a `psum_scatter`),
+so the gradient with respect to the dense operand comes back row-sharded on the same split.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -19,24 +20,43 @@ from jax.sharding import PartitionSpec
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.shard._partition import Partitioned
+from jinsum.shard._send import gather
 
 KINDS = ("rows", "columns", "replicated")
 
 
-def _exchange(A: Partitioned, send: jax.Array, x: jax.Array, piece: int) -> jax.Array:
-    """The rows of `x` (this device's rows) that this device's remote matrix `piece` reads, received from the
-    others (in blocks of rows, for a block format)."""
-    if A.plan.exchange == "all_gather":
-        return jax.lax.all_gather(x, A.axis, tiled=True)
+def _sent(A: Partitioned, send: jax.Array, x: jax.Array) -> list[jax.Array | None]:
+    """For each piece of the halo exchange, the rows of `x` (this device's rows) it sends, in blocks of rows for a
+    block format (None: a piece of a shift with fewer rows than chunks sends nothing)."""
     block = A.layout.block
     blocks = x.reshape(x.shape[0] // block, block, *x.shape[1:])
-    k, start, count = A.plan.pieces[piece]
-    if not count:  # (a piece of a shift with fewer rows than chunks: nothing to send)
-        return jnp.zeros((block, *x.shape[1:]), x.dtype)
-    rows = jnp.take(blocks, send[start:start + count], axis=0, indices_are_sorted=True)
-    parts = A.num_parts
-    received = jax.lax.ppermute(rows, A.axis, perm=[(s, (s + k) % parts) for s in range(parts)])
+    gathered = iter(gather(blocks, send, [(start, count) for _, start, count in A.plan.pieces if count]))
+    return [next(gathered) if count else None for _, _, count in A.plan.pieces]
+
+
+def _exchange(A: Partitioned, sent: list[jax.Array | None] | None, x: jax.Array, piece: int) -> jax.Array:
+    """The rows of `x` that this device's remote matrix `piece` reads, received from the others: `sent[piece]`
+    (`_sent`) moved one shift on, or every device's rows for the `"all_gather"` exchange."""
+    if A.plan.exchange == "all_gather":
+        return jax.lax.all_gather(x, A.axis, tiled=True)
+    if sent[piece] is None:
+        return jnp.zeros((A.layout.block, *x.shape[1:]), x.dtype)
+    k, parts = A.plan.pieces[piece][0], A.num_parts
+    received = jax.lax.ppermute(sent[piece], A.axis, perm=[(s, (s + k) % parts) for s in range(parts)])
     return received.reshape(-1, *x.shape[1:])
+
+
+@jax.custom_jvp
+def _after(x: jax.Array, token) -> jax.Array:
+    """`x`, once `token` has been computed: XLA may not start what reads the result before then."""
+    return jax.lax.optimization_barrier((x, token))[0]
+
+
+@functools.partial(_after.defjvp, symbolic_zeros=True)
+def _after_jvp(primals, tangents):
+    # The order is the primal computation's. The tangent passes through, so reverse mode sees an identity: the
+    # barrier's own transpose would tie each cotangent to an array of zeros the token's size, built, then added.
+    return _after(*primals), tangents[0]
 
 
 def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
@@ -73,20 +93,21 @@ def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
         local, remote, send = jax.tree.map(lambda a: a[0], (local, remote, send))
         # The exchange does not wait for the local product: XLA runs the two at once.
         mine = fn(local, *rows, *columns, *replicated)
+        sent = [_sent(A, send, x) if A.plan.exchange == "halo" else None for x in columns]
         if isinstance(mine, (GroupCOO, BlockGroupCOO)):
             returns_format.append(True)
-            return mine.Av[None], tuple(fn(part, *rows, *[_exchange(A, send, x, c) for x in columns],
+            return mine.Av[None], tuple(fn(part, *rows, *[_exchange(A, s, x, c) for s, x in zip(sent, columns)],
                                            *replicated).Av[None] for c, part in enumerate(remote))
         results = [mine]  # (the result after the local matrix, then after each piece)
         for m, part in enumerate(remote):
-            sources = columns
             if m >= 1:
                 # Piece m's rows leave once the product before last has run (piece m - 2's; the local one for
                 # piece 1), so each piece moves while one product runs and at most three pieces are in flight.
                 # Left free, XLA starts every transfer as early as it can and, one collective in flight at a
                 # time, waits for all but the last before any product (it sees no cost in the kernels).
-                sources, _ = jax.lax.optimization_barrier((columns, results[m - 1]))
-            received = [_exchange(A, send, x, m) for x in sources]
+                for s in sent:
+                    s[m] = s[m] if s[m] is None else _after(s[m], results[m - 1])
+            received = [_exchange(A, s, x, m) for s, x in zip(sent, columns)]
             results.append(fn(part, *rows, *received, *replicated, out=results[-1]))
         return results[-1]
 
