@@ -162,29 +162,37 @@ def test_chunked_exchange_equals_one_device(rng, devices, chunks):
 
 
 def test_rows_sent_by_piece_and_their_cotangents_in_one_array(rng):
-    """The gather of the rows each piece sends (`jinsum.shard._send`): the rows, derivatives both ways, vmap over
-    the rows' features or over the indices equal to a loop, and reverse mode adds every piece into one array
-    (one array of zeros, not one per piece)."""
-    from jinsum.shard._send import gather  # noqa: PLC0415 (internal: the exchange's gather)
+    """The gather of the rows each piece sends (`jinsum.shard._send`), piece after piece from what the piece before
+    passed on: the rows, derivatives both ways, vmap over the features or over the indices equal to a loop, and
+    reverse mode adds every piece into one array (one array of zeros, not one per piece)."""
+    from jinsum.shard._send import send_rows  # noqa: PLC0415 (internal: the exchange's gather)
 
     x = rng.standard_normal((9, 2, 3))
     send = jnp.asarray([0, 2, 2, 5, 1, 4, 8, 3, 8], jnp.int32)  # sorted in each piece, padding repeats a row
-    slices = ((0, 4), (4, 3), (7, 2))
-    for ours, (start, count) in zip(jax.jit(gather, static_argnums=2)(x, send, slices), slices):
+    pieces = ((0, 4), (4, 3), (7, 2))
+
+    def sent(x, send):
+        out = []
+        for start, count in pieces:
+            rows, x = send_rows(x, send, start, count)
+            out.append(rows)
+        return out
+
+    for ours, (start, count) in zip(jax.jit(sent)(x, send), pieces):
         np.testing.assert_array_equal(ours, x[np.asarray(send[start:start + count])])
 
     def loss(x):
-        return sum(jnp.sum(jnp.sin(rows) * (k + 1)) for k, rows in enumerate(gather(x, send, slices)))
+        return sum(jnp.sum(jnp.sin(rows) * (k + 1)) for k, rows in enumerate(sent(x, send)))
 
     jax.test_util.check_grads(jax.jit(loss), (x,), order=1, modes=["fwd", "rev"])
     zeros = [e for e in jax.make_jaxpr(jax.grad(loss))(x).eqns
              if e.primitive.name == "broadcast_in_dim" and e.outvars[0].aval.shape == x.shape]
     assert len(zeros) == 1
     batched = rng.standard_normal((4, 9, 2, 3))
-    for ours, (start, count) in zip(jax.vmap(lambda x: gather(x, send, slices))(batched), slices):
+    for ours, (start, count) in zip(jax.vmap(lambda x: sent(x, send))(batched), pieces):
         np.testing.assert_array_equal(ours, batched[:, np.asarray(send[start:start + count])])
     sends = jnp.stack([send, jnp.asarray([1, 1, 3, 7, 0, 2, 6, 4, 5], jnp.int32)])
-    for ours, (start, count) in zip(jax.vmap(lambda s: gather(x, s, slices))(sends), slices):
+    for ours, (start, count) in zip(jax.vmap(lambda s: sent(x, s))(sends), pieces):
         np.testing.assert_array_equal(ours, np.stack([x[np.asarray(s[start:start + count])] for s in sends]))
 
 

@@ -20,30 +20,25 @@ from jax.sharding import PartitionSpec
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.shard._partition import Partitioned
-from jinsum.shard._send import gather
+from jinsum.shard._send import send_rows
 
 KINDS = ("rows", "columns", "replicated")
 
 
-def _sent(A: Partitioned, send: jax.Array, x: jax.Array) -> list[jax.Array | None]:
-    """For each piece of the halo exchange, the rows of `x` (this device's rows) it sends, in blocks of rows for a
-    block format (None: a piece of a shift with fewer rows than chunks sends nothing)."""
-    block = A.layout.block
-    blocks = x.reshape(x.shape[0] // block, block, *x.shape[1:])
-    gathered = iter(gather(blocks, send, [(start, count) for _, start, count in A.plan.pieces if count]))
-    return [next(gathered) if count else None for _, _, count in A.plan.pieces]
-
-
-def _exchange(A: Partitioned, sent: list[jax.Array | None] | None, x: jax.Array, piece: int) -> jax.Array:
-    """The rows of `x` that this device's remote matrix `piece` reads, received from the others: `sent[piece]`
-    (`_sent`) moved one shift on, or every device's rows for the `"all_gather"` exchange."""
+def _exchange(A: Partitioned, send: jax.Array, x: jax.Array, piece: int) -> tuple[jax.Array, jax.Array]:
+    """The rows of `x` (this device's rows) that this device's remote matrix `piece` reads, received from the
+    others, and `x` for the next piece to gather its rows from (`send_rows`: in reverse mode every piece's
+    cotangents go into one array)."""
     if A.plan.exchange == "all_gather":
-        return jax.lax.all_gather(x, A.axis, tiled=True)
-    if sent[piece] is None:
-        return jnp.zeros((A.layout.block, *x.shape[1:]), x.dtype)
-    k, parts = A.plan.pieces[piece][0], A.num_parts
-    received = jax.lax.ppermute(sent[piece], A.axis, perm=[(s, (s + k) % parts) for s in range(parts)])
-    return received.reshape(-1, *x.shape[1:])
+        return jax.lax.all_gather(x, A.axis, tiled=True), x
+    block = A.layout.block
+    k, start, count = A.plan.pieces[piece]
+    if not count:  # (a piece of a shift with fewer rows than chunks: nothing to send)
+        return jnp.zeros((block, *x.shape[1:]), x.dtype), x
+    rows, blocks = send_rows(x.reshape(x.shape[0] // block, block, *x.shape[1:]), send, start, count)
+    parts = A.num_parts
+    received = jax.lax.ppermute(rows, A.axis, perm=[(s, (s + k) % parts) for s in range(parts)])
+    return received.reshape(-1, *x.shape[1:]), blocks.reshape(x.shape)
 
 
 @jax.custom_jvp
@@ -93,22 +88,24 @@ def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
         local, remote, send = jax.tree.map(lambda a: a[0], (local, remote, send))
         # The exchange does not wait for the local product: XLA runs the two at once.
         mine = fn(local, *rows, *columns, *replicated)
-        sent = [_sent(A, send, x) if A.plan.exchange == "halo" else None for x in columns]
-        if isinstance(mine, (GroupCOO, BlockGroupCOO)):
-            returns_format.append(True)
-            return mine.Av[None], tuple(fn(part, *rows, *[_exchange(A, s, x, c) for s, x in zip(sent, columns)],
-                                           *replicated).Av[None] for c, part in enumerate(remote))
-        results = [mine]  # (the result after the local matrix, then after each piece)
+        sddmm = isinstance(mine, (GroupCOO, BlockGroupCOO))  # (new values at the entries: one result a matrix)
+        returns_format.append(sddmm)
+        results = [mine]  # (the result after the local matrix, then after each piece; an SDDMM's of each)
+        sources = list(columns)  # (what each piece's rows are gathered from: passed on from piece to piece)
         for m, part in enumerate(remote):
-            if m >= 1:
+            if m >= 1 and not sddmm:
                 # Piece m's rows leave once the product before last has run (piece m - 2's; the local one for
                 # piece 1), so each piece moves while one product runs and at most three pieces are in flight.
                 # Left free, XLA starts every transfer as early as it can and, one collective in flight at a
                 # time, waits for all but the last before any product (it sees no cost in the kernels).
-                for s in sent:
-                    s[m] = s[m] if s[m] is None else _after(s[m], results[m - 1])
-            received = [_exchange(A, s, x, m) for s, x in zip(sent, columns)]
-            results.append(fn(part, *rows, *received, *replicated, out=results[-1]))
+                sources = [_after(x, results[m - 1]) for x in sources]
+            received = []
+            for j, x in enumerate(sources):
+                rows_received, sources[j] = _exchange(A, send, x, m)
+                received.append(rows_received)
+            results.append(fn(part, *rows, *received, *replicated, **({} if sddmm else {"out": results[-1]})))
+        if sddmm:
+            return results[0].Av[None], tuple(result.Av[None] for result in results[1:])
         return results[-1]
 
     spec = PartitionSpec(A.axis)
@@ -116,7 +113,7 @@ def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
     # Under jit even when called eagerly: an eager shard_map would dispatch every statement of the body alone.
     sharded = jax.jit(jax.shard_map(body, mesh=A.mesh, in_specs=in_specs, out_specs=spec))
     out = sharded(A.local, A.remote, A.send, tuple(rows), tuple(columns), tuple(replicated))
-    return A.with_values(*out) if returns_format else out
+    return A.with_values(*out) if returns_format[0] else out
 
 
 def spmm(part: GroupCOO | BlockGroupCOO, x: jax.Array, out: jax.Array | None = None) -> jax.Array:
