@@ -283,17 +283,19 @@ def test_count_below_matches_searchsorted(seed):
 # --- the generated kernels, in Triton's interpreter ------------------------------------------------------------
 
 interpreted = pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GPU is (test_gpu.py covers GPUs)")
-KERNEL_CASES = [
-    ("block", dict(), ChainConfig(chunk=2)),  # long rows in pieces, combined
-    ("block", dict(causal=True, score_mod=alibi, batch=2), ChainConfig()),
+KERNEL_CASES = [  # (with float32 and float16: both formats, dropout, key masks and the atomic dQ in half precision)
     ("block", dict(key_mask=True, dropout=0.2), ChainConfig(chunk=3)),
     ("block", dict(block=32, causal=True, dropout=0.1), ChainConfig(block_m=16, block_k=16, chunk=2)),  # tiles
-    ("graph", dict(), ChainConfig(entries=4, chunk=8)),
-    ("graph", dict(score_mod=leaky, self_loops=True, dropout=0.3), ChainConfig(entries=8, chunk=8)),
-    ("graph", dict(heads_in_pattern=True, causal=True, batch=2), ChainConfig()),
     ("graph", dict(key_mask=True, score_mod=softcap), ChainConfig(entries=16, chunk=16)),
     # GAT's rank-2 scores: dQ is added atomically by the dkdv kernel
     ("graph", dict(dim=2, score_mod=leaky, self_loops=True, dropout=0.2, batch=2), ChainConfig(entries=8, chunk=8)),
+]
+FLOAT32_KERNEL_CASES = [  # (float16 would run the same kernel source again)
+    ("block", dict(), ChainConfig(chunk=2)),  # long rows in pieces, combined
+    ("block", dict(causal=True, score_mod=alibi, batch=2), ChainConfig()),
+    ("graph", dict(), ChainConfig(entries=4, chunk=8)),
+    ("graph", dict(score_mod=leaky, self_loops=True, dropout=0.3), ChainConfig(entries=8, chunk=8)),
+    ("graph", dict(heads_in_pattern=True, causal=True, batch=2), ChainConfig()),
     # a pattern carrying its transposed index: stored self loops and per-head zeros are masked by the kernel
     ("graph", dict(dim=2, score_mod=leaky, self_loops=True, heads_in_pattern=True, transposed=True),
      ChainConfig(entries=4, chunk=4)),
@@ -301,8 +303,9 @@ KERNEL_CASES = [
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("fmt,case,config", KERNEL_CASES, ids=_id)
+@pytest.mark.parametrize("fmt,case,config,dtype",
+                         [(*c, d) for c in KERNEL_CASES for d in (np.float32, np.float16)]
+                         + [(*c, np.float32) for c in FLOAT32_KERNEL_CASES], ids=_id)
 def test_fused_kernels_match_the_reference(fmt, case, config, dtype, rng):
     pytest.importorskip("torch")
     (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case, dtype)

@@ -21,15 +21,17 @@ from _common import free_port  # noqa: E402  (examples/_common.py)
 RUNS = {
     "gcn/main.py": (["--smoke"], ["jinsum GCNConv", "jax.experimental.sparse BCOO"]),
     "gat/main.py": (["--smoke"], ["jinsum GATConv", "gathers + jax.ops.segment_*"]),
-    "graphsage_gin/main.py": (["--smoke"], ["pubmed GraphSAGE jinsum", "pubmed GIN segment ops",
+    "graphsage_gin/main.py": (["--smoke", "--features", "16"], ["pubmed GraphSAGE jinsum", "pubmed GIN segment ops",
                                             "rmat8 GraphSAGE segment ops", "rmat8 GIN jinsum",
                                             "pubmed GraphSAGE-max jinsum", "rmat8 GraphSAGE-max segment ops"]),
     "graph_classification/main.py": (["--smoke"], ["jinsum GINConv + global_add_pool", "plain JAX segment_sum (padded)",
                                                   "PyG DataLoader + GINConv"]),
     "rgcn/main.py": (["--smoke"], ["jinsum RGCNConv, 6 relations", "segment_sum RGCN, 6 relations",
                                    "jinsum RGCNConv, relations merged"]),
-    "minibatch_sage/main.py": (["--smoke"], ["jinsum SAGEConv", "plain JAX segment_sum", "PyG SAGEConv (host sampler)",
-                                            "jinsum SAGEConv, 4 devices (data parallel)"]),
+    # (run by test_minibatch_sage_in_one_process_and_in_two, beside its two-process run)
+    "minibatch_sage/main.py": (["--smoke", "--steps-per-call", "2"], ["jinsum SAGEConv", "plain JAX segment_sum",
+                                                                      "PyG SAGEConv (host sampler)",
+                                                                      "jinsum SAGEConv, 4 devices (data parallel)"]),
     "block_sparse_attention/main.py": (["--smoke"], ["jinsum block_sparse_attention", "dense dot_product_attention"]),
     "sharded_gcn/main.py": (["--smoke", "--chunks", "2"], ["1 device:", "4 devices:", "speed-up"]),
     "spmm_cora.py": ([16], ["jinsum (A @ H)", "jax.experimental.sparse BCOO"]),
@@ -47,8 +49,8 @@ def test_every_example_is_run():
     assert {p.relative_to(EXAMPLES).as_posix() for p in scripts} == set(RUNS)
 
 
-@pytest.mark.parametrize("path", RUNS)
-def test_example_smoke(path, capsys):
+def _run_example(path: str, capsys) -> str:
+    """`path`'s `main(RUNS[path][0])` in this process; checks its summary and returns what it printed."""
     spec = importlib.util.spec_from_file_location(f"example_{Path(path).parent.name or Path(path).stem}",
                                                   EXAMPLES / path)
     module = importlib.util.module_from_spec(spec)
@@ -59,6 +61,12 @@ def test_example_smoke(path, capsys):
     for system in systems:
         assert any(system in line for line in out.splitlines()), f"{path}: no summary line for {system!r}:\n{out}"
     assert not re.search(r"\bnan\b", out, re.IGNORECASE), out
+    return out
+
+
+@pytest.mark.parametrize("path", [path for path in RUNS if path != "minibatch_sage/main.py"])
+def test_example_smoke(path, capsys):
+    _run_example(path, capsys)
 
 
 def test_sharded_gcn_runs_as_two_processes():
@@ -82,27 +90,26 @@ def _last_loss(output: str, system: str) -> str:
     return row.split()[-2]
 
 
-SMOKE_MANY_STEPS = ["--smoke", "--steps-per-call", "2"]
-
-
-def test_minibatch_sage_data_parallel_runs_as_two_processes():
-    """One process per device group, as on a machine of several GPUs: two processes of two CPU devices each (Gloo)
-    train the data-parallel step over one mesh of four, two steps a call, and end with the loss of the same run in
-    one process."""
+def test_minibatch_sage_in_one_process_and_in_two(capsys):
+    """The example's smoke run in this process (every system; the data-parallel one over 4 CPU devices, two steps a
+    call), and beside it the recipe for one process per device group: two processes of two CPU devices each (Gloo)
+    train the data-parallel step over one mesh of four and end with the same loss."""
     port = free_port()
-    script = str(EXAMPLES / "minibatch_sage/main.py")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    processes = [subprocess.Popen([sys.executable, script, *SMOKE_MANY_STEPS, "--coordinator", f"localhost:{port}",
+    processes = [subprocess.Popen([sys.executable, str(EXAMPLES / "minibatch_sage/main.py"),
+                                   *RUNS["minibatch_sage/main.py"][0], "--coordinator", f"localhost:{port}",
                                    "--num-processes", "2", "--process-id", str(i)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i in range(2)]
+    try:
+        expected = _last_loss(_run_example("minibatch_sage/main.py", capsys),
+                              "jinsum SAGEConv, 4 devices (data parallel)")
+    except BaseException:
+        for p in processes:
+            p.kill()
+        raise
     outputs = [p.communicate(timeout=240)[0] for p in processes]
     for i, (p, out) in enumerate(zip(processes, outputs)):
         assert p.returncode == 0, f"process {i}:\n{out}"
         assert f"process {i} of 2" in out and "jinsum SAGEConv, 4 devices, 2 processes" in out, out
-    one = subprocess.run([sys.executable, script, *SMOKE_MANY_STEPS], capture_output=True, text=True, timeout=240,
-                         env={**env, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
-    assert one.returncode == 0, one.stdout + one.stderr
-    expected = _last_loss(one.stdout, "jinsum SAGEConv, 4 devices (data parallel)")
-    for out in outputs:
         assert abs(float(_last_loss(out, "jinsum SAGEConv, 4 devices, 2 processes")) - float(expected)) < 1e-5, out

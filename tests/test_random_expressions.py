@@ -136,7 +136,7 @@ def test_random_statements_in_the_triton_interpreter(seed):
         assert_allclose(actual, reference(expression, **draw.operands), np.float32, err_msg=f"{expression} {config}")
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_statements_deterministic_and_vmapped(seed):
     """Deterministic mode: the same values (XLA lowering), and no kernel of it or of its gradient adds atomically;
