@@ -82,14 +82,14 @@ def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
                 raise ValueError(f"jinsum.shard: expected {name} operands laid out by the partition, "
                                  f"({A.padded_rows}, ...) = {A.num_parts} devices x {A.padded_rows // A.num_parts} "
                                  f"rows (Partitioned.shard_rows), got shape {tuple(x.shape)}")
-    returns_format = []
+    sddmm_traced = []  # (set while tracing: whether fn returned formats)
 
     def body(local, remote, send, rows, columns, replicated):
         local, remote, send = jax.tree.map(lambda a: a[0], (local, remote, send))
         # The exchange does not wait for the local product: XLA runs the two at once.
         mine = fn(local, *rows, *columns, *replicated)
         sddmm = isinstance(mine, (GroupCOO, BlockGroupCOO))  # (new values at the entries: one result a matrix)
-        returns_format.append(sddmm)
+        sddmm_traced.append(sddmm)
         results = [mine]  # (the result after the local matrix, then after each piece; an SDDMM's of each)
         sources = list(columns)  # (what each piece's rows are gathered from: passed on from piece to piece)
         for m, part in enumerate(remote):
@@ -113,7 +113,7 @@ def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
     # Under jit even when called eagerly: an eager shard_map would dispatch every statement of the body alone.
     sharded = jax.jit(jax.shard_map(body, mesh=A.mesh, in_specs=in_specs, out_specs=spec))
     out = sharded(A.local, A.remote, A.send, tuple(rows), tuple(columns), tuple(replicated))
-    return A.with_values(*out) if returns_format[0] else out
+    return A.with_values(*out) if sddmm_traced[0] else out
 
 
 def spmm(part: GroupCOO | BlockGroupCOO, x: jax.Array, out: jax.Array | None = None) -> jax.Array:

@@ -5,7 +5,7 @@ Each piece sends some of the device's rows, `x[send[start:start + count]]`. Gath
 reverse mode gives each piece its own array of the device's rows, filled with zeros, to scatter its cotangents into,
 and XLA adds those arrays after (it folds at most one of them into the sum). In a GCN step on 4 H200s (R-MAT 23,
 256 features, three pieces) that was three 2 GiB arrays written, scattered into and read again beside the last
-transfer; with one array the step went from 39.9 to 37.5 ms and from 15.8 to 12.3 GiB per device.
+transfer; with one array the step went from 39.9 to 37.7 ms and from 15.8 to 12.3 GiB per device.
 
 Here each piece's gather also passes `x` on, and the next piece gathers from what it passed: `rows, x = send_rows(x,
 ...)`, piece after piece. Transposed, the cotangent of the `x` passed on (every later piece's, added up) is the
