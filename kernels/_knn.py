@@ -8,10 +8,13 @@ and walks the columns of its range `BLOCK_N` at a time, as FlashAttention walks 
   gives each row to one thread (`BLOCK_M = 32 num_warps`) or a few lanes of one warp (`BLOCK_M` 8 or 16 with one
   warp; with `tl.dot`, its layout: a row over 4 lanes), so the per-row minima and maxima of the merge stay within
   a warp: its loop has no shared memory and no barrier (only the column loads of each tile change layout).
-- **Distances** in float32 whatever the input's precision: for small `D` (`DIRECT`) as a sum of squared
-  differences, one coordinate at a time (exact for coincident points, no cancellation); for wider points
-  `|x|^2 + |y|^2 - 2 x.y` through `tl.dot` in full float32 (`input_precision="ieee"`: TF32 would reorder close
-  neighbours), clamped at 0, as the XLA path computes them.
+- **Distances** in float32 whatever the input's precision, computed as the XLA path computes them: for small `D`
+  (`DIRECT`) as a sum of squared differences, one coordinate at a time (no cancellation; equal points at
+  bit-equal distances, so their ties go by index on any machine); for wider points `|x|^2 + |y|^2 - 2 x.y`
+  through `tl.dot` in full float32 (`input_precision="ieee"`: TF32 would reorder close neighbours), clamped at 0.
+  That form's rounding depends on how the product is computed (in the interpreter: NumPy's BLAS, whose kernel
+  depends on the CPU), so distances within a few ulps of `|x|^2 + |y|^2` of each other, coincident points
+  included, may be ordered either way (`jinsum.nn.knn` documents it).
 - **Keys.** A candidate is one int64, `bits(distance) << 32 | column`: the bits of a non-negative float order as
   the floats do, so the smallest key is the nearest point and, among equal distances, the lowest index (the XLA
   path's tie rule), whatever order the columns come in. Other elements, the point itself (unless `LOOP`), padding

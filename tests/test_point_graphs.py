@@ -14,16 +14,50 @@ import jinsum.nn as jnn
 from jinsum.testing import CountingJit
 
 
-def _brute_force(pos, k, batch, loop):
-    """Each point's k nearest (ties: lower index) among its element's points, -1 padded."""
+def _candidate_distances(pos, batch, loop):
+    """`(N, N)` squared distances in float64 from each point to its candidates (its element's points, itself only
+    if `loop`), `inf` to every other point."""
+    pos = np.asarray(pos, np.float64)
     d = ((pos[:, None, :] - pos[None, :, :]) ** 2).sum(-1)
     d[batch[:, None] != batch[None, :]] = np.inf
     d[batch < 0] = np.inf
     if not loop:
         np.fill_diagonal(d, np.inf)
+    return d
+
+
+def _brute_force(pos, k, batch, loop):
+    """Each point's k nearest (ties: lower index) among its element's points, -1 padded."""
+    d = _candidate_distances(pos, batch, loop)
     order = np.argsort(d, axis=1, kind="stable")[:, :k]
     found = np.take_along_axis(d, order, axis=1)
     return np.where(np.isfinite(found), order, -1)
+
+
+def _assert_nearest_up_to(atol, found, pos, k, batch, loop):
+    """`found` are every point's `k` nearest neighbours, nearest first, for distances that may each be off by up to
+    `atol` (the rounding of `|x|^2 + |y|^2 - 2 x.y`, which depends on the machine's matrix product): neighbours
+    as near as the brute force's, each a candidate once, and the brute force's very index wherever no other
+    candidate lies within `2 atol` of it (there rounding cannot reorder it)."""
+    d = _candidate_distances(pos, batch, loop)
+    expected = _brute_force(pos, k, batch, loop)
+    real = expected >= 0
+    np.testing.assert_array_equal(found >= 0, real)  # as many neighbours as there are candidates, up to k
+    rows = np.arange(d.shape[0])[:, None]
+    found_d, expected_d = d[rows, np.maximum(found, 0)], d[rows, np.maximum(expected, 0)]
+    assert np.isfinite(found_d[real]).all(), "a neighbour that is no candidate (another element, or the point)"
+    assert all(len(set(row[row >= 0])) == (row >= 0).sum() for row in found), "a neighbour found twice"
+    np.testing.assert_allclose(found_d[real], expected_d[real], rtol=0, atol=2 * atol)
+    with np.errstate(invalid="ignore"):  # (inf - inf where a row has fewer than k candidates: not alone)
+        alone = (np.abs(d[:, None, :] - expected_d[:, :, None]) <= 2 * atol).sum(axis=2) == 1
+    np.testing.assert_array_equal(found[real & alone], expected[real & alone])
+    return real & alone
+
+
+def _product_rounding(pos) -> float:
+    """A bound on the float32 rounding error of `|x|^2 + |y|^2 - 2 x.y` over the points `pos` (D terms a sum)."""
+    squares = (np.asarray(pos, np.float64) ** 2).sum(1)
+    return 4 * (pos.shape[1] + 2) * np.finfo(np.float32).eps * 2 * squares.max()
 
 
 # Elements of 9, 2 (fewer than k: padded rows) and 14 points, and 3 padding points (batch -1); blocks of 5 and 64

@@ -37,15 +37,19 @@ from jinsum._lowering._triton import _jax_triton, from_torch, to_torch
 MAX_K = 128
 MAX_POINTS = (1 << 31) - 256
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+# Below this many coordinates distances are sums of squared differences, on the kernel and the XLA path alike:
+# equal points are at bit-equal distances, so their ties go to the lower index on any machine. From here on,
+# |x|^2 + |y|^2 - 2 x.y through one matrix product, whose rounding depends on the product's implementation.
+DIFFERENCES_BELOW = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class KnnConfig:
     """Launch parameters of the kNN kernel. Rows are the fast axis of its tiles: with `block_m = 32 num_warps`
     each thread owns a row, with one warp and `block_m` 8 or 16 a row spans 4 or 2 lanes (other shapes work, but
-    reduce across warps). `direct`: distances as sums of squared differences (None: when `D < 16`), else
-    `|x|^2 + |y|^2 - 2 x.y` by `tl.dot` (blocks >= 16); `block_d`: the dot's slice of the coordinates (None: `D`
-    rounded up to a power of two, at most 64)."""
+    reduce across warps). `direct`: distances as sums of squared differences, else `|x|^2 + |y|^2 - 2 x.y` by
+    `tl.dot` (blocks >= 16; None: differences below `DIFFERENCES_BELOW` coordinates); `block_d`: the dot's slice of
+    the coordinates (None: `D` rounded up to a power of two, at most 64)."""
 
     block_m: int = 16
     block_n: int = 32
@@ -84,7 +88,7 @@ def _next_power_of_two(x: int) -> int:
 
 def metaparameters(dim: int, n: int, k: int, loop: bool, config: KnnConfig) -> dict:
     """The kernel's compile-time constants."""
-    direct = dim < 16 if config.direct is None else config.direct
+    direct = dim < DIFFERENCES_BELOW if config.direct is None else config.direct
     block_d = config.block_d or min(64, max(16, _next_power_of_two(dim)))
     if not direct and min(config.block_m, config.block_n, block_d) < 16:
         raise ValueError(f"jinsum.nn.knn: tl.dot needs blocks of at least 16, got {config}")

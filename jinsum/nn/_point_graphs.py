@@ -40,6 +40,14 @@ def knn(pos, k: int, batch=None, loop: bool = False, *, block_size: int = 512) -
     (`jinsum.kernels.knn_kernel`; ``JINSUM_TRITON=0`` turns it off), also under ``vmap``; elsewhere the tiled XLA
     path. Both measure distances in float32 (float64 for float64 positions), so half precision inputs are
     upcast.
+
+    Ties and near-ties. With fewer than 16 coordinates the distances are sums of squared differences: equal
+    points are at bit-equal distances from every point, so coincident points, like every exact tie, come in
+    index order, on every platform. From 16 coordinates (feature spaces) they are
+    ``|x_i|^2 + |x_j|^2 - 2 x_i . x_j``, one matrix product a tile, whose rounding error is a few units in the
+    last place of ``|x_i|^2 + |x_j|^2`` and depends on how the product is computed (GPU, CPU, BLAS build):
+    neighbours whose distances lie that close, coincident points included, may come in either order, and at the
+    ``k``-th place either one may be kept.
     """
     where = "jinsum.nn.knn"
     k = check_int(where, "k", k, minimum=1)
@@ -102,14 +110,17 @@ def _scan_tiles(pos: jax.Array, batch: jax.Array, loop: bool, block_size: int, s
     squares = jnp.sum(pos * pos, axis=1)
     tiles = (pos.reshape(blocks, size, -1), batch.reshape(blocks, size), squares.reshape(blocks, size),
              jnp.arange(padded, dtype=jnp.int32).reshape(blocks, size))
+    differences = pos.shape[1] < _knn.DIFFERENCES_BELOW
 
     def rows(tile):
         x_i, b_i, s_i, i = tile
 
         def columns(carry, tile):
             x_j, b_j, s_j, j = tile
-            # |x_i - x_j|^2 through one product (full precision: TF32 would reorder close neighbours).
-            d = s_i[:, None] + s_j[None, :] - 2 * jnp.matmul(x_i, x_j.T, precision=jax.lax.Precision.HIGHEST)
+            if differences:  # (equal points at bit-equal distances: see `knn`)
+                d = jnp.sum(jnp.square(x_i[:, None, :] - x_j[None, :, :]), axis=2)
+            else:  # one product (full precision: TF32 would reorder close neighbours)
+                d = s_i[:, None] + s_j[None, :] - 2 * jnp.matmul(x_i, x_j.T, precision=jax.lax.Precision.HIGHEST)
             same = (b_i[:, None] == b_j[None, :]) & (b_i[:, None] >= 0)
             if not loop:
                 same &= i[:, None] != j[None, :]
@@ -143,8 +154,9 @@ def radius(pos, r, batch=None, max_num_neighbors: int = 32, loop: bool = False, 
     them in index order (torch_cluster's ``radius`` on CUDA), and how many there are.
 
     A point ``j`` is within reach of ``i`` when ``|pos_j - pos_i|^2 < r^2`` (strictly, as torch_cluster), the
-    squared distance computed as ``|pos_i|^2 + |pos_j|^2 - 2 pos_i . pos_j`` (one product a tile): a pair within
-    rounding of ``r`` (relative to the squared norms) may go either way, so centre positions far from the origin.
+    squared distance measured as :func:`knn` measures it: from 16 coordinates as
+    ``|pos_i|^2 + |pos_j|^2 - 2 pos_i . pos_j`` (one product a tile), where a pair within rounding of ``r``
+    (relative to the squared norms) may go either way, so centre such positions near the origin.
 
     Args:
       pos: float ``(N, D)`` positions.
