@@ -1,4 +1,5 @@
-"""What both grouped formats share: their pytree reconstruction and the properties read off their arrays.
+"""What both grouped formats share: their pytree reconstruction, copies with fields replaced, and the properties
+read off their arrays.
 
 `A @ B` is attached by `jinsum._frontend._format_rewrite`, which implements products over formats (the way JAX attaches
 array methods from the modules that implement them): the formats do not import the einsum machinery.
@@ -19,6 +20,12 @@ class GroupedFormat:
         obj = object.__new__(cls)
         obj._set(*children, *aux)
         return obj
+
+    def _replace(self, **fields):
+        """This matrix with some of its fields replaced, named as :meth:`from_validated` takes them; not checked."""
+        # The slots are those fields, the private ones (`_shape`, `_nnz`, ...) behind an underscore.
+        current = {name.removeprefix("_"): getattr(self, name) for name in self.__slots__}
+        return self.from_validated(**{**current, **fields})
 
     @property
     def shape(self) -> tuple[int, ...]:

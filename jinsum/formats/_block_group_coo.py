@@ -84,7 +84,8 @@ class BlockGroupCOO(GroupedFormat):
         True when more blocks were asked for than fit; None for one built on the host.
 
     A pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, block_shape, nnz)``, where ``nnz``
-    counts the stored blocks excluding padding.
+    counts the stored blocks excluding padding. :meth:`from_validated` assembles one from arrays a builder has made
+    consistent, without checking them.
     """
 
     __slots__ = ("Ai", "Ak", "Av", "transposed", "overflow", "_shape", "_block_shape", "_nnz")
@@ -113,6 +114,23 @@ class BlockGroupCOO(GroupedFormat):
         Ai, Ak = check_group_indices(_FMT, Ai, Ak, block_grid(shape, block_shape), ("block rows", "block columns"))
         _check_values(Av, Ak.shape, block_shape)
         self._set(Ai, Ak, Av, None, None, shape, block_shape, check_nnz(_FMT, nnz, Ak.size, "blocks"))
+
+    @classmethod
+    def from_validated(cls, *, Ai, Ak, Av, shape: tuple[int, int], block_shape: tuple[int, int], nnz: int,
+                       transposed: TransposedIndex | None = None, overflow=None) -> BlockGroupCOO:
+        """A BlockGroupCOO of arrays already consistent with each other, not checked: for builders whose arrays are
+        right by construction (:meth:`from_block_mask` with a capacity, :meth:`with_values`,
+        ``jinsum.shard.partition``'s stacked parts).
+
+        Args:
+          Ai, Ak, Av, transposed, overflow: as the attributes.
+          shape: the logical ``(M, K)``.
+          block_shape: ``(bm, bk)``, given rather than read off ``Av``: stacked parts have a leading axis first.
+          nnz: stored blocks excluding padding.
+        """
+        matrix = object.__new__(cls)
+        matrix._set(Ai, Ak, Av, transposed, overflow, shape, block_shape, nnz)
+        return matrix
 
     def _set(self, Ai, Ak, Av, transposed, overflow, shape, block_shape, nnz) -> None:
         self.Ai, self.Ak, self.Av, self.transposed, self.overflow = Ai, Ak, Av, transposed, overflow
@@ -216,7 +234,8 @@ class BlockGroupCOO(GroupedFormat):
                                                  index_dtype=index)
         blocks = jnp.broadcast_to(Av[:, None, None, :], (Av.shape[0], *block_shape, group_size))
         transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=grid[1], index_dtype=index))
-        return cls.tree_unflatten((shape, block_shape, capacity), (Ai, Ak, blocks, transposed, overflow))
+        return cls.from_validated(Ai=Ai, Ak=Ak, Av=blocks, shape=shape, block_shape=block_shape, nnz=capacity,
+                                  transposed=transposed, overflow=overflow)
 
     @classmethod
     def from_dense(cls, x, *, block_shape, group_size: int | None = None, dtype=None) -> BlockGroupCOO:
@@ -279,7 +298,7 @@ class BlockGroupCOO(GroupedFormat):
         transposed index stays."""
         Av = self.Av.astype(dtype)
         check_floating(_FMT, Av)
-        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed, self.overflow))
+        return self._replace(Av=Av)
 
     def with_values(self, Av) -> BlockGroupCOO:
         """The same block structure with new blocks ``Av`` of shape ``(G, bm, bk, P)``, any floating dtype.
@@ -289,8 +308,7 @@ class BlockGroupCOO(GroupedFormat):
         """
         Av = as_jax_array(Av)
         _check_values(Av, self.Ak.shape, self._block_shape)
-        return self.tree_unflatten((self._shape, self._block_shape, self._nnz),
-                                   (self.Ai, self.Ak, Av, self.transposed, self.overflow))
+        return self._replace(Av=Av)
 
     def with_transpose(self) -> BlockGroupCOO:
         """The same matrix carrying a :class:`TransposedIndex` of its nonzero blocks in block-column order, built
@@ -301,5 +319,5 @@ class BlockGroupCOO(GroupedFormat):
         nonzero = (host_array(where, self.Av) != 0).any(axis=(1, 2)).reshape(-1)
         transposed = transposed_index(where, self.Ai, self.Ak, nonzero, block_grid(self._shape, self._block_shape),
                                       self.index_dtype)
-        return self.tree_unflatten((self._shape, self._block_shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed, self.overflow))
+        return self._replace(transposed=transposed)
 

@@ -120,6 +120,7 @@ class GroupCOO(GroupedFormat):
     The class is a pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, nnz)``, so it passes
     through ``jit``, ``grad`` and ``vmap``. Build it from other formats with :meth:`from_scipy`, :meth:`from_dense`,
     :meth:`from_bcoo` or :meth:`from_edge_index`; they pick ``P`` with :func:`default_group_size` unless told.
+    :meth:`from_validated` assembles one from arrays a builder has made consistent, without checking them.
     """
 
     __slots__ = ("Ai", "Ak", "Av", "transposed", "overflow", "_shape", "_nnz")
@@ -150,6 +151,21 @@ class GroupCOO(GroupedFormat):
                 f"got {shape}"
             )
         self._set(Ai, Ak, Av, None, None, shape, check_nnz(_FMT, nnz, Ak.size, "entries"))
+
+    @classmethod
+    def from_validated(cls, *, Ai, Ak, Av, shape: tuple[int, ...], nnz: int, transposed: TransposedIndex | None = None,
+                       overflow=None) -> GroupCOO:
+        """A GroupCOO of arrays already consistent with each other, not checked: for builders whose arrays are right
+        by construction (the device builders, :meth:`with_values`, ``jinsum.shard.partition``'s stacked parts).
+
+        Args:
+          Ai, Ak, Av, transposed, overflow: as the attributes.
+          shape: ``(M, K, *dense_shape)``.
+          nnz: the number of stored entries excluding group padding.
+        """
+        matrix = object.__new__(cls)
+        matrix._set(Ai, Ak, Av, transposed, overflow, shape, nnz)
+        return matrix
 
     def _set(self, Ai, Ak, Av, transposed, overflow, shape, nnz) -> None:
         self.Ai, self.Ak, self.Av, self.transposed, self.overflow = Ai, Ak, Av, transposed, overflow
@@ -293,7 +309,8 @@ class GroupCOO(GroupedFormat):
             checkify.check(~overflow, f"{where}: more distinct edges than capacity = {capacity}; those past it "
                            "were not kept (raise the capacity)")
         transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=shape[1], index_dtype=index))
-        return cls.tree_unflatten(((*shape, *values.shape[1:]), capacity), (Ai, Ak, Av, transposed, overflow))
+        return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=(*shape, *values.shape[1:]), nnz=capacity,
+                                  transposed=transposed, overflow=overflow)
 
     @classmethod
     def from_neighbors(cls, neighbors, values=None, *, num_sources: int, dtype=None,
@@ -339,7 +356,8 @@ class GroupCOO(GroupedFormat):
             transposed = TransposedIndex(*device_transposed(Ai, Ak, valid.reshape(-1), num_columns=num_sources,
                                                             index_dtype=index))
         shape = (neighbors.shape[0], num_sources, *values.shape[2:])
-        return cls.tree_unflatten((shape, Ak.size), (Ai, Ak, Av, transposed, jnp.zeros((), bool)))
+        return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=shape, nnz=Ak.size, transposed=transposed,
+                                  overflow=jnp.zeros((), bool))
 
     @classmethod
     def from_csr(cls, indptr, indices, values=None, *, num_columns: int, group_size: int | None = None, dtype=None,
@@ -395,7 +413,8 @@ class GroupCOO(GroupedFormat):
             transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=num_columns,
                                                             index_dtype=index))
         shape = (num_rows, num_columns, *values.shape[1:])
-        return cls.tree_unflatten((shape, length), (Ai, Ak, Av, transposed, jnp.zeros((), bool)))
+        return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=shape, nnz=length, transposed=transposed,
+                                  overflow=jnp.zeros((), bool))
 
     # -- export ------------------------------------------------------------------------------------------
 
@@ -446,15 +465,14 @@ class GroupCOO(GroupedFormat):
         """
         Av = as_jax_array(Av)
         _check_values(Av, self.Ak.shape)
-        return self.tree_unflatten((self._shape[:2] + Av.shape[2:], self._nnz),
-                                   (self.Ai, self.Ak, Av, self.transposed, self.overflow))
+        return self._replace(Av=Av, shape=self._shape[:2] + Av.shape[2:])
 
     def astype(self, dtype) -> GroupCOO:
         """The same matrix with its values cast to the floating ``dtype``. A cast keeps zeros zero, so the transposed
         index stays."""
         Av = self.Av.astype(dtype)
         check_floating(_FMT, Av)
-        return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, Av, self.transposed, self.overflow))
+        return self._replace(Av=Av)
 
     def with_transpose(self) -> GroupCOO:
         """The same matrix carrying a :class:`TransposedIndex` (its entries in column order): built on the host from
@@ -475,8 +493,8 @@ class GroupCOO(GroupedFormat):
             nonzero = (self.Av != 0).reshape(self.Ak.size, -1).any(axis=1)
             transposed = TransposedIndex(*device_transposed(self.Ai, self.Ak, nonzero, num_columns=self._shape[1],
                                                             index_dtype=self.index_dtype))
-            return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed, self.overflow))
+            return self._replace(transposed=transposed)
         values = host_array(where, self.Av)
         nonzero = (values != 0).reshape(self.Ak.size, int(np.prod(self.dense_shape))).any(axis=1)
         transposed = transposed_index(where, self.Ai, self.Ak, nonzero, self._shape[:2], self.index_dtype)
-        return self.tree_unflatten((self._shape, self._nnz), (self.Ai, self.Ak, self.Av, transposed, self.overflow))
+        return self._replace(transposed=transposed)
