@@ -208,20 +208,11 @@ class Partitioned:
         """The same structure with new stacked values of the local and remote parts, `(D, *part.Av.shape)` (the
         remote ones a tuple, one per piece; a `GroupCOO`'s dense dimensions may change: the scores of an SDDMM, per
         head); like the formats' `with_values`, it drops the entries in column order."""
-        def stacked(part, values):
-            kept = 3 if self.format is GroupCOO else values.ndim  # (dimensions that must stay)
-            if values.shape[:kept] != part.Av.shape[:kept]:
-                raise ValueError(f"Partitioned.with_values: expected values of shape {part.Av.shape[:kept]}, then "
-                                 f"any dense dimensions, got {tuple(values.shape)}")
-            _, aux = part.tree_flatten()
-            if self.format is GroupCOO:
-                aux = ((*part.shape[:2], *values.shape[3:]), part.nnz)
-            return self.format.tree_unflatten(aux, (part.Ai, part.Ak, values, None, None))
-
         shape = (*self.shape[:2], *local_values.shape[3:]) if self.format is GroupCOO else self.shape
-        remote = tuple(stacked(part, values) for part, values in zip(self.remote, remote_values, strict=True))
-        return Partitioned(stacked(self.local, local_values), remote, self.send, self.mesh, self.axis, shape,
-                           self.layout, self.plan)
+        remote = tuple(_with_stacked_values(part, values)
+                       for part, values in zip(self.remote, remote_values, strict=True))
+        return Partitioned(_with_stacked_values(self.local, local_values), remote, self.send, self.mesh, self.axis,
+                           shape, self.layout, self.plan)
 
     # -- node features in the partition's layout --------------------------------------------------------------
 
@@ -255,6 +246,20 @@ class Partitioned:
     def row_mask(self) -> jax.Array:
         """bool `(D * R,)`, row-sharded: True at the positions of real rows, False at padding (for losses)."""
         return self.shard_rows(np.ones(self.shape[0], bool))
+
+
+def _with_stacked_values(part: GroupCOO | BlockGroupCOO, values) -> GroupCOO | BlockGroupCOO:
+    """A stacked part (arrays with a leading axis of parts) with new stacked values and no entries in column order
+    (`Partitioned.with_values`)."""
+    kept = 3 if isinstance(part, GroupCOO) else values.ndim  # (dimensions that must stay)
+    if values.shape[:kept] != part.Av.shape[:kept]:
+        raise ValueError(f"Partitioned.with_values: expected values of shape {part.Av.shape[:kept]}, then "
+                         f"any dense dimensions, got {tuple(values.shape)}")
+    if isinstance(part, GroupCOO):
+        return GroupCOO.from_validated(Ai=part.Ai, Ak=part.Ak, Av=values, shape=(*part.shape[:2], *values.shape[3:]),
+                                       nnz=part.nnz)
+    return BlockGroupCOO.from_validated(Ai=part.Ai, Ak=part.Ak, Av=values, shape=part.shape,
+                                        block_shape=part.block_shape, nnz=part.nnz)
 
 
 def _owners(row_lengths: np.ndarray, parts: int, split: str) -> np.ndarray:
@@ -364,11 +369,13 @@ def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | Blo
         ([t.rows for t in indices], column_groups, 0, None),
         ([t.slots for t in indices], column_groups, -1, None),
         (Ais, groups, rows - 1, np.int32), (Aks, groups, 0, np.int32), (Avs, groups, 0, None)])
-    arrays = (Ai, Ak, Av, TransposedIndex(*index), None)  # (no overflow: built on the host)
+    transposed = TransposedIndex(*index)
     if block:
         (bm, bk) = A.block_shape
-        return BlockGroupCOO.tree_unflatten(((rows * bm, cols * bk), A.block_shape, sizes.entries), arrays)
-    return GroupCOO.tree_unflatten(((rows, cols, *A.dense_shape), sizes.entries), arrays)
+        return BlockGroupCOO.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=(rows * bm, cols * bk),
+                                            block_shape=A.block_shape, nnz=sizes.entries, transposed=transposed)
+    return GroupCOO.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=(rows, cols, *A.dense_shape), nnz=sizes.entries,
+                                   transposed=transposed)
 
 
 def _parts_here(mesh: Mesh, axis: str) -> list[int]:
