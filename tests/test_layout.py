@@ -26,6 +26,7 @@ STAGES = {
     "jinsum.sampling": 1,                               # sub-graphs drawn on the device into formats
     "jinsum._frontend": 2, "jinsum._lowering": 2,       # statements bound to the primitive; its lowerings
     "jinsum._attention": 3,                             # the attention chain, through every stage above
+    "jinsum.graphs": 3,                                 # graph data into formats (kNN through _lowering); no Flax
     "jinsum._inspect": 4, "jinsum._autotune": 4,        # tools over the whole pipeline
     "jinsum": 5,                                        # the public surface (jinsum/__init__.py re-exports all)
     "jinsum.testing": 5,
@@ -116,3 +117,16 @@ def test_public_imports_load_only_modules_of_the_tree():
                             cwd=ROOT).stdout.split()
     assert "jinsum._rules._primitive" in loaded
     assert set(loaded) <= set(MODULES), sorted(set(loaded) - set(MODULES))
+
+
+def test_primitives_import_no_lowering():
+    """The attention primitives, like the statement primitive, know no lowering: their lowerings register themselves
+    on them (`jinsum._attention._lowering`, as `jinsum._lowering` does on `jinsum_p`), and what runs on CUDA is what
+    the chain's route (`_chain_route`), made once when the chain is bound, holds."""
+    lowerings = ("jinsum._lowering", "jinsum._attention._lowering", "jinsum._attention._chain_triton",
+                 "jinsum._attention._chain_reference")
+    wrong = [f"{module} imports {imported}" for module in ("jinsum._attention._chain_primitive",
+                                                           "jinsum._attention._chain_route")
+             for imported in _imports(MODULES[module])
+             if any(imported == lowering or imported.startswith(lowering + ".") for lowering in lowerings)]
+    assert not wrong, wrong

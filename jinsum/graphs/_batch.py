@@ -1,13 +1,15 @@
-"""Mini-batches of small graphs with fixed budgets (jraph's `pad_with_graphs`, PyG's `DataLoader`), one compile.
+"""Many small graphs as one block-diagonal graph: mini-batches with fixed budgets (jraph's `pad_with_graphs`, PyG's
+`DataLoader`), one compile; or one batch on the host (`batch_graphs`, PyG's `Batch`).
 
-Every batch has the same shapes: at most `budget.graphs` graphs, `budget.nodes` node rows and `budget.edges` edge
+Every padded batch has the same shapes: at most `budget.graphs` graphs, `budget.nodes` node rows and `budget.edges` edge
 columns, the rest padding. The dataset is flattened once and kept on the device; the host only chooses each
 batch's graph ids. The device gathers and pads the batch's arrays, then turns them into what the layers read: the
 block-diagonal adjacency with its column order (`GraphBatch.adjacency`, `GroupCOO.from_csr`: no sort for the rows)
 and the node -> graph vector (`GraphBatch.node_graph`).
 Padding nodes belong to graph `budget.graphs`, one past the last, so the pools (which drop that id) and every
 sorted segment reduction over the batch leave them out; padding edges are -1 and padding graphs are empty, with
-`graph_mask` False so that losses leave them out.
+`graph_mask` False so that losses leave them out. `batch_graphs` numbers the graphs' nodes one after another with no
+padding: each call's shapes are its graphs', so it suits one fixed batch (a test set), not a training loop.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 from jinsum.formats import GroupCOO
 from jinsum.formats._build import rows_of_positions
 from jinsum.formats._convert import check_int
-from jinsum.nn._graph import adjacency
+from jinsum.graphs._adjacency import adjacency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,7 @@ class GraphBudget:
 
     def __post_init__(self):
         for name in ("nodes", "edges", "graphs"):
-            check_int("jinsum.nn.GraphBudget", name, getattr(self, name), minimum=1 if name == "graphs" else 0)
+            check_int("jinsum.graphs.GraphBudget", name, getattr(self, name), minimum=1 if name == "graphs" else 0)
 
     @classmethod
     def for_dataset(cls, graphs: Sequence, batch_size: int, *, deviations: float = 3.0,
@@ -113,7 +115,7 @@ class GraphBatch:
         `GroupCOO.from_csr` cuts them into groups without a sort, and sorts once for the column order (with
         `with_transpose`, which the gradients with respect to node features read). `values`: `(E,)` edge weights
         in the batch's edge order (that of `edge_attr`), default ones. `self_loops=True` (PyG's remaining self
-        loops) goes through `jinsum.nn.adjacency(self.edges(), N, capacity=E, self_loops=True)` instead.
+        loops) goes through `jinsum.graphs.adjacency(self.edges(), N, capacity=E, self_loops=True)` instead.
         """
         if self_loops:
             return adjacency(self.edges(), self.budget.nodes, values=values, group_size=group_size,
@@ -149,7 +151,7 @@ class GraphLoader:
     the next graph would pass the node or edge budget; a graph larger than the budget on its own is an error.
 
     Example:
-      >>> loader = jinsum.nn.GraphLoader(graphs, batch_size=128, shuffle=True)   # budget from the dataset
+      >>> loader = jinsum.graphs.GraphLoader(graphs, batch_size=128, shuffle=True)   # budget from the dataset
       >>> for epoch in range(10):
       ...     for batch in loader:
       ...         state, loss = train_step(state, batch)                          # one compile
@@ -167,17 +169,17 @@ class GraphLoader:
           shuffle: a new order of the graphs every epoch (every `iter`), from `seed`.
           drop_last: leave out an epoch's last batch when it holds fewer than `batch_size` graphs.
         """
-        self.batch_size = check_int("jinsum.nn.GraphLoader", "batch_size", batch_size, minimum=1)
+        self.batch_size = check_int("jinsum.graphs.GraphLoader", "batch_size", batch_size, minimum=1)
         self.data = _FlatGraphs.of(graphs)
         self.budget = GraphBudget.for_dataset(self.data, batch_size) if budget is None else budget
         if self.budget.graphs < self.batch_size:
-            raise ValueError(f"jinsum.nn.GraphLoader: the budget holds {self.budget.graphs} graphs, fewer than "
+            raise ValueError(f"jinsum.graphs.GraphLoader: the budget holds {self.budget.graphs} graphs, fewer than "
                              f"batch_size = {self.batch_size}")
         for name, counts, limit in (("nodes", self.data.node_counts, self.budget.nodes),
                                     ("edges", self.data.edge_counts, self.budget.edges)):
             if counts.size and counts.max() > limit:
                 k = int(np.argmax(counts))
-                raise ValueError(f"jinsum.nn.GraphLoader: graph {k} has {counts[k]} {name}, more than the budget "
+                raise ValueError(f"jinsum.graphs.GraphLoader: graph {k} has {counts[k]} {name}, more than the budget "
                                  f"of {limit} {name} per batch ({self.budget}); raise the budget (a graph is "
                                  "never dropped)")
         self.shuffle, self.drop_last = shuffle, drop_last
@@ -214,6 +216,45 @@ class GraphLoader:
             start = stop
 
 
+def batch_graphs(edge_indices: Sequence, num_nodes: Sequence[int], *, group_size: int | None = None
+                 ) -> tuple[GroupCOO, jax.Array]:
+    """Many small graphs as one: their block-diagonal adjacency and each node's graph (PyG's `Batch`).
+
+    Runs on the host: call it once per batch, outside the jitted step. Graph `k`'s nodes are numbered after those
+    of graphs `0 .. k-1`, so a layer of `jinsum.nn` runs on all graphs at once and its pools (`global_add_pool`, ...)
+    read each graph's rows.
+
+    Args:
+      edge_indices: per graph, an int `(2, E_k)` edge index (sources, destinations) over its own nodes.
+      num_nodes: per graph, its number of nodes `N_k`.
+      group_size: as for `jinsum.graphs.adjacency`.
+
+    Returns:
+      `(A, batch)`: the `(N, N)` adjacency (`jinsum.graphs.adjacency` of all edges, `N = sum N_k`) and int32 `(N,)`
+      `batch`, node -> graph, sorted.
+
+    Example:
+      >>> A, batch = jinsum.graphs.batch_graphs([e0, e1, e2], [n0, n1, n2])
+      >>> h = jinsum.nn.GINConv(mlp)(x, A)                  # every graph at once
+      >>> readout = jinsum.nn.global_add_pool(h, batch, 3)  # (3, F)
+    """
+    if len(edge_indices) != len(num_nodes):
+        raise ValueError(f"batch_graphs: got {len(edge_indices)} edge indices but {len(num_nodes)} node counts")
+    offsets = np.concatenate([[0], np.cumsum(num_nodes)]).astype(np.int64)
+    edges = []
+    for k, (edge_index, n) in enumerate(zip(edge_indices, num_nodes)):
+        edge_index = np.asarray(edge_index)
+        if edge_index.ndim != 2 or edge_index.shape[0] != 2:
+            raise ValueError(f"batch_graphs: graph {k}'s edge index must have shape (2, E), got {edge_index.shape}")
+        if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= n):
+            raise ValueError(f"batch_graphs: graph {k} has {n} nodes but its edge index holds node "
+                             f"{edge_index.max() if edge_index.max() >= n else edge_index.min()}")
+        edges.append(edge_index + offsets[k])
+    batch = np.repeat(np.arange(len(num_nodes), dtype=np.int32), np.asarray(num_nodes))
+    edge_index = np.concatenate(edges, axis=1) if edges else np.zeros((2, 0), np.int64)
+    return adjacency(edge_index, int(offsets[-1]), group_size=group_size), jnp.asarray(batch)
+
+
 @dataclasses.dataclass(frozen=True)
 class _FlatGraphs:
     """A dataset of graphs as flat arrays: nodes and edges of all graphs one after another, and their counts (a
@@ -231,22 +272,22 @@ class _FlatGraphs:
         if isinstance(graphs, _FlatGraphs):
             return graphs
         if not len(graphs):
-            raise ValueError("jinsum.nn: expected a non-empty sequence of graphs")
+            raise ValueError("jinsum.graphs: expected a non-empty sequence of graphs")
         xs, edges, attrs, ys = [], [], [], []
         features = None
         for k, graph in enumerate(graphs):
             x, edge_index = _field(graph, "x"), _field(graph, "edge_index")
             if x is None or edge_index is None:
-                raise ValueError(f"jinsum.nn: graph {k} has no {'x' if x is None else 'edge_index'}; every graph "
+                raise ValueError(f"jinsum.graphs: graph {k} has no {'x' if x is None else 'edge_index'}; every graph "
                                  "needs node features x (n, F) and an edge index (2, e)")
             x, edge_index = _numpy(x), _numpy(edge_index)
             features = x.shape[1:] if features is None else features
             if x.ndim != 2 or x.shape[1:] != features:
-                raise ValueError(f"jinsum.nn: graph {k}'s node features have shape {x.shape}, expected (n, F) with "
+                raise ValueError(f"jinsum.graphs: graph {k}'s node features have shape {x.shape}, expected (n, F) with "
                                  "the F of graph 0")
             if edge_index.ndim != 2 or edge_index.shape[0] != 2 or (
                     edge_index.size and (edge_index.min() < 0 or edge_index.max() >= x.shape[0])):
-                raise ValueError(f"jinsum.nn: graph {k}'s edge_index (shape {edge_index.shape}) must be (2, e) "
+                raise ValueError(f"jinsum.graphs: graph {k}'s edge_index (shape {edge_index.shape}) must be (2, e) "
                                  f"over its own {x.shape[0]} nodes")
             order = np.lexsort(edge_index)  # by destination (the last key), then source: a batch is a CSR index
             xs.append(x)
@@ -256,7 +297,7 @@ class _FlatGraphs:
             ys.append(_field(graph, "y"))
         for name, values in (("edge_attr", attrs), ("y", ys)):
             if any(v is None for v in values) and any(v is not None for v in values):
-                raise ValueError(f"jinsum.nn: some graphs have {name} and some do not")
+                raise ValueError(f"jinsum.graphs: some graphs have {name} and some do not")
         def with_zero_row(arrays):  # (the row that padding gathers)
             return np.concatenate([*arrays, np.zeros((1, *arrays[0].shape[1:]), arrays[0].dtype)])
 

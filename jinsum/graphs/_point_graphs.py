@@ -49,7 +49,7 @@ def knn(pos, k: int, batch=None, loop: bool = False, *, block_size: int = 512) -
     neighbours whose distances lie that close, coincident points included, may come in either order, and at the
     ``k``-th place either one may be kept.
     """
-    where = "jinsum.nn.knn"
+    where = "jinsum.graphs.knn"
     k = check_int(where, "k", k, minimum=1)
     block_size = check_int(where, "block_size", block_size, minimum=1)
     pos, batch = _points(where, pos, batch)
@@ -135,7 +135,7 @@ def knn_graph(pos, k: int, batch=None, loop: bool = False, *, block_size: int = 
     """PyG's (torch_cluster's) ``knn_graph`` inside `jit`: the int32 ``(2, N k)`` edge index from each point's
     ``k`` nearest neighbours (sources) to the point (target), grouped by target, nearest first; ``-1`` in both
     rows marks padding (a point with fewer than ``k`` neighbours in its element). See :func:`knn` for the
-    arguments; ``jinsum.nn.adjacency(edge_index, N, capacity=N * k)`` reads it, or, without a sort,
+    arguments; ``jinsum.graphs.adjacency(edge_index, N, capacity=N * k)`` reads it, or, without a sort,
     ``GroupCOO.from_neighbors(knn(pos, k), num_sources=N)``."""
     return _edge_index(knn(pos, k, batch, loop, block_size=block_size))
 
@@ -174,10 +174,10 @@ def radius(pos, r, batch=None, max_num_neighbors: int = 32, loop: bool = False, 
       accept the cut.
 
     Example:
-      >>> neighbors, count = jinsum.nn.radius(pos, 0.2, batch)
+      >>> neighbors, count = jinsum.graphs.radius(pos, 0.2, batch)
       >>> A = jinsum.GroupCOO.from_neighbors(neighbors, num_sources=pos.shape[0])   # A[i, j] = 1 within reach
     """
-    where = "jinsum.nn.radius"
+    where = "jinsum.graphs.radius"
     width = check_int(where, "max_num_neighbors", max_num_neighbors, minimum=1)
     block_size = check_int(where, "block_size", block_size, minimum=1)
     pos, batch = _points(where, pos, batch)
@@ -212,7 +212,7 @@ def radius_graph(pos, r, batch=None, loop: bool = False, max_num_neighbors: int 
     (target, row 1), grouped by target, ascending sources, ``-1`` in both rows for padding; and a boolean scalar,
     True when some point had more than ``M`` points within reach (its edges are then the ``M`` of lowest index).
     See :func:`radius` for the arguments (``max_num_neighbors`` comes after ``loop`` here, as in torch_cluster);
-    ``jinsum.nn.adjacency(edge_index, N, capacity=N * M)`` reads it, or, without a sort,
+    ``jinsum.graphs.adjacency(edge_index, N, capacity=N * M)`` reads it, or, without a sort,
     ``GroupCOO.from_neighbors(radius(...)[0], num_sources=N)``."""
     neighbors, count = radius(pos, r, batch, max_num_neighbors, loop, block_size=block_size)
     return _edge_index(neighbors), jnp.any(count > neighbors.shape[1])

@@ -2,7 +2,7 @@
 
 Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on the host and passed to every call:
 
-    A = jinsum.nn.adjacency(edge_index, num_nodes=N)          # edge_index (2, E): sources, destinations
+    A = jinsum.graphs.adjacency(edge_index, num_nodes=N)      # edge_index (2, E): sources, destinations
     conv = jinsum.nn.GCNConv(F, 64, rngs=nnx.Rngs(0))
     y = nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A)
 
@@ -12,21 +12,37 @@ Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (me
 attention weights), `GATv2Conv` (edge by edge, on an `edge_list`), `TransformerConv` (the same fused attention as
 GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern` or on masks of packed
 documents built on the device (`sequence_mask`, `block_mask`). SAGE, GraphConv and
-TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs:
-`GraphLoader` (padded mini-batches of fixed budgets, `GraphBatch.adjacency()` built on the device: one compile) or
-`batch_graphs` (one batch, on the host), then `global_add_pool` / `global_mean_pool` / `global_max_pool` /
-`AttentionalAggregation`. Graphs from data inside `jit`:
-`knn` (a fixed-fanout table) and `knn_graph` (PyG's edge index), tiled, never an `(N, N)` distance matrix;
-`radius` / `radius_graph` likewise (the first points within `r`, with a count that reports a cut), and
-`DynamicEdgeConv` (DGCNN: EdgeConv over a kNN graph that each call rebuilds from its input).
+TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs
+(batched by `GraphLoader` or `batch_graphs`): `global_add_pool` / `global_mean_pool` / `global_max_pool` /
+`AttentionalAggregation`. `DynamicEdgeConv` (DGCNN: EdgeConv over a kNN graph that each call rebuilds from its
+input, tiled, never an `(N, N)` distance matrix).
 Sparse weights: `SparseLinear` (a linear layer over a fixed element or block pattern, learned values;
-`random_pattern`). Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by
-`bags`; `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
+`random_pattern`). Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the
+device by `bags`; `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
 partition of an `edge_adjacency` (the edges one by one, their features in its values).
+
+The graph data the layers read (`adjacency`, `edge_list` / `EdgeList`, `edge_adjacency`, `relational_graph` /
+`RelationalGraph` / `relational_adjacency`, `GraphLoader` / `GraphBatch` / `GraphBudget`, `batch_graphs`, `knn` /
+`knn_graph` / `radius` / `radius_graph`) is `jinsum.graphs`', which needs no Flax; it is re-exported here.
 """
 
+from jinsum.graphs import EdgeList as EdgeList
+from jinsum.graphs import GraphBatch as GraphBatch
+from jinsum.graphs import GraphBudget as GraphBudget
+from jinsum.graphs import GraphLoader as GraphLoader
+from jinsum.graphs import RelationalGraph as RelationalGraph
+from jinsum.graphs import adjacency as adjacency
+from jinsum.graphs import batch_graphs as batch_graphs
+from jinsum.graphs import edge_adjacency as edge_adjacency
+from jinsum.graphs import edge_list as edge_list
+from jinsum.graphs import knn as knn
+from jinsum.graphs import knn_graph as knn_graph
+from jinsum.graphs import radius as radius
+from jinsum.graphs import radius_graph as radius_graph
+from jinsum.graphs import relational_adjacency as relational_adjacency
+from jinsum.graphs import relational_graph as relational_graph
 from jinsum.nn._aggregation import aggregate_by as aggregate_by
 from jinsum.nn._aggregation import multi_aggregate as multi_aggregate
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
@@ -36,7 +52,6 @@ from jinsum.nn._attention import block_sparse_attention as block_sparse_attentio
 from jinsum.nn._attention import sequence_mask as sequence_mask
 from jinsum.nn._dynamic_edge_conv import DynamicEdgeConv as DynamicEdgeConv
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
-from jinsum.nn._edges import edge_adjacency as edge_adjacency
 from jinsum.nn._embedding_bag import Bags as Bags
 from jinsum.nn._embedding_bag import EmbeddingBag as EmbeddingBag
 from jinsum.nn._embedding_bag import bags as bags
@@ -49,26 +64,12 @@ from jinsum.nn._gcn import GCNConv as GCNConv
 from jinsum.nn._gcn import SGConv as SGConv
 from jinsum.nn._gin import GINConv as GINConv
 from jinsum.nn._gine import GINEConv as GINEConv
-from jinsum.nn._graph import EdgeList as EdgeList
-from jinsum.nn._graph import adjacency as adjacency
-from jinsum.nn._graph import edge_list as edge_list
-from jinsum.nn._graph_batch import GraphBatch as GraphBatch
-from jinsum.nn._graph_batch import GraphBudget as GraphBudget
-from jinsum.nn._graph_batch import GraphLoader as GraphLoader
 from jinsum.nn._graph_conv import GraphConv as GraphConv
-from jinsum.nn._point_graphs import knn as knn
-from jinsum.nn._point_graphs import knn_graph as knn_graph
-from jinsum.nn._point_graphs import radius as radius
-from jinsum.nn._point_graphs import radius_graph as radius_graph
 from jinsum.nn._pool import AttentionalAggregation as AttentionalAggregation
-from jinsum.nn._pool import batch_graphs as batch_graphs
 from jinsum.nn._pool import global_add_pool as global_add_pool
 from jinsum.nn._pool import global_max_pool as global_max_pool
 from jinsum.nn._pool import global_mean_pool as global_mean_pool
-from jinsum.nn._rgcn import RelationalGraph as RelationalGraph
 from jinsum.nn._rgcn import RGCNConv as RGCNConv
-from jinsum.nn._rgcn import relational_adjacency as relational_adjacency
-from jinsum.nn._rgcn import relational_graph as relational_graph
 from jinsum.nn._sage import SAGEConv as SAGEConv
 from jinsum.nn._sparse_linear import SparseLinear as SparseLinear
 from jinsum.nn._sparse_linear import SparsityPattern as SparsityPattern

@@ -12,9 +12,9 @@ from flax import nnx
 import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.formats._convert import check_int
+from jinsum.graphs import knn
 from jinsum.nn._edge_conv import edge_messages, largest_message
 from jinsum.nn._graph import row_sums
-from jinsum.nn._point_graphs import knn
 
 AGGREGATIONS = ("max", "mean", "sum", "add")
 

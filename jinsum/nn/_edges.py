@@ -1,12 +1,10 @@
 """Edges one by one, for the layers whose messages depend on each edge (GINE, GATv2, GAT with edge features).
 
 Such a layer reads its graph as `Edges`: sources, destinations (sorted), edge features and which entries are edges.
-Two graphs give them:
-- an `EdgeList` (`edge_list`) with its edge features in the caller's edge order;
-- an `edge_adjacency`: the edges as the entries of a `GroupCOO` `(N, N, 1 + D)` whose values carry a 1 (an edge, not
-  group padding) and the edge's features. Being a format, it can be split over devices by `jinsum.shard.partition`,
-  which moves each edge, with its features, to the device of its destination; a device then reads the edges of its
-  local part and of its remote part (sources among the rows it receives) as two `Edges`.
+The two forms of `jinsum.graphs` give them: an `EdgeList` with its edge features in the caller's edge order, and an
+`edge_adjacency` (a `GroupCOO` whose values carry a 1 and the edge's features), or one device's part of its
+`jinsum.shard.partition`: a device then reads the edges of its local part and of its remote part (sources among the
+rows it receives) as two `Edges`.
 
 Attention over a node's in-edges may so come in pieces (self loop, local edges, remote edges): `SoftmaxSums` are the
 running sums of one, shifted by the largest score seen, merged piece by piece (as FlashAttention merges key blocks).
@@ -18,12 +16,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jinsum
 from jinsum.formats import GroupCOO
-from jinsum.formats._convert import default_group_size, groups_from_csr
-from jinsum.nn._graph import EdgeList, edge_list
+from jinsum.graphs import EdgeList
 
 
 class Edges(NamedTuple):
@@ -89,37 +85,6 @@ def expect_edge_adjacency(layer: str, graph, x: jax.Array, width: int) -> None:
     if graph.dense_shape != (1 + width,) or x.shape[0] != rows:
         raise ValueError(f"{layer}: expected an edge_adjacency whose edges carry {width} features (values of 1 + "
                          f"{width}) over the {rows} rows of x, got x {tuple(x.shape)} and {graph!r}")
-
-
-def edge_adjacency(edge_index, num_nodes: int, edge_attr=None, *, group_size: int | None = None) -> GroupCOO:
-    """The edges one by one as the entries of a `GroupCOO` `(N, N, 1 + D)`: `A[dst, src, 0] = 1` marks an edge and
-    `A[dst, src, 1:]` are its features (`edge_attr` `(E, D)`, in `edge_index`'s order); duplicate edges stay separate
-    entries (separate messages). On the host, once.
-
-    `GINEConv`, `GATv2Conv` and `GATConv` take it, or its `jinsum.shard.partition` (which moves each edge and its
-    features to the device of its destination), in place of an `EdgeList` and edge features.
-
-    Example:
-      >>> A = jinsum.nn.edge_adjacency(edge_index, N, edge_attr)             # edge_attr (E, 4)
-      >>> P = jinsum.shard.partition(A, mesh)
-      >>> y = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=F, rngs=rngs)(P.shard_rows(x), P)
-    """
-    edges = edge_list(edge_index, num_nodes)  # (checks the index; sorted by destination, stably)
-    order, src, dst = (np.asarray(a) for a in (edges.order, edges.src, edges.dst))
-    if edge_attr is None:
-        features = np.zeros((order.size, 0), np.float32)
-    else:
-        features = np.asarray(edge_attr)
-        if features.ndim != 2 or features.shape[0] != order.size or not np.issubdtype(features.dtype, np.floating):
-            raise ValueError(f"jinsum.nn.edge_adjacency: expected floating edge features (E, D) = ({order.size}, D), "
-                             f"got {features.dtype}{list(features.shape)}")
-        features = features[order]
-    values = np.concatenate([np.ones((order.size, 1), features.dtype), features], axis=1)
-    lengths = np.bincount(dst, minlength=num_nodes)
-    indptr = np.concatenate([[0], np.cumsum(lengths)])
-    group_size = default_group_size(lengths) if group_size is None else group_size
-    Ai, Ak, Av = groups_from_csr(indptr, src, values, group_size, values.dtype, num_nodes)
-    return GroupCOO(Ai, Ak, Av, (num_nodes, num_nodes, values.shape[1]), nnz=order.size)
 
 
 class SoftmaxSums(NamedTuple):

@@ -11,10 +11,11 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import GroupCOO
+from jinsum.graphs import EdgeList
 from jinsum.nn._dropout import dropout_seed
 from jinsum.nn._edges import (SoftmaxSums, attend, edges_of, expect_edge_adjacency, feature_sums_over,
                               is_edge_adjacency, mean_features)
-from jinsum.nn._graph import EdgeList, expect_adjacency, node_features
+from jinsum.nn._graph import expect_adjacency, node_features
 from jinsum.shard import Partitioned, per_part
 
 

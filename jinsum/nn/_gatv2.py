@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jinsum.graphs import EdgeList
 from jinsum.nn._edges import (SoftmaxSums, attend, edges_of, expect_edge_adjacency, feature_sums_over,
                               mean_features)
-from jinsum.nn._graph import EdgeList
 from jinsum.shard import Partitioned, per_part
 
 

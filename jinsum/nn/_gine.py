@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jinsum.graphs import EdgeList
 from jinsum.nn._edges import edges_of, expect_edge_adjacency
-from jinsum.nn._graph import EdgeList
 from jinsum.shard import Partitioned, per_part
 
 

@@ -1,10 +1,10 @@
-"""Graph-level work on many small graphs: a batch of graphs as one block-diagonal adjacency plus a `batch` vector,
-and the readouts `global_add_pool`, `global_mean_pool`, `global_max_pool` and `AttentionalAggregation` as indirect
-Einsums over it (sorted segment reductions that leave out padding nodes, numbered `num_graphs`)."""
+"""Graph-level readouts of many small graphs batched as one (`jinsum.graphs`: `GraphLoader`, `batch_graphs`), over
+the node -> graph vector: `global_add_pool`, `global_mean_pool`, `global_max_pool` and `AttentionalAggregation` as
+indirect Einsums (sorted segment reductions that leave out padding nodes, numbered `num_graphs`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -12,47 +12,6 @@ import numpy as np
 from flax import nnx
 
 import jinsum
-from jinsum.formats import GroupCOO
-from jinsum.nn._graph import adjacency
-
-
-def batch_graphs(edge_indices: Sequence, num_nodes: Sequence[int], *, group_size: int | None = None
-                 ) -> tuple[GroupCOO, jax.Array]:
-    """Many small graphs as one: their block-diagonal adjacency and each node's graph (PyG's `Batch`).
-
-    Runs on the host: call it once per batch, outside the jitted step. Graph `k`'s nodes are numbered after those
-    of graphs `0 .. k-1`, so a layer of `jinsum.nn` runs on all graphs at once and the pools below read each graph's
-    rows.
-
-    Args:
-      edge_indices: per graph, an int `(2, E_k)` edge index (sources, destinations) over its own nodes.
-      num_nodes: per graph, its number of nodes `N_k`.
-      group_size: as for `jinsum.nn.adjacency`.
-
-    Returns:
-      `(A, batch)`: the `(N, N)` adjacency (`jinsum.nn.adjacency` of all edges, `N = sum N_k`) and int32 `(N,)`
-      `batch`, node -> graph, sorted.
-
-    Example:
-      >>> A, batch = jinsum.nn.batch_graphs([e0, e1, e2], [n0, n1, n2])
-      >>> h = jinsum.nn.GINConv(mlp)(x, A)                  # every graph at once
-      >>> readout = jinsum.nn.global_add_pool(h, batch, 3)  # (3, F)
-    """
-    if len(edge_indices) != len(num_nodes):
-        raise ValueError(f"batch_graphs: got {len(edge_indices)} edge indices but {len(num_nodes)} node counts")
-    offsets = np.concatenate([[0], np.cumsum(num_nodes)]).astype(np.int64)
-    edges = []
-    for k, (edge_index, n) in enumerate(zip(edge_indices, num_nodes)):
-        edge_index = np.asarray(edge_index)
-        if edge_index.ndim != 2 or edge_index.shape[0] != 2:
-            raise ValueError(f"batch_graphs: graph {k}'s edge index must have shape (2, E), got {edge_index.shape}")
-        if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= n):
-            raise ValueError(f"batch_graphs: graph {k} has {n} nodes but its edge index holds node "
-                             f"{edge_index.max() if edge_index.max() >= n else edge_index.min()}")
-        edges.append(edge_index + offsets[k])
-    batch = np.repeat(np.arange(len(num_nodes), dtype=np.int32), np.asarray(num_nodes))
-    edge_index = np.concatenate(edges, axis=1) if edges else np.zeros((2, 0), np.int64)
-    return adjacency(edge_index, int(offsets[-1]), group_size=group_size), jnp.asarray(batch)
 
 
 def global_add_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:

@@ -1,0 +1,82 @@
+"""A graph's edges one by one, for the layers whose messages depend on each edge (GINE, GATv2, GAT with edge
+features); duplicate edges stay separate messages, as in PyG. Two forms, both built on the host, once:
+- an `EdgeList` (`edge_list`): sources and destinations sorted by destination, the edge features kept apart in the
+  caller's edge order;
+- an `edge_adjacency`: the edges as the entries of a `GroupCOO` `(N, N, 1 + D)` whose values carry a 1 (an edge, not
+  group padding) and the edge's features. Being a format, it can be split over devices by `jinsum.shard.partition`,
+  which moves each edge, with its features, to the device of its destination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum.formats import GroupCOO
+from jinsum.formats._convert import check_edge_index, default_group_size, groups_from_csr
+
+
+@dataclasses.dataclass(frozen=True)
+class EdgeList:
+    """A graph's edges one by one, sorted by destination, for layers whose messages depend on per-edge features
+    (duplicate edges stay separate messages, as in PyG). Build it with `edge_list`.
+
+    A pytree: `src`, `dst` int32 `(E,)` (sorted by `dst`) and `order` (E,), the position in the caller's edge order
+    of each sorted edge (edge features given in that order are read as `edge_attr[order]`); `num_nodes` is static.
+    """
+
+    src: jax.Array
+    dst: jax.Array
+    order: jax.Array
+    num_nodes: int
+
+
+jax.tree_util.register_dataclass(EdgeList, data_fields=["src", "dst", "order"], meta_fields=["num_nodes"])
+
+
+def edge_list(edge_index, num_nodes: int) -> EdgeList:
+    """`edge_index` (2, E) (sources, destinations) as an `EdgeList`, on the host: call it once, outside `jit`.
+
+    Example:
+      >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=N)
+      >>> y = jinsum.nn.GINEConv(mlp)(x, edges, edge_attr)       # edge_attr (E, F) in edge_index's order
+    """
+    edge_index = np.asarray(edge_index)
+    check_edge_index("jinsum.graphs.edge_list", edge_index, num_nodes)
+    order = np.argsort(edge_index[1], kind="stable")
+    src, dst = edge_index[:, order].astype(np.int32)
+    return EdgeList(jnp.asarray(src), jnp.asarray(dst), jnp.asarray(order.astype(np.int32)), int(num_nodes))
+
+
+def edge_adjacency(edge_index, num_nodes: int, edge_attr=None, *, group_size: int | None = None) -> GroupCOO:
+    """The edges one by one as the entries of a `GroupCOO` `(N, N, 1 + D)`: `A[dst, src, 0] = 1` marks an edge and
+    `A[dst, src, 1:]` are its features (`edge_attr` `(E, D)`, in `edge_index`'s order); duplicate edges stay separate
+    entries (separate messages). On the host, once.
+
+    `GINEConv`, `GATv2Conv` and `GATConv` take it, or its `jinsum.shard.partition` (which moves each edge and its
+    features to the device of its destination), in place of an `EdgeList` and edge features.
+
+    Example:
+      >>> A = jinsum.graphs.edge_adjacency(edge_index, N, edge_attr)         # edge_attr (E, 4)
+      >>> P = jinsum.shard.partition(A, mesh)
+      >>> y = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=F, rngs=rngs)(P.shard_rows(x), P)
+    """
+    edges = edge_list(edge_index, num_nodes)  # (checks the index; sorted by destination, stably)
+    order, src, dst = (np.asarray(a) for a in (edges.order, edges.src, edges.dst))
+    if edge_attr is None:
+        features = np.zeros((order.size, 0), np.float32)
+    else:
+        features = np.asarray(edge_attr)
+        if features.ndim != 2 or features.shape[0] != order.size or not np.issubdtype(features.dtype, np.floating):
+            raise ValueError(f"jinsum.graphs.edge_adjacency: expected floating edge features (E, D) = "
+                             f"({order.size}, D), got {features.dtype}{list(features.shape)}")
+        features = features[order]
+    values = np.concatenate([np.ones((order.size, 1), features.dtype), features], axis=1)
+    lengths = np.bincount(dst, minlength=num_nodes)
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    group_size = default_group_size(lengths) if group_size is None else group_size
+    Ai, Ak, Av = groups_from_csr(indptr, src, values, group_size, values.dtype, num_nodes)
+    return GroupCOO(Ai, Ak, Av, (num_nodes, num_nodes, values.shape[1]), nnz=order.size)
