@@ -3,8 +3,9 @@
     python benchmarks/run.py [--quick] [--out benchmarks/results]
 
 Workloads: SpMM fp32 and its transpose (A^T dC, the gradient with respect to the dense operand), each with jinsum
-also in deterministic mode (`jinsum.deterministic`), and SDDMM fp32 on PubMed (real, shipped), R-MAT graphs (a=0.57, b=c=0.19, edge factor 16, scales 17 and 20, deduplicated) and a
-uniform random graph of R-MAT 17's size (no hubs), for F = 32, 128 and 256 (--quick: 32 and 128, no R-MAT 20);
+also in deterministic mode (`jinsum.deterministic`), and SDDMM fp32 on PubMed (real, shipped), R-MAT graphs (a=0.57,
+b=c=0.19, edge factor 16, scales 17 and 20, deduplicated) and a uniform random graph of R-MAT 17's size (no hubs),
+for F = 32, 128 and 256 (--quick: 32 and 128, no R-MAT 20);
 block SpMM fp16 with M=K=N=4096, 32x32 blocks at 5% and 20% block density. Peers in the same run:
 jax.experimental.sparse (BCOO), the sorted segment_sum idiom (gather idiom for SDDMM), dense matmul where it fits,
 and, where PyTorch is installed, cuSPARSE CSR (torch.sparse), torch.sparse._triton_ops.bsr_dense_mm and
@@ -17,14 +18,12 @@ kernel and copy time per call, from a profiler trace of R calls). Every result i
 before it is timed. Bandwidth is the
 compulsory traffic (each input read once, the output written once) over the time, and its fraction of the device
 copy bandwidth measured in the same run; block SpMM also reports TFLOP/s against a dense fp16 matmul's rate.
-Writes a long-format CSV and a markdown table (with the device name) to --out.
+Writes a long-format CSV and a markdown table (with the device name) to --out (`_harness.write`).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
 import os
 import pathlib
 import time
@@ -41,33 +40,24 @@ import jinsum  # noqa: E402
 from jinsum.datasets import load_planetoid, rmat  # noqa: E402
 from jinsum.timing import device_time, time_calls  # noqa: E402
 
+from _harness import (  # noqa: E402 (benchmarks/, this script's folder)
+    SYSTEM, WORKLOAD, Column, Results, device_file_name, device_name, ratio, relative_error, sync_torch, versions_text,
+    write)
+
 try:
     import torch
 except ImportError:  # the torch peers are skipped
     torch = None
 
 
-@dataclasses.dataclass
-class Row:
-    workload: str
-    system: str
-    ms: float
-    device_ms: float | None  # kernels and copies only (None: not seen in the trace)
-    gb_per_s: float
-    hbm_fraction: float
-    tflops: float | None
-    vs_jinsum: float
-    vs_jinsum_device: float | None
-    max_rel_error: float
-
-
-def _torch_sync(_):
-    torch.cuda.synchronize()
-
-
-def _rel_error(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+# The results' columns: the CSV's (device_ms: kernels and copies only, None where the trace has none), the table's.
+CSV_FIELDS = ("workload", "system", "ms", "device_ms", "gb_per_s", "hbm_fraction", "tflops", "vs_jinsum",
+              "vs_jinsum_device", "max_rel_error")
+COLUMNS = (WORKLOAD, SYSTEM, Column("ms", "ms", "{:.3f}"), Column("device ms", "device_ms", "{:.3f}", "n/a"),
+           Column("GB/s", "gb_per_s", "{:.0f}"), Column("of HBM", "hbm_fraction", "{:.0%}"),
+           Column("TFLOP/s", "tflops", "{:.1f}"), Column("x jinsum", "vs_jinsum", "{:.2f}"),
+           Column("x jinsum (device)", "vs_jinsum_device", "{:.2f}", "n/a"),
+           Column("max rel. error", "max_rel_error", "{:.1e}"))
 
 
 def _to_numpy(x):
@@ -79,8 +69,8 @@ def _to_numpy(x):
 class Suite:
     def __init__(self, calls: int):
         self.calls = calls
-        self.rows: list[Row] = []
-        self.device = jax.devices()[0].device_kind
+        self.results = Results()
+        self.device = device_name()
         self.copy_gbps = self._copy_bandwidth()
         self.matmul_tflops = self._fp16_matmul_rate()
 
@@ -118,14 +108,11 @@ class Suite:
         reference = reference if reference is not None else results["jinsum"][0]
         _, base, base_device = results["jinsum"]
         for name, (value, seconds, device) in results.items():
-            error = _rel_error(value, reference)
             gbps = bytes_moved / seconds / 1e9
-            self.rows.append(Row(workload, name, 1e3 * seconds, device and 1e3 * device, gbps, gbps / self.copy_gbps,
-                                 flops / seconds / 1e12 if flops else None, seconds / base,
-                                 device / base_device if device and base_device else None, error))
-            shown = f"{1e3 * device:9.3f}" if device else "      n/a"
-            print(f"  {name:<34} {1e3 * seconds:9.3f} ms  device {shown} ms  {gbps:8.1f} GB/s  err {error:.1e}",
-                  flush=True)
+            self.results.record(workload, name, 1e3 * seconds, device_ms=device and 1e3 * device, gb_per_s=gbps,
+                                hbm_fraction=gbps / self.copy_gbps, tflops=flops / seconds / 1e12 if flops else None,
+                                vs_jinsum=seconds / base, vs_jinsum_device=ratio(device, base_device),
+                                max_rel_error=relative_error(value, reference))
 
 
 def _graph(name: str) -> tuple[np.ndarray, int]:
@@ -183,7 +170,7 @@ def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
             systems["dense matmul (XLA)"] = (jax.jit(jnp.matmul), (dense, B), jax.block_until_ready)
         if torch_csr is not None:
             tB = torch.from_numpy(np.asarray(B)).cuda()
-            systems["cuSPARSE CSR (torch.sparse)"] = (lambda B: torch_csr @ B, (tB,), _torch_sync)
+            systems["cuSPARSE CSR (torch.sparse)"] = (lambda B: torch_csr @ B, (tB,), sync_torch)
         compulsory = nnz * 8 + (n + 1) * 4 + 2 * n * f * 4
         print(f" SpMM fp32 {graph} F={f}", flush=True)
         suite.run(f"SpMM fp32 {graph} F={f}", systems, compulsory)
@@ -211,7 +198,7 @@ def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
         }
         if torch_csr is not None:
             torch_csr_t = torch_csr.t().to_sparse_csr()
-            systems["cuSPARSE CSR of A^T (torch.sparse)"] = (lambda C: torch_csr_t @ C, (tB,), _torch_sync)
+            systems["cuSPARSE CSR of A^T (torch.sparse)"] = (lambda C: torch_csr_t @ C, (tB,), sync_torch)
         print(f" SpMM transpose fp32 {graph} F={f}", flush=True)
         suite.run(f"SpMM transpose (A^T dC) fp32 {graph} F={f}", systems, compulsory)
         del systems
@@ -235,7 +222,7 @@ def spmm_and_sddmm(suite: Suite, graph: str, features: list[int]) -> None:
                                            torch.ones_like(torch_csr.values()), size=(n, n))
             tX, tY = (torch.from_numpy(np.asarray(a)).cuda() for a in (X, Y))
             systems["torch.sparse.sampled_addmm"] = (
-                lambda X, Y: torch.sparse.sampled_addmm(mask, X, Y.T, beta=0.0).values(), (tX, tY), _torch_sync)
+                lambda X, Y: torch.sparse.sampled_addmm(mask, X, Y.T, beta=0.0).values(), (tX, tY), sync_torch)
         print(f" SDDMM fp32 {graph} F={f}", flush=True)
         suite.run(f"SDDMM fp32 {graph} F={f}", systems, nnz * 12 + 2 * n * f * 4)
         del systems
@@ -274,37 +261,21 @@ def block_spmm(suite: Suite, densities: list[float], size: int = 4096, block: in
 
             t_bsr = torch.from_numpy(bsr.toarray()).cuda().half().to_sparse_bsr((block, block))
             systems["torch bsr_dense_mm (Triton)"] = (bsr_dense_mm, (t_bsr, torch.from_numpy(np.asarray(B)).cuda()),
-                                                      _torch_sync)
+                                                      sync_torch)
         stored = len(block_rows) * block * block
         print(f" Block SpMM fp16 {size}^3 {block}x{block} density {density:.0%} ({A})", flush=True)
         suite.run(f"Block SpMM fp16 {size}^3 {block}x{block} {density:.0%}", systems,
                   stored * 2 + 2 * size * size * 2, flops=2 * stored * size)
 
 
-def write(suite: Suite, out: pathlib.Path, started: float) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / suite.device.replace(" ", "_")
-    with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow([field.name for field in dataclasses.fields(Row)])
-        writer.writerows(dataclasses.astuple(r) for r in suite.rows)
-    lines = [f"# jinsum benchmarks on {suite.device}", "",
-             f"jax {jax.__version__}, jinsum {jinsum.__version__}" + (f", torch {torch.__version__}" if torch else "")
-             + f"; measured copy bandwidth {suite.copy_gbps:.0f} GB/s, dense fp16 matmul {suite.matmul_tflops:.0f} "
-             f"TFLOP/s; {time.time() - started:.0f} s. ms: median of 5 rounds of back-to-back calls, one sync per "
-             "round (host dispatch included: it bounds the small workloads). device ms: the GPU's kernel and copy "
-             "time per call, from a profiler trace. GB/s: compulsory bytes / ms. x jinsum: time / jinsum's time "
-             "(above 1: jinsum faster).",
-             "", "| workload | system | ms | device ms | GB/s | of HBM | TFLOP/s | x jinsum | x jinsum (device) | "
-             "max rel. error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in suite.rows:
-        tflops = f"{r.tflops:.1f}" if r.tflops else ""
-        device = f"{r.device_ms:.3f}" if r.device_ms else "n/a"
-        vs_device = f"{r.vs_jinsum_device:.2f}" if r.vs_jinsum_device else "n/a"
-        lines.append(f"| {r.workload} | {r.system} | {r.ms:.3f} | {device} | {r.gb_per_s:.0f} | {r.hbm_fraction:.0%} "
-                     f"| {tflops} | {r.vs_jinsum:.2f} | {vs_device} | {r.max_rel_error:.1e} |")
-    pathlib.Path(f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+def write_results(suite: Suite, out: pathlib.Path, started: float) -> None:
+    preamble = (f"{versions_text(('jinsum', 'torch'))}; measured copy bandwidth {suite.copy_gbps:.0f} GB/s, dense fp16 "
+                f"matmul {suite.matmul_tflops:.0f} TFLOP/s; {time.time() - started:.0f} s. ms: median of 5 rounds of "
+                "back-to-back calls, one sync per round (host dispatch included: it bounds the small workloads). "
+                "device ms: the GPU's kernel and copy time per call, from a profiler trace. GB/s: compulsory bytes / "
+                "ms. x jinsum: time / jinsum's time (above 1: jinsum faster).")
+    write(out / device_file_name(), f"jinsum benchmarks on {suite.device}", [preamble], COLUMNS, suite.results.rows,
+          csv_fields=CSV_FIELDS)
 
 
 def main() -> None:
@@ -319,7 +290,7 @@ def main() -> None:
     for graph in ["pubmed", "rmat17", "uniform17"] + ([] if args.quick else ["rmat20"]):
         spmm_and_sddmm(suite, graph, [32, 128] if args.quick else [32, 128, 256])
     block_spmm(suite, [0.05] if args.quick else [0.05, 0.20])
-    write(suite, args.out, started)
+    write_results(suite, args.out, started)
 
 
 if __name__ == "__main__":
