@@ -7,9 +7,10 @@ from collections.abc import Callable, Collection, Iterator
 import jax
 import jax.numpy as jnp
 
-from jinsum._attention import _chain_primitive
-from jinsum._rules import _deterministic, _primitive
+from jinsum._attention import _chain_primitive, _chain_route
 from jinsum._frontend import _einsum
+from jinsum._lowering._route import route
+from jinsum._rules import _deterministic, _primitive
 
 
 def equations(fn: Callable, *args) -> Iterator:
@@ -29,53 +30,64 @@ def equations(fn: Callable, *args) -> Iterator:
 
 
 def kernel_specs(fn: Callable, *args) -> Iterator:
-    """The statements of `fn(*args)` as they reach a lowering, in order: in deterministic mode a `+=` through
-    index arrays is replaced by the sorted segment reductions it is rewritten into."""
+    """The statements of `fn(*args)` as they reach a lowering on the default device, in order: split as their
+    routes say (in deterministic mode a `+=` through index arrays replaced by the sorted segment reductions it is
+    rewritten into; a statement whose epilogue runs after it without the epilogue)."""
+    kernels = jax.default_backend() == "gpu"
     for eqn in equations(fn, *args):
         if eqn.primitive is _primitive.jinsum_p:
-            yield from _lowered(eqn)
+            for found in _routes(eqn.params["spec"], [v.aval for v in eqn.invars], kernels):
+                yield found.spec
 
 
-def _lowered(eqn) -> list:
-    spec = eqn.params["spec"]
-    if not _deterministic.rewritten(spec):
-        return [spec]
-    found = []
+def _routes(spec, avals, kernels: bool = True, config=None) -> list:
+    """The routes of the whole statements that run for `spec` (operands of shapes `avals`), in order."""
+    found = route(spec, kernels=kernels, config=config)
+    if found.epilogue_after:
+        return _routes(spec.without_epilogue, avals[:len(avals) - len(spec.epilogue_names)], kernels, config)
+    if not found.rewritten:
+        return [found]
+    derived = []
 
-    def record(derived, arrays):
-        found.append(derived)
-        return jnp.zeros(derived.lhs.shape, derived.lhs.dtype)
+    def record(statement, arrays):
+        derived.append(route(statement, kernels=kernels, config=config, rewrite=False))
+        return jnp.zeros(statement.lhs.shape, statement.lhs.dtype)
 
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-    jax.eval_shape(lambda *a: _deterministic.evaluate(spec, dict(zip(spec.arguments, a)), record), *avals)
-    return found
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    jax.eval_shape(lambda *a: _deterministic.evaluate(spec, dict(zip(spec.arguments, a)), record), *structs)
+    return derived
 
 
 def triton_source(target: str | Callable, /, *args, config=None, sorted_indices: Collection[str] = (),
                   allow_tf32: bool = False, **named) -> str:
-    """The Triton source that runs on a CUDA GPU. Needs no GPU.
+    """The Triton source that runs on a CUDA GPU: what the routes of the statements (`jinsum._lowering._route`) and
+    of the attention chains (`jinsum._attention._chain_route`) launch. Needs no GPU.
 
     - `triton_source(expression, **operands)`: the kernel of one indirect Einsum, with `einsum`'s arguments
       (plus an optional `jinsum.kernels.KernelConfig`). Raises `ValueError` with the reason when the statement
-      would stay on the XLA lowering. In deterministic mode, a scatter shows the kernels of the statements it is
-      rewritten into.
+      runs on the XLA lowering (too small for a kernel to pay, `JINSUM_SMALL_TERMS`, or no kernel for it). In
+      deterministic mode, a scatter shows the kernels of the statements it is rewritten into.
     - `triton_source(fn, *args)`: every generated kernel that `fn(*args)` lowers to, in order (statements and
-      fused attention chains; `jax.grad` of `fn` shows the backward kernels), each under a comment naming it.
+      fused attention chains; `jax.grad` of `fn` shows the backward kernels), each under a comment naming it, and a
+      comment for each statement that runs on XLA, with the reason.
     """
-    # The code generator and the launchers' planning (imported here: only kernel inspection needs them)
-    from jinsum import kernels  # noqa: PLC0415
-    from jinsum._attention import _chain_triton  # noqa: PLC0415
-    from jinsum._lowering import _triton  # noqa: PLC0415
+    from jinsum import kernels  # noqa: PLC0415 (the code generator: only kernel inspection needs it here)
 
     if callable(target):
         sources = []
         for eqn in equations(target, *args):
             if eqn.primitive is _primitive.jinsum_p:
-                found = [(str(spec.statement), spec, _triton.plan_for(spec, config)) for spec in _lowered(eqn)]
+                avals = [v.aval for v in eqn.invars]
+                found = [(str(r.spec.statement), r.spec, r.plan or kernels.Fallback(r.reason))
+                         for r in _routes(eqn.params["spec"], avals, config=config)]
             elif eqn.primitive in (_chain_primitive.attention_p, _chain_primitive.attention_backward_p):
-                kinds = ("forward", "combine") if eqn.primitive is _chain_primitive.attention_p else ("dq", "dkdv")
-                plans = _chain_triton.plans(eqn.params["chain"], kinds)
-                found = [(repr(eqn.params["chain"]), None, plans)]
+                chain_route = eqn.params["route"]
+                kinds = _chain_route.FORWARD if eqn.primitive is _chain_primitive.attention_p else ("dq", "dkdv")
+                plans = chain_route.plans(_chain_route.FORWARD if kinds == _chain_route.FORWARD
+                                          else _chain_route.BACKWARD)
+                if not isinstance(plans, kernels.Fallback):
+                    plans = {kind: plans[kind] for kind in kinds}
+                found = [(repr(chain_route.chain), None, plans)]
             else:
                 continue
             for name, spec, plans in found:
@@ -88,12 +100,12 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
         return "\n".join(sources)
     statement, arrays, flags = _einsum.prepare(target, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
     spec = _primitive.make_spec(statement, arrays, **flags)
-    if _deterministic.rewritten(spec):  # deterministic mode: the statements it is rewritten into
+    found = route(spec, config=config)
+    if found.rewritten or found.epilogue_after:  # the statements it is split into (see `_routes`)
         return triton_source(lambda ops: _primitive.bind(statement, ops, **flags), arrays, config=config)
-    plan = _triton.plan_for(spec, config)
-    if isinstance(plan, kernels.Fallback):
-        raise ValueError(f"jinsum: {statement} has no generated kernel: {plan.reason}")
-    return f"# {statement}\n{_legend(spec)}{kernels.generate(plan)}"
+    if not found.kernel:
+        raise ValueError(f"jinsum: {statement} has no generated kernel: {found.reason}")
+    return f"# {statement}\n{_legend(spec)}{kernels.generate(found.plan)}"
 
 
 def _legend(spec) -> str:

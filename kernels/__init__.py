@@ -1,11 +1,12 @@
 """The Triton code generator: checked statement (or attention chain) -> kernel plan -> Triton source -> kernel.
 
-Shipped inside the package as `jinsum.kernels`. The launchers (jax-triton, and Triton's interpreter for tests)
-live in `jinsum._lowering._triton` (statements) and `jinsum._attention._chain_triton` (chains); the `@triton.jit`
-helpers every generated kernel imports are in `helpers`. Reads only the notation (`jinsum._lang`).
+Shipped inside the package as `jinsum.kernels`. What runs is decided by the routes (`jinsum._lowering._route` for
+statements, `jinsum._attention._chain_route` for chains), and every kernel is launched by one launcher
+(`jinsum._lowering._launch`: jax-triton, or Triton's interpreter for tests); the `@triton.jit` helpers every
+generated kernel imports are in `helpers`. Reads only the notation (`jinsum._lang`).
 
 Hand-written kernels sit beside the generator: `knn_kernel` (`_knn`, the k nearest neighbours of `jinsum.nn.knn`,
-launched by `jinsum._lowering._knn`), imported on first use since it imports Triton, which is optional.
+launched through `jinsum._lowering._knn`), imported on first use since it imports Triton, which is optional.
 """
 
 from jinsum.kernels._cache import cache_dir as cache_dir

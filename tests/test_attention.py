@@ -14,8 +14,8 @@ from jax.test_util import check_grads
 
 import jinsum
 from jinsum import _attention
-from jinsum._attention import _chain_reference, _chain_triton
-from jinsum._lowering import _triton
+from jinsum._attention import _chain_reference, _chain_route, _chain_triton
+from jinsum.formats._row_starts import count_below
 from jinsum.kernels import ChainConfig, generate_chain, make_chain_plan
 from jinsum.testing import assert_allclose
 from jinsum.testing import dense_attention as reference_attention
@@ -262,9 +262,11 @@ def test_traced_schedule_equals_the_host_schedule(fmt, case, rng):
     """A pattern passed to a jitted function gets its work lists from XLA ops; they must equal NumPy's."""
     (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case)
     config = ChainConfig(entries=4, chunk=3)  # several pieces per long row and key
-    host = _chain_triton.schedule(*_attention.build_chain(q, k, v, pattern, **kwargs)[:2], config)
-    traced = jax.jit(lambda pattern: _chain_triton.schedule(
-        *_attention.build_chain(q, k, v, pattern, **kwargs)[:2], config))(pattern)
+    def schedule(pattern):
+        chain, arrays = _attention.build_chain(q, k, v, pattern, **kwargs)[:2]
+        return _chain_route.schedule(_chain_route.route_chain(chain, config), arrays)
+
+    host, traced = schedule(pattern), jax.jit(schedule)(pattern)
     assert host.keys() == traced.keys()
     for name in host:
         np.testing.assert_array_equal(np.asarray(traced[name]), host[name], err_msg=name)
@@ -276,7 +278,7 @@ def test_count_below_matches_searchsorted(seed):
     values = np.sort(rng.integers(-3, 40, rng.integers(0, 60))).astype(np.int32)
     n = int(rng.integers(1, 50))
     expected = np.searchsorted(values, np.arange(n), side="left")
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: _triton.count_below(v, n, jnp))(values)),
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: count_below(v, n, jnp))(values)),
                                   expected)
 
 
@@ -398,13 +400,13 @@ def test_unfused_fallbacks_say_why(rng):
     pattern = block_pattern(rng)
     q, k, v = _qkv(rng, *pattern.shape, dim=300)
     chain, arrays, _ = _attention.build_chain(q, k, v, pattern)
-    assert "300" in _chain_triton.plans(chain, ("forward",)).reason
+    assert "300" in _chain_route.route_chain(chain).forward.reason
     with pytest.warns(jinsum.FallbackWarning, match="runs unfused: heads of 300"):
-        out, _ = _chain_triton.forward(chain, tuple(arrays[n] for n in chain.names))
+        out, _ = _chain_triton.forward(_chain_route.route_chain(chain), tuple(arrays[n] for n in chain.names))
     assert_allclose(out, np.asarray(_chain_reference.forward(chain, arrays)[0], np.float64), np.float32)
     with jax.enable_x64(True):
         chain64, _, _ = _attention.build_chain(*(x.astype(np.float64) for x in _qkv(rng, *pattern.shape)), pattern)
-    assert "float64" in _chain_triton.plans(chain64, ("forward",)).reason
+    assert "float64" in _chain_route.route_chain(chain64).forward.reason
     assert "runs on XLA" in jinsum.triton_source(lambda q: jinsum.attention(q, k, v, pattern), q)
 
 
@@ -441,8 +443,9 @@ def test_attention_backward_adds_no_dq_atomically(rng):
         chain, arrays, _ = _attention.build_chain(q, k, v, pattern)
     assert make_chain_plan(default, "dkdv").dq_in_dkdv
     assert not make_chain_plan(chain, "dkdv").dq_in_dkdv
-    plans = _chain_triton.plans(chain, ("forward", "dq", "dkdv"))
-    assert not any("atomic" in generate_chain(p) for p in plans.values())
+    route = _chain_route.route_chain(chain)
+    plans = [route.plan(kind) for kind in ("forward", "dq", "dkdv")]
+    assert not any("atomic" in generate_chain(p) for p in plans)
     if not ON_GPU and importlib.util.find_spec("torch"):
         out, lse = _chain_reference.forward(chain, arrays)
         d_out = rng.standard_normal(out.shape).astype(np.float32)

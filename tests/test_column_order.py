@@ -85,16 +85,16 @@ def test_spmm_gradient_runs_over_the_columns_and_equals_the_dense_one(rng):
 def test_derivatives_in_column_order_keep_their_kernel_on_small_inputs(rng, monkeypatch):
     """On CUDA a small statement runs on XLA's lowering (`SMALL_TERMS`), but not a derivative in column order:
     XLA would add each hub column's entries atomically, one after another."""
-    from jinsum._lowering import _triton  # noqa: PLC0415
+    from jinsum._lowering import _route  # noqa: PLC0415
     monkeypatch.setenv("JINSUM_SMALL_TERMS", str(1 << 40))
     A, _ = _matrix(rng)
     T, B = A.with_transpose(), jnp.ones((23, 6))
     [forward] = specs_in(lambda B: T @ B, B)
     [backward] = _column_order_specs(jax.grad(lambda B: jnp.sum(T @ B)), B)
     assert (forward.by_columns, backward.by_columns) == (False, True)
-    assert (_triton._small(forward), _triton._small(backward)) == (True, False)
+    assert (_route.small(forward), _route.small(backward)) == (True, False)
     [atomic] = [s for s in specs_in(jax.grad(lambda B: jnp.sum(A @ B)), B) if s.lhs.name != "Out"]
-    assert not atomic.by_columns and _triton._small(atomic)
+    assert not atomic.by_columns and _route.small(atomic)
 
 
 def test_the_order_serves_spmv_sddmm_dense_axes_and_the_notation(rng):
@@ -161,7 +161,8 @@ def test_a_gcn_step_shares_each_forward_kernel_with_its_backward():
     from flax import nnx  # noqa: PLC0415
 
     import jinsum.nn as jnn  # noqa: PLC0415
-    from jinsum._lowering._triton import _metaparameters, plan_for  # noqa: PLC0415
+    from jinsum._lowering._route import plan_for  # noqa: PLC0415
+    from jinsum._lowering._triton import _metaparameters  # noqa: PLC0415
     from jinsum.datasets import rmat  # noqa: PLC0415
     from jinsum.kernels import generate  # noqa: PLC0415
 
@@ -221,7 +222,7 @@ def test_block_spmm_gradient_runs_over_the_block_columns(rng):
         [spec] = _column_order_specs(jax.grad(loss, argnums=1), T, B)
         assert str(spec.statement) == "dX1[A_columns[h],_k,n] += Av_t[h,q,_m,_k] * Out[A_rows[h,q],_m,n]"
         check_grads(lambda B: T @ B, (B,), order=2, modes=("fwd", "rev"))
-    from jinsum._lowering._triton import plan_for  # noqa: PLC0415
+    from jinsum._lowering._route import plan_for  # noqa: PLC0415
 
     half = jinsum.BlockGroupCOO.from_dense(np.kron(rng.random((8, 8)) < 0.3, np.ones((32, 32))), block_shape=(32, 32),
                                            dtype=jnp.float16)

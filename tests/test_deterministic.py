@@ -13,6 +13,7 @@ import pytest
 import jinsum
 from jinsum._rules import _derive, _deterministic, _primitive
 from jinsum._lowering import _triton
+from jinsum._lowering._route import route
 from jinsum._lang import parse, tensor_names
 from jinsum.kernels import KernelConfig, canonical, generate, make_plan
 from jinsum.testing import assert_allclose, check_vmap, kernel_specs_in, random_operands, reference, specs_in
@@ -132,7 +133,7 @@ def test_the_cuda_lowering_refuses_an_atomic_plan_in_deterministic_mode():
     assert make_plan(spec).adds_atomically
     with pytest.raises(NotImplementedError, match=r"deterministic mode: O\[R\[e\],S\[e\]\] \+= X\[e\] would add "
                                                   r"into its left-hand side atomically"):
-        _triton.evaluate(*arrays.values(), spec=spec)
+        _triton.evaluate(route(spec, rewrite=False), list(arrays.values()))
 
 
 # --- every catalog statement and what it derives --------------------------------------------------------------------

@@ -243,7 +243,7 @@ def test_the_triton_specializer_starts_without_importing_torch():
     pytest.importorskip("torch")
     script = textwrap.dedent("""
         import sys
-        from jinsum._lowering._triton import _start_triton_specializer_without_torch
+        from jinsum._lowering._launch import _start_triton_specializer_without_torch
         _start_triton_specializer_without_torch()
         assert "torch" not in sys.modules
         import torch

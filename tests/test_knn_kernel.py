@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jinsum.nn as jnn
-from jinsum._lowering import _knn
+from jinsum._lowering import _knn, _launch
 from jinsum._lowering._knn import KnnConfig
 
 from conftest import ON_GPU
@@ -119,7 +119,7 @@ def test_knn_through_the_kernel_path_jit_vmap_and_grad(rng):
     clouds = rng.standard_normal((3, 13, 3)).astype(np.float32)
     cloud_batch = np.where(np.arange(13) < 10, 0, 1).astype(np.int32)
     cloud_batch[4] = -1
-    with _knn.interpreted():
+    with _launch.interpreted():
         vmapped = np.asarray(jax.jit(jax.vmap(lambda p: jnn.knn(p, k)))(clouds))
         both = np.asarray(jax.jit(jax.vmap(lambda p, b: jnn.knn(p, k, b)))(clouds, np.stack([cloud_batch] * 3)))
         lowered = jax.jit(lambda p: jnn.knn(p, k)).lower(clouds[0]).as_text()

@@ -244,9 +244,9 @@ def test_dynamic_edge_conv_bad_arguments():
 @pytest.mark.parametrize("loop", [False, True])
 def test_knn_kernel_path_equals_brute_force_and_the_tiled_path(rng, loop):
     """The inputs of `test_knn_equals_brute_force` through the CUDA path's kernel (`jinsum.kernels.knn_kernel`; on
-    a CPU in Triton's interpreter, `jinsum._lowering._knn.interpreted`), also in bfloat16 (both paths upcast)."""
+    a CPU in Triton's interpreter, `jinsum._lowering._launch.interpreted`), also in bfloat16 (both paths upcast)."""
     from conftest import ON_GPU  # noqa: PLC0415
-    from jinsum._lowering import _knn  # noqa: PLC0415
+    from jinsum._lowering import _launch  # noqa: PLC0415
 
     if ON_GPU:
         pytest.skip("the interpreter runs where no GPU is (on a GPU: tests/test_knn_kernel.py)")
@@ -257,7 +257,7 @@ def test_knn_kernel_path_equals_brute_force_and_the_tiled_path(rng, loop):
     def knn(p, b):
         return jnn.knn(p, k, b, loop, block_size=5)
 
-    with _knn.interpreted():
+    with _launch.interpreted():
         found, half = jax.jit(knn)(pos, batch), jax.jit(knn)(pos.astype(jnp.bfloat16), batch)
     np.testing.assert_array_equal(found, _brute_force(pos.astype(np.float64), k, batch, loop))
     np.testing.assert_array_equal(found, jax.jit(knn)(pos, batch))

@@ -10,9 +10,11 @@
   (scores recomputed from the saved log-sum-exp, no stored probabilities), JAX's reverse mode of the unfused chain
   elsewhere.
 
-So `jax.grad` of attention saves `(Q, K, V, O, LSE)` and runs the generated backward kernels, and `jax.jvp` works
-too. The pattern (`Ai`, `Ak`, `Av`, the key mask, the arrays `mask_mod` captures) has no tangent: masks are
-piecewise constant. `vmap` over the values adds a batch variable to the chain (a grid axis of the kernels); over
+Each primitive's static parameter is the chain's `route` (`_chain_route.ChainRoute`: the chain, and the plans of
+its kernels, decided once when it is bound); the lowerings register themselves (`_lowering`), so this module
+imports none. So `jax.grad` of attention saves `(Q, K, V, O, LSE)` and runs the generated backward kernels, and
+`jax.jvp` works too. The pattern (`Ai`, `Ak`, `Av`, the key mask, the arrays `mask_mod` captures) has no tangent:
+masks are piecewise constant. `vmap` over the values adds a batch variable to the chain (a grid axis of the kernels); over
 the pattern, the seed or a captured array it runs the batch as a loop (`lax.map`).
 """
 
@@ -24,13 +26,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 
-from jinsum._attention import _chain_reference, _chain_triton
-from jinsum._rules import _derive, _primitive
+from jinsum._attention._chain_route import SCHEDULE, ChainRoute, route_chain, schedule
 from jinsum._lang import statement_variables
 from jinsum._lang._chain import Chain
-from jinsum._attention._chain_triton import SCHEDULE
+from jinsum._rules import _derive, _primitive
 from jinsum._rules._avals import varying
 
 # Operands that describe the pattern (and the work lists derived from it): never differentiated, and batching
@@ -45,11 +46,13 @@ def _loops(name: str) -> bool:
 
 
 def bind(chain: Chain, arrays: dict) -> tuple[jax.Array, jax.Array]:
-    """`(O, LSE)`: the chain on `arrays` (by name, `chain.names`), with its schedule computed here: on the host
-    for a concrete pattern, and once for the forward and the backward."""
-    schedule = _chain_triton.schedule(chain, arrays)
-    operands = [arrays[n] for n in chain.names] + [schedule[n] for n in SCHEDULE]
-    return tuple(attention_p.bind(*operands, chain=chain))
+    """`(O, LSE)`: the chain on `arrays` (by name, `chain.names`), routed here (`route_chain`: the plans of its
+    kernels, a static parameter of the primitives from here on), with its route's work lists computed here too: on
+    the host for a concrete pattern, and once for the forward and the backward."""
+    route = route_chain(chain)
+    work = schedule(route, arrays)
+    operands = [arrays[n] for n in chain.names] + [work[n] for n in SCHEDULE]
+    return tuple(attention_p.bind(*operands, route=route))
 
 
 attention_p = Primitive("jinsum_attention")
@@ -83,12 +86,13 @@ def _aval(chain: Chain, name: str) -> jax.core.ShapedArray:
 # --- evaluation --------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=256)
-def _compiled(primitive: Primitive, chain: Chain):
-    return jax.jit(functools.partial(primitive.bind, chain=chain))
+def _compiled(primitive: Primitive, route: ChainRoute):
+    return jax.jit(functools.partial(primitive.bind, route=route))
 
 
 def _abstract_eval(primitive: Primitive):
-    def rule(*avals, chain: Chain):
+    def rule(*avals, route: ChainRoute):
+        chain = route.chain
         for aval, name in zip(avals, _names(primitive, chain)):
             if name in SCHEDULE:
                 continue
@@ -101,35 +105,9 @@ def _abstract_eval(primitive: Primitive):
     return rule
 
 
-def _xla(evaluate):
-    def rule(*arrays, chain: Chain):
-        return evaluate(chain, arrays)
-    return rule
-
-
-def _forward_reference(chain, arrays):
-    return _chain_reference.forward(chain, dict(zip(chain.names, arrays)))
-
-
-def _tangent_reference(chain, arrays):
-    env = dict(zip(_names(attention_tangent_p, chain), arrays))
-    return _chain_reference.tangent(chain, env, tuple(env[f"t{n}"] for n in chain.differentiable))
-
-
-def _backward_reference(chain, arrays):
-    env = dict(zip(_names(attention_backward_p, chain), arrays))
-    return _chain_reference.backward(chain, env, (env["dO"], env["dLSE"]))
-
-
-for _primitive_, _reference, _cuda in [
-        (attention_p, _forward_reference, _chain_triton.forward),
-        (attention_tangent_p, _tangent_reference, None),
-        (attention_backward_p, _backward_reference, _chain_triton.backward)]:
-    _primitive_.def_impl(lambda *arrays, _p=_primitive_, chain: _compiled(_p, chain)(*arrays))
+for _primitive_ in (attention_p, attention_tangent_p, attention_backward_p):
+    _primitive_.def_impl(lambda *arrays, _p=_primitive_, route: _compiled(_p, route)(*arrays))
     _primitive_.def_abstract_eval(_abstract_eval(_primitive_))
-    mlir.register_lowering(_primitive_, mlir.lower_fun(_xla(_reference), multiple_results=True))
-    if _cuda is not None:
-        mlir.register_lowering(_primitive_, mlir.lower_fun(_xla(_cuda), multiple_results=True), platform="cuda")
 
 
 # --- forward-mode differentiation -----------------------------------------------------------------------------
@@ -137,13 +115,14 @@ for _primitive_, _reference, _cuda in [
 # (O, LSE) is a separate primitive, linear in them, so that reverse mode transposes it into the backward kernels
 # instead of differentiating through the forward.
 
-def _jvp(primals, tangents, *, chain: Chain):
-    out, lse = attention_p.bind(*primals, chain=chain)
+def _jvp(primals, tangents, *, route: ChainRoute):
+    chain = route.chain
+    out, lse = attention_p.bind(*primals, route=route)
     named = dict(zip(chain.names, tangents))
     if all(type(named[n]) is ad.Zero for n in chain.differentiable):
         return (out, lse), (ad.Zero.from_primal_value(out), ad.Zero.from_primal_value(lse))
     linear = [ad.instantiate_zeros(named[n]) for n in chain.differentiable]
-    return (out, lse), tuple(attention_tangent_p.bind(*primals, out, lse, *linear, chain=chain))
+    return (out, lse), tuple(attention_tangent_p.bind(*primals, out, lse, *linear, route=route))
 
 
 ad.primitive_jvps[attention_p] = _jvp
@@ -152,7 +131,8 @@ ad.primitive_jvps[attention_p] = _jvp
 # --- transposition ----------------------------------------------------------------------------------------------
 # The tangent primitive is linear in the tangents; everything else is a constant (residuals of the forward).
 
-def _transpose_tangent(cotangents, *args, chain: Chain):
+def _transpose_tangent(cotangents, *args, route: ChainRoute):
+    chain = route.chain
     d_out, d_lse = cotangents
     if type(d_out) is ad.Zero and type(d_lse) is ad.Zero:
         return [ad.Zero(a.aval) if ad.is_undefined_primal(a) else None for a in args]
@@ -160,7 +140,7 @@ def _transpose_tangent(cotangents, *args, chain: Chain):
     d_out = ad.instantiate_zeros(d_out) if type(d_out) is not ad.Zero else jnp.zeros(_aval(chain, "O").shape,
                                                                                        _aval(chain, "O").dtype)
     d_lse = jnp.zeros(_aval(chain, "LSE").shape, _aval(chain, "LSE").dtype) if type(d_lse) is ad.Zero else d_lse
-    grads = attention_backward_p.bind(*constants, d_out, d_lse, chain=chain)
+    grads = attention_backward_p.bind(*constants, d_out, d_lse, route=route)
     return [None] * len(constants) + [g if ad.is_undefined_primal(a) else None
                                       for g, a in zip(grads, args[len(constants):])]
 
@@ -173,7 +153,8 @@ ad.primitive_transposes[attention_tangent_p] = _transpose_tangent
 # operand (unbatched ones are broadcast). A batched pattern or seed is a loop over the batch.
 
 def _batcher(primitive: Primitive):
-    def rule(args, dims, *, chain: Chain):
+    def rule(args, dims, *, route: ChainRoute):
+        chain = route.chain
         names = _names(primitive, chain)
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
         args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
@@ -181,23 +162,23 @@ def _batcher(primitive: Primitive):
         # sum them over the batch): the backward of a chain with captured gradients loops too.
         if any(d is not None for n, d in zip(names, dims) if _loops(n)) or (
                 primitive is attention_backward_p and len(chain.differentiable) > 3):
-            return _loop(primitive, chain, args, dims)
+            return _loop(primitive, route, args, dims)
         batched_chain = batch_chain(chain, size)
         args = [a if _loops(n) or d is not None else jnp.broadcast_to(a, (size, *a.shape))
                 for a, n, d in zip(args, names, dims)]
-        outs = primitive.bind(*args, chain=batched_chain)
+        outs = primitive.bind(*args, route=route_chain(batched_chain))
         return outs, [0] * len(outs)
     return rule
 
 
-def _loop(primitive: Primitive, chain: Chain, args, dims):
+def _loop(primitive: Primitive, route: ChainRoute, args, dims):
     batched = [k for k, d in enumerate(dims) if d is not None]
 
     def one(slices):
         full = list(args)
         for k, x in zip(batched, slices):
             full[k] = x
-        return primitive.bind(*full, chain=chain)
+        return primitive.bind(*full, route=route)
 
     outs = jax.lax.map(one, [args[k] for k in batched])
     return outs, [0] * len(outs)

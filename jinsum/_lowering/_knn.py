@@ -1,10 +1,10 @@
 """The CUDA path of `jinsum.nn.knn`: each row block's column range from the batch vector, then one hand-written
-Triton kernel (`jinsum.kernels.knn_kernel`, see its module for the design) through jax-triton.
+Triton kernel (`jinsum.kernels.knn_kernel`, see its module for the design), launched by `_launch`.
 
 `knn` is what `jinsum.nn.knn` calls when the kernel can run (`usable`): a `lax.platform_dependent` of the kernel
 on CUDA and the caller's tiled XLA path (`reference`) everywhere else, so the choice is made when the program is
 lowered for its device. Under `vmap` the launch's `custom_vmap` rule lays the batch entries end to end, each padded
-to whole row blocks, with each block's column range shifted into its entry, and launches once (`_launcher`).
+to whole row blocks, with each block's column range shifted into its entry, and launches once (`_kernel_call`).
 The positions are read through `stop_gradient`: neighbours are integers, and `jax.grad` of a step that rebuilds its
 graph (DGCNN) must not try to differentiate the kernel.
 
@@ -15,13 +15,12 @@ in the running maximum of `batch` (which leaves padding points, negative, inside
 them). Whether the batch is sorted is checked on the device in the same pass: where it is not, every block scans
 all the columns, as the XLA path does, so results never depend on the order; only time does.
 
-`interpreted()` routes the same launch through Triton's interpreter on CPU (a host callback), which is how tests
-run `jinsum.nn.knn`'s kernel path, vmap rule included, without a GPU.
+Within `jinsum._lowering._launch.interpreted()` the same launch runs in Triton's interpreter on CPU (a host
+callback), which is how tests run `jinsum.nn.knn`'s kernel path, vmap rule included, without a GPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum._lowering._triton import _jax_triton, from_torch, to_torch
+from jinsum._lowering import _launch
 
 # Neighbours per point the kernel keeps in registers (a (block_m, next power of two) int64 tile); past this, the
 # XLA path. Indices are packed into 31 bits below the kernel's empty keys.
@@ -97,54 +96,16 @@ def metaparameters(dim: int, n: int, k: int, loop: bool, config: KnnConfig) -> d
                 BLOCK_D=block_d)
 
 
-# --- where the kernel runs -------------------------------------------------------------------------------------
+# --- the launch ----------------------------------------------------------------------------------------------------
 
-@functools.cache
-def _have_jax_triton() -> bool:
-    try:
-        _jax_triton()
-    except ImportError:
-        return False
-    return True
-
-
-def _triton_launch(pos, batch, starts, ends, *, k: int, loop: bool, config: KnnConfig) -> jax.Array:
+def _run_kernel(launcher: _launch.Launcher, pos, batch, starts, ends, *, k: int, loop: bool, config: KnnConfig):
+    """`(N, k)` neighbours from the kernel, launched by `launcher` (traced arrays, or NumPy in the interpreter)."""
     from jinsum.kernels import knn_kernel  # noqa: PLC0415 (imports triton)
 
     n, dim = pos.shape
-    return _jax_triton().triton_call(
-        pos, batch, starts, ends, n,
-        kernel=knn_kernel,
-        out_shape=jax.ShapeDtypeStruct((n, k), jnp.int32),
-        grid=(starts.shape[0],),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        name="jinsum_knn",
-        **metaparameters(dim, n, k, loop, config),
-    )
-
-
-def _interpret_launch(pos, batch, starts, ends, *, k: int, loop: bool, config: KnnConfig) -> jax.Array:
-    def host(*arrays):
-        return interpret_kernel(*(np.asarray(a) for a in arrays), k=k, loop=loop, config=config)
-
-    return jax.pure_callback(host, jax.ShapeDtypeStruct((pos.shape[0], k), jnp.int32), pos, batch, starts, ends)
-
-
-_TARGET = {"platform": "cuda", "launch": _triton_launch}
-
-
-@contextlib.contextmanager
-def interpreted():
-    """Within: `jinsum.nn.knn` traced for CPU takes the kernel path, the kernel running in Triton's interpreter
-    (tests; needs `TRITON_INTERPRET=1` before Triton kernels are defined, and torch). Functions traced inside keep
-    the choice, as jit caches them."""
-    saved = dict(_TARGET)
-    _TARGET.update(platform="cpu", launch=_interpret_launch)
-    try:
-        yield
-    finally:
-        _TARGET.update(saved)
+    return launcher.call(knn_kernel, pos, batch, starts, ends, n, out_shape=jax.ShapeDtypeStruct((n, k), jnp.int32),
+                         grid=(starts.shape[0],), num_warps=config.num_warps, num_stages=config.num_stages,
+                         name="jinsum_knn", **metaparameters(dim, n, k, loop, config))
 
 
 def usable(pos_dtype, n: int, k: int) -> bool:
@@ -154,7 +115,7 @@ def usable(pos_dtype, n: int, k: int) -> bool:
         return False
     if k > MAX_K or n > MAX_POINTS:
         return False
-    return _TARGET["launch"] is not _triton_launch or _have_jax_triton()
+    return _launch.available(_launch.target())
 
 
 # --- the call ------------------------------------------------------------------------------------------------------
@@ -163,17 +124,19 @@ def knn(pos: jax.Array, batch: jax.Array, *, k: int, loop: bool, reference, conf
     """int32 `(N, k)`: `jinsum.nn.knn(pos, k, batch, loop)` by the kernel on CUDA, by `reference(pos, batch)`
     (same arguments, same result) on other platforms. `batch`: int32 `(N,)`."""
     config = config or default_config(pos.shape[1], k)
-    launch = _launcher(k, bool(loop), config, _TARGET["launch"])
+    launcher = _launch.target()
+    kernel_call = _kernel_call(k, bool(loop), config, launcher)
 
     def kernel(pos, batch):
-        return launch(pos, batch, *column_ranges(batch, config.block_m))
+        return kernel_call(pos, batch, *column_ranges(batch, config.block_m))
 
     pos = jax.lax.stop_gradient(pos)
-    return jax.lax.platform_dependent(pos, batch, default=reference, **{_TARGET["platform"]: kernel})
+    platform = "cuda" if launcher is _launch.JAX_TRITON else "cpu"  # (the interpreter: tests on CPU)
+    return jax.lax.platform_dependent(pos, batch, default=reference, **{platform: kernel})
 
 
 @functools.lru_cache(maxsize=64)
-def _launcher(k: int, loop: bool, config: KnnConfig, launch):
+def _kernel_call(k: int, loop: bool, config: KnnConfig, launcher: _launch.Launcher):
     """The kernel's launch over `(pos, batch, starts, ends)`, with its vmap rule: the batch entries laid end to
     end as one launch, each padded to whole row blocks, so that no block holds rows of two entries and each
     block's column range (computed per entry, shifted) stays inside its entry. Entries never mix, whatever
@@ -181,7 +144,7 @@ def _launcher(k: int, loop: bool, config: KnnConfig, launch):
 
     @jax.custom_batching.custom_vmap
     def kernel(pos, batch, starts, ends):
-        return launch(pos, batch, starts, ends, k=k, loop=loop, config=config)
+        return _run_kernel(launcher, pos, batch, starts, ends, k=k, loop=loop, config=config)
 
     @kernel.def_vmap
     def rule(size, in_batched, pos, batch, starts, ends):
@@ -228,14 +191,7 @@ def interpret_kernel(pos: np.ndarray, batch: np.ndarray, starts: np.ndarray, end
                      loop: bool, config: KnnConfig) -> np.ndarray:
     """The kernel on NumPy arrays in Triton's interpreter on CPU (needs `TRITON_INTERPRET=1` set before Triton
     kernels are first defined, and torch): the same arguments and constants as on a GPU."""
-    from jinsum.kernels import knn_kernel  # noqa: PLC0415
-
-    n, dim = pos.shape
-    out = to_torch(np.full((n, k), -7, np.int32))  # unwritten elements must show
-    knn_kernel[(starts.shape[0],)](to_torch(pos), to_torch(batch.astype(np.int32)), to_torch(starts),
-                                   to_torch(ends), n, out, num_warps=config.num_warps,
-                                   **metaparameters(dim, n, k, loop, config))
-    return from_torch(out)
+    return _run_kernel(_launch.INTERPRETER, pos, batch.astype(np.int32), starts, ends, k=k, loop=loop, config=config)
 
 
 def interpret(pos, k: int, batch=None, loop: bool = False, config: KnnConfig | None = None) -> np.ndarray:

@@ -1,0 +1,173 @@
+"""The one place a compiled Triton kernel is launched, for statements, attention chains and the kNN kernel.
+
+`Launcher.call` has jax-triton's signature (`triton_call`: the kernel's array and scalar arguments, then one buffer
+per output; aliased outputs are their input's buffer), with two targets:
+- `JAX_TRITON`: in a lowering, traced arrays, a CUDA custom call (jax-triton, with jinsum's persistent cache of
+  compiled kernels in front of its compiler, `_kernel_cache`);
+- `INTERPRETER`: Triton's interpreter on CPU (tests: needs `TRITON_INTERPRET=1` set before Triton kernels are
+  first defined, and torch). NumPy arrays in and out; traced arrays through a host callback. Outputs that the
+  kernel must write start as NaN (-7 for integers), so an element it leaves unwritten shows.
+`interpreted()` makes `target()` the interpreter within a block (tests of a kernel path traced for CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import os
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum._lowering import _kernel_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """How kernels run: `call(kernel, *args, out_shape, grid, num_warps, num_stages, name, input_output_aliases,
+    zeroed_outputs, **constexprs)`, and the array module `xp` their launchers compute with."""
+
+    name: str
+    xp: ModuleType
+    call: Callable
+
+
+def _jax_triton_call(kernel, *args, out_shape, grid, num_warps: int, num_stages: int, name: str,
+                     input_output_aliases: dict[int, int] | None = None, zeroed_outputs: Sequence[int] = (),
+                     **constexprs):
+    return jax_triton().triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
+                                    num_stages=num_stages, name=name,
+                                    input_output_aliases=input_output_aliases or {},
+                                    zeroed_outputs=tuple(zeroed_outputs), **constexprs)
+
+
+def _interpreter_call(kernel, *args, out_shape, grid, num_warps: int, num_stages: int, name: str,
+                      input_output_aliases: dict[int, int] | None = None, zeroed_outputs: Sequence[int] = (),
+                      **constexprs):
+    del num_stages, name  # (no meaning in the interpreter)
+    single = not isinstance(out_shape, (list, tuple))
+    structs = [out_shape] if single else list(out_shape)
+    arrays = [k for k, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray))]
+    if any(isinstance(args[k], jax.Array) for k in arrays):  # traced (or on a device): the same launch on the host
+
+        def host(*values):
+            host_args = list(args)  # (scalar arguments stay Python numbers)
+            for k, value in zip(arrays, values):
+                host_args[k] = np.asarray(value)
+            return _interpreter_call(kernel, *host_args, out_shape=out_shape, grid=grid, num_warps=num_warps,
+                                     num_stages=0, name="", input_output_aliases=input_output_aliases,
+                                     zeroed_outputs=zeroed_outputs, **constexprs)
+
+        return jax.pure_callback(host, out_shape, *(args[k] for k in arrays))
+    inputs = [to_torch(np.asarray(a)) if isinstance(a, np.ndarray) else a for a in args]
+    aliased = {o: i for i, o in (input_output_aliases or {}).items()}
+    outputs = []
+    for k, struct in enumerate(structs):
+        if k in aliased:  # the kernel reads and writes the input's buffer (a copy: inputs are never changed)
+            inputs[aliased[k]] = inputs[aliased[k]].clone()
+            outputs.append(inputs[aliased[k]])
+            continue
+        buffer = to_torch(np.zeros(struct.shape, struct.dtype))
+        if k not in zeroed_outputs:
+            buffer.fill_(float("nan") if buffer.is_floating_point() else -7)
+        outputs.append(buffer)
+    kernel[grid](*inputs, *outputs, num_warps=num_warps, **constexprs)
+    results = [from_torch(t) for t in outputs]
+    return results[0] if single else results
+
+
+JAX_TRITON = Launcher("jax-triton", jnp, _jax_triton_call)
+INTERPRETER = Launcher("interpreter", np, _interpreter_call)
+
+_TARGET: contextvars.ContextVar[Launcher] = contextvars.ContextVar("jinsum_launch_target", default=JAX_TRITON)
+
+
+def target() -> Launcher:
+    """Where kernels launched from lowerings run: jax-triton, or the interpreter within `interpreted()`."""
+    return _TARGET.get()
+
+
+@contextlib.contextmanager
+def interpreted():
+    """Within: kernel paths that ask `target()` (the kNN kernel's) launch in Triton's interpreter, so that a
+    function traced for CPU takes them (tests). Functions traced inside keep the choice, as jit caches them."""
+    token = _TARGET.set(INTERPRETER)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def available(launcher: Launcher) -> bool:
+    """Whether `launcher` can run kernels here (jax-triton imports: the CPU build of jaxlib cannot import it)."""
+    return launcher is not JAX_TRITON or _jax_triton_imports()
+
+
+@functools.cache
+def _jax_triton_imports() -> bool:
+    try:
+        jax_triton()
+    except ImportError:
+        return False
+    return True
+
+
+def jax_triton():
+    """jax_triton, imported on first use, with jinsum's persistent cache of compiled kernels in front of its
+    compiler (`jinsum._lowering._kernel_cache`)."""
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton as module  # noqa: PLC0415
+
+    # jax-triton 0.3.1 sets TRITON_CACHE_DIR="" on import, which disables Triton's on-disk cache in this process.
+    if previous is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = previous
+    _kernel_cache.install(module.triton_lib)
+    _start_triton_specializer_without_torch()
+    return module
+
+
+def _start_triton_specializer_without_torch() -> None:
+    """Triton's argument specializer imports torch on its first call, once per process, to recognise torch
+    tensors; jax-triton calls it while lowering the first kernel. Where torch is installed, that import costs
+    seconds of the first lowering of every process (DESIGN.md), in processes that never touch torch. So it makes
+    its first call here with torch hidden, unless torch is already imported. Torch tensors handed to Triton
+    kernels later in the same process still specialise, by the path for any object with a `data_ptr`."""
+    if "torch" in sys.modules:
+        return
+    from triton._C.libtriton import native_specialize_impl  # noqa: PLC0415
+    from triton.backends.compiler import BaseBackend  # noqa: PLC0415
+
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which the specializer expects
+    try:
+        native_specialize_impl(BaseBackend, 1, False, True, True)
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+
+
+def to_torch(x: np.ndarray):
+    """A torch CPU tensor sharing `x`'s data (bfloat16 through a uint16 view: NumPy has no bfloat16)."""
+    import torch  # noqa: PLC0415 (torch is only needed by the interpreter)
+
+    x = np.ascontiguousarray(x)
+    if not x.flags.writeable:  # (torch wants writable memory; the interpreter's inputs are copies anyway)
+        x = x.copy()
+    if x.dtype == jnp.bfloat16:
+        return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def from_torch(x) -> np.ndarray:
+    import torch  # noqa: PLC0415
+
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.uint16).numpy().view(jnp.bfloat16)
+    return x.numpy()

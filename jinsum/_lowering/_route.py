@@ -1,0 +1,94 @@
+"""One route from a checked statement to what runs: XLA's lowering, or a kernel plan with everything decided about it.
+
+`route(spec)` is read by the lowerings (`jinsum._lowering`), by Triton's interpreter path (`_triton.interpret`),
+and by `jinsum.triton_source`, so that what the inspection shows is what runs. A route is one of:
+- a kernel (`plan`): the generated kernel runs the statement, its epilogue included;
+- XLA's lowering (`plan` None, `reason` says why: not a CUDA lowering, a switch, too small to pay for a launch, or
+  what the code generator cannot do, which warns);
+- a split: in deterministic mode a `+=` through index arrays whose kernel would not add in a fixed order is first
+  rewritten into sorted segment reductions (`rewritten`, `jinsum._rules._deterministic`), each routed again; an
+  epilogue that the route of the statement does not fuse runs as an element-wise pass after it
+  (`epilogue_after`: the statement without it is routed again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from jinsum._lang import Spec
+from jinsum._rules import _deterministic
+from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, tuned_config
+
+# Below this many terms (the product of every variable's extent: rows x slots x features for an SpMM) a statement
+# runs on XLA's lowering on CUDA too: its fused gathers run inside the step's CUDA graph, while a generated kernel
+# is a custom call launched on its own, and the launch costs more than the kernel saves (the crossover measured by
+# `benchmarks/crossover.py`, DESIGN.md). Derivatives in column order keep their kernel at any size: XLA's
+# scatter adds a hub column's entries atomically one after another, where the kernel sums them in registers.
+# `JINSUM_SMALL_TERMS=0` sends every statement to a kernel (the tests do, to test the kernels).
+SMALL_TERMS = 1 << 24
+# Reasons for XLA's lowering that are choices, not shortcomings of the code generator: they do not warn.
+CHOSEN = ("not CUDA", "JINSUM_TRITON=0", "small")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What runs for `spec` (see the module docstring)."""
+
+    spec: Spec
+    plan: KernelPlan | None = None
+    reason: str = ""
+    rewritten: bool = False
+    epilogue_after: bool = False
+
+    @property
+    def kernel(self) -> bool:
+        """The statement, its epilogue included, is one generated kernel."""
+        return self.plan is not None
+
+    @property
+    def warns(self) -> bool:
+        """XLA's lowering runs where a kernel was wanted (a `FallbackWarning`)."""
+        return not self.kernel and not self.rewritten and not self.epilogue_after and self.reason not in CHOSEN
+
+
+def plan_for(spec: Spec, config: KernelConfig | None = None) -> KernelPlan | Fallback:
+    """The kernel plan for `spec`: of its canonical form (so statements that differ in names share a kernel;
+    `plan.spec` names the operands `T0, T1, ...` in `spec.names` order), with `config`, else the tuned
+    configuration if `jinsum.autotune` stored one, else the defaults."""
+    return make_plan(canonical(spec), config or tuned_config(spec) or KernelConfig())
+
+
+def has_work(plan: KernelPlan) -> bool:
+    """Whether the kernel has programs to launch and terms to add (else the left-hand side is the result)."""
+    return 0 not in plan.grid_shape and all(plan.spec.extent[v] for v in plan.spec.loop_variables)
+
+
+def small(spec: Spec) -> bool:
+    """Whether `spec` is too small for a launched kernel to pay (`SMALL_TERMS`). Deterministic mode keeps its
+    kernels (XLA's scatter-add on a GPU adds atomically), and so do derivatives in column order."""
+    limit = int(os.environ.get("JINSUM_SMALL_TERMS", SMALL_TERMS))
+    return not (spec.deterministic or spec.by_columns) and math.prod(spec.extent.values()) < limit
+
+
+def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = None, rewrite: bool = True) -> Route:
+    """What runs for `spec` in a lowering that may launch generated kernels (`kernels`: the CUDA one), with the
+    kernel configuration `config` (else the tuned or default one). `rewrite=False`: deterministic mode runs the
+    statement as written (one that its rewrite derived: sorted, and never split again)."""
+    if not kernels:
+        plan = Fallback("not CUDA")
+    elif os.environ.get("JINSUM_TRITON", "1") == "0":
+        plan = Fallback("JINSUM_TRITON=0")
+    elif small(spec):  # (never a deterministic statement)
+        plan = Fallback("small")
+    else:
+        plan = plan_for(spec, config)
+    kernel = not isinstance(plan, Fallback)
+    # A carried `split` schedule adds each element's terms in a fixed order as it stands: no rewrite needed.
+    rewritten = rewrite and _deterministic.rewritten(spec) and not (kernel and plan.carries)
+    if spec.epilogue is not None and (rewritten or not (kernel and plan.fuses_epilogue and has_work(plan))):
+        return Route(spec, epilogue_after=True)
+    if rewritten:
+        return Route(spec, rewritten=True)
+    return Route(spec, plan) if kernel else Route(spec, reason=plan.reason)
