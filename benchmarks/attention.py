@@ -54,21 +54,22 @@ computing the same mask are checked against FlexAttention (max abs difference).
 6. GAT training step (2 layers: 4 heads x 64, then 1 head; forward, backward and Adam; dropout 0.6) on an
    R-MAT graph made undirected (scale 17: 131k nodes, ~3.7M edges), 128 synthetic input features, 40 classes:
    jinsum `GATConv` (fused; and with `dtype=bfloat16`, float32 parameters), the same layer unfused
-   (`JINSUM_FUSE=0`: the chain's statements as separate kernels), the same model with gathers and `jax.ops.segment_*` (examples/gat), and PyG's `GATConv` where
-   torch_geometric is installed (`--gat-scale 0` skips it).
+   (`JINSUM_FUSE=0`: the chain's statements as separate kernels), the same model with gathers and
+   `jax.ops.segment_*` (examples/gat), and PyG's `GATConv` where torch_geometric is installed (`--gat-scale 0`
+   skips it).
 
-`--smoke` runs every attention workload at tiny sizes (512 positions, BigBird 1,024; a few heads) through the jinsum systems only
-and checks them against a dense XLA reference with the element mask (exits non-zero on a mismatch): it runs on CPU
-(with `JINSUM_TRITON=0`), so the code paths can be checked without a GPU.
+`--smoke` runs every attention workload at tiny sizes (512 positions, BigBird 1,024; a few heads) through the jinsum
+systems only and checks them against a dense XLA reference with the element mask (exits non-zero on a mismatch): it
+runs on CPU (with `JINSUM_TRITON=0`), so the code paths can be checked without a GPU.
 
 Every system is timed the same way (`jinsum.timing.time_calls`: warm-up, back-to-back calls, one
-synchronisation, median of rounds). Results go to `--out` as `attention_<device>.{md,csv}`.
+synchronisation, median of rounds). Results go to `--out` as `attention_<device>.{md,csv}` (`_harness.write`).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import dataclasses
 import functools
 import gc
 import importlib.util
@@ -76,7 +77,7 @@ import os
 import pathlib
 import sys
 import time
-import traceback
+from collections.abc import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 # JAX grows its memory pool on demand up to this fraction of the GPU and keeps what it took; the rest stays for
@@ -95,7 +96,10 @@ from jinsum.datasets import rmat  # noqa: E402
 from jinsum.kernels import ChainConfig, forced_config  # noqa: E402
 from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
-from _training import package_versions, train_step  # noqa: E402 (benchmarks/, this script's folder)
+from _harness import (  # noqa: E402 (benchmarks/, this script's folder)
+    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio, sync_torch,
+    versions_text, write)
+from _training import train_step  # noqa: E402
 
 try:
     import torch
@@ -103,12 +107,14 @@ except ImportError:
     torch = None
 
 HERE = pathlib.Path(__file__).resolve().parent
-ROWS: list[dict] = []
+RESULTS = Results()
 WORKLOADS = ("bigbird", "document", "window", "gqa", "dense")
 PASSES = ("forward", "forward+backward")
 BLOCK = 128
 FLEX = "FlexAttention (torch.compile)"
 REFERENCE = "dense XLA, element mask (smoke reference)"
+SDPA_CAUSAL = "dense FlashAttention (torch SDPA, causal)"
+NO_MASK = "no mask: all L^2 scores"
 SMOKE_TOLERANCE = 0.1  # max abs difference from the float32 reference, bf16 inputs of unit variance
 TORCH_DEVICE = "cuda"
 
@@ -142,33 +148,16 @@ SIZES = {
 }
 
 
-def record(workload: str, system: str, ms: float | None, **extra) -> None:
-    ROWS.append(dict(workload=workload, system=system, ms=ms, **extra))
-    shown = "failed" if ms is None else f"{ms:.3f} ms"
-    print(f"  {workload:<56} {system:<46} {shown}  {extra.get('note') or ''}", flush=True)
-
-
-def _torch_sync(_):
-    if TORCH_DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def attempt(workload: str, system: str, run) -> float | None:
-    """Runs `run() -> seconds`, recording a failure (with its reason) instead of stopping the benchmark."""
-    try:
-        seconds = run()
-    except Exception as error:  # noqa: BLE001 (a peer that cannot run is reported, not fatal)
-        traceback.print_exc(limit=2)
-        record(workload, system, None, note=f"{type(error).__name__}: {str(error)[:100]}")
-        return None
-    return seconds
-
-
 def _flops(pairs: int, heads: int, dim: int) -> dict[str, float]:
     """Floating-point operations of attending `pairs` (query, key) pairs: two products of `dim` per pair and head
     forward; the backward's five products make forward+backward 3.5x the forward."""
     forward = 4 * pairs * dim * heads
     return {"forward": forward, "forward+backward": 3.5 * forward}
+
+
+def _timed(seconds: float, flops: float) -> dict[str, float]:
+    """A row's columns of a call of `flops` operations that took `seconds`."""
+    return {"ms": 1e3 * seconds, "tflops": flops / seconds / 1e12}
 
 
 def _inputs(seed: int, length: int, heads: int, kv_heads: int, dim: int):
@@ -203,14 +192,12 @@ def time_jax(name: str, system: str, fn, arrays, flops, outputs, *, extra=(), no
     for pass_name in PASSES:
         compiled, args = ((jax.jit(fn), (q, k, v, *extra)) if pass_name == "forward" else
                           (jax.jit(gradients), (q, k, v, *extra, d_out)))
-        workload = f"{name} {pass_name}"
-        seconds = attempt(workload, system, lambda: time_calls(compiled, *args, calls=OPTS.calls))
-        if seconds is None:
+        timed = RESULTS.attempt(f"{name} {pass_name}", system, lambda: _timed(
+            time_calls(compiled, *args, calls=OPTS.calls), flops[pass_name]), note=note)
+        if timed is None:
             continue
         if keep:
             outputs[system, pass_name] = _leaves(compiled(*args))
-        record(workload, system, 1e3 * seconds, tflops=flops[pass_name] / seconds / 1e12,
-               **({"note": note} if note else {}))
         if show and OPTS.on_gpu:
             breakdown(compiled, args)
         if hlo_copies and OPTS.on_gpu:
@@ -233,14 +220,10 @@ def time_torch(name: str, system: str, fn, tensors, flops, outputs, *, note=None
 
             def run(fn=fn, qg=qg, kg=kg, vg=vg):
                 return torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), d_out)
-        workload = f"{name} {pass_name}"
-        seconds = attempt(workload, system, lambda run=run: time_calls(run, calls=OPTS.calls, sync=_torch_sync))
-        if seconds is None:
-            continue
-        if keep:
+        timed = RESULTS.attempt(f"{name} {pass_name}", system, lambda run=run: _timed(
+            time_calls(run, calls=OPTS.calls, sync=sync_torch), flops[pass_name]), note=note)
+        if timed is not None and keep:
             outputs[system, pass_name] = _leaves(run())
-        record(workload, system, 1e3 * seconds, tflops=flops[pass_name] / seconds / 1e12,
-               **({"note": note} if note else {}))
 
 
 def _to_torch(arrays):
@@ -274,7 +257,14 @@ def _sdpa_flash(**kwargs):
     return fn
 
 
-def _reference(name: str, mask: np.ndarray, arrays, outputs) -> None:
+def _cudnn(**options):
+    """cuDNN's attention through JAX (`jax.nn.dot_product_attention`) with `options`, on `(L, H, D)` arrays."""
+    def fn(q, k, v):
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], implementation="cudnn", **options)[0]
+    return fn
+
+
+def _reference(mask: np.ndarray, arrays, outputs) -> None:
     """--smoke: the dense float32 XLA attention with the element mask `(L, S)`, forward and gradients."""
     allowed = jnp.asarray(mask)[None, None]
 
@@ -304,7 +294,7 @@ def _compare(name, outputs) -> None:
             error = max(float(np.abs(m - r).max()) for m, r in zip(mine, reference, strict=True))
             print(f"  {name} {pass_name}: {system} vs {against} max abs diff {error:.2e}")
             if against == FLEX:
-                for row in ROWS:
+                for row in RESULTS.rows:
                     if row["workload"] == f"{name} {pass_name}" and row["system"] == system:
                         row["max_abs_diff_vs_flex"] = error
             elif error > SMOKE_TOLERANCE or not np.isfinite(error):
@@ -318,6 +308,81 @@ def _free() -> None:
         torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
+
+
+# --- the peers of every workload: cuDNN, FlexAttention, torch SDPA -------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A peer system: its name, its function of `q, k, v`, a note for its rows; `same_mask`: it computes the
+    workload's mask, so its outputs are compared (a dense system that computes more pairs is a speed reference)."""
+
+    system: str
+    fn: Callable
+    note: str | None = None
+    same_mask: bool = True
+
+
+def time_peers(name: str, arrays, flops, outputs, mask: Callable, tables=(), *, sdpa: Callable,
+               cudnn: Callable | None = None) -> None:
+    """A workload through its peers, then every system's outputs compared. `mask(*tables)` is the workload's
+    `mask_mod(b, h, q_idx, kv_idx)`, written for index arrays of any library: FlexAttention's block mask is built
+    from it over torch's copies of the NumPy `tables`, and --smoke's element mask (for the dense reference that
+    stands in for the peers) over NumPy's. `cudnn(arrays) -> Peer` (through JAX) and `sdpa(tensors) -> Peer` (torch)
+    are built only where they run (torch's tensors exist, a probe may compile)."""
+    if OPTS.jax_peers and cudnn is not None:
+        peer = cudnn(arrays)
+        time_jax(name, peer.system, peer.fn, arrays, flops, outputs, note=peer.note, keep=peer.same_mask)
+    if OPTS.smoke:
+        length = arrays[0].shape[0]
+        _reference(mask(*tables)(None, None, *np.indices((length, length))), arrays, outputs)
+    if OPTS.torch_peers:
+        _torch_peers(name, arrays, flops, outputs, mask, tables, sdpa)
+    _compare(name, outputs)
+
+
+def _torch_peers(name: str, arrays, flops, outputs, mask: Callable, tables, sdpa: Callable) -> None:
+    """FlexAttention over the block mask of `mask`, with grouped heads where `k` has fewer than `q`, then torch SDPA,
+    on torch's copies of `arrays` (freed on return, before the outputs are compared)."""
+    tensors = _to_torch(arrays)
+    q, k = tensors[:2]
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    block_mask = _create_block_mask(mask(*(torch.from_numpy(t).to(TORCH_DEVICE) for t in tables)), q.shape[2])
+    flex = _flex()
+    time_torch(name, FLEX, functools.partial(flex, block_mask=block_mask, **gqa), tensors, flops, outputs,
+               note="enable_gqa=True" if gqa else None)
+    peer = sdpa(tensors)
+    time_torch(name, peer.system, peer.fn, tensors, flops, outputs, note=peer.note, keep=peer.same_mask)
+
+
+# The workloads' masks: `mask(*tables)` -> `mask_mod(b, h, q_idx, kv_idx)`, whether query q_idx attends key kv_idx.
+
+def _blocks(block: int, table):
+    """Blocks of `block` x `block` positions: those where `table` (block rows x block columns) is true."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return table[q_idx // block, kv_idx // block]
+    return mask_mod
+
+
+def _document_causal(doc):
+    """Causal within documents: `doc` holds each position's document id."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    return mask_mod
+
+
+def _sliding_window(window: int):
+    """Causal, the `window` positions up to and including the query's."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return mask_mod
+
+
+def _causal():
+    """Causal: each position attends itself and those before it."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    return mask_mod
 
 
 # --- 1. block-sparse attention (BigBird) --------------------------------------------------------------------------
@@ -341,20 +406,15 @@ def block_attention(length: int, heads: int = 16, dim: int = 64, block: int = BL
     def fused(q, k, v):
         return jinsum.attention(q, k, v, pattern)
 
-    def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(q[None], k[None], v[None], implementation="cudnn")[0]
-
+    table = np.zeros((length // block, length // block), bool)  # (the stored blocks)
+    table[np.repeat(np.array(pattern.Ai), pattern.group_size), np.array(pattern.Ak).reshape(-1)] = True
     outputs = {}
     time_jax(name, "jinsum fused", fused, (q, k, v, d_out), flops, outputs, show=True, hlo_copies=True)
     time_jax(name, "jinsum unfused", unfused, (q, k, v, d_out), flops, outputs)
-    if OPTS.jax_peers:
-        time_jax(name, "dense cuDNN (JAX)", cudnn, (q, k, v, d_out), flops, outputs, keep=False,
-                 note="no mask: all L^2 scores")
-    if OPTS.smoke:
-        _reference(name, np.asarray(pattern.todense()) != 0, (q, k, v, d_out), outputs)
-    if OPTS.torch_peers:
-        _torch_attention(name, pattern, (q, k, v, d_out), flops, outputs, block)
-    _compare(name, outputs)
+    time_peers(name, (q, k, v, d_out), flops, outputs, functools.partial(_blocks, block), (table,),
+               cudnn=lambda _: Peer("dense cuDNN (JAX)", _cudnn(), NO_MASK, same_mask=False),
+               sdpa=lambda _: Peer("dense FlashAttention (torch SDPA)",
+                                   torch.nn.functional.scaled_dot_product_attention, NO_MASK, same_mask=False))
 
 
 def breakdown(compiled, args, calls: int = 10) -> None:
@@ -364,24 +424,6 @@ def breakdown(compiled, args, calls: int = 10) -> None:
     print(f"    device time {1e3 * total:.3f} ms:", ", ".join(
         f"{name[:40]} {1e6 * t:.0f} us" for name, t in sorted(kernels.items(), key=lambda kv: -kv[1])
         if t > 0.01 * total))
-
-
-def _torch_attention(name, pattern, arrays, flops, outputs, block):
-    tensors = _to_torch(arrays)
-    length = tensors[0].shape[2]
-    table = torch.zeros((length // block, length // block), dtype=torch.bool, device=TORCH_DEVICE)
-    rows = np.array(pattern.Ai)
-    table[torch.from_numpy(np.repeat(rows, pattern.group_size)).to(TORCH_DEVICE),
-          torch.from_numpy(np.array(pattern.Ak).reshape(-1)).to(TORCH_DEVICE)] = True
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return table[q_idx // block, kv_idx // block]
-
-    block_mask = _create_block_mask(mask_mod, length)
-    flex = _flex()
-    time_torch(name, FLEX, lambda q, k, v: flex(q, k, v, block_mask=block_mask), tensors, flops, outputs)
-    time_torch(name, "dense FlashAttention (torch SDPA)", torch.nn.functional.scaled_dot_product_attention,
-               tensors, flops, outputs, keep=False, note="no mask: all L^2 scores")
 
 
 # --- 2. packed documents, causal -----------------------------------------------------------------------------------
@@ -402,12 +444,9 @@ def document_attention(length: int, documents: int, heads: int, dim: int) -> Non
     doc = jnp.asarray(doc_np)
     arrays = _inputs(1, length, heads, heads, dim)
 
-    def document_causal(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
-
     prebuilt = jnn.sequence_mask(length, BLOCK, document_ids=doc, causal=True)
     attending = int(jnp.count_nonzero(prebuilt.flags))
-    tight = jinsum.block_mask(document_causal, length, length, BLOCK, capacity=attending)
+    tight = jinsum.block_mask(_document_causal(doc), length, length, BLOCK, capacity=attending)
     if bool(prebuilt.overflow) or bool(tight.overflow):
         raise AssertionError(f"{name}: the block mask overflowed its capacity")
     print(f"\n{name}: document lengths {sizes.tolist()}; {attending} of {prebuilt.grid[0] * prebuilt.grid[1]} "
@@ -425,27 +464,14 @@ def document_attention(length: int, documents: int, heads: int, dim: int) -> Non
              arrays, flops, outputs, extra=(prebuilt,))
     time_jax(name, "jinsum fused (mask on device)", on_device, arrays, flops, outputs, extra=(doc,), show=True,
              note="sequence_mask inside the jitted call")
-    if OPTS.smoke:
-        _reference(name, _document_mask(doc_np), arrays, outputs)
-    if OPTS.torch_peers:
-        tensors = _to_torch(arrays)
-        doc_t = torch.from_numpy(doc_np).to(TORCH_DEVICE)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (doc_t[q_idx] == doc_t[kv_idx]) & (q_idx >= kv_idx)
-
-        block_mask = _create_block_mask(mask_mod, length)
-        flex = _flex()
-        time_torch(name, FLEX, lambda q, k, v: flex(q, k, v, block_mask=block_mask), tensors, flops, outputs)
-        time_torch(name, "dense FlashAttention (torch SDPA, causal)", _sdpa_flash(is_causal=True), tensors, flops,
-                   outputs, keep=False, note="ignores the documents: all L(L+1)/2 causal pairs (speed reference)")
-        del tensors, block_mask, flex
-    _compare(name, outputs)
+    time_peers(name, arrays, flops, outputs, _document_causal, (doc_np,), sdpa=lambda _: Peer(
+        SDPA_CAUSAL, _sdpa_flash(is_causal=True),
+        "ignores the documents: all L(L+1)/2 causal pairs (speed reference)", same_mask=False))
     document_mask_build(length, documents, doc_np, attending)
 
 
 def _document_mask(doc: np.ndarray) -> np.ndarray:
-    """The element mask of causal attention within documents, `(L, L)` booleans."""
+    """The element mask of causal attention within documents, `(L, L)` booleans, as the host builds it."""
     return (doc[:, None] == doc[None, :]) & np.tri(len(doc), dtype=bool)
 
 
@@ -455,14 +481,13 @@ def document_mask_build(length: int, documents: int, doc_np: np.ndarray, attendi
     print(f"\n{name}")
     build = jax.jit(lambda doc: jnn.sequence_mask(length, BLOCK, document_ids=doc, causal=True))
     doc = jnp.asarray(doc_np)
-    seconds = attempt(name, "jinsum sequence_mask (jit)", lambda: time_calls(build, doc, calls=OPTS.calls))
-    if seconds is not None:
-        record(name, "jinsum sequence_mask (jit)", 1e3 * seconds, note=f"{attending} blocks attend")
+    RESULTS.attempt(name, "jinsum sequence_mask (jit)", lambda: {"ms": 1e3 * time_calls(build, doc, calls=OPTS.calls)},
+                    note=f"{attending} blocks attend")
     start = time.perf_counter()
     pattern = jinsum.BlockGroupCOO.from_dense(_document_mask(doc_np), block_shape=(BLOCK, BLOCK))
     seconds = time.perf_counter() - start
-    record(name, "NumPy element mask + BlockGroupCOO.from_dense (host)", 1e3 * seconds,
-           note=f"one call (time.perf_counter); {pattern.nnz} blocks stored")
+    RESULTS.record(name, "NumPy element mask + BlockGroupCOO.from_dense (host)", 1e3 * seconds,
+                   note=f"one call (time.perf_counter); {pattern.nnz} blocks stored")
     if pattern.nnz != attending:
         OPTS.mismatches.append(f"{name}: BlockGroupCOO.from_dense stores {pattern.nnz} blocks, sequence_mask "
                                f"{attending}")
@@ -470,23 +495,21 @@ def document_mask_build(length: int, documents: int, doc_np: np.ndarray, attendi
     if OPTS.torch_peers:
         from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
 
-        doc_t = torch.from_numpy(doc_np).to(TORCH_DEVICE)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (doc_t[q_idx] == doc_t[kv_idx]) & (q_idx >= kv_idx)
-
+        mask_mod = _document_causal(torch.from_numpy(doc_np).to(TORCH_DEVICE))
         torch._dynamo.reset()
         compiled = torch.compile(create_block_mask)
         for system, builder in (("FlexAttention create_block_mask", create_block_mask),
                                 ("FlexAttention torch.compile(create_block_mask)", compiled)):
             def run(builder=builder):
                 return builder(mask_mod, None, None, length, length, device=TORCH_DEVICE, BLOCK_SIZE=BLOCK)
-            seconds = attempt(name, system, lambda run=run: time_calls(run, calls=OPTS.calls, sync=_torch_sync))
-            if seconds is not None:
+
+            def timed(run=run):
+                seconds = time_calls(run, calls=OPTS.calls, sync=sync_torch)
                 mask = run()
                 blocks = int(mask.kv_num_blocks.sum()) + (int(mask.full_kv_num_blocks.sum())
                                                           if mask.full_kv_num_blocks is not None else 0)
-                record(name, system, 1e3 * seconds, note=f"{blocks} blocks attend")
+                return {"ms": 1e3 * seconds, "note": f"{blocks} blocks attend"}
+            RESULTS.attempt(name, system, timed)
 
 
 # --- 3. sliding window, causal ------------------------------------------------------------------------------------
@@ -501,34 +524,17 @@ def window_attention(length: int, window: int, heads: int, dim: int) -> None:
     def on_device(q, k, v):
         return jinsum.attention(q, k, v, jnn.sequence_mask(length, BLOCK, causal=True, window=window))
 
-    def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                            local_window_size=(window - 1, 0), implementation="cudnn")[0]
-
     outputs = {}
     time_jax(name, "jinsum fused (mask prebuilt)", lambda q, k, v: jinsum.attention(q, k, v, prebuilt), arrays,
              flops, outputs, show=True)
     time_jax(name, "jinsum fused (mask on device)", on_device, arrays, flops, outputs,
              note="sequence_mask inside the jitted call")
-    if OPTS.jax_peers:
-        time_jax(name, "cuDNN sliding window (JAX)", cudnn, arrays, flops, outputs,
-                 note=f"local_window_size=({window - 1}, 0)")
-    if OPTS.smoke:
-        rows, cols = np.indices((length, length))
-        _reference(name, (rows >= cols) & (rows - cols < window), arrays, outputs)
-    if OPTS.torch_peers:
-        tensors = _to_torch(arrays)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-
-        block_mask = _create_block_mask(mask_mod, length)
-        flex = _flex()
-        time_torch(name, FLEX, lambda q, k, v: flex(q, k, v, block_mask=block_mask), tensors, flops, outputs)
-        time_torch(name, "dense FlashAttention (torch SDPA, causal)", _sdpa_flash(is_causal=True), tensors, flops,
-                   outputs, keep=False, note="ignores the window: all L(L+1)/2 causal pairs (speed reference)")
-        del tensors, block_mask, flex
-    _compare(name, outputs)
+    time_peers(name, arrays, flops, outputs, functools.partial(_sliding_window, window),
+               cudnn=lambda _: Peer("cuDNN sliding window (JAX)",
+                                    _cudnn(is_causal=True, local_window_size=(window - 1, 0)),
+                                    f"local_window_size=({window - 1}, 0)"),
+               sdpa=lambda _: Peer(SDPA_CAUSAL, _sdpa_flash(is_causal=True),
+                                   "ignores the window: all L(L+1)/2 causal pairs (speed reference)", same_mask=False))
 
 
 # --- 4, 5. causal attention: grouped-query and dense ----------------------------------------------------------------
@@ -546,66 +552,46 @@ def causal_attention(kind: str, length: int, heads: int, kv_heads: int, dim: int
     outputs = {}
     time_jax(name, "jinsum fused", lambda q, k, v: jinsum.attention(q, k, v, mask), arrays, flops, outputs,
              show=True, note=f"k, v of {kv_heads} heads read in place" if group > 1 else None)
-    if OPTS.jax_peers:
-        cudnn, note = _cudnn_causal(arrays, group)
-        time_jax(name, "dense cuDNN (JAX, causal)", cudnn, arrays, flops, outputs, note=note)
-    if OPTS.smoke:
-        _reference(name, np.tri(length, dtype=bool), arrays, outputs)
-    if OPTS.torch_peers:
-        tensors = _to_torch(arrays)
-
-        def causal(b, h, q_idx, kv_idx):
-            return q_idx >= kv_idx
-
-        block_mask = _create_block_mask(causal, length)
-        flex = _flex()
-        gqa = {"enable_gqa": True} if group > 1 else {}
-        time_torch(name, FLEX, lambda q, k, v: flex(q, k, v, block_mask=block_mask, **gqa), tensors, flops,
-                   outputs, note="enable_gqa=True" if group > 1 else None)
-        sdpa, note = _sdpa_causal(tensors, group)
-        time_torch(name, "dense FlashAttention (torch SDPA, causal)", sdpa, tensors, flops, outputs, note=note)
-        del tensors, block_mask, flex
-    _compare(name, outputs)
+    time_peers(name, arrays, flops, outputs, _causal, cudnn=lambda arrays: _cudnn_causal(arrays, group),
+               sdpa=lambda tensors: _sdpa_causal(tensors, group))
 
 
-def _cudnn_causal(arrays, group: int):
+def _cudnn_causal(arrays, group: int) -> Peer:
     """cuDNN's causal attention through JAX, with its grouped key/value heads if it takes them, else repeated."""
-    def native(q, k, v):
-        return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
-
+    system, native = "dense cuDNN (JAX, causal)", _cudnn(is_causal=True)
     if group == 1:
-        return native, None
+        return Peer(system, native)
     q, k, v, d_out = arrays
     try:
         jax.jit(lambda q, k, v, t: jax.vjp(native, q, k, v)[1](t)).lower(q, k, v, d_out).compile()
-        return native, "grouped k, v heads (native GQA)"
+        return Peer(system, native, "grouped k, v heads (native GQA)")
     except Exception as error:  # noqa: BLE001 (then repeat the heads, as a user would)
         reason = f"{type(error).__name__}: {str(error)[:60]}"
 
     def repeated(q, k, v):
         return native(q, jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1))
-    return repeated, f"k, v repeated to {group}x the heads (native GQA refused: {reason})"
+    return Peer(system, repeated, f"k, v repeated to {group}x the heads (native GQA refused: {reason})")
 
 
-def _sdpa_causal(tensors, group: int):
+def _sdpa_causal(tensors, group: int) -> Peer:
     """torch SDPA's FlashAttention, causal, with `enable_gqa=True` if the flash backend takes it (forward and
     backward tried once), else with `k`, `v` repeated inside the call."""
     if group == 1:
-        return _sdpa_flash(is_causal=True), None
+        return Peer(SDPA_CAUSAL, _sdpa_flash(is_causal=True))
     gqa = _sdpa_flash(is_causal=True, enable_gqa=True)
     q, k, v, d_out = tensors
     try:
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
         torch.autograd.grad(gqa(qg, kg, vg), (qg, kg, vg), d_out)
-        _torch_sync(None)
-        return gqa, "enable_gqa=True"
+        sync_torch(None)
+        return Peer(SDPA_CAUSAL, gqa, "enable_gqa=True")
     except Exception as error:  # noqa: BLE001 (then repeat the heads, as a user would)
         reason = f"{type(error).__name__}: {str(error)[:60]}"
     flash = _sdpa_flash(is_causal=True)
 
     def repeated(q, k, v):
         return flash(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
-    return repeated, f"k, v repeated to {group}x the heads (enable_gqa=True refused: {reason})"
+    return Peer(SDPA_CAUSAL, repeated, f"k, v repeated to {group}x the heads (enable_gqa=True refused: {reason})")
 
 
 # --- 6. GAT training step ---------------------------------------------------------------------------------------
@@ -647,23 +633,20 @@ def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
         os.environ["JINSUM_FUSE"] = "0" if "unfused" in system else "1"
         run = step_of(model, graph)  # (compiles now, so the switch applies)
         os.environ.pop("JINSUM_FUSE")
-        seconds = attempt(name, system, lambda run=run: time_calls(run, calls=calls))
-        if seconds is not None:
-            record(name, system, 1e3 * seconds)
-            if system.startswith("jinsum") and OPTS.on_gpu:
-                breakdown(run, ())
+        timed = RESULTS.attempt(name, system, lambda run=run: {"ms": 1e3 * time_calls(run, calls=calls)})
+        if timed is not None and system.startswith("jinsum") and OPTS.on_gpu:
+            breakdown(run, ())
     for config in sweep:  # other kernel configurations of the fused GATConv (the call happens in the context)
         with forced_config(config):
             model = example.GAT(jnn.GATConv, 128, 40, heads=4, hidden=64, dropout=0.6, rngs=nnx.Rngs(0))
             run = step_of(model, systems["jinsum GATConv (fused)"][1])
-        seconds = attempt(name, f"jinsum GATConv {config}", lambda run=run: time_calls(run, calls=calls))
-        if seconds is not None:
-            record(name, f"jinsum GATConv {config}", 1e3 * seconds)
+        RESULTS.attempt(name, f"jinsum GATConv {config}", lambda run=run: {"ms": 1e3 * time_calls(run, calls=calls)})
     if OPTS.torch_peers:
-        attempt(name, "PyG GATConv", lambda: _pyg_gat_step(name, edge_index, nodes, x, y, calls))
+        RESULTS.attempt(name, "PyG GATConv", lambda: {"ms": 1e3 * _pyg_gat_step(edge_index, x, y, calls)})
 
 
-def _pyg_gat_step(name, edge_index, nodes, x, y, calls) -> float:
+def _pyg_gat_step(edge_index, x, y, calls) -> float:
+    """Seconds per step of the same GAT in PyG."""
     from torch_geometric.nn import GATConv  # noqa: PLC0415
 
     class GAT(torch.nn.Module):
@@ -691,44 +674,27 @@ def _pyg_gat_step(name, edge_index, nodes, x, y, calls) -> float:
         optimizer.step()
         return loss
 
-    seconds = time_calls(step, calls=calls, sync=_torch_sync)
-    record(name, "PyG GATConv", 1e3 * seconds)
-    return seconds
+    return time_calls(step, calls=calls, sync=sync_torch)
 
 
 # --- output -------------------------------------------------------------------------------------------------------
 
-def write(out: pathlib.Path, started: float, command: str) -> None:
-    device = jax.devices()[0].device_kind
-    versions = package_versions()
-    stem = out / f"attention_{device.replace(' ', '_')}"
-    out.mkdir(parents=True, exist_ok=True)
-    fields = ["workload", "system", "ms", "tflops", "vs_jinsum", "max_abs_diff_vs_flex", "note"]
-    for row in ROWS:
-        first = next((r for r in ROWS if r["workload"] == row["workload"] and r["system"].startswith("jinsum")
-                      and r["ms"]), None)
-        row["vs_jinsum"] = row["ms"] / first["ms"] if first and row["ms"] else None
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(ROWS)
-    lines = [f"# Fused attention on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `{command}` "
-             f"({time.time() - started:.0f} s). ms: median over rounds of back-to-back calls "
-             "(`jinsum.timing.time_calls`); TFLOP/s: over the attended pairs only, the same count for every system "
-             "of a workload; `x jinsum`: the system's time over the workload's first jinsum system's (above 1: "
-             "jinsum is faster).", "",
-             "| workload | system | ms | TFLOP/s (attended pairs) | x jinsum | max abs diff vs Flex | note |",
-             "|---|---|---|---|---|---|---|"]
-    for row in ROWS:
-        def fmt(key, spec):
-            return format(row[key], spec) if row.get(key) is not None else ""
-        ms = fmt("ms", ".3f") or "failed"
-        note = (row.get("note") or "").replace("|", "/").replace("\n", " ")
-        lines.append(f"| {row['workload']} | {row['system']} | {ms} | {fmt('tflops', '.1f')} | "
-                     f"{fmt('vs_jinsum', '.2f')} | {fmt('max_abs_diff_vs_flex', '.1e')} | {note} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
+COLUMNS = (WORKLOAD, SYSTEM, *(Column(header, key, form, missing, align="---") for header, key, form, missing in (
+    ("ms", "ms", "{:.3f}", "failed"), ("TFLOP/s (attended pairs)", "tflops", "{:.1f}", ""),
+    ("x jinsum", "vs_jinsum", "{:.2f}", ""), ("max abs diff vs Flex", "max_abs_diff_vs_flex", "{:.1e}", ""))),
+    NOTE)
+
+
+def write_results(out: pathlib.Path, started: float) -> None:
+    rows = RESULTS.rows
+    for row in rows:
+        row["vs_jinsum"] = ratio(row["ms"], baseline(rows, row, lambda r: r["system"].startswith("jinsum")))
+    preamble = (f"{versions_text()}; `{command(__file__)}` ({time.time() - started:.0f} s). ms: median over rounds of "
+                "back-to-back calls (`jinsum.timing.time_calls`); TFLOP/s: over the attended pairs only, the same "
+                "count for every system of a workload; `x jinsum`: the system's time over the workload's first "
+                "jinsum system's (above 1: jinsum is faster).")
+    write(out / f"attention_{device_file_name()}", f"Fused attention on {device_name()}", [preamble], COLUMNS, rows,
+          csv_fields=[c.key for c in COLUMNS])
 
 
 def _workloads(text: str) -> list[str]:
@@ -777,7 +743,7 @@ def main() -> None:
     if args.gat_scale:
         sweep = [ChainConfig(entries=e, num_warps=w) for e, w in ((8, 2), (32, 2))]
         gat_step(args.gat_scale, OPTS.calls, sweep if args.sweep else [])
-    write(args.out, started, "python benchmarks/attention.py " + " ".join(sys.argv[1:]))
+    write_results(args.out, started)
     if OPTS.mismatches:
         sys.exit("mismatches:\n  " + "\n  ".join(OPTS.mismatches))
 
