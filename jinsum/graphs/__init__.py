@@ -1,5 +1,5 @@
-"""Graph data for the layers of `jinsum.nn`, without Flax: adjacencies, batches and loaders, and graphs computed
-from data, all built into `jinsum.formats` (PyG's `data/` and `loader/`, kept apart from `nn/`).
+"""Graph data for the layers of `jinsum.nn`, without Flax: adjacencies, batches and loaders, graphs computed from
+data and embedding bags, all built into `jinsum.formats` (PyG's `data/` and `loader/`, kept apart from `nn/`).
 
     A = jinsum.graphs.adjacency(edge_index, num_nodes=N)       # edge_index (2, E): sources, destinations
     for batch in jinsum.graphs.GraphLoader(molecules, batch_size=128, shuffle=True):
@@ -10,11 +10,14 @@ edges one by one (`edge_list` -> `EdgeList`, `edge_adjacency` with edge features
 (`relational_graph` -> `RelationalGraph`, `relational_adjacency`). Many small graphs: `GraphLoader` (padded
 mini-batches of a fixed `GraphBudget`, each a `GraphBatch` whose adjacency is built on the device) or `batch_graphs`
 (one batch, on the host). Graphs from data inside `jit`: `knn` (a fixed-fanout table) and `knn_graph` (PyG's edge
-index), `radius` / `radius_graph` (the first points within `r`, with a count that reports a cut). Sub-graphs
-sampled on the device are `jinsum.sampling`'s.
+index), `radius` / `radius_graph` (the first points within `r`, with a count that reports a cut). Embedding bags:
+`bags` (torch's `EmbeddingBag` inputs as a `Bags` matrix, built on the device). Sub-graphs sampled on the device
+are `jinsum.sampling`'s.
 """
 
 from jinsum.graphs._adjacency import adjacency as adjacency
+from jinsum.graphs._bags import Bags as Bags
+from jinsum.graphs._bags import bags as bags
 from jinsum.graphs._batch import GraphBatch as GraphBatch
 from jinsum.graphs._batch import GraphBudget as GraphBudget
 from jinsum.graphs._batch import GraphLoader as GraphLoader

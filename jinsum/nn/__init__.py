@@ -25,15 +25,18 @@ partition of an `edge_adjacency` (the edges one by one, their features in its va
 
 The graph data the layers read (`adjacency`, `edge_list` / `EdgeList`, `edge_adjacency`, `relational_graph` /
 `RelationalGraph` / `relational_adjacency`, `GraphLoader` / `GraphBatch` / `GraphBudget`, `batch_graphs`, `knn` /
-`knn_graph` / `radius` / `radius_graph`) is `jinsum.graphs`', which needs no Flax; it is re-exported here.
+`knn_graph` / `radius` / `radius_graph`, `bags` / `Bags`) is `jinsum.graphs`', which needs no Flax; it is
+re-exported here.
 """
 
+from jinsum.graphs import Bags as Bags
 from jinsum.graphs import EdgeList as EdgeList
 from jinsum.graphs import GraphBatch as GraphBatch
 from jinsum.graphs import GraphBudget as GraphBudget
 from jinsum.graphs import GraphLoader as GraphLoader
 from jinsum.graphs import RelationalGraph as RelationalGraph
 from jinsum.graphs import adjacency as adjacency
+from jinsum.graphs import bags as bags
 from jinsum.graphs import batch_graphs as batch_graphs
 from jinsum.graphs import edge_adjacency as edge_adjacency
 from jinsum.graphs import edge_list as edge_list
@@ -52,11 +55,8 @@ from jinsum.nn._attention import block_sparse_attention as block_sparse_attentio
 from jinsum.nn._attention import sequence_mask as sequence_mask
 from jinsum.nn._dynamic_edge_conv import DynamicEdgeConv as DynamicEdgeConv
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
-from jinsum.nn._embedding_bag import Bags as Bags
 from jinsum.nn._embedding_bag import EmbeddingBag as EmbeddingBag
-from jinsum.nn._embedding_bag import bags as bags
 from jinsum.nn._embedding_bag import embedding_bag as embedding_bag
-from jinsum.nn._embedding_bag import sparse_adagrad as sparse_adagrad
 from jinsum.nn._gat import GATConv as GATConv
 from jinsum.nn._gatv2 import GATv2Conv as GATv2Conv
 from jinsum.nn._gcn import APPNP as APPNP
@@ -71,6 +71,7 @@ from jinsum.nn._pool import global_max_pool as global_max_pool
 from jinsum.nn._pool import global_mean_pool as global_mean_pool
 from jinsum.nn._rgcn import RGCNConv as RGCNConv
 from jinsum.nn._sage import SAGEConv as SAGEConv
+from jinsum.nn._sparse_adagrad import sparse_adagrad as sparse_adagrad
 from jinsum.nn._sparse_linear import SparseLinear as SparseLinear
 from jinsum.nn._sparse_linear import SparsityPattern as SparsityPattern
 from jinsum.nn._sparse_linear import random_pattern as random_pattern
