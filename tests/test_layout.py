@@ -9,6 +9,7 @@ anything of jinsum's) fails here rather than in an import cycle months later.
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 import subprocess
 import sys
@@ -109,14 +110,54 @@ def test_top_level_holds_only_the_surface_and_tools():
 
 
 def test_public_imports_load_only_modules_of_the_tree():
-    """`import jinsum, jinsum.nn, jinsum.shard` in a fresh interpreter loads no jinsum module that has no file here
-    (no shim left behind under an old name)."""
-    code = ("import sys, jinsum, jinsum.nn, jinsum.shard\n"
+    """`import jinsum, jinsum.graphs, jinsum.nn, jinsum.shard` in a fresh interpreter loads no jinsum module that has
+    no file here (no shim left behind under an old name)."""
+    code = ("import sys, jinsum, jinsum.graphs, jinsum.nn, jinsum.shard\n"
             "print('\\n'.join(m for m in sys.modules if m == 'jinsum' or m.startswith('jinsum.')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=ROOT).stdout.split()
     assert "jinsum._rules._primitive" in loaded
     assert set(loaded) <= set(MODULES), sorted(set(loaded) - set(MODULES))
+
+
+_WITHOUT_FLAX = """
+import importlib.abc, json, sys
+
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("flax", "optax"):
+            raise ImportError(f"{name} is blocked: jinsum.graphs must not need it")
+        return None
+
+sys.meta_path.insert(0, Blocked())
+import numpy as np
+import jinsum.graphs as jg
+
+graphs = [dict(x=np.ones((3, 2)), edge_index=np.array([[0, 1], [1, 2]])),
+          dict(x=np.ones((2, 2)), edge_index=np.array([[1], [0]]))]
+(batch,) = jg.GraphLoader(graphs, batch_size=2, budget=jg.GraphBudget(nodes=8, edges=4, graphs=2))
+edge_index = jg.knn_graph(np.array([[0.0], [1.0], [3.0]], np.float32), k=1)
+print(json.dumps(dict(
+    batch=np.asarray(batch.adjacency().todense()).tolist(), node_graph=np.asarray(batch.node_graph()).tolist(),
+    knn_graph=np.asarray(edge_index).tolist(), adjacency=np.asarray(jg.adjacency(edge_index, 3).todense()).tolist(),
+    nn=sorted(m for m in sys.modules if m == "jinsum.nn" or m.startswith("jinsum.nn.")))))
+"""
+
+
+def test_graph_data_loads_without_flax():
+    """`jinsum.graphs` sits below the layers: in a fresh interpreter where flax and optax cannot be imported it loads,
+    pads a batch of two small graphs and builds its adjacency on the device, a kNN graph and an adjacency."""
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_FLAX], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.splitlines()[-1])
+    batch = [[0] * 8 for _ in range(8)]
+    for dst, src in ((1, 0), (2, 1), (3, 4)):  # graph 0's edges 0 -> 1 -> 2, graph 1's 1 -> 0 after graph 0's nodes
+        batch[dst][src] = 1
+    assert out["batch"] == batch
+    assert out["node_graph"] == [0, 0, 0, 1, 1, 2, 2, 2]  # (padding nodes: graph 2, one past the last)
+    assert out["knn_graph"] == [[1, 0, 1], [0, 1, 2]]  # each point's nearest (source) into it (target)
+    assert out["adjacency"] == [[0, 1, 0], [1, 0, 0], [0, 1, 0]]  # A[dst, src]
+    assert out["nn"] == []  # (the layers' stage is never loaded)
 
 
 def test_primitives_import_no_lowering():
