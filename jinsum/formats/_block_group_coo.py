@@ -83,9 +83,9 @@ class BlockGroupCOO(GroupedFormat):
       overflow: for a format built on the device for a capacity (:meth:`from_block_mask`), a boolean scalar array,
         True when more blocks were asked for than fit; None for one built on the host.
 
-    A pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, block_shape, nnz)``, where ``nnz``
-    counts the stored blocks excluding padding. :meth:`from_validated` assembles one from arrays a builder has made
-    consistent, without checking them.
+    A pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, block_shape, nnz)``, where
+    ``nnz`` counts the stored blocks excluding padding. :meth:`from_validated` assembles one from arrays a builder has
+    made consistent, without checking them.
     """
 
     __slots__ = ("Ai", "Ak", "Av", "transposed", "overflow", "_shape", "_block_shape", "_nnz")

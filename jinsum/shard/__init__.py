@@ -1,6 +1,6 @@
 """Sparse products over several devices with JAX's own machinery: a square `GroupCOO` (or `BlockGroupCOO`) split by
-rows over a mesh axis (`partition`), node features laid out on the same split, and products that run the ordinary statements on
-each device's part inside `jax.shard_map`, exchanging only the rows of the dense operand a part reads.
+rows over a mesh axis (`partition`), node features laid out on the same split, and products that run the ordinary
+statements on each device's part inside `jax.shard_map`, exchanging only the rows of the dense operand a part reads.
 
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
     P = jinsum.shard.partition(A, mesh)                  # on the host, once
