@@ -286,11 +286,9 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
         fewer rows, own and received.
       exchange: `"halo"`, `"all_gather"`, or `"auto"`: the one that moves fewer rows per product.
       chunks: cut each shift's rows of the halo exchange into this many pieces (module docstring): less memory
-        for the rows in flight (R-MAT 22 on 2 H200s, an SpMM F = 128: 3 chunks 0.58x of one GPU's memory per
-        device, 1 chunk 0.65x), less overlap of the exchange with the products (1.40x of one GPU's speed instead
-        of 1.57x; on 4, where each shift is a piece already, R-MAT 23: 1.59x instead of 2.40x). A training step
-        saves nothing (a GCN step: 15.06 GiB per device against 11.56). Needs the halo exchange (`"auto"` then
-        picks it).
+        for the rows in flight, for less overlap of the exchange with the products (the most on more than two
+        devices, where each shift is a piece already; measured in DESIGN.md, "Several devices"). Needs the halo
+        exchange (`"auto"` then picks it).
 
     Returns:
       A `Partitioned`, its arrays placed row-sharded on the mesh (`A.sharding`).
@@ -596,7 +594,7 @@ def _stack(parts: list, sizes: _Sizes, shape: tuple[int, int], A: GroupCOO | Blo
     block = isinstance(A, BlockGroupCOO)
     groups, entries, column_groups = (max(1, n) for n in (sizes.groups, sizes.entries, sizes.column_groups))
     Ais, Aks, Avs, indices = zip(*_on_threads(functools.partial(_part_arrays, shape, sizes, block), parts))
-    # (every array's copies at once: a matrix's are ~1 s of memory traffic at R-MAT 22)
+    # (every array's copies at once, each on threads over the parts: a matrix's copies are long passes over memory)
     *index, Ai, Ak, Av = _on_threads(_padded_stack, [
         ([t.perm for t in indices], entries, 0, None),
         ([t.starts for t in indices], cols + 1, 0, None),
@@ -701,8 +699,8 @@ def _on_threads(fn, *iterables) -> list:
 
 def _slices(members: list, size: int = 1 << 22) -> list[tuple[int, int, int]]:
     """`(d, lo, hi)`: slices of about `size` of each part's entries (`members[d]`), the units of work shared out on
-    threads: a part is a few large passes of gathers (~2 s at R-MAT 22) that would otherwise keep one core of many
-    busy while the rest wait."""
+    threads: a part is a few large passes of gathers that would otherwise keep one core of many busy while the rest
+    wait."""
     jobs = []
     for d, entries in enumerate(members):
         n = entries.size

@@ -3,9 +3,9 @@ every piece into one array.
 
 Each piece sends some of the device's rows, `x[send[start:start + count]]`. Gathered with a `jnp.take` per piece,
 reverse mode gives each piece its own array of the device's rows, filled with zeros, to scatter its cotangents into,
-and XLA adds those arrays after (it folds at most one of them into the sum). In a GCN step on 4 H200s (R-MAT 23,
-256 features, three pieces) that was three 2 GiB arrays written, scattered into and read again beside the last
-transfer; with one array the step went from 39.9 to 37.7 ms and from 15.8 to 12.3 GiB per device.
+and XLA adds those arrays after (it folds at most one of them into the sum). Each of them, the size of the device's
+features, is written, scattered into and read again beside the last transfer: a training step pays for them in time
+and memory (DESIGN.md, "Several devices", has the numbers).
 
 Here each piece's gather also passes `x` on, and the next piece gathers from what it passed: `rows, x = send_rows(x,
 ...)`, piece after piece. Transposed, the cotangent of the `x` passed on (every later piece's, added up) is the
