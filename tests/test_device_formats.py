@@ -12,6 +12,7 @@ from jax.experimental import checkify
 from jax.test_util import check_grads
 
 import jinsum
+import jinsum.graphs
 import jinsum.nn
 from jinsum.formats._build import capacity_group_size, group_bound
 from jinsum.testing import CountingJit
@@ -274,7 +275,7 @@ def test_block_mask_rejects_bad_arguments():
 
 @pytest.mark.parametrize("self_loops", [False, True], ids=["as given", "remaining self loops"])
 def test_nn_adjacency_with_a_capacity_equals_the_host_one(self_loops, rng):
-    """`jinsum.nn.adjacency(..., capacity=C)` inside jit: the host's matrix (self loops added where absent or of
+    """`jinsum.graphs.adjacency(..., capacity=C)` inside jit: the host's matrix (self loops added where absent or of
     weight 0, other zero-weight edges dropped, as PyG's add_remaining_self_loops), and a layer's output and
     gradient over it."""
     from flax import nnx  # noqa: PLC0415
@@ -285,9 +286,9 @@ def test_nn_adjacency_with_a_capacity_equals_the_host_one(self_loops, rng):
     weights = rng.uniform(0.5, 1.5, 70)
     weights[:3] = [2.0, 0.0, 1.0]
     weights[10] = 0.0  # a zero-weight edge: dropped
-    host = jinsum.nn.adjacency(edges, n, values=weights, self_loops=self_loops)
+    host = jinsum.graphs.adjacency(edges, n, values=weights, self_loops=self_loops)
     padded, padded_weights = _pad(edges, weights, 9, rng)
-    device = jax.jit(lambda e, w: jinsum.nn.adjacency(e, n, values=w, self_loops=self_loops, capacity=70))(
+    device = jax.jit(lambda e, w: jinsum.graphs.adjacency(e, n, values=w, self_loops=self_loops, capacity=70))(
         padded, padded_weights)
     assert not device.overflow
     np.testing.assert_allclose(np.asarray(device.todense()), np.asarray(host.todense()), rtol=1e-12)

@@ -1,7 +1,8 @@
-"""`jinsum.nn.EmbeddingBag`, `bags` and `embedding_bag`: every mode and reading (offsets, `include_last_offset`,
-padded rows) against torch's `nn.EmbeddingBag` and a NumPy reference in float64, forward and gradients (table and
-per-sample weights), with empty bags, duplicates and padding; the sparse path (the touched rows) against the dense
-gradient and torch's sparse Adagrad; one compile for many batches; `GroupCOO.from_csr`; and the errors."""
+"""`jinsum.nn.EmbeddingBag`, `jinsum.graphs.bags` and `embedding_bag`: every mode and reading (offsets,
+`include_last_offset`, padded rows) against torch's `nn.EmbeddingBag` and a NumPy reference in float64, forward and
+gradients (table and per-sample weights), with empty bags, duplicates and padding; the sparse path (the touched rows)
+against the dense gradient and torch's sparse Adagrad; one compile for many batches; `GroupCOO.from_csr`; and the
+errors."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from jax.experimental import checkify
 
 import jinsum
+import jinsum.graphs as jg
 import jinsum.nn as jnn
 from jinsum.testing import CountingJit
 
@@ -105,7 +107,7 @@ def _jinsum(table, indices, offsets, mode, cotangent, *, weights=None, unique=Fa
     @jax.jit
     def run(table, indices, offsets, weights):
         def make(weights):
-            return jnn.bags(indices, offsets, weights, num_embeddings=table.shape[0], unique=unique, **options)
+            return jg.bags(indices, offsets, weights, num_embeddings=table.shape[0], unique=unique, **options)
 
         b = make(weights)
         out, vjp = jax.vjp(lambda rows, weights: jnn.embedding_bag(rows, make(weights), mode),
@@ -158,13 +160,13 @@ def test_negative_ids_are_padding(rng):
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
 def _reduce(table, indices, offsets, mode, include_last_offset):
-    return jnn.embedding_bag(table, jnn.bags(indices, offsets, num_embeddings=V,
+    return jnn.embedding_bag(table, jg.bags(indices, offsets, num_embeddings=V,
                                              include_last_offset=include_last_offset), mode)
 
 
 @functools.partial(jax.jit, static_argnums=4)
 def _fixed_capacity_step(table, indices, offsets, cotangent, mode):
-    b = jnn.bags(indices, offsets, num_embeddings=V)
+    b = jg.bags(indices, offsets, num_embeddings=V)
     out, vjp = jax.vjp(lambda t: jnn.embedding_bag(t, b, mode), table)
     return out, vjp(cotangent)[0]
 
@@ -192,14 +194,14 @@ def test_property_fixed_capacity_batches(data):
 def test_unique_rows_and_their_gradient_are_the_dense_gradients_rows(rng):
     indices = np.array([[4, 9, 4, -1], [11, 0, 9, 2], [-1, -1, -1, -1]])
     table = rng.standard_normal((V, F))
-    b = jnn.bags(indices, num_embeddings=V, unique=True)
+    b = jg.bags(indices, num_embeddings=V, unique=True)
     np.testing.assert_array_equal(np.asarray(b.rows), [0, 2, 4, 9, 11, V] + [V] * 6)  # sorted, then padding
     np.testing.assert_array_equal(np.asarray(b.take(table))[:5], table[[0, 2, 4, 9, 11]])
     assert not np.asarray(b.take(table))[5:].any()
     cotangent = rng.standard_normal((3, F))
     for mode in MODES:
         grad_rows = jax.grad(lambda rows: jnp.sum(jnn.embedding_bag(rows, b, mode) * cotangent))(b.take(table))
-        dense = jax.grad(lambda t: jnp.sum(jnn.embedding_bag(t, jnn.bags(indices, num_embeddings=V), mode)
+        dense = jax.grad(lambda t: jnp.sum(jnn.embedding_bag(t, jg.bags(indices, num_embeddings=V), mode)
                                            * cotangent))(jnp.asarray(table))
         np.testing.assert_allclose(np.asarray(grad_rows)[:5], np.asarray(dense)[[0, 2, 4, 9, 11]], atol=1e-12)
         assert not np.asarray(grad_rows)[5:].any()
@@ -235,7 +237,7 @@ def test_sparse_adagrad_matches_torch_sparse_embedding_bag(rng):
 
 @jax.jit
 def _adagrad_step(table, accumulator, indices, cotangent):
-    b = jnn.bags(indices, num_embeddings=V, unique=True)
+    b = jg.bags(indices, num_embeddings=V, unique=True)
     grad = jax.grad(lambda rows: jnp.sum(jnn.embedding_bag(rows, b, "sum") * cotangent))(b.take(table))
     return jnn.sparse_adagrad(table, accumulator, b, grad, 0.1)
 
@@ -283,7 +285,7 @@ def test_one_compile_for_many_batches(reading, unique, rng):
 
     @CountingJit
     def step(table, indices, offsets, weights):
-        b = jnn.bags(indices, offsets, weights, num_embeddings=V, unique=unique)
+        b = jg.bags(indices, offsets, weights, num_embeddings=V, unique=unique)
         rows = b.take(table) if unique else table
         return jax.value_and_grad(lambda rows: jnp.sum(jnn.embedding_bag(rows, b, "sum") ** 2))(rows)
 
@@ -353,28 +355,28 @@ def test_errors(rng):
     table = rng.standard_normal((V, F))
     flat = np.array([1, 2, 3])
     with pytest.raises(ValueError, match=r"offsets must be an integer array \(B,\).*got float64\[2\]"):
-        jnn.bags(flat, np.array([0.0, 1.0]), num_embeddings=V)
+        jg.bags(flat, np.array([0.0, 1.0]), num_embeddings=V)
     with pytest.raises(ValueError, match=r"offsets must be an integer array \(B,\).*got int64\[1, 2\]"):
-        jnn.bags(flat, np.array([[0, 1]]), num_embeddings=V)
+        jg.bags(flat, np.array([[0, 1]]), num_embeddings=V)
     with pytest.raises(ValueError, match=r"\(B \+ 1,\) with include_last_offset"):
-        jnn.bags(flat, np.array([0]), num_embeddings=V, include_last_offset=True)
+        jg.bags(flat, np.array([0]), num_embeddings=V, include_last_offset=True)
     with pytest.raises(ValueError, match="flat indices .* need offsets"):
-        jnn.bags(flat, num_embeddings=V)
+        jg.bags(flat, num_embeddings=V)
     with pytest.raises(ValueError, match="offsets must be None"):
-        jnn.bags(flat.reshape(1, 3), np.array([0]), num_embeddings=V)
+        jg.bags(flat.reshape(1, 3), np.array([0]), num_embeddings=V)
     for offsets in ([1, 2], [0, 2, 1], [0, 4]):
         with pytest.raises(ValueError, match=r"offsets must start at 0 and not decrease, up to len\(indices\) = 3"):
-            jnn.bags(flat, np.array(offsets), num_embeddings=V)
+            jg.bags(flat, np.array(offsets), num_embeddings=V)
     with pytest.raises(ValueError, match=r"indices\[1, 0\] = 13 is out of range for a table of num_embeddings = 13"):
-        jnn.bags(np.array([[0, 1], [13, 2]]), num_embeddings=V)
+        jg.bags(np.array([[0, 1], [13, 2]]), num_embeddings=V)
     with pytest.raises(ValueError, match="indices must be an integer array"):
-        jnn.bags(flat.astype(np.float32), np.array([0]), num_embeddings=V)
+        jg.bags(flat.astype(np.float32), np.array([0]), num_embeddings=V)
     with pytest.raises(ValueError, match=r"per_sample_weights must be floating with the shape of indices \(3,\), "
                                          r"got float64\[2\]"):
-        jnn.bags(flat, np.array([0]), np.ones(2), num_embeddings=V)
+        jg.bags(flat, np.array([0]), np.ones(2), num_embeddings=V)
     with pytest.raises(ValueError, match=r"padding_idx must be in \[-num_embeddings, num_embeddings\)"):
-        jnn.bags(flat, np.array([0]), num_embeddings=V, padding_idx=V)
-    weighted = jnn.bags(flat, np.array([0]), np.ones(3), num_embeddings=V)
+        jg.bags(flat, np.array([0]), num_embeddings=V, padding_idx=V)
+    weighted = jg.bags(flat, np.array([0]), np.ones(3), num_embeddings=V)
     for mode in ("mean", "max"):
         with pytest.raises(NotImplementedError, match=f"only supported for mode='sum' \\(got mode='{mode}'\\)"):
             jnn.embedding_bag(table, weighted, mode)
@@ -382,11 +384,11 @@ def test_errors(rng):
             jnn.EmbeddingBag(V, F, mode=mode, rngs=nnx.Rngs(0))(flat, np.array([0]), np.ones(3))
     with pytest.raises(ValueError, match="mode must be one of"):
         jnn.embedding_bag(table, weighted, "min")
-    plain = jnn.bags(flat, np.array([0]), num_embeddings=V)
+    plain = jg.bags(flat, np.array([0]), num_embeddings=V)
     with pytest.raises(ValueError, match=r"expected a table \(rows, F\) of num_embeddings = 13 rows, got shape "
                                          r"\(12, 4\)"):
         jnn.embedding_bag(table[:12], plain, "sum")
-    compact = jnn.bags(flat, np.array([0]), num_embeddings=V, unique=True)
+    compact = jg.bags(flat, np.array([0]), num_embeddings=V, unique=True)
     with pytest.raises(ValueError, match=r"U = 3 rows that bags built with unique=True read \(pass bags.take"):
         jnn.embedding_bag(table, compact, "sum")
     with pytest.raises(ValueError, match="build them with jinsum.nn.bags\\(..., unique=True\\)"):
@@ -399,7 +401,7 @@ def test_errors(rng):
 
 def test_ids_past_the_table_are_checkify_errors_under_jit():
     def run(indices):
-        return jnn.embedding_bag(jnp.ones((V, F)), jnn.bags(indices, num_embeddings=V), "sum")
+        return jnn.embedding_bag(jnp.ones((V, F)), jg.bags(indices, num_embeddings=V), "sum")
 
     with jinsum.check_indices(True):
         error, _ = checkify.checkify(jax.jit(run))(np.array([[0, V]]))

@@ -1,4 +1,4 @@
-"""Padded mini-batches of small graphs (`jinsum.nn.GraphLoader`, `GraphBatch`) and the pools over them: each graph
+"""Padded mini-batches of small graphs (`jinsum.graphs.GraphLoader`, `GraphBatch`) and the pools over them: each graph
 in a batch gives what it gives alone (float64, dense NumPy-style references), one compile for every batch."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jinsum.graphs as jg
 import jinsum.nn as jnn
 from jinsum.testing import CountingJit
 
@@ -33,7 +34,7 @@ class _Model(nnx.Module):
         self.gate = nnx.Linear(4, 1, param_dtype=jnp.float64, rngs=rngs)
         self.attention = jnn.AttentionalAggregation(self.gate)
 
-    def __call__(self, batch: jnn.GraphBatch):
+    def __call__(self, batch: jg.GraphBatch):
         h = self.gin(batch.x, batch.adjacency())  # (GINConv's SpMM casts the adjacency to the features' dtype)
         graph, count = batch.node_graph(), batch.budget.graphs
         return jnp.concatenate([jnn.global_add_pool(h, graph, count), jnn.global_mean_pool(h, graph, count),
@@ -61,8 +62,8 @@ def test_each_graph_in_a_batch_gives_what_it_gives_alone(rng, sizes):
     """Empty and one-node graphs, hubs of duplicate edges, padding graphs; `[6, 6]` fills the budget exactly."""
     with jax.enable_x64(True):
         graphs = _graphs(rng, sizes)
-        budget = jnn.GraphBudget(nodes=12, edges=24, graphs=3)
-        loader = jnn.GraphLoader(graphs, batch_size=3, budget=budget)
+        budget = jg.GraphBudget(nodes=12, edges=24, graphs=3)
+        loader = jg.GraphLoader(graphs, batch_size=3, budget=budget)
         model = _Model(nnx.Rngs(0))
         graphdef, state = nnx.split(model)
         step = CountingJit(lambda state, batch: nnx.merge(graphdef, state)(batch))
@@ -90,20 +91,20 @@ def test_each_graph_in_a_batch_gives_what_it_gives_alone(rng, sizes):
 
 def test_loader_closes_batches_early_shuffles_and_drops(rng):
     graphs = _graphs(rng, [4, 4, 4, 1, 1, 1, 1, 1, 5])
-    loader = jnn.GraphLoader(graphs, batch_size=4, budget=jnn.GraphBudget(nodes=9, edges=40, graphs=4))
+    loader = jg.GraphLoader(graphs, batch_size=4, budget=jg.GraphBudget(nodes=9, edges=40, graphs=4))
     # 4 + 4 (a third 4 would pass 9 nodes), then 4 + 1 + 1 + 1 (four graphs), then 1 + 1 + 5
     assert [int(b.graph_mask.sum()) for b in _batches(loader)] == [2, 4, 3] and len(loader) == 3
-    shuffled = jnn.GraphLoader(graphs, batch_size=4, budget=loader.budget, shuffle=True, seed=1)
+    shuffled = jg.GraphLoader(graphs, batch_size=4, budget=loader.budget, shuffle=True, seed=1)
     ys = [np.sort(np.concatenate([b.y[b.graph_mask] for b in _batches(shuffled)])) for _ in range(2)]
     for y in ys:
         np.testing.assert_array_equal(y, np.sort([g["y"] for g in graphs]))  # every graph once per epoch
-    dropped = jnn.GraphLoader(graphs, batch_size=4, budget=loader.budget, drop_last=True)
+    dropped = jg.GraphLoader(graphs, batch_size=4, budget=loader.budget, drop_last=True)
     assert [int(b.graph_mask.sum()) for b in _batches(dropped)] == [4] and len(dropped) == 1
 
 
 def test_batch_layout(rng):
     graphs = _graphs(rng, [2, 0, 3])
-    (batch,) = _batches(jnn.GraphLoader(graphs, batch_size=3, budget=jnn.GraphBudget(8, 12, 4)))
+    (batch,) = _batches(jg.GraphLoader(graphs, batch_size=3, budget=jg.GraphBudget(8, 12, 4)))
     np.testing.assert_array_equal(batch.node_graph(), [0, 0, 2, 2, 2, 4, 4, 4])
     np.testing.assert_array_equal(batch.node_mask(), [1, 1, 1, 1, 1, 0, 0, 0])
     edges = np.asarray(batch.edges())
@@ -119,11 +120,11 @@ def test_batch_layout(rng):
 
 def test_budget_from_the_dataset(rng):
     graphs = _graphs(rng, rng.integers(10, 51, 500))
-    budget = jnn.GraphBudget.for_dataset(graphs, 128)
+    budget = jg.GraphBudget.for_dataset(graphs, 128)
     nodes = np.array([g["x"].shape[0] for g in graphs])
     assert budget.graphs == 128 and budget.nodes % 64 == 0 and budget.edges % 64 == 0
     assert 128 * nodes.mean() < budget.nodes < 128 * nodes.mean() + 4 * np.sqrt(128) * nodes.std() + 64
-    batches = _batches(jnn.GraphLoader(graphs, 128, shuffle=True))
+    batches = _batches(jg.GraphLoader(graphs, 128, shuffle=True))
     assert sum(int(b.graph_mask.sum()) for b in batches) == 500
     assert all(b.x.shape == batches[0].x.shape for b in batches)
 
@@ -131,15 +132,15 @@ def test_budget_from_the_dataset(rng):
 def test_a_graph_over_budget_is_an_error(rng):
     graphs = _graphs(rng, [2, 9, 3])
     with pytest.raises(ValueError, match=r"graph 1 has 9 nodes, more than the budget of 8 nodes"):
-        jnn.GraphLoader(graphs, 2, budget=jnn.GraphBudget(nodes=8, edges=100, graphs=2))
+        jg.GraphLoader(graphs, 2, budget=jg.GraphBudget(nodes=8, edges=100, graphs=2))
     with pytest.raises(ValueError, match=r"graph 1 has 18 edges, more than the budget of 10 edges"):
-        jnn.GraphLoader(graphs, 2, budget=jnn.GraphBudget(nodes=100, edges=10, graphs=2))
+        jg.GraphLoader(graphs, 2, budget=jg.GraphBudget(nodes=100, edges=10, graphs=2))
     with pytest.raises(ValueError, match=r"holds 2 graphs, fewer than batch_size = 3"):
-        jnn.GraphLoader(graphs, 3, budget=jnn.GraphBudget(nodes=100, edges=100, graphs=2))
+        jg.GraphLoader(graphs, 3, budget=jg.GraphBudget(nodes=100, edges=100, graphs=2))
     with pytest.raises(ValueError, match=r"graph 1's edge_index .* over its own 2 nodes"):
-        jnn.GraphLoader([graphs[0], dict(x=np.ones((2, F)), edge_index=np.array([[0], [2]]))], 2)
+        jg.GraphLoader([graphs[0], dict(x=np.ones((2, F)), edge_index=np.array([[0], [2]]))], 2)
     with pytest.raises(ValueError, match="some graphs have y and some do not"):
-        jnn.GraphLoader([graphs[0], dict(x=np.ones((2, F)), edge_index=np.zeros((2, 0), int))], 2)
+        jg.GraphLoader([graphs[0], dict(x=np.ones((2, F)), edge_index=np.zeros((2, 0), int))], 2)
 
 
 def test_pools_check_the_batch_vector():
@@ -171,7 +172,7 @@ def test_pyg_data_objects_are_graphs(rng):
     data = pytest.importorskip("torch_geometric.data")
     graphs = [data.Data(x=torch.tensor(g["x"]), edge_index=torch.tensor(g["edge_index"]), y=torch.tensor([g["y"]]))
               for g in _graphs(rng, [3, 4])]
-    (batch,) = _batches(jnn.GraphLoader(graphs, 2, budget=jnn.GraphBudget(8, 16, 2)))
+    (batch,) = _batches(jg.GraphLoader(graphs, 2, budget=jg.GraphBudget(8, 16, 2)))
     np.testing.assert_array_equal(batch.y, [[3], [4]])
     np.testing.assert_array_equal(batch.x[:7], np.concatenate([g.x.numpy() for g in graphs]).astype(batch.x.dtype))
 
@@ -194,7 +195,7 @@ def test_adjacency_and_edge_features_follow_each_edge(rng):
     graphs = _graphs(rng, [4, 0, 3])
     for g in graphs:
         g["edge_attr"] = rng.standard_normal((g["edge_index"].shape[1], 2))
-    (batch,) = _batches(jnn.GraphLoader(graphs, 3, budget=jnn.GraphBudget(10, 30, 3)))
+    (batch,) = _batches(jg.GraphLoader(graphs, 3, budget=jg.GraphBudget(10, 30, 3)))
     expected, offset = np.zeros((10, 10)), 0
     for g in graphs:
         np.add.at(expected, (g["edge_index"][1] + offset, g["edge_index"][0] + offset), g["edge_attr"][:, 0])

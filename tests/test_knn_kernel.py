@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jinsum.nn as jnn
+import jinsum.graphs as jg
 from jinsum._lowering import _knn, _launch
 from jinsum._lowering._knn import KnnConfig
 
@@ -46,8 +46,8 @@ def _points(rng, n, dim, duplicates=True):
 
 
 def _xla(pos, k, batch, loop):
-    """The tiled XLA path (this is a CPU: `jnn.knn` takes it)."""
-    return np.asarray(jax.jit(lambda p, b: jnn.knn(p, k, b, loop, block_size=8))(pos, batch))
+    """The tiled XLA path (this is a CPU: `jg.knn` takes it)."""
+    return np.asarray(jax.jit(lambda p, b: jg.knn(p, k, b, loop, block_size=8))(pos, batch))
 
 
 def _by_differences(dim, config) -> bool:
@@ -59,7 +59,7 @@ def _by_differences(dim, config) -> bool:
 def test_kernel_equals_brute_force_and_xla(rng, case):
     """By differences, exactly the brute force's neighbours (coincident points in index order) on any CPU; by
     `tl.dot` (in the interpreter NumPy's matrix product, whose rounding depends on the BLAS build and the CPU), the
-    promise of `jinsum.nn.knn`: exact where rounding cannot reorder, as near elsewhere (the XLA path alike)."""
+    promise of `jinsum.graphs.knn`: exact where rounding cannot reorder, as near elsewhere (the XLA path alike)."""
     dim, config, loop = CASES[case]
     batch = _cloud_batch()
     pos = _points(rng, batch.size, dim)
@@ -113,19 +113,19 @@ def test_column_ranges_cover_each_block_s_elements():
 
 @interpreter
 def test_knn_through_the_kernel_path_jit_vmap_and_grad(rng):
-    """`jnn.knn` with the kernel path on CPU (`interpreted`): under jit, over a batch vector and vmapped over clouds
+    """`jg.knn` with the kernel path on CPU (`interpreted`): under jit, over a batch vector and vmapped over clouds
     (the vmap rule lays the clouds end to end), and inside a differentiated step."""
     k = 3
     clouds = rng.standard_normal((3, 13, 3)).astype(np.float32)
     cloud_batch = np.where(np.arange(13) < 10, 0, 1).astype(np.int32)
     cloud_batch[4] = -1
     with _launch.interpreted():
-        vmapped = np.asarray(jax.jit(jax.vmap(lambda p: jnn.knn(p, k)))(clouds))
-        both = np.asarray(jax.jit(jax.vmap(lambda p, b: jnn.knn(p, k, b)))(clouds, np.stack([cloud_batch] * 3)))
-        lowered = jax.jit(lambda p: jnn.knn(p, k)).lower(clouds[0]).as_text()
+        vmapped = np.asarray(jax.jit(jax.vmap(lambda p: jg.knn(p, k)))(clouds))
+        both = np.asarray(jax.jit(jax.vmap(lambda p, b: jg.knn(p, k, b)))(clouds, np.stack([cloud_batch] * 3)))
+        lowered = jax.jit(lambda p: jg.knn(p, k)).lower(clouds[0]).as_text()
 
         def loss(p):
-            neighbours = jnn.knn(p, k)
+            neighbours = jg.knn(p, k)
             return jnp.sum((p[:, None, :] - p[neighbours]) ** 2)
 
         grad = jax.jit(jax.grad(loss))(clouds[0])
@@ -159,14 +159,14 @@ def test_gpu_kernel_equals_xla_on_a_grid(rng, dim, loop, monkeypatch):
     k = 20
 
     def knn(p, b):
-        return jnn.knn(p, k, b, loop)
+        return jg.knn(p, k, b, loop)
 
     assert "triton_kernel_call" in jax.jit(knn).lower(pos, batch).as_text()
     np.testing.assert_array_equal(*_both_paths(knn, pos, batch, monkeypatch=monkeypatch))
     shuffled = rng.permutation(batch.size)
     np.testing.assert_array_equal(*_both_paths(knn, pos[shuffled], batch[shuffled], monkeypatch=monkeypatch))
     clouds = rng.integers(-4, 5, (4, 1000, dim)).astype(np.float32)
-    np.testing.assert_array_equal(*_both_paths(jax.vmap(lambda p: jnn.knn(p, k, None, loop)), clouds,
+    np.testing.assert_array_equal(*_both_paths(jax.vmap(lambda p: jg.knn(p, k, None, loop)), clouds,
                                                monkeypatch=monkeypatch))
 
 
@@ -177,7 +177,7 @@ def test_gpu_kernel_half_precision_and_wide_k(rng, dtype, monkeypatch):
     running top-k of 128 slots)."""
     batch = np.repeat(np.arange(5), [300, 90, 1, 700, 257]).astype(np.int32)
     pos = rng.integers(-3, 4, (batch.size, 8)).astype(dtype)
-    np.testing.assert_array_equal(*_both_paths(lambda p, b: jnn.knn(p, 100, b), pos, batch, monkeypatch=monkeypatch))
+    np.testing.assert_array_equal(*_both_paths(lambda p, b: jg.knn(p, 100, b), pos, batch, monkeypatch=monkeypatch))
 
 
 @on_gpu
@@ -188,7 +188,7 @@ def test_gpu_kernel_matches_xla_on_random_points(rng, dim, monkeypatch):
     pos = rng.standard_normal((16 * 1024 + 20_000, dim)).astype(np.float32)
     batch = np.concatenate([np.repeat(np.arange(16), 1024), np.full(20_000, 16)]).astype(np.int32)
     k = 20
-    found, expected = _both_paths(lambda p, b: jnn.knn(p, k, b), pos, batch, monkeypatch=monkeypatch)
+    found, expected = _both_paths(lambda p, b: jg.knn(p, k, b), pos, batch, monkeypatch=monkeypatch)
     assert (found >= 0).all()
     assert (found == expected).mean() > 0.99
     distance = ((pos[:, None, :].astype(np.float64) - pos[found]) ** 2).sum(-1)
@@ -212,7 +212,7 @@ def test_gpu_coincident_points_keep_the_promise(rng, dim):
     k = 16
 
     def knn(p, b):
-        return jnn.knn(p, k, b)
+        return jg.knn(p, k, b)
 
     assert "triton_kernel_call" in jax.jit(knn).lower(pos, batch).as_text()
     found = np.asarray(jax.jit(knn)(pos, batch))

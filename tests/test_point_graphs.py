@@ -1,4 +1,4 @@
-"""Graphs computed from data (`jinsum.nn.knn`, `knn_graph`, `radius`, `radius_graph`) against brute-force float64
+"""Graphs computed from data (`jinsum.graphs.knn`, `knn_graph`, `radius`, `radius_graph`) against brute-force float64
 NumPy, inside `jit`; `DynamicEdgeConv` against PyG's."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import jinsum
+import jinsum.graphs as jg
 import jinsum.nn as jnn
 from jinsum.testing import CountingJit
 
@@ -69,7 +70,7 @@ def test_knn_equals_brute_force(rng, block_size, loop):
     pos = rng.standard_normal((batch.size, 3))
     k = 4
     expected = _brute_force(pos, k, batch, loop)
-    found = jax.jit(lambda p, b: jnn.knn(p, k, b, loop, block_size=block_size))(pos, batch)
+    found = jax.jit(lambda p, b: jg.knn(p, k, b, loop, block_size=block_size))(pos, batch)
     np.testing.assert_array_equal(found, expected)
     assert (found[batch == 1][:, 2 - (not loop):] == -1).all() and (found[batch == -1] == -1).all()
 
@@ -77,12 +78,12 @@ def test_knn_equals_brute_force(rng, block_size, loop):
 def test_knn_graph_reads_like_pyg_and_feeds_an_adjacency(rng):
     pos = rng.standard_normal((30, 8))
     k = 5
-    edge_index = np.asarray(jax.jit(lambda p: jnn.knn_graph(p, k, block_size=7))(pos))
+    edge_index = np.asarray(jax.jit(lambda p: jg.knn_graph(p, k, block_size=7))(pos))
     neighbors = _brute_force(pos, k, np.zeros(30, int), False)
     np.testing.assert_array_equal(edge_index[0], neighbors.reshape(-1))  # sources: the neighbours
     np.testing.assert_array_equal(edge_index[1], np.repeat(np.arange(30), k))  # targets: the centres
     x = rng.standard_normal((30, 2))
-    A = jax.jit(lambda e: jnn.adjacency(e, 30, capacity=30 * k))(edge_index)
+    A = jax.jit(lambda e: jg.adjacency(e, 30, capacity=30 * k))(edge_index)
     B = jinsum.GroupCOO.from_neighbors(neighbors, num_sources=30)
     expected = x[neighbors].sum(1)
     np.testing.assert_allclose(A @ x, expected, rtol=1e-5, atol=1e-6)  # (float32 edge values)
@@ -90,7 +91,7 @@ def test_knn_graph_reads_like_pyg_and_feeds_an_adjacency(rng):
 
 
 def test_new_positions_do_not_recompile(rng):
-    step = CountingJit(lambda p: jnn.knn_graph(p, 3, block_size=16))
+    step = CountingJit(lambda p: jg.knn_graph(p, 3, block_size=16))
     for _ in range(5):
         step(rng.standard_normal((40, 3)))
     assert step.traces == 1
@@ -98,12 +99,12 @@ def test_new_positions_do_not_recompile(rng):
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"pos must be a floating array \(N, D\)"):
-        jnn.knn(jnp.zeros(5), 2)
+        jg.knn(jnp.zeros(5), 2)
     with pytest.raises(ValueError, match=r"batch must be an integer array of shape \(5,\)"):
-        jnn.knn(jnp.zeros((5, 2)), 2, batch=jnp.zeros(4, jnp.int32))
+        jg.knn(jnp.zeros((5, 2)), 2, batch=jnp.zeros(4, jnp.int32))
     with pytest.raises(ValueError, match="k must be an int >= 1"):
-        jnn.knn(jnp.zeros((5, 2)), 0)
-    assert jnn.knn(jnp.zeros((0, 2)), 3).shape == (0, 3)
+        jg.knn(jnp.zeros((5, 2)), 0)
+    assert jg.knn(jnp.zeros((0, 2)), 3).shape == (0, 3)
 
 
 def _brute_force_radius(pos, r, batch, loop, width):
@@ -129,8 +130,8 @@ def test_radius_equals_brute_force(rng, block_size, loop, width):
     pos = rng.standard_normal((batch.size, 3))
     expected, count = _brute_force_radius(pos, 2.0, batch, loop, width)
     with jax.enable_x64(True):
-        found, found_count = jax.jit(lambda p, b: jnn.radius(p, 2.0, b, width, loop, block_size=block_size))(pos, batch)
-        edge_index, overflow = jax.jit(lambda p, b: jnn.radius_graph(p, 2.0, b, loop, width,
+        found, found_count = jax.jit(lambda p, b: jg.radius(p, 2.0, b, width, loop, block_size=block_size))(pos, batch)
+        edge_index, overflow = jax.jit(lambda p, b: jg.radius_graph(p, 2.0, b, loop, width,
                                                                      block_size=block_size))(pos, batch)
     np.testing.assert_array_equal(found, expected)
     np.testing.assert_array_equal(found_count, count)
@@ -142,9 +143,9 @@ def test_radius_equals_brute_force(rng, block_size, loop, width):
 
 def test_radius_graph_feeds_an_adjacency(rng):
     pos = rng.standard_normal((30, 2))
-    edge_index, overflow = jax.jit(lambda p: jnn.radius_graph(p, 0.5, max_num_neighbors=30, block_size=8))(pos)
+    edge_index, overflow = jax.jit(lambda p: jg.radius_graph(p, 0.5, max_num_neighbors=30, block_size=8))(pos)
     neighbors, _ = _brute_force_radius(pos, 0.5, np.zeros(30, int), False, 30)
-    A = jax.jit(lambda e: jnn.adjacency(e, 30, capacity=30 * 30))(edge_index)
+    A = jax.jit(lambda e: jg.adjacency(e, 30, capacity=30 * 30))(edge_index)
     dense = np.zeros((30, 30))
     for i, row in enumerate(neighbors):
         dense[i, row[row >= 0]] = 1
@@ -153,7 +154,7 @@ def test_radius_graph_feeds_an_adjacency(rng):
 
 
 def test_radius_new_positions_and_radii_do_not_recompile(rng):
-    step = CountingJit(lambda p, r: jnn.radius_graph(p, r, max_num_neighbors=6, block_size=16))
+    step = CountingJit(lambda p, r: jg.radius_graph(p, r, max_num_neighbors=6, block_size=16))
     for r in (0.5, 1.0, 2.0):
         step(rng.standard_normal((40, 3)), r)
     assert step.traces == 1
@@ -161,17 +162,17 @@ def test_radius_new_positions_and_radii_do_not_recompile(rng):
 
 def test_radius_bad_arguments_and_empty_input():
     with pytest.raises(ValueError, match=r"r must be a radius >= 0, got -1.0"):
-        jnn.radius(jnp.zeros((5, 2)), -1.0)
+        jg.radius(jnp.zeros((5, 2)), -1.0)
     with pytest.raises(ValueError, match=r"r must be a scalar radius, got shape \(2,\)"):
-        jnn.radius(jnp.zeros((5, 2)), jnp.ones(2))
+        jg.radius(jnp.zeros((5, 2)), jnp.ones(2))
     with pytest.raises(ValueError, match="max_num_neighbors must be an int >= 1"):
-        jnn.radius_graph(jnp.zeros((5, 2)), 1.0, max_num_neighbors=0)
+        jg.radius_graph(jnp.zeros((5, 2)), 1.0, max_num_neighbors=0)
     with pytest.raises(ValueError, match=r"pos must be a floating array \(N, D\)"):
-        jnn.radius(jnp.zeros((5, 2), jnp.int32), 1.0)
+        jg.radius(jnp.zeros((5, 2), jnp.int32), 1.0)
     with pytest.raises(ValueError, match=r"batch must be an integer array of shape \(5,\)"):
-        jnn.radius(jnp.zeros((5, 2)), 1.0, batch=jnp.zeros(5))
-    neighbors, count = jnn.radius(jnp.zeros((0, 2)), 1.0, max_num_neighbors=3)
-    edge_index, overflow = jnn.radius_graph(jnp.zeros((0, 2)), 1.0, max_num_neighbors=3)
+        jg.radius(jnp.zeros((5, 2)), 1.0, batch=jnp.zeros(5))
+    neighbors, count = jg.radius(jnp.zeros((0, 2)), 1.0, max_num_neighbors=3)
+    edge_index, overflow = jg.radius_graph(jnp.zeros((0, 2)), 1.0, max_num_neighbors=3)
     assert neighbors.shape == (0, 3) and count.shape == (0,) and edge_index.shape == (2, 0) and not overflow
 
 
@@ -255,7 +256,7 @@ def test_knn_kernel_path_equals_brute_force_and_the_tiled_path(rng, loop):
     k = 4
 
     def knn(p, b):
-        return jnn.knn(p, k, b, loop, block_size=5)
+        return jg.knn(p, k, b, loop, block_size=5)
 
     with _launch.interpreted():
         found, half = jax.jit(knn)(pos, batch), jax.jit(knn)(pos.astype(jnp.bfloat16), batch)
