@@ -8,7 +8,7 @@ best validation accuracy (the paper reports 83.0% on Cora).
 
 The same run trains the same model twice from the same initial parameters:
 
-- jinsum: `jinsum.nn.GATConv` on `jinsum.nn.adjacency`: scores, edge softmax, attention dropout and aggregation
+- jinsum: `jinsum.nn.GATConv` on `jinsum.graphs.adjacency`: scores, edge softmax, attention dropout and aggregation
   are one fused `jinsum.attention` chain (one generated kernel on a GPU, the unfused statements elsewhere);
 - segment ops: the same layer on edge arrays (self loops added, sorted by destination): scores and messages
   by gathers, the softmax by `jax.ops.segment_max` / `segment_sum`, the aggregation by `jax.ops.segment_sum`.
@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jinsum.graphs
 import jinsum.nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' shared helpers
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{task.x.shape[1]} features, {task.num_classes} classes")
     print(f"device: {_common.device_name()}")
     systems = {
-        "jinsum GATConv": (jinsum.nn.GATConv, jinsum.nn.adjacency(edge_index, num_nodes)),
+        "jinsum GATConv": (jinsum.nn.GATConv, jinsum.graphs.adjacency(edge_index, num_nodes)),
         "gathers + jax.ops.segment_*": (SegmentGATConv, edges_with_self_loops(edge_index, num_nodes)),
     }
     fits = {}

@@ -7,7 +7,7 @@ the best validation accuracy (the paper reports 81.5% on Cora and 70.3% on Cites
 
 The same run trains the same model twice from the same initial parameters and dropout seed:
 
-- jinsum: `jinsum.nn.GCNConv` on the raw adjacency (`jinsum.nn.adjacency`); the layer adds the self loops and
+- jinsum: `jinsum.nn.GCNConv` on the raw adjacency (`jinsum.graphs.adjacency`); the layer adds the self loops and
   the symmetric normalisation itself, with one SpMM `C[Ai[g],n] += Av[g,p] * H[Ak[g,p],n]` per layer;
 - jax.experimental.sparse: the normalised adjacency D^-1/2 (A + I) D^-1/2 precomputed on the host as a BCOO
   matrix, multiplied by the dense `X W` (`BCOO @ dense`).
@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 from jax.experimental import sparse
 
+import jinsum.graphs
 import jinsum.nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' shared helpers
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     n = num_nodes
     edges, weights = map(jnp.asarray, _common.normalized_adjacency(edge_index, n))  # BCOO entry [dst, src]
     systems = {
-        "jinsum GCNConv": (jinsum.nn.GCNConv, jinsum.nn.adjacency(edge_index, n)),
+        "jinsum GCNConv": (jinsum.nn.GCNConv, jinsum.graphs.adjacency(edge_index, n)),
         "jax.experimental.sparse BCOO": (BCOOGCNConv, sparse.BCOO((weights, edges[::-1].T), shape=(n, n))),
     }
     fits = {}

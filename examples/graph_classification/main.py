@@ -5,7 +5,7 @@ bonds that close rings of 5-8 atoms, every bond an edge both ways, atom types on
 the number of rings (4 classes, balanced): a model that counts nodes and edges finds it, which sum pooling allows
 and mean pooling does not. Graphs are split 80% / 10% / 10% into train / validation / test.
 
-`jinsum.nn.GraphLoader` pads every batch of up to 128 graphs to the same budgets of nodes and edges (chosen from
+`jinsum.graphs.GraphLoader` pads every batch of up to 128 graphs to the same budgets of nodes and edges (chosen from
 the dataset's statistics), so the jitted step compiles once for the whole run. The host only gathers and pads
 arrays; the step builds the block-diagonal adjacency on the device (`batch.adjacency()`). Systems, the same model
 (5 GIN layers of 300, each a 2-layer MLP, then a sum over each graph's nodes and a linear classifier), the same
@@ -37,6 +37,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
+import jinsum.graphs
 import jinsum.nn
 from jinsum.datasets import molecules
 
@@ -93,7 +94,7 @@ class GIN(nnx.Module):
                                for a, b in zip(sizes[:-1], sizes[1:])])
         self.head = linear(hidden, classes)
 
-    def __call__(self, batch: jinsum.nn.GraphBatch) -> jax.Array:
+    def __call__(self, batch: jinsum.graphs.GraphBatch) -> jax.Array:
         graph, x = self.graph_of(batch), batch.x
         for conv in self.convs:
             x = nnx.relu(conv(x, graph))
@@ -260,8 +261,8 @@ def main(argv: list[str] | None = None) -> None:
 
     graphs = molecules(args.graphs, seed=args.seed)
     splits = _common.random_split(len(graphs), (0.8, 0.1), args.seed)
-    budget = jinsum.nn.GraphBudget.for_dataset([graphs[i] for i in splits[0]], args.batch)
-    loaders = [jinsum.nn.GraphLoader([graphs[i] for i in split], args.batch, budget=budget, shuffle=not k,
+    budget = jinsum.graphs.GraphBudget.for_dataset([graphs[i] for i in splits[0]], args.batch)
+    loaders = [jinsum.graphs.GraphLoader([graphs[i] for i in split], args.batch, budget=budget, shuffle=not k,
                                      seed=args.seed) for k, split in enumerate(splits)]
     features, classes = graphs[0]["x"].shape[1], 4
     print(f"{len(graphs)} GENERATED molecule-like graphs (classes: 0-3 rings), "

@@ -11,7 +11,7 @@ into train / validation / test; the largest class's share is printed as the accu
 Each model is trained twice from the same initial parameters, full batch with Adam:
 
 - jinsum: `jinsum.nn.SAGEConv` (mean aggregation, and `aggr="max"`) and `jinsum.nn.GINConv` (sum aggregation,
-  2-layer MLPs) on `jinsum.nn.adjacency`: one SpMM, or one `max=` statement, per aggregation;
+  2-layer MLPs) on `jinsum.graphs.adjacency`: one SpMM, or one `max=` statement, per aggregation;
 - segment ops: the same layers written with gathers `x[src]` and `jax.ops.segment_sum` / `jax.ops.segment_max`
   over edges sorted by destination.
 
@@ -36,6 +36,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jinsum.graphs
 import jinsum.nn
 from jinsum.datasets import load_planetoid, rmat
 
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     for graph_name, (edge_index, num_nodes) in graphs.items():
         order = np.lexsort(edge_index)  # by destination, then source: segment_sum wants destinations sorted
         edges = (jnp.asarray(edge_index[0, order]), jnp.asarray(edge_index[1, order]))
-        adjacency = jinsum.nn.adjacency(edge_index, num_nodes)
+        adjacency = jinsum.graphs.adjacency(edge_index, num_nodes)
         x = jax.random.normal(jax.random.key(args.seed), (num_nodes, args.features))
         print(f"{graph_name}: {num_nodes} nodes, {edge_index.shape[1]} edges, jinsum {adjacency}")
         for model_name, (model_cls, jinsum_conv, segment_conv) in MODELS.items():

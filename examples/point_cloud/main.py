@@ -12,7 +12,7 @@ into a linear layer of 512, a maximum over each cloud's points, and an MLP head 
 `--batch` clouds as one set of points with PyG's `batch` vector (point -> cloud). Systems, the same model and
 batches, Adam:
 
-- jinsum: `jinsum.nn.DynamicEdgeConv` (`jinsum.nn.knn`, tiled, read as a fixed-fanout `GroupCOO`, then a `max=`
+- jinsum: `jinsum.nn.DynamicEdgeConv` (`jinsum.graphs.knn`, tiled, read as a fixed-fanout `GroupCOO`, then a `max=`
   over the per-edge messages) and `jinsum.nn.global_max_pool`; the jitted step sees new points every call and
   compiles once (the last batch of a split is padded with clouds left out of the loss and the accuracy);
 - PyG, where torch_geometric is installed: its `EdgeConv` on the kNN graph of torch `cdist` + `topk` within each

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jinsum.graphs
 import jinsum.nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' shared helpers
@@ -77,7 +78,7 @@ class SegmentRGCNConv(nnx.Module):
         self.root = nnx.Linear(in_features, out_features, use_bias=False, rngs=rngs)
         self.bias = nnx.Param(jnp.zeros((out_features,)))
 
-    def __call__(self, x: jax.Array, graph: jinsum.nn.RelationalGraph) -> jax.Array:
+    def __call__(self, x: jax.Array, graph: jinsum.graphs.RelationalGraph) -> jax.Array:
         weight = self.weight[...]
         if self.comp is not None:
             weight = jnp.einsum("rb,bcf->rcf", self.comp[...], weight)
@@ -95,7 +96,7 @@ class RGCN(nnx.Module):
         self.conv1 = conv(features, hidden, num_relations=relations, num_bases=bases, rngs=rngs)
         self.conv2 = conv(hidden, classes, num_relations=relations, num_bases=bases, rngs=rngs)
 
-    def __call__(self, x: jax.Array, graph: jinsum.nn.RelationalGraph) -> jax.Array:
+    def __call__(self, x: jax.Array, graph: jinsum.graphs.RelationalGraph) -> jax.Array:
         return self.conv2(nnx.relu(self.conv1(x, graph)), graph)
 
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     fits = {}
     for name, (conv, relations, num_relations) in variants.items():
-        graph = jinsum.nn.relational_graph(*edge_index, relations, nodes, num_relations)
+        graph = jinsum.graphs.relational_graph(*edge_index, relations, nodes, num_relations)
         model = RGCN(conv, args.features, args.hidden, k, relations=num_relations, bases=args.bases or None,
                      rngs=nnx.Rngs(args.seed))
         fits[name] = _common.fit(model, optax.adam(0.01), task, graph, epochs=epochs, desc=name, smoke=args.smoke)

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jinsum
+import jinsum.graphs
 import jinsum.nn as jnn
 import jinsum.shard
 from jinsum.datasets import rmat
@@ -80,7 +81,7 @@ def planted_task(scale: int, features: int, classes: int, seed: int = 0, planted
     """The adjacency of an R-MAT graph (directed), random features, and labels planted by the graph (or random)."""
     rng = np.random.default_rng(seed)
     edges, nodes = rmat(scale, seed=seed), 1 << scale
-    A = jnn.adjacency(edges, nodes)
+    A = jinsum.graphs.adjacency(edges, nodes)
     x = rng.standard_normal((nodes, features)).astype(np.float32)
     if not planted:
         return A, x, rng.integers(0, classes, nodes).astype(np.int32)
