@@ -10,9 +10,10 @@ The pipeline, one folder a stage (the sparse formats, pytrees of index arrays, a
     primitive   `jinsum_p` and its rules: JVP, transpose, vmap, determinism      jinsum/_rules/
     lowering    XLA everywhere; on CUDA a kernel plan, launched                  jinsum/_lowering/
     kernel      plan -> generated Triton source -> compiled kernel               kernels/ (as jinsum.kernels)
-The attention chain (jinsum/_attention/) runs the same stages for softmax chains; jinsum/shard and jinsum/nn build on
-the public surface. Imports run one way, from a stage to the ones it builds on (tests/test_layout.py): kernels/ and
-_rules/ read only _lang/; _lowering/ registers itself on the primitive, so _rules/ never imports it.
+The attention chain (jinsum/_attention/) runs the same stages for softmax chains; graph data (jinsum/graphs/:
+adjacencies, loaders, kNN graphs; no Flax) is built into formats; jinsum/shard and jinsum/nn build on the public
+surface. Imports run one way, from a stage to the ones it builds on (tests/test_layout.py): kernels/ and _rules/ read
+only _lang/; _lowering/ registers itself on the primitive, so _rules/ never imports it.
 """
 
 from jinsum._attention import BlockMask as BlockMask

@@ -21,7 +21,7 @@ def molecules(count: int, *, min_nodes: int = 10, max_nodes: int = 50, max_rings
 
     Returns:
       A list of dicts `{"x": float32 (n, features), "edge_index": int32 (2, 2 (n - 1 + r)), "y": int32 r}`, the
-      graphs `jinsum.nn.GraphLoader` reads.
+      graphs `jinsum.graphs.GraphLoader` reads.
     """
     count = check_int("molecules", "count", count)
     if not 2 <= min_nodes <= max_nodes or not 0 <= max_rings or not 1 <= atom_types <= features:
