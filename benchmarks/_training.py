@@ -1,4 +1,5 @@
-"""The full-batch training step that the benchmarks time: forward, backward and an Adam update, one function."""
+"""The full-batch training step that the benchmarks time (forward, backward and an Adam update, one function), and
+the models on segment ops that jinsum's layers are compared with."""
 
 from __future__ import annotations
 
@@ -119,17 +120,3 @@ def segment_max_convs():
 
     return SegmentSAGEMaxConv, SegmentEdgeConv
 
-
-def package_versions(modules=("triton", "jax_triton", "torch", "torch_geometric")) -> dict[str, str]:
-    """jax's version, and those of `modules` where they import: for the headers of the results."""
-    import importlib  # noqa: PLC0415
-
-    import jax  # noqa: PLC0415
-
-    versions = {"jax": jax.__version__}
-    for module in modules:
-        try:
-            versions[module] = importlib.import_module(module).__version__
-        except Exception:  # noqa: BLE001 (a missing or broken peer is left out of the header)
-            pass
-    return versions

@@ -19,7 +19,13 @@ import numpy as np
 
 from jinsum.datasets import rmat
 
+from _harness import Column, markdown_table, text  # (benchmarks/, this script's folder)
+
 BYTES_PER_ROW = 2 * (256 + 40) * 4
+COLUMNS = (Column("GPUs", "devices"), Column("rows received per device", "rows", "{:,.0f}"),
+           Column("of its own rows", "of_own", "{:.2f}x"), Column("MB per device per step", "megabytes", "{:,.0f}"),
+           text("link"), Column("exchange ms", "exchange_ms", "{:.2f}"), Column("compute ms", "compute_ms", "{:.2f}"),
+           Column("exchange / compute", "exchange_over_compute", "{:.2f}"))
 
 
 def main() -> None:
@@ -31,17 +37,16 @@ def main() -> None:
     nodes = 1 << args.scale
     out_degree = np.bincount(edges[0], minlength=nodes)  # distinct destinations of each source (no duplicates)
     print(f"R-MAT {args.scale}: {nodes} nodes, {edges.shape[1]} edges; 2-layer GCN 128 -> 256 -> 40, float32\n")
-    print("| GPUs | rows received per device | of its own rows | MB per device per step | link | exchange ms "
-          "| compute ms | exchange / compute |")
-    print("|---:|---:|---:|---:|---|---:|---:|---:|")
+    rows = []
     for D in (2, 8, 64, 512):
         needed = (D - 1) / D * np.sum(1 - (1 - 1 / D) ** out_degree)
-        megabytes = needed * BYTES_PER_ROW / 1e6
         link, bandwidth = ("NVLink", 450e9) if D <= 8 else ("InfiniBand", 50e9)
         exchange_ms = 1e3 * needed * BYTES_PER_ROW / bandwidth
         compute_ms = args.step_ms / D
-        print(f"| {D} | {needed:,.0f} | {needed / (nodes / D):.2f}x | {megabytes:,.0f} | {link} | {exchange_ms:.2f} "
-              f"| {compute_ms:.2f} | {exchange_ms / compute_ms:.2f} |")
+        rows.append(dict(devices=D, rows=needed, of_own=needed / (nodes / D), megabytes=needed * BYTES_PER_ROW / 1e6,
+                         link=link, exchange_ms=exchange_ms, compute_ms=compute_ms,
+                         exchange_over_compute=exchange_ms / compute_ms))
+    print("\n".join(markdown_table(COLUMNS, rows)))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import numpy as np
 import jinsum
 from jinsum.timing import time_calls
 
+from _harness import device_name  # (benchmarks/, this script's folder)
+
 
 def chained(A, x):
     for _ in range(4):
@@ -36,7 +38,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
     rng = np.random.default_rng(0)
-    print(f"{jax.devices()[0].device_kind}; SpMM over a (rows, {args.fanout}) table, 4 chained + gradient per call")
+    print(f"{device_name()}; SpMM over a (rows, {args.fanout}) table, 4 chained + gradient per call")
     print(f"{'rows':>8} {'F':>4} {'terms':>12} {'triton ms':>10} {'xla ms':>8} {'xla/triton':>10}")
     for rows in args.rows:
         neighbors = jnp.asarray(rng.integers(0, rows, (rows, args.fanout)), jnp.int32)

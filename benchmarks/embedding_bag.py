@@ -48,9 +48,13 @@ from jinsum.timing import device_time, time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _training import package_versions  # noqa: E402
+from _harness import (  # noqa: E402
+    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, failure, ratio,
+    relative_error, sync_torch, torch_on_cuda, versions_text, write)
 
-ROWS: list[dict] = []
+RESULTS = Results()
+COLUMNS = (WORKLOAD, SYSTEM, Column("ms", "ms", "{:.3f}", "failed"), Column("device ms", "device_ms", "{:.3f}"),
+           Column("vs torch", "vs_torch", "{:.2f}"), Column("rel. error", "error", "{:.1e}"), NOTE)
 
 
 # --- data -----------------------------------------------------------------------------------------------------------
@@ -149,13 +153,9 @@ def cycle(fn, batches, *leading):
 
 def torch_systems(args, table: np.ndarray, dtype: str, mode: str, backward: bool, batches, cotangent):
     """`{name: (one, sync, to_check)}` for torch's `EmbeddingBag` on CUDA; empty without it."""
-    try:
-        import torch  # noqa: PLC0415
-    except ImportError:
+    torch = torch_on_cuda()
+    if torch is None:
         return {}
-    if not torch.cuda.is_available():
-        return {}
-    sync = lambda _: torch.cuda.synchronize()  # noqa: E731
     inputs = [(torch.from_numpy(ids).cuda(), torch.from_numpy(offsets).cuda()) for ids, offsets in batches]
     ct = torch.from_numpy(np.asarray(cotangent, np.float32)).cuda().to(getattr(torch, dtype))
     systems = {}
@@ -182,16 +182,15 @@ def torch_systems(args, table: np.ndarray, dtype: str, mode: str, backward: bool
             return out.detach().float().cpu().numpy(), sums.cpu().numpy()
 
         name = f"torch EmbeddingBag, sparse={sparse}"
-        systems[name] = (cycle(forward_backward if backward else forward, inputs), sync, to_check)
+        systems[name] = (cycle(forward_backward if backward else forward, inputs), sync_torch, to_check)
     return systems
 
 
 # --- running and recording --------------------------------------------------------------------------------------
 
-def relative_error(got, want) -> float:
-    """The largest difference of (output, gradient's row sums) from the reference, relative to its largest element."""
-    return max(float(np.max(np.abs(np.asarray(a, np.float64) - b)) / max(np.max(np.abs(b)), 1e-30))
-               for a, b in zip(got, want) if b is not None)
+def worst_error(got, want) -> float:
+    """The largest relative error of (output, gradient's row sums) from the reference's."""
+    return max(relative_error(a, b) for a, b in zip(got, want) if b is not None)
 
 
 def run_workload(args, label: str, systems: dict, compiled: dict, reference) -> None:
@@ -200,10 +199,10 @@ def run_workload(args, label: str, systems: dict, compiled: dict, reference) -> 
     errors = {}
     for name, (one, sync, to_check) in list(systems.items()):
         try:
-            errors[name] = relative_error(to_check(one()), reference)
+            errors[name] = worst_error(to_check(one()), reference)
         except Exception as error:  # a system that fails is a row, not the end of the run
             traceback.print_exc()
-            record(label, name, None, None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            RESULTS.record(label, name, note=failure(error))
             del systems[name]
     timed = {}
     for _ in range(2):
@@ -213,15 +212,8 @@ def run_workload(args, label: str, systems: dict, compiled: dict, reference) -> 
         device = device_time(one, calls=args.calls, sync=sync)
         if name in compiled:
             assert compiled[name]._cache_size() == 1, f"{name}: {compiled[name]._cache_size()} compiles"
-        record(label, name, timed[name], None if device is None else 1e3 * device, errors[name],
-               "1 compile" if name in compiled else "")
-
-
-def record(workload: str, system: str, ms: float | None, device_ms: float | None, error: float | None,
-           note: str = "") -> None:
-    ROWS.append(dict(workload=workload, system=system, ms=ms, device_ms=device_ms, error=error, note=note))
-    shown = "failed" if ms is None else f"{ms:9.3f} ms" + ("" if device_ms is None else f" (device {device_ms:.3f})")
-    print(f"{workload:36s} {system:40s} {shown}  {'' if error is None else f'err {error:.1e}'}  {note}", flush=True)
+        RESULTS.record(label, name, timed[name], "1 compile" if name in compiled else "",
+                       device_ms=None if device is None else 1e3 * device, error=errors[name])
 
 
 def workloads(args, rng):
@@ -258,37 +250,20 @@ def workloads(args, rng):
                                                                for x in reference])
 
 
-def write(args, started: float) -> None:
-    device = jax.devices()[0].device_kind
-    versions = package_versions(("triton", "jax_triton", "torch"))
-    try:
-        import torch  # noqa: PLC0415
-        torch_cuda = torch.cuda.is_available()
-    except ImportError:
-        torch_cuda = False
-    lines = [f"# Embedding bags on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/embedding_bag.py "
-             f"{' '.join(sys.argv[1:])}` ({time.time() - started:.0f} s). Table {args.rows:,} x {args.features}, "
-             f"batches of {args.bags:,} bags of 1-{args.longest} lookups ({args.ids} ids), flat ids + offsets. ms: "
-             "median over rounds of back-to-back calls (`jinsum.timing.time_calls`), each call on the next of "
-             f"{args.batches} batches; device ms: the GPU's own time. vs torch: torch's ms / the row's (above 1: "
-             "faster), against `sparse=True` for the sparse rows, `sparse=False` otherwise."
-             + ("" if torch_cuda else " torch without CUDA: its rows are left out."), "",
-             "| workload | system | ms | device ms | vs torch | rel. error | note |",
-             "|---|---|---:|---:|---:|---:|---|"]
-    for row in ROWS:
-        torch_ms = {r["system"]: r["ms"] for r in ROWS if r["workload"] == row["workload"]}
-        peer = torch_ms.get(f"torch EmbeddingBag, sparse={'sparse rows' in row['system']}")
-        ratio = f"{peer / row['ms']:.2f}" if peer and row["ms"] else ""
-        ms = "failed" if row["ms"] is None else f"{row['ms']:.3f}"
-        device_ms = "" if row["device_ms"] is None else f"{row['device_ms']:.3f}"
-        error = "" if row["error"] is None else f"{row['error']:.1e}"
-        lines.append(f"| {row['workload']} | {row['system']} | {ms} | {device_ms} | {ratio} | {error} | "
-                     f"{row['note']} |")
-    stem = args.out / f"embedding_bag_{device.replace(' ', '_')}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
+def write_results(args, started: float) -> None:
+    rows = RESULTS.rows
+    for row in rows:  # (torch's time over the row's, against the torch layer of the same gradient)
+        peer = f"torch EmbeddingBag, sparse={'sparse rows' in row['system']}"
+        row["vs_torch"] = ratio(baseline(rows, row, lambda r: r["system"] == peer), row["ms"])
+    preamble = (f"{versions_text(('triton', 'jax_triton', 'torch'))}; `{command(__file__)}` "
+                f"({time.time() - started:.0f} s). Table {args.rows:,} x {args.features}, batches of {args.bags:,} "
+                f"bags of 1-{args.longest} lookups ({args.ids} ids), flat ids + offsets. ms: median over rounds of "
+                "back-to-back calls (`jinsum.timing.time_calls`), each call on the next of "
+                f"{args.batches} batches; device ms: the GPU's own time. vs torch: torch's ms / the row's (above 1: "
+                "faster), against `sparse=True` for the sparse rows, `sparse=False` otherwise."
+                + ("" if torch_on_cuda() else " torch without CUDA: its rows are left out."))
+    write(args.out / f"embedding_bag_{device_file_name()}", f"Embedding bags on {device_name()}", [preamble], COLUMNS,
+          rows)
 
 
 def main() -> None:
@@ -306,10 +281,10 @@ def main() -> None:
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     args = p.parse_args()
     started = time.time()
-    print(f"{jax.devices()[0].device_kind}: table {args.rows:,} x {args.features}, {args.bags} bags of 1-"
+    print(f"{device_name()}: table {args.rows:,} x {args.features}, {args.bags} bags of 1-"
           f"{args.longest} lookups, {args.ids} ids", flush=True)
     workloads(args, np.random.default_rng(0))
-    write(args, started)
+    write_results(args, started)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ counted (`jinsum.kernel_cache_info()`). Results go to `--out` as `first_call_<de
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import pathlib
@@ -124,9 +123,9 @@ def _model(model_name, system, edge_index, nodes, nnx, jnp, jnn):
 def _instrument():
     """Seconds in Triton's front end and in Triton's compiler (or jinsum's cache in front of it), by wrapping
     the functions jax-triton calls."""
-    from jinsum._lowering._triton import _jax_triton  # noqa: PLC0415
+    from jinsum._lowering._launch import jax_triton  # noqa: PLC0415
 
-    triton_lib = _jax_triton().triton_lib
+    triton_lib = jax_triton().triton_lib
     totals = ({"seconds": 0.0}, {"seconds": 0.0})
     for owner, name, total in ((triton_lib.code_gen, "ast_to_ttir", totals[0]),
                                (triton_lib, "compile_ttir_inplace", totals[1])):
@@ -176,8 +175,6 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child, args.scale)))
         return
-    import jax  # noqa: PLC0415
-
     rows = []
     for model in ("GCN", "GAT"):
         with tempfile.TemporaryDirectory() as kernels, tempfile.TemporaryDirectory() as xla:
@@ -193,30 +190,21 @@ def main() -> None:
                                **{f"kernels {k}": v for k, v in result.get("kernels", {}).items()})
                 rows.append(row)
                 print(row, flush=True)
-    write(rows, args.out, jax.devices()[0].device_kind, args.scale)
+    write_results(rows, args.out, args.scale)
 
 
-def write(rows: list[dict], out: pathlib.Path, device: str, scale: int) -> None:
-    from _training import package_versions  # noqa: PLC0415
+def write_results(rows: list[dict], out: pathlib.Path, scale: int) -> None:
+    # (imported here, not above: a child process of this script times its own import of jax and NumPy)
+    from _harness import Column, device_file_name, device_name, text, versions_text, write  # noqa: PLC0415
 
-    versions = [f"{name} {version}" for name, version in package_versions(("jaxlib", "triton", "jax_triton")).items()]
-    columns = ["process", *STAGES, "second_run", "kernels compiled", "kernels loaded", "kernels parsed"]
-    stem = out / f"first_call_{device.replace(' ', '_')}"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["model", "system", *columns], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = [f"# First calls on {device}", "",
-             f"{', '.join(versions)}; R-MAT scale {scale} made undirected; `python benchmarks/first_call.py`. "
-             "Seconds of wall clock, each row a new process (see the script's docstring).", "",
-             "| model | system | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
-    for row in rows:
-        cells = [("" if row.get(c) is None else f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]))
-                 for c in columns]
-        lines.append(f"| {row['model']} | {row['system']} | " + " | ".join(cells) + " |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    seconds = [Column(stage, stage, "{:.2f}") for stage in ("process", *STAGES, "second_run")]
+    kernels = [Column(f"kernels {count}", f"kernels {count}") for count in ("compiled", "loaded", "parsed")]
+    columns = [text("model"), text("system"), *seconds, *kernels]
+    preamble = (f"{versions_text(('jaxlib', 'triton', 'jax_triton'))}; R-MAT scale {scale} made undirected; "
+                "`python benchmarks/first_call.py`. Seconds of wall clock, each row a new process (see the script's "
+                "docstring).")
+    write(out / f"first_call_{device_file_name()}", f"First calls on {device_name()}", [preamble], columns, rows,
+          csv_fields=[c.key for c in columns])
 
 
 if __name__ == "__main__":

@@ -39,8 +39,13 @@ from jinsum.timing import device_time, time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-from _training import package_versions  # noqa: E402
+from _harness import SYSTEM, Column, command, device_file_name, device_name, versions_text, write  # noqa: E402
 from graph_classification.main import GIN, SYSTEMS, pyg_trainer, train_step  # noqa: E402
+
+
+COLUMNS = (SYSTEM, Column("ms / step", "ms", "{:.3f}"), Column("vs jinsum", "vs_jinsum", "{:.2f}x"),
+           Column("host ms / batch", "host_ms", "{:.3f}"), Column("step on device ms", "on_device_ms", "{:.3f}"),
+           Column("device ms", "device_ms", "{:.3f}"), Column("compiles", "compiles"))
 
 
 def epochs_ms(run_epoch, epochs: int, sync) -> float:
@@ -79,7 +84,7 @@ def main() -> None:
     loader = jinsum.nn.GraphLoader(graphs, args.batch, shuffle=True)
     steps_per_epoch = len(loader)
     print(f"{args.graphs} molecule-like graphs, {steps_per_epoch} batches of {args.batch}: {loader.budget}")
-    rows, losses = [], {}
+    rows, losses = [], {}  # (a row: `system`, `ms` a step and the columns of COLUMNS)
 
     for name in SYSTEMS:
         step, _, state = train_step(GIN(name, features, args.hidden, args.layers, classes, rngs=nnx.Rngs(0)), 1e-3)
@@ -103,8 +108,8 @@ def main() -> None:
         assert compiles == 1, f"{name}: {compiles} compiles"
         on_device = 1e3 * time_calls(on_one_batch, first, calls=args.calls)
         device = device_time(on_one_batch, first, calls=args.calls)
-        rows.append([name, ms, host_ms(loader, jax.block_until_ready), on_device,
-                     None if device is None else 1e3 * device, compiles])
+        rows.append(dict(system=name, ms=ms, host_ms=host_ms(loader, jax.block_until_ready), on_device_ms=on_device,
+                         device_ms=None if device is None else 1e3 * device, compiles=compiles))
     names = list(SYSTEMS)
     assert np.isclose(losses[names[0]], losses[names[1]], rtol=2e-3), losses
 
@@ -124,36 +129,26 @@ def main() -> None:
                 count += 1
             return loss, count
 
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-        rows.append(["PyG DataLoader + GINConv", epochs_ms(run_pyg_epoch, args.epochs, sync),
-                     host_ms((b.to(device_name) for b in pyg_loader), sync), None, None, None])
+        torch_device = "cuda" if torch.cuda.is_available() else "cpu"
+        rows.append(dict(system="PyG DataLoader + GINConv", ms=epochs_ms(run_pyg_epoch, args.epochs, sync),
+                         host_ms=host_ms((b.to(torch_device) for b in pyg_loader), sync)))
 
-    write(args, rows, steps_per_epoch, loader.budget, started)
+    write_results(args, rows, steps_per_epoch, loader.budget, started)
 
 
-def write(args, rows, steps_per_epoch, budget, started) -> None:
-    device = jax.devices()[0].device_kind
-    versions = package_versions()
-    best_peer = min(r[1] for r in rows[1:])
-    lines = [f"# Mini-batches of small graphs on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/graph_batches.py "
-             f"{' '.join(sys.argv[1:])}` ({time.time() - started:.0f} s). {args.graphs} molecule-like graphs "
-             f"(`jinsum.datasets.molecules`), batches of {args.batch} ({steps_per_epoch} a epoch), {budget}; GIN "
-             f"{args.layers} x {args.hidden}, sum pooling, Adam. ms / step: {args.epochs} epochs after one to warm "
-             "up, host batching included, one synchronisation. host ms / batch: the loader alone (with the "
-             "transfer). step on device: one batch already there, `time_calls`; device ms: the GPU's own time.", "",
-             "| system | ms / step | vs jinsum | host ms / batch | step on device ms | device ms | compiles |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, ms, host, on_device, device_ms, compiles in rows:
-        cells = [f"{ms:.3f}", f"{ms / rows[0][1]:.2f}x", f"{host:.3f}",
-                 "" if on_device is None else f"{on_device:.3f}", "" if device_ms is None else f"{device_ms:.3f}",
-                 "" if compiles is None else str(compiles)]
-        lines.append(f"| {name} | {' | '.join(cells)} |")
-    lines += ["", f"jinsum against the best peer: {best_peer / rows[0][1]:.2f}x."]
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"graph_batches_{device.replace(' ', '_')}.md"
-    path.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+def write_results(args, rows, steps_per_epoch, budget, started) -> None:
+    jinsum_ms = rows[0]["ms"]
+    for row in rows:
+        row["vs_jinsum"] = row["ms"] / jinsum_ms
+    best_peer = min(row["ms"] for row in rows[1:])
+    preamble = (f"{versions_text()}; `{command(__file__)}` ({time.time() - started:.0f} s). {args.graphs} "
+                f"molecule-like graphs (`jinsum.datasets.molecules`), batches of {args.batch} ({steps_per_epoch} a "
+                f"epoch), {budget}; GIN {args.layers} x {args.hidden}, sum pooling, Adam. ms / step: {args.epochs} "
+                "epochs after one to warm up, host batching included, one synchronisation. host ms / batch: the loader "
+                "alone (with the transfer). step on device: one batch already there, `time_calls`; device ms: the "
+                "GPU's own time.")
+    write(args.out / f"graph_batches_{device_file_name()}", f"Mini-batches of small graphs on {device_name()}",
+          [preamble], COLUMNS, rows, after=["", f"jinsum against the best peer: {best_peer / jinsum_ms:.2f}x."])
 
 
 if __name__ == "__main__":

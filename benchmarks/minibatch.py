@@ -30,7 +30,6 @@ Also timed: `GroupCOO.from_edge_index(..., capacity=E)` from E random edges on t
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import pathlib
@@ -54,26 +53,14 @@ from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-from _training import package_versions  # noqa: E402
+from _harness import (  # noqa: E402
+    NOTE, SYSTEM, WORKLOAD, Column, Results, command, device_file_name, device_name, versions_text, write)
 from minibatch_sage.main import (  # noqa: E402
     JinsumSAGE, SegmentSAGE, host_sample, on_mesh, pyg_trainer, replicated_keys, sampled_step)
 from _common import free_port, join_processes  # noqa: E402  (examples/_common.py)
 
-ROWS: list[dict] = []
-
-
-def record(workload: str, system: str, ms: float | None, note: str = "") -> None:
-    ROWS.append({"workload": workload, "system": system, "ms": ms, "note": note})
-    print(f"{workload:40s} {system:28s} {'failed' if ms is None else f'{ms:9.3f} ms'}  {note}", flush=True)
-
-
-def attempt(workload: str, system: str, run) -> None:
-    try:
-        ms, note = run()
-        record(workload, system, ms, note)
-    except Exception as error:  # a peer that fails is a row, not the end of the run
-        traceback.print_exc()
-        record(workload, system, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}")
+RESULTS = Results()
+COLUMNS = (WORKLOAD, SYSTEM, Column("ms", "ms", "{:.3f}", "failed"), NOTE)
 
 
 # --- the systems (the example's models, step and PyG trainer) ---------------------------------------------------------
@@ -106,7 +93,8 @@ def time_step(train, state, graph, features, labels, seed_batches, mesh=None, *,
     return ms, (sum(kernels.values()) * 1e3 / steps if kernels else None)
 
 
-def pyg_step_time(indptr, indices, features, labels, seed_batches, calls):
+def pyg_step_time(indptr, indices, features, labels, seed_batches, calls) -> dict:
+    """The row's columns of PyG's step with its host sampler."""
     train, _, sync = pyg_trainer(SIZES, indptr, indices, features, labels, FANOUTS, 0)
     position = [0]
 
@@ -118,7 +106,7 @@ def pyg_step_time(indptr, indices, features, labels, seed_batches, calls):
     rng = np.random.default_rng(0)
     host = time_calls(lambda: host_sample(indptr, indices, seed_batches[0], FANOUTS, rng), calls=calls,
                       sync=lambda _: None) * 1e3
-    return ms, f"host sampler alone {host:.2f} ms"
+    return {"ms": ms, "note": f"host sampler alone {host:.2f} ms"}
 
 
 # --- building formats on the device ---------------------------------------------------------------------------------
@@ -128,35 +116,20 @@ def build_times(num_edges: int, num_nodes: int, calls: int):
     edges = jnp.asarray(rng.integers(0, num_nodes, (2, num_edges)), jnp.int32)
     build = jax.jit(lambda e: jinsum.GroupCOO.from_edge_index(e, num_nodes=num_nodes, capacity=num_edges))
     workload = f"GroupCOO + column order, {num_edges:,} edges"
-    attempt(workload, "jinsum (device)", lambda: (time_calls(build, edges, calls=calls) * 1e3, ""))
-    attempt(workload, "jnp.argsort of the edges", lambda: (
-        time_calls(jax.jit(lambda e: jnp.argsort(e[1] * num_nodes + e[0])), edges, calls=calls) * 1e3,
-        "one sort, for scale"))
+    RESULTS.attempt(workload, "jinsum (device)", lambda: {"ms": time_calls(build, edges, calls=calls) * 1e3})
+    RESULTS.attempt(workload, "jnp.argsort of the edges", lambda: {"ms": time_calls(
+        jax.jit(lambda e: jnp.argsort(e[1] * num_nodes + e[0])), edges, calls=calls) * 1e3}, note="one sort, for scale")
     host = np.asarray(edges)
-    attempt(workload, "jinsum (host, NumPy)", lambda: (time_calls(
+    RESULTS.attempt(workload, "jinsum (host, NumPy)", lambda: {"ms": time_calls(
         lambda: jinsum.GroupCOO.from_edge_index(host, num_nodes=num_nodes).with_transpose(), calls=2, rounds=3,
-        sync=lambda _: None) * 1e3, "today's converter, for scale"))
+        sync=lambda _: None) * 1e3}, note="today's converter, for scale")
 
 
-def write(out: pathlib.Path, started: float) -> None:
-    device = jax.devices()[0].device_kind
-    versions = package_versions()
-    stem = out / f"minibatch_{device.replace(' ', '_')}"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["workload", "system", "ms", "note"])
-        writer.writeheader()
-        writer.writerows(ROWS)
-    lines = [f"# Mini-batch training and device-built formats on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/minibatch.py "
-             f"{' '.join(sys.argv[1:])}` ({time.time() - started:.0f} s). ms: median over rounds of back-to-back "
-             "calls (`jinsum.timing.time_calls`), each step on a new batch.", "",
-             "| workload | system | ms | note |", "|---|---|---:|---|"]
-    for row in ROWS:
-        ms = f"{row['ms']:.3f}" if row["ms"] is not None else "failed"
-        lines.append(f"| {row['workload']} | {row['system']} | {ms} | {row['note']} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
+def write_results(out: pathlib.Path, started: float) -> None:
+    preamble = (f"{versions_text()}; `{command(__file__)}` ({time.time() - started:.0f} s). ms: median over rounds of "
+                "back-to-back calls (`jinsum.timing.time_calls`), each step on a new batch.")
+    write(out / f"minibatch_{device_file_name()}", f"Mini-batch training and device-built formats on {device_name()}",
+          [preamble], COLUMNS, RESULTS.rows, csv_fields=[c.key for c in COLUMNS])
 
 
 FANOUTS: tuple[int, ...] = (15, 10)
@@ -315,7 +288,7 @@ def main() -> None:
     for system, note in notes.items():
         runs = timed.get(system, [])[1:]
         if not runs:
-            record(workload, system, None, "failed")
+            RESULTS.record(workload, system, None, "failed")
             continue
         device, ms = runs[-1][1], float(np.mean([ms for ms, _ in runs]))
         # (a data-parallel row's baseline: the same step on one device, as many steps a call)
@@ -327,19 +300,19 @@ def main() -> None:
             seeds = args.batch * (int(per_device.group(1)) if per_device else 1)  # (a step's, all devices')
             note += (f"; {baseline / ms:.2f}x the steps/s and {baseline * seeds / (ms * args.batch):.2f}x the "
                      f"seeds/s of one device")
-        record(workload, system, ms, note + ("" if device is None else f"; device {device:.3f} ms") +
-               f"; passes {', '.join(f'{ms:.3f}' for ms, _ in runs)}")
+        RESULTS.record(workload, system, ms, note + ("" if device is None else f"; device {device:.3f} ms") +
+                       f"; passes {', '.join(f'{ms:.3f}' for ms, _ in runs)}")
     for reading, sampling in readings.items():
         sampler = jax.jit(lambda g, s, k, sampling=sampling: sample_neighbors(g, s, FANOUTS, k, **sampling))
-        attempt(workload, f"the device sampler alone, {reading}", lambda: (time_calls(
-            sampler, graph, batches[0], jax.random.key(0), calls=args.calls) * 1e3, "with the formats"))
+        RESULTS.attempt(workload, f"the device sampler alone, {reading}", lambda: {"ms": time_calls(
+            sampler, graph, batches[0], jax.random.key(0), calls=args.calls) * 1e3}, note="with the formats")
     if "PyG" not in args.skip:
         indptr, indices = np.asarray(graph.indptr).astype(np.int64), np.asarray(graph.indices)
-        attempt(workload, "PyG (host sampler)",
+        RESULTS.attempt(workload, "PyG (host sampler)",
                 lambda: pyg_step_time(indptr, indices, features, labels, seed_batches, args.calls))
     if "build" not in args.skip:
         build_times(args.build_edges, nodes, args.calls)
-    write(args.out, started)
+    write_results(args.out, started)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,12 @@ from jinsum.timing import time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-from _training import package_versions  # noqa: E402
+from _harness import (  # noqa: E402
+    SYSTEM, Column, command, device_file_name, device_name, sync_torch, text, torch_on_cuda, versions_text, write)
 from point_cloud.main import DGCNN, SHAPES, pyg_trainer, train_step  # noqa: E402
+
+
+COLUMNS = (text("graph", "workload"), Column("D", "D"), SYSTEM, Column("ms", "ms", "{:.3f}"))
 
 
 def dense_knn(pos, k):
@@ -63,15 +67,6 @@ def dense_radius(pos, r, width):
     keys = jnp.where((d < r * r) & (ids[:, None] != ids[None, :]), ids, pos.shape[0])
     first = -jax.lax.top_k(-keys, width)[0]
     return jnp.where(first < pos.shape[0], first, -1)
-
-
-def torch_on_cuda():
-    """torch where it has CUDA, else None (its rows are left out)."""
-    try:
-        import torch  # noqa: PLC0415
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
 
 
 def compiled_with(env: dict[str, str], fn, *inputs):
@@ -119,8 +114,7 @@ def knn_rows(args, pos: np.ndarray, torch) -> list[tuple]:
             d.diagonal(dim1=1, dim2=2).fill_(float("inf"))
             return d.topk(args.k, largest=False).indices
 
-        rows.append((graph, dim, "torch cdist + topk", time_calls(torch_knn, calls=args.calls,
-                                                                  sync=lambda _: torch.cuda.synchronize()) * 1e3))
+        rows.append((graph, dim, "torch cdist + topk", time_calls(torch_knn, calls=args.calls, sync=sync_torch) * 1e3))
     return rows
 
 
@@ -166,8 +160,8 @@ def radius_rows(args, pos: np.ndarray, torch) -> list[tuple]:
             first = torch.where(within, ids, args.points).topk(width, largest=False).values
             return torch.where(first < args.points, first, -1)
 
-        rows.append((graph, 3, "torch cdist + topk over ids", time_calls(
-            torch_radius, calls=args.calls, sync=lambda _: torch.cuda.synchronize()) * 1e3))
+        rows.append((graph, 3, "torch cdist + topk over ids", time_calls(torch_radius, calls=args.calls,
+                                                                          sync=sync_torch) * 1e3))
     return rows
 
 
@@ -213,17 +207,11 @@ def main() -> None:
     rows += dgcnn_rows(args, pos, torch)
     _, count = jnn.radius(pos.reshape(-1, 3), args.radius, jnp.repeat(jnp.arange(args.clouds), args.points),
                           args.max_neighbors)
-    device = jax.devices()[0].device_kind
-    lines = [f"# Graphs from points on the device on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in package_versions().items())}; `python benchmarks/point_graphs.py "
-             f"{' '.join(sys.argv[1:])}`: {args.clouds} clouds of {args.points} points (standard normal); "
-             f"{100 * np.mean(np.asarray(count) > args.max_neighbors):.1f}% of the points have more than "
-             f"{args.max_neighbors} within r = {args.radius}; ms per call, median of rounds of back-to-back calls.", "",
-             "| graph | D | system | ms |", "|---|---:|---|---:|"]
-    lines += [f"| {graph} | {d} | {name} | {ms:.3f} |" for graph, d, name, ms in rows]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"point_graphs_{device.replace(' ', '_')}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    preamble = (f"{versions_text()}; `{command(__file__)}`: {args.clouds} clouds of {args.points} points (standard "
+                f"normal); {100 * np.mean(np.asarray(count) > args.max_neighbors):.1f}% of the points have more than "
+                f"{args.max_neighbors} within r = {args.radius}; ms per call, median of rounds of back-to-back calls.")
+    write(args.out / f"point_graphs_{device_file_name()}", f"Graphs from points on the device on {device_name()}",
+          [preamble], COLUMNS, [dict(workload=graph, D=d, system=name, ms=ms) for graph, d, name, ms in rows])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ the rows it sends: the per-device work without NCCL, a bound on what D GPUs can 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import pathlib
 import sys
@@ -48,23 +47,23 @@ from jinsum.timing import kernel_times, time_calls
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-from _training import package_versions  # noqa: E402
+from _harness import (  # noqa: E402
+    NOTE, SYSTEM, WORKLOAD, Column, Results, command, device_file_name, device_name, failure, versions_text, write)
 from sharded_gcn.main import GCN, memory_per_device, planted_task, run, train_step  # noqa: E402
 
-ROWS: list[dict] = []
+RESULTS = Results()
+COLUMNS = (WORKLOAD, SYSTEM, Column("ms", "ms", "{:.3f}"), Column("memory per device (GiB)", "memory_gib", "{:.2f}"),
+           Column("received per device per call (MiB)", "received_mib", "{:.1f}"), NOTE)
 # XLA tries matmul configurations on copies of the operands: tens of GiB for the wide model's features.
 NO_AUTOTUNING = {"xla_gpu_autotune_level": 0}
 
 
-def record(workload: str, system: str, ms: float | None, memory: int | None, received: int | None, note: str = "",
-           failed: bool = False):
-    """A row of the results: `ms` None where nothing was timed (a compile only, or a failure)."""
-    ROWS.append(dict(workload=workload, system=system, ms="failed" if failed else ms,
-                     memory_gib=None if memory is None else memory / 2**30,
-                     received_mib=None if received is None else received / 2**20, note=note))
-    shown = "failed" if failed else "" if ms is None else f"{ms:.3f} ms"
-    mem = "" if memory is None else f"{memory / 2**30:.2f} GiB/device"
-    print(f"  {workload:<34} {system:<12} {shown:>12} {mem:>16}  {note}", flush=True)
+def record(workload: str, system: str, ms: float | str | None, memory: int | None, received: int | None,
+           note: str = ""):
+    """A row of the results: `ms` None where nothing was timed (a compile only), "failed" where the run failed;
+    `memory` per device and `received` per device and call in bytes."""
+    RESULTS.record(workload, system, ms, note, memory_gib=None if memory is None else memory / 2**30,
+                   received_mib=None if received is None else received / 2**20)
 
 
 def top_kernels(fn, *args, count: int = 6) -> str:
@@ -168,7 +167,7 @@ def wide(A, P, width: int, devices, mesh) -> None:
                   jax.device_put(np.ones(n, bool), devices[0]), one_mesh, 2, 3, NO_AUTOTUNING)
         record(workload, "1 GPU", 1e3 * one["seconds"], one["memory"], 0)
     except Exception as error:  # noqa: BLE001 (running out of memory is the expected outcome)
-        record(workload, "1 GPU", None, None, None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", failed=True)
+        record(workload, "1 GPU", "failed", None, None, failure(error))
     x1 = None  # (free the single GPU's features before the sharded run)
     try:
         xs = features(P.sharding, P.padded_rows)
@@ -177,15 +176,15 @@ def wide(A, P, width: int, devices, mesh) -> None:
         record(workload, f"{len(devices)} GPUs", 1e3 * many["seconds"], many["memory"], many["received"],
                f"losses {many['losses'][0]:.3f} -> {many['losses'][-1]:.3f}")
     except Exception as error:  # noqa: BLE001
-        record(workload, f"{len(devices)} GPUs", None, None, None,
-               f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", failed=True)
+        record(workload, f"{len(devices)} GPUs", "failed", None, None, failure(error))
 
 
 def on_mesh(P: jinsum.shard.Partitioned, mesh: Mesh) -> jinsum.shard.Partitioned:
     """`P`'s structure over another mesh of as many devices, its arrays as shapes (a compile-only mesh holds no
     data)."""
     sharding = NamedSharding(mesh, PartitionSpec(P.axis))
-    arrays = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (P.local, P.remote, P.send))
+    arrays = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                          (P.local, P.remote, P.send))
     return jinsum.shard.Partitioned(*arrays, mesh, P.axis, P.shape, P.layout, P.plan)
 
 
@@ -287,8 +286,7 @@ def main() -> None:
     print(f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges ({time.perf_counter() - started:.1f} s)", flush=True)
     if args.compile_only:
         header = compile_only(A, x, args.compile_only, args.split, args.wide)
-        name = devices[0].device_kind.replace(" ", "_")
-        stem, title = f"sharded_compiled_{name}", f"Memory per device, compiled for D x {devices[0].device_kind}"
+        stem, title = f"sharded_compiled_{device_file_name()}", f"Memory per device, compiled for D x {device_name()}"
     else:
         mesh = Mesh(np.array(devices), ("x",))
         started = time.perf_counter()
@@ -306,28 +304,11 @@ def main() -> None:
         del partitions[1:]
         if args.wide:
             wide(A, P, args.wide, devices, mesh)
-        name = devices[0].device_kind.replace(" ", "_")
-        stem, title = f"sharded_{len(devices)}x_{name}_rmat{args.scale}", \
-            f"Sharded SpMM and GCN steps: {len(devices)} x {devices[0].device_kind}"
-
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(ROWS[0]))
-        writer.writeheader()
-        writer.writerows(ROWS)
-    versions = ", ".join(f"{k} {v}" for k, v in package_versions().items())
-    lines = [f"# {title}", "", f"`python benchmarks/sharded.py {' '.join(sys.argv[1:])}`; {versions}.", "",
-             f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges.", *header,
-             "", "| workload | system | ms | memory per device (GiB) | received per device per call (MiB) | note |",
-             "|---|---|---:|---:|---:|---|"]
-    for r in ROWS:
-        ms = r["ms"] if r["ms"] in (None, "failed") else f"{r['ms']:.3f}"
-        mem = "" if r["memory_gib"] is None else f"{r['memory_gib']:.2f}"
-        rec = "" if r["received_mib"] is None else f"{r['received_mib']:.1f}"
-        lines.append(f"| {r['workload']} | {r['system']} | {ms or ''} | {mem} | {rec} | {r['note']} |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        stem = f"sharded_{len(devices)}x_{device_file_name()}_rmat{args.scale}"
+        title = f"Sharded SpMM and GCN steps: {len(devices)} x {device_name()}"
+    preamble = [f"`{command(__file__)}`; {versions_text()}.", "",
+                f"R-MAT {args.scale}: {A.shape[0]} nodes, {A.nnz} edges.", *header]
+    write(pathlib.Path(args.out) / stem, title, preamble, COLUMNS, RESULTS.rows, csv_fields=[c.key for c in COLUMNS])
 
 
 if __name__ == "__main__":

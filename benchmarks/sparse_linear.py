@@ -10,7 +10,8 @@ Systems: jinsum `SparseLinear` (block: `BlockGroupCOO`, element: `GroupCOO`); th
 pattern's zeros stored) and in torch (`F.linear`); torch's block-sparse path (`F.linear` with a BSR weight, whose
 CUDA kernel is Triton's `bsr_dense_mm`; its backward is not implemented in torch 2.11, so forward only) and its
 element-sparse path (`torch.sparse.mm` on a CSR weight, cuSPARSE; forward + backward with the weight's values as a
-leaf, where torch has the backward: float32). Every sparse system is checked against the dense layer before it is timed.
+leaf, where torch has the backward: float32); the torch systems where torch has CUDA. Every sparse system is
+checked against the dense layer before it is timed.
 
 Timing: `jinsum.timing.time_calls` (back-to-back calls, one sync per round, median of rounds) for every system.
 TFLOP/s counts the stored entries' multiply-adds (2 x batch x nnz, three products for forward + backward).
@@ -20,12 +21,10 @@ Results go to `--out` as `sparse_linear_<device>.{md,csv}`.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import pathlib
 import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
@@ -39,37 +38,24 @@ from jinsum.timing import time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _training import package_versions  # noqa: E402
+from _harness import (  # noqa: E402
+    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio, sync_torch,
+    torch_on_cuda, versions_text, write)
 
-try:
-    import torch
-except ImportError:
-    torch = None
+torch = torch_on_cuda()  # (without CUDA, the torch rows are left out)
 
-ROWS: list[dict] = []
-
-
-def record(workload: str, system: str, forward: float | None, both: float | None, flops: float, note: str = ""):
-    row = dict(workload=workload, system=system, forward_ms=forward, forward_backward_ms=both, note=note,
-               tflops=None if both is None else 3 * flops / (both * 1e-3) / 1e12)
-    ROWS.append(row)
-    shown = lambda ms: "    -   " if ms is None else f"{ms:8.3f}"  # noqa: E731
-    print(f"  {workload:<46} {system:<40} {shown(forward)} {shown(both)} ms  {note}", flush=True)
+RESULTS = Results()
+DENSE = "dense x @ W (JAX)"  # (the system every other is compared with)
+CSV_FIELDS = ("workload", "system", "forward_ms", "forward_backward_ms", "forward_vs_dense",
+              "forward_backward_vs_dense", "tflops", "note")
+COLUMNS = (WORKLOAD, SYSTEM, Column("forward ms", "forward_ms", "{:.3f}"),
+           Column("x dense", "forward_vs_dense", "{:.2f}"),
+           Column("forward + backward ms", "forward_backward_ms", "{:.3f}"),
+           Column("x dense", "forward_backward_vs_dense", "{:.2f}"), Column("TFLOP/s", "tflops", "{:.0f}"), NOTE)
 
 
-def attempt(workload: str, system: str, flops: float, run) -> None:
-    """`run() -> (forward_ms, forward_backward_ms, note)`; a system that fails is recorded with its reason."""
-    try:
-        forward, both, note = run()
-    except Exception as error:  # noqa: BLE001
-        traceback.print_exc(limit=2)
-        record(workload, system, None, None, flops, f"{type(error).__name__}: {str(error)[:120]}")
-        return
-    record(workload, system, forward, both, flops, note)
-
-
-def jax_times(apply, params, x, dy, calls: int, expected=None, dtype=jnp.bfloat16):
-    """ms of `apply(params, x)` and of it with its vjp (gradients w.r.t. `params` and `x`), jitted."""
+def jax_times(apply, params, x, dy, calls: int, expected=None, dtype=jnp.bfloat16) -> dict:
+    """The ms of `apply(params, x)` and of it with its vjp (gradients w.r.t. `params` and `x`), jitted."""
     forward = jax.jit(apply)
     both = jax.jit(lambda p, x, dy: jax.vjp(apply, p, x)[1](dy))
     if expected is not None:
@@ -77,15 +63,16 @@ def jax_times(apply, params, x, dy, calls: int, expected=None, dtype=jnp.bfloat1
         scale = float(jnp.max(jnp.abs(expected)))
         if error > 2e-2 * scale:
             raise AssertionError(f"differs from the dense layer by {error:.3g} (max |y| {scale:.3g})")
-    return (1e3 * time_calls(forward, params, x, calls=calls), 1e3 * time_calls(both, params, x, dy, calls=calls),
-            "")
+    return {"forward_ms": 1e3 * time_calls(forward, params, x, calls=calls),
+            "forward_backward_ms": 1e3 * time_calls(both, params, x, dy, calls=calls)}
 
 
-def torch_times(forward, backward, calls: int):
-    sync = lambda _: torch.cuda.synchronize()  # noqa: E731
-    ms_forward = 1e3 * time_calls(forward, calls=calls, sync=sync)
-    ms_both = None if backward is None else 1e3 * time_calls(backward, calls=calls, sync=sync)
-    return ms_forward, ms_both
+def torch_times(forward, backward, calls: int, note: str = "") -> dict:
+    """The ms of `forward()` and of `backward()` (None: torch has no backward), and `note`."""
+    return {"forward_ms": 1e3 * time_calls(forward, calls=calls, sync=sync_torch),
+            "forward_backward_ms": None if backward is None else 1e3 * time_calls(backward, calls=calls,
+                                                                                 sync=sync_torch),
+            "note": note}
 
 
 def run(features: int, batch: int, workload: str, pattern, block_shape, dtype, calls: int) -> None:
@@ -102,10 +89,10 @@ def run(features: int, batch: int, workload: str, pattern, block_shape, dtype, c
     dy = jnp.asarray(rng.standard_normal((batch, features)), dtype)
     expected = x.astype(jnp.float32) @ weight_t.T.astype(jnp.float32)
 
-    attempt(workload, "jinsum SparseLinear", flops, lambda: jax_times(
-        lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x, dy, calls, expected))
-    attempt(workload, "dense x @ W (JAX)", dense_flops, lambda: jax_times(
-        lambda w, x: x @ w, weight_t.T, x, dy, calls))
+    RESULTS.attempt(workload, "jinsum SparseLinear", lambda: jax_times(
+        lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x, dy, calls, expected), flops=flops)
+    RESULTS.attempt(workload, DENSE, lambda: jax_times(lambda w, x: x @ w, weight_t.T, x, dy, calls),
+                    flops=dense_flops)
     if torch is None:
         return
     tx = torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda().to(getattr(torch, jnp.dtype(dtype).name))
@@ -127,17 +114,17 @@ def run(features: int, batch: int, workload: str, pattern, block_shape, dtype, c
             y = torch.nn.functional.linear(xg, w)
             return torch.autograd.grad(y, (w, xg), tdy)
 
-        return (*torch_times(forward, both, calls), "")
+        return torch_times(forward, both, calls)
 
-    attempt(workload, "dense F.linear (torch)", dense_flops, dense_torch)
+    RESULTS.attempt(workload, "dense F.linear (torch)", dense_torch, flops=dense_flops)
     if block_shape is not None:
         def bsr_torch():
             w = tw.to_sparse_bsr(block_shape)
             forward = lambda: torch.nn.functional.linear(tx, w)  # noqa: E731
             check(forward())
-            return (*torch_times(forward, None, calls), "forward only: torch has no BSR weight gradient")
+            return torch_times(forward, None, calls, "forward only: torch has no BSR weight gradient")
 
-        attempt(workload, "torch F.linear, BSR weight (Triton)", flops, bsr_torch)
+        RESULTS.attempt(workload, "torch F.linear, BSR weight (Triton)", bsr_torch, flops=flops)
     else:
         def csr_torch():
             w = tw.to_sparse_csr()
@@ -154,43 +141,26 @@ def run(features: int, batch: int, workload: str, pattern, block_shape, dtype, c
             try:
                 both()
             except (NotImplementedError, RuntimeError) as error:  # (no bfloat16 backward in torch 2.11)
-                return (*torch_times(forward, None, calls), f"forward only: {str(error)[:80]}")
-            return (*torch_times(forward, both, calls), "")
+                return torch_times(forward, None, calls, f"forward only: {str(error)[:80]}")
+            return torch_times(forward, both, calls)
 
-        attempt(workload, "torch.sparse.mm, CSR weight (cuSPARSE)", flops, csr_torch)
+        RESULTS.attempt(workload, "torch.sparse.mm, CSR weight (cuSPARSE)", csr_torch, flops=flops)
 
 
-def write(out: pathlib.Path, started: float) -> None:
-    device = jax.devices()[0].device_kind
-    for row in ROWS:
-        dense = next(r for r in ROWS if r["workload"] == row["workload"] and r["system"] == "dense x @ W (JAX)")
+def write_results(out: pathlib.Path, started: float) -> None:
+    rows = RESULTS.rows
+    for row in rows:
         for key in ("forward_ms", "forward_backward_ms"):
-            ratio = dense[key] / row[key] if dense[key] and row[key] else None
-            row[key.replace("_ms", "_vs_dense")] = ratio
-    stem = out / f"sparse_linear_{device.replace(' ', '_')}"
-    out.mkdir(parents=True, exist_ok=True)
-    fields = ["workload", "system", "forward_ms", "forward_backward_ms", "forward_vs_dense",
-              "forward_backward_vs_dense", "tflops", "note"]
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(ROWS)
-    versions = package_versions(("triton", "jax_triton", "torch"))
-    show = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
-    lines = [f"# Sparse linear layers on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/sparse_linear.py "
-             f"{' '.join(sys.argv[1:])}` ({time.time() - started:.0f} s). ms: median over rounds of back-to-back "
-             "calls; "
-             "x dense: the JAX dense layer's time over the system's (above 1: faster than dense); TFLOP/s: the "
-             "stored entries' (or the dense layer's) forward + backward multiply-adds over its time.", "",
-             "| workload | system | forward ms | x dense | forward + backward ms | x dense | TFLOP/s | note |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in ROWS:
-        lines.append(f"| {r['workload']} | {r['system']} | {show(r['forward_ms'], '.3f')} | "
-                     f"{show(r['forward_vs_dense'], '.2f')} | {show(r['forward_backward_ms'], '.3f')} | "
-                     f"{show(r['forward_backward_vs_dense'], '.2f')} | {show(r['tflops'], '.0f')} | {r['note']} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
+            dense = baseline(rows, row, lambda r: r["system"] == DENSE, key)
+            row[key.replace("_ms", "_vs_dense")] = ratio(dense, row.get(key))
+        both = row.get("forward_backward_ms")  # (three products: the output and the two gradients)
+        row["tflops"] = None if both is None else 3 * row["flops"] / (both * 1e-3) / 1e12
+    preamble = (f"{versions_text(('triton', 'jax_triton', 'torch'))}; `{command(__file__)}` "
+                f"({time.time() - started:.0f} s). ms: median over rounds of back-to-back calls; x dense: the JAX "
+                "dense layer's time over the system's (above 1: faster than dense); TFLOP/s: the stored entries' (or "
+                "the dense layer's) forward + backward multiply-adds over its time.")
+    write(out / f"sparse_linear_{device_file_name()}", f"Sparse linear layers on {device_name()}", [preamble], COLUMNS,
+          rows, csv_fields=CSV_FIELDS)
 
 
 def main() -> None:
@@ -206,7 +176,7 @@ def main() -> None:
     elements = jnn.random_pattern(f, f, 0.01)
     for dtype in (jnp.bfloat16, jnp.float32):
         run(f, b, f"{f}x{f}, elements at 1%, {jnp.dtype(dtype).name}, batch {b}", elements, None, dtype, args.calls)
-    write(args.out, started)
+    write_results(args.out, started)
 
 
 if __name__ == "__main__":

@@ -31,13 +31,11 @@ and each jinsum step's device time by kernel. Results go to `--out` as `training
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import os
 import pathlib
 import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
@@ -53,7 +51,10 @@ from jinsum.timing import kernel_times, time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
-from _training import package_versions, segment_convs, segment_graph, segment_max_convs, train_step  # noqa: E402
+from _harness import (  # noqa: E402
+    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio, sync_torch,
+    versions_text, write)
+from _training import segment_convs, segment_graph, segment_max_convs, train_step  # noqa: E402
 from gcn.main import GCN, BCOOGCNConv  # noqa: E402
 
 try:
@@ -61,26 +62,10 @@ try:
 except ImportError:
     torch = None
 
-ROWS: list[dict] = []
+RESULTS = Results()
 BREAKDOWN = 0  # --breakdown N: print the N longest kernels of each jinsum step
 MODELS = ["GCN", "GraphSAGE", "SAGE-max", "EdgeConv"]
-
-
-def record(workload: str, system: str, ms: float | None, note: str = "") -> None:
-    ROWS.append(dict(workload=workload, system=system, ms=ms, note=note))
-    shown = "failed" if ms is None else f"{ms:.3f} ms"
-    print(f"  {workload:<44} {system:<40} {shown}  {note}", flush=True)
-
-
-def attempt(workload: str, system: str, run) -> None:
-    """Times `run() -> (seconds, note)`; a system that cannot run is recorded with its reason, not fatal."""
-    try:
-        seconds, note = run()
-    except Exception as error:  # noqa: BLE001
-        traceback.print_exc(limit=2)
-        record(workload, system, None, f"{type(error).__name__}: {str(error)[:100]}")
-        return
-    record(workload, system, 1e3 * seconds, note)
+COLUMNS = (WORKLOAD, SYSTEM, Column("ms", "ms", "{:.3f}", "failed"), Column("x jinsum", "vs_jinsum", "{:.2f}"), NOTE)
 
 
 def graphs(scale: int, chosen: list[str]):
@@ -107,22 +92,23 @@ def graphs(scale: int, chosen: list[str]):
            jnp.asarray(rng.standard_normal((n, 128)).astype(np.float32)), jnp.asarray(rng.integers(0, 3, n)))
 
 
-def jax_step(model, x, y, graph, calls: int, kernels: bool, deterministic: bool = False) -> tuple[float, str]:
+def jax_step(model, x, y, graph, calls: int, kernels: bool, deterministic: bool = False) -> dict:
+    """The row's columns of a training step of `model`: ms, and (`kernels`) the device time in a note."""
     step, state = train_step(model, 0.01)
     with jinsum.deterministic(deterministic):  # (the mode is read while tracing: the executable keeps it)
         compiled = jax.jit(step).lower(state, x, y, graph).compile()
-    seconds = time_calls(lambda: compiled(state, x, y, graph), calls=calls)
+    ms = 1e3 * time_calls(lambda: compiled(state, x, y, graph), calls=calls)
     if not kernels:
-        return seconds, ""
+        return {"ms": ms}
     times = kernel_times(lambda: compiled(state, x, y, graph), calls=10)
     if not times:  # (no GPU trace)
-        return seconds, ""
+        return {"ms": ms}
     ours = sum(t for name, t in times.items() if name.startswith("jinsum"))
     if BREAKDOWN:
         print(f"    device time by kernel (top {BREAKDOWN} of {len(times)}):")
         for name, t in sorted(times.items(), key=lambda item: -item[1])[:BREAKDOWN]:
             print(f"      {1e3 * t:8.3f} ms  {name[:100]}")
-    return seconds, f"device {1e3 * sum(times.values()):.3f} ms, of which jinsum kernels {1e3 * ours:.3f}"
+    return {"ms": ms, "note": f"device {1e3 * sum(times.values()):.3f} ms, of which jinsum kernels {1e3 * ours:.3f}"}
 
 
 def without_column_order(A: jinsum.GroupCOO) -> jinsum.GroupCOO:
@@ -167,11 +153,11 @@ def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str], dtyp
             systems["BCOO"] = (BCOOGCNConv, sparse.BCOO((weight, jnp.stack([dst, src], 1)), shape=(nodes, nodes)),
                                False)
         for system, (conv, graph, kernels, *deterministic) in systems.items():
-            attempt(workload, system, lambda conv=conv, graph=graph, k=kernels, d=deterministic: jax_step(
+            RESULTS.attempt(workload, system, lambda conv=conv, graph=graph, k=kernels, d=deterministic: jax_step(
                 model(conv, x, classes), x, y, graph, calls, k, *d))
         if torch is not None:
-            attempt(workload, f"PyG {model_name} (CSR adj_t)",
-                    lambda m=model_name: pyg_step(m, edge_index, nodes, x, y, classes, calls))
+            RESULTS.attempt(workload, f"PyG {model_name} (CSR adj_t)",
+                            lambda m=model_name: pyg_step(m, edge_index, nodes, x, y, classes, calls))
     run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, without_loops)
 
 
@@ -186,11 +172,11 @@ def run_mixed_precision(name, x, y, calls, models, adjacency, dtype, SegmentGCNC
         workload = f"{model_name} step {dtype}, {name}"
         print(f"\n{workload}")
         ours, theirs = (functools.partial(conv, dtype=dtype) for conv in (jinsum_conv, segment_conv))
-        attempt(workload, "jinsum", lambda: jax_step(model(ours, x, classes), x, y, adjacency, calls, True))
-        attempt(workload, "jinsum, deterministic",
-                lambda: jax_step(model(ours, x, classes), x, y, adjacency, calls, True, True))
-        attempt(workload, "gathers + segment_sum", lambda: jax_step(model(theirs, x, classes), x, y, edges, calls,
-                                                                     False))
+        RESULTS.attempt(workload, "jinsum", lambda: jax_step(model(ours, x, classes), x, y, adjacency, calls, True))
+        RESULTS.attempt(workload, "jinsum, deterministic",
+                        lambda: jax_step(model(ours, x, classes), x, y, adjacency, calls, True, True))
+        RESULTS.attempt(workload, "gathers + segment_sum",
+                        lambda: jax_step(model(theirs, x, classes), x, y, edges, calls, False))
 
 
 def run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, edges) -> None:
@@ -204,19 +190,20 @@ def run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, edge
             continue
         workload = f"{model_name} step, {name}"
         print(f"\n{workload}")
-        attempt(workload, "jinsum", lambda c=jinsum_conv: jax_step(model(c, x, classes), x, y, adjacency, calls, True))
-        attempt(workload, "jinsum, deterministic",
-                lambda c=jinsum_conv: jax_step(model(c, x, classes), x, y, adjacency, calls, True, True))
-        attempt(workload, "gathers + segment_max",
-                lambda c=segment_conv: jax_step(model(c, x, classes), x, y, edges, calls, False))
+        RESULTS.attempt(workload, "jinsum",
+                        lambda c=jinsum_conv: jax_step(model(c, x, classes), x, y, adjacency, calls, True))
+        RESULTS.attempt(workload, "jinsum, deterministic",
+                        lambda c=jinsum_conv: jax_step(model(c, x, classes), x, y, adjacency, calls, True, True))
+        RESULTS.attempt(workload, "gathers + segment_max",
+                        lambda c=segment_conv: jax_step(model(c, x, classes), x, y, edges, calls, False))
         if torch is not None:
             for layout in ("CSR adj_t", "edge_index"):
-                attempt(workload, f"PyG {model_name} ({layout})",
-                        lambda m=model_name, layout=layout: pyg_step(m, edge_index, nodes, x, y, classes, calls,
-                                                                     layout))
+                RESULTS.attempt(workload, f"PyG {model_name} ({layout})", lambda m=model_name, layout=layout: pyg_step(
+                    m, edge_index, nodes, x, y, classes, calls, layout))
 
 
-def pyg_step(model_name, edge_index, nodes, x, y, classes, calls, layout="CSR adj_t") -> tuple[float, str]:
+def pyg_step(model_name, edge_index, nodes, x, y, classes, calls, layout="CSR adj_t") -> dict:
+    """The row's columns of a training step of the same model in PyG."""
     from torch_geometric.nn import EdgeConv, GCNConv, SAGEConv  # noqa: PLC0415
 
     conv = {"GCN": lambda i, o: GCNConv(i, o, cached=True), "GraphSAGE": SAGEConv,
@@ -251,34 +238,18 @@ def pyg_step(model_name, edge_index, nodes, x, y, classes, calls, layout="CSR ad
         optimizer.step()
         return loss
 
-    return time_calls(step, calls=calls, sync=lambda _: torch.cuda.synchronize()), ""
+    return {"ms": 1e3 * time_calls(step, calls=calls, sync=sync_torch)}
 
 
-def write(out: pathlib.Path, started: float, tag: str = "") -> None:
-    device = jax.devices()[0].device_kind
-    versions = package_versions()
-    for row in ROWS:
-        first = next((r for r in ROWS if r["workload"] == row["workload"] and r["system"] == "jinsum" and r["ms"]),
-                     None)
-        row["vs_jinsum"] = row["ms"] / first["ms"] if first and row["ms"] else None
-    stem = out / f"training{'_' + tag if tag else ''}_{device.replace(' ', '_')}"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["workload", "system", "ms", "vs_jinsum", "note"])
-        writer.writeheader()
-        writer.writerows(ROWS)
-    lines = [f"# GNN training steps on {device}", "",
-             f"{', '.join(f'{k} {v}' for k, v in versions.items())}; `python benchmarks/training.py "
-             f"{' '.join(sys.argv[1:])}` "
-             f"({time.time() - started:.0f} s). ms: median over rounds of back-to-back steps "
-             "(`jinsum.timing.time_calls`); x jinsum: the system's time over jinsum's (above 1: jinsum is faster).",
-             "", "| workload | system | ms | x jinsum | note |", "|---|---|---:|---:|---|"]
-    for row in ROWS:
-        ms = f"{row['ms']:.3f}" if row["ms"] is not None else "failed"
-        ratio = f"{row['vs_jinsum']:.2f}" if row["vs_jinsum"] is not None else ""
-        lines.append(f"| {row['workload']} | {row['system']} | {ms} | {ratio} | {row['note']} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
+def write_results(out: pathlib.Path, started: float, tag: str = "") -> None:
+    rows = RESULTS.rows
+    for row in rows:
+        row["vs_jinsum"] = ratio(row["ms"], baseline(rows, row, lambda r: r["system"] == "jinsum"))
+    preamble = (f"{versions_text()}; `{command(__file__)}` ({time.time() - started:.0f} s). ms: median over rounds "
+                "of back-to-back steps (`jinsum.timing.time_calls`); x jinsum: the system's time over jinsum's (above "
+                "1: jinsum is faster).")
+    write(out / f"training{'_' + tag if tag else ''}_{device_file_name()}", f"GNN training steps on {device_name()}",
+          [preamble], COLUMNS, rows, csv_fields=[c.key for c in COLUMNS])
 
 
 def main() -> None:
@@ -298,7 +269,7 @@ def main() -> None:
     started = time.time()
     for graph in graphs(args.scale, args.graphs):
         run_graph(*graph, args.calls, args.models, args.dtype)
-        write(args.out, started, args.tag)  # (after each graph: a run cut short keeps what it measured)
+        write_results(args.out, started, args.tag)  # (after each graph: a run cut short keeps what it measured)
 
 
 if __name__ == "__main__":
