@@ -193,9 +193,7 @@ def batch_chain(chain: Chain, size: int) -> Chain:
         statement, _ = _derive.batch(spec.statement, {t: 0 for t in tensors}, 0, var=var)
         shapes = {o.name: jax.ShapeDtypeStruct(((size,) if o.name in tensors or o.name == spec.lhs.name else ())
                                                + o.shape, o.dtype) for o in spec.operands}
-        return _primitive.make_spec(statement, shapes, sorted_indices=spec.sorted_indices,
-                                    allow_tf32=spec.allow_tf32, zero_lhs=spec.zero_lhs,
-                                    deterministic=spec.deterministic)
+        return _primitive.make_spec(statement, shapes, **spec.modes, zero_lhs=spec.zero_lhs)
 
     roles = dataclasses.replace(chain.roles, batch=(var, *chain.roles.batch))
     return dataclasses.replace(chain, scores=rebatch(chain.scores, ("Q", "K")),

@@ -29,9 +29,8 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
     r, scores = chain.roles, chain.scores
     precision = jnp.float64 if chain.operand["Q"].dtype == np.float64 else jnp.float32
     s_shape = scores.lhs.shape
-    S = _primitive.bind(scores.statement, {**arrays, "S": jnp.zeros(s_shape, precision)},
-                        sorted_indices=frozenset({"Ai"}), allow_tf32=chain.allow_tf32, zero_lhs=True,
-                        deterministic=chain.output.deterministic)
+    S = _primitive.bind(scores.statement, {**arrays, "S": jnp.zeros(s_shape, precision)}, **chain.output.modes,
+                        zero_lhs=True)
     axes = tuple(i.name for i in scores.statement.lhs.indices)
     at = _Coordinates(chain, arrays, axes)
     row, col = at.read(Access("Ai", (Var(r.group),))), at.read(Access("Ak", (Var(r.group), Var(r.slot))))
@@ -71,8 +70,7 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
         weights = weights * _kept(chain, arrays, at.dropout_offsets(chain))
     out = _primitive.bind(chain.output.statement,
                           {**arrays, "S": weights, "O": jnp.zeros(chain.output.lhs.shape, precision)},
-                          sorted_indices=frozenset({"Ai"}), allow_tf32=chain.allow_tf32, zero_lhs=True,
-                          deterministic=chain.output.deterministic)
+                          **chain.output.modes, zero_lhs=True)
     if chain.self_loops:
         self_weights = jnp.exp(self_scores - shift)
         totals = totals + self_weights

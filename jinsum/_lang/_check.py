@@ -124,6 +124,13 @@ class Spec:
         return tuple(o.name for o in self.operands)
 
     @property
+    def modes(self) -> dict:
+        """The flags a statement derived from this one inherits (keywords of `make_spec`): its sorted index arrays,
+        TensorFloat-32, deterministic mode. (Zeros on the left, a column order, winners and the rest are each
+        derived statement's own.)"""
+        return dict(sorted_indices=self.sorted_indices, allow_tf32=self.allow_tf32, deterministic=self.deterministic)
+
+    @property
     def arguments(self) -> tuple[str, ...]:
         """The primitive's operands: the statement's (`names`), then those of `column_order`, then the arrays the
         epilogue captures (`epilogue_names`)."""

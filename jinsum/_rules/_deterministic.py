@@ -122,8 +122,8 @@ class _Runs:
 def _bind(statement: Statement, arrays: Mapping[str, jax.Array], sorted_indices, spec: Spec, zero_lhs: bool,
           kernel: Kernel) -> jax.Array:
     """Runs a statement derived from `spec`, in its mode, without its column order."""
-    derived = make_spec(statement, arrays, sorted_indices=frozenset(sorted_indices), allow_tf32=spec.allow_tf32,
-                        zero_lhs=zero_lhs, deterministic=True)
+    derived = make_spec(statement, arrays, **dict(spec.modes, sorted_indices=frozenset(sorted_indices)),
+                        zero_lhs=zero_lhs)
     return kernel(derived, arrays)
 
 
@@ -134,8 +134,7 @@ def _with_unit_axis(spec: Spec, arrays: Mapping[str, jax.Array], kernel: Kernel)
     unit = Var(_derive.fresh_name("u", set(statement_variables(statement))))
     statement = dataclasses.replace(statement, lhs=dataclasses.replace(lhs, indices=(*lhs.indices, unit)))
     arrays = {**arrays, lhs.tensor: arrays[lhs.tensor][..., None]}
-    widened = make_spec(statement, arrays, sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32,
-                        zero_lhs=spec.zero_lhs, deterministic=True)
+    widened = make_spec(statement, arrays, **spec.modes, zero_lhs=spec.zero_lhs)
     return evaluate(widened, arrays, kernel)[..., 0]
 
 
@@ -154,7 +153,7 @@ def _scatter_products(spec: Spec, arrays: Mapping[str, jax.Array], kernel: Kerne
     key = jnp.where(inside, jnp.ravel_multi_index(tuple(targets), out.shape, mode="clip"), -1)
     flat = dict(L=arrays[lhs.tensor].reshape(-1), K=key.reshape(-1).astype(jnp.int32), P=terms.reshape(-1))
     scatter = make_spec(Statement(Access("L", (Access("K", (Var("e"),)),)), True, (Access("P", (Var("e"),)),)),
-                        flat, allow_tf32=spec.allow_tf32, zero_lhs=spec.zero_lhs, deterministic=True)
+                        flat, **dict(spec.modes, sorted_indices=frozenset()), zero_lhs=spec.zero_lhs)
     return evaluate(scatter, flat, kernel).reshape(out.shape)
 
 

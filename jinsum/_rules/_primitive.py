@@ -164,9 +164,8 @@ def _jvp(primals, tangents, *, spec: Spec):
         name = _derive.fresh_name("d" + factor.tensor, taken)
         term = _derive.replace_factor(statement, i, name, accumulate=statement.accumulate or k > 0)
         arrays = {**env, statement.lhs.tensor: tangent, name: ad.instantiate_zeros(tangent_of[factor.tensor])}
-        tangent = bind(term, arrays, sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32,
-                       deterministic=spec.deterministic,
-                       zero_lhs=k == 0 and type(lhs_tangent) is ad.Zero, column_order=spec.column_order)
+        tangent = bind(term, arrays, **spec.modes, zero_lhs=k == 0 and type(lhs_tangent) is ad.Zero,
+                       column_order=spec.column_order)
     return out, tangent
 
 
@@ -183,7 +182,7 @@ def _extremal_tangent(out, env, tangent_of, spec: Spec):
     lhs_tangent = tangent_of[lhs]
     if not terms and type(lhs_tangent) is ad.Zero:
         return lhs_tangent
-    flags = dict(sorted_indices=spec.sorted_indices, allow_tf32=spec.allow_tf32, deterministic=spec.deterministic)
+    flags = spec.modes
     winners = bind(statement, {**env, lhs: out}, winners=True, **flags)
     none = winners == WINNER_NONE
     initial = ad.instantiate_zeros(lhs_tangent)
@@ -267,8 +266,8 @@ def _transpose(cotangent, *args, spec: Spec):
             arrays = {**env, **_at_entries(env, gathers, spec.column_order)}
             sorted_indices = frozenset({spec.column_order.columns.name})
         results[name] = bind(derived, {**arrays, name: jnp.zeros(aval.shape, aval.dtype)},
-                             sorted_indices=sorted_indices, allow_tf32=spec.allow_tf32, zero_lhs=True,
-                             deterministic=spec.deterministic, by_columns=bool(by_columns))
+                             **dict(spec.modes, sorted_indices=sorted_indices), zero_lhs=True,
+                             by_columns=bool(by_columns))
     return [results.get(name) for name in spec.arguments]
 
 
@@ -324,9 +323,9 @@ def _batch(args, dims, *, spec: Spec):
         lhs_axis = len(spec.lhs.shape)
         env[lhs_name] = jnp.broadcast_to(env[lhs_name][..., None], (*spec.lhs.shape, size))
     statement, _ = _derive.batch(spec.statement, batched, lhs_axis)
-    out = bind(statement, env, sorted_indices=spec.sorted_indices - set(batched), allow_tf32=spec.allow_tf32,
+    out = bind(statement, env, **dict(spec.modes, sorted_indices=spec.sorted_indices - set(batched)),
                zero_lhs=spec.zero_lhs, column_order=order,  # zeros, broadcast or batched, are zeros
-               deterministic=spec.deterministic, winners=spec.winners)
+               winners=spec.winners)
     return out, lhs_axis
 
 
