@@ -14,8 +14,9 @@ Each primitive's static parameter is the chain's `route` (`_chain_route.ChainRou
 its kernels, decided once when it is bound); the lowerings register themselves (`_lowering`), so this module
 imports none. So `jax.grad` of attention saves `(Q, K, V, O, LSE)` and runs the generated backward kernels, and
 `jax.jvp` works too. The pattern (`Ai`, `Ak`, `Av`, the key mask, the arrays `mask_mod` captures) has no tangent:
-masks are piecewise constant. `vmap` over the values adds a batch variable to the chain (a grid axis of the kernels); over
-the pattern, the seed or a captured array it runs the batch as a loop (`lax.map`).
+masks are piecewise constant. `vmap` over the values adds a batch variable to the chain (a grid axis of the
+kernels, the batched chain routed anew); over the pattern, the seed or a captured array it runs the batch as a loop
+(`lax.map`).
 """
 
 from __future__ import annotations

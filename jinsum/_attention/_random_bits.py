@@ -3,7 +3,8 @@
 Each attention weight has a counter (`offset`, see `dropout_offsets`) and the call a seed; the weight is kept
 iff the top 24 bits of Philox4x32-10 (`tl.randint(seed, offset)` in Triton, reimplemented here in `jax.numpy`)
 are at least `Chain.dropout_threshold`, `round(rate * 2**24)`. Nothing is stored between the forward and the
-backward: both draw the same bits again. Counters are taken modulo 2**32, so a chain of more than 2**32 weights reuses streams.
+backward: both draw the same bits again. Counters are taken modulo 2**32, so a chain of more than 2**32 weights
+reuses streams.
 """
 
 from __future__ import annotations
