@@ -257,8 +257,8 @@ class _Writer:
     def _axis(self, axis: str, start: str, block: int, size: int | str) -> None:
         """`v_<axis>`: a tile of `block` positions from `start`, masked to `size`. In the dot template, tiles that
         cut the size into whole pieces need no mask: loads and stores along them go unpredicated. The lanes
-        template keeps its masks: its gathers ran slower unpredicated (GAT step on R-MAT 17, H100: the dkdv kernel
-        2.17 -> 2.55 ms, the forward 1.25 -> 1.47)."""
+        template keeps its masks: its gathers ran slower unpredicated (DESIGN.md, "A masking change for one
+        template can slow another")."""
         self.emit(f"v_{axis} = {'' if start == '0' else start + ' + '}tl.arange(0, {block})")
         self.emit(f"mk_{axis} = v_{axis} < {size}")
         whole = self.dot and isinstance(size, int) and size % block == 0

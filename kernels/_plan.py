@@ -162,8 +162,8 @@ class KernelPlan:
         run (the result is the same in every run), and a 16-bit output is written in its dtype, not in float32 and
         cast after. For sums (`+=`) with one row index and one lane variable on the left (SpMM's `C[Ai[g],n]`),
         outside grids and row tiles, with 16-bit results or in deterministic mode: for float32 results the zero
-        fill and the atomics cost the same (H100, SpMM F = 128 on R-MAT 17 / 20: 0.250 / 2.42 ms device time
-        against 0.254 / 2.54; the first kernel stores the empty rows, the fill wrote them faster)."""
+        fill and the atomics cost no more than carrying (the first kernel's stores of the empty rows cost what the
+        fill saves; DESIGN.md, "Carry shared rows")."""
         return (_carriable(self.spec, self.lanes, self.rows, self.write, self.grid, self.write_loops)
                 and self.template == "lanes" and self.config.schedule == "split"
                 and (self.spec.deterministic or np.dtype(self.spec.lhs.dtype).itemsize < 4))
@@ -179,8 +179,9 @@ class KernelPlan:
         its whole value (a plain left-hand side, set or updated; or a program per row of a segmented write, empty
         rows included: the `rows` schedule, the default of dot plans). Elsewhere (atomic writes, rows shared
         between windows) the lowering applies it after. The schedule is not changed to fuse it: row programs for
-        lanes plans leave a hub row to one program, and on R-MAT 17 (H100) an SpMM with its epilogue fused that way
-        took 1.53 ms at F = 256 against 0.44 + 0.13 ms for the `split` kernel and XLA's pass after it."""
+        lanes plans leave a hub row to one program, which made an SpMM with its epilogue fused that way several
+        times slower than the `split` kernel and XLA's pass after it (DESIGN.md, "Fuse only where the plan already
+        has one writer per element")."""
         if self.spec.epilogue is None:
             return False
         plain = all(isinstance(i, Var) for i in self.spec.statement.lhs.indices)
@@ -190,7 +191,8 @@ class KernelPlan:
     def covers_output(self) -> bool:
         """Row programs into zeros write every element of the output once: a program per row (empty rows too, which
         store zeros) and the output's other axes parallel variables; so do carried windows (`carries`). The
-        launcher then leaves the output unfilled (a zero fill of a block SpMM's output is 6% of its time)."""
+        launcher then leaves the output unfilled (a zero fill is a measurable share of a block SpMM's time:
+        DESIGN.md, "Dot plans")."""
         return (self.row_programs or self.carries) and self.zeroes_output  # (a segmented write: one indirection)
 
     @functools.cached_property
@@ -235,9 +237,8 @@ class KernelPlan:
         leading dimension of every array that an index array addresses (`rows_<array>`, the bound of its range
         check). So a pattern with another number of groups, or operands with another number of rows, reuse the
         compiled kernel: these only bound loops and masks (strides never involve a leading dimension). Tiles,
-        strides and feature widths stay in the source, where they make vector loads and unrolled loops (measured on
-        an H100, SpMM over R-MAT 17: a width passed at run time took 2.0x as long at 32 features, 2.7x at 40, 1.03x
-        at 128)."""
+        strides and feature widths stay in the source, where they make vector loads and unrolled loops (a width
+        passed at run time made narrow SpMMs measurably slower: DESIGN.md, "Kernel identity")."""
         sizes = {}
         if self.window or self.row_programs:
             sizes["programs"] = self.windows

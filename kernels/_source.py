@@ -224,7 +224,7 @@ class _Writer:
         """The loaded factors that are one value per written row (constant along the lanes and the sums). An
         atomic update is skipped where one is zero: it would add zeros (NaN or inf in another factor aside), and
         group padding (value 0, column 0) would otherwise send every padded slot's atomics to one row,
-        serialising them (10x slower on an H100). (Not in a `max=` / `min=`, where a zero term counts.)"""
+        serialising them (DESIGN.md, "Transposes"). (Not in a `max=` / `min=`, where a zero term counts.)"""
         plan, spec, scalars = self.plan, self.spec, []
         if plan.reduction != "sum":
             return scalars

@@ -11,10 +11,10 @@ by everything that changes its output (the TTIR text, which holds the source, th
 specialisation; Triton's compile options, num_warps and num_stages among them; the GPU's compute capability; the
 Triton, jax-triton and jaxlib versions). For jinsum's own kernels it also keeps the front end's output (the TTIR
 text, `<key>.ttir`), keyed by the generated module, the helpers it imports, the signature, constexprs,
-specialisation, options and versions: a later process parses it (milliseconds) instead of running Triton's front
-end (0.1 s a kernel). The process that runs the front end goes on with the module parsed from the stored text
-too, so every process hands Triton's compiler the same text and the PTX lookup hits. These two wrappers, on
-jax-triton's module, are the one place jinsum reaches into jax-triton, which offers no hook.
+specialisation, options and versions: a later process parses it instead of running Triton's front end, which
+costs far more (DESIGN.md, "First calls"). The process that runs the front end goes on with the module parsed
+from the stored text too, so every process hands Triton's compiler the same text and the PTX lookup hits. These
+two wrappers, on jax-triton's module, are the one place jinsum reaches into jax-triton, which offers no hook.
 
 Entries are files `<key>.json` (kernel name, shared memory, PTX) and `<key>.ttir` in `$JINSUM_CACHE_DIR/compiled`
 (default `~/.cache/jinsum/kernels/compiled`), each sealed with the SHA-256 of its text as a last line, written to a

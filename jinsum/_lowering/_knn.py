@@ -62,9 +62,8 @@ def default_config(dim: int, k: int) -> KnnConfig:
     """The launch parameters for points of `dim` coordinates and `k` neighbours. `JINSUM_KNN_CONFIG` (e.g.
     `block_m=32,block_n=64,num_warps=1`) overrides fields, for sweeps.
 
-    Measured on an H100 (`benchmarks/point_graphs.py --knn-configs`, 16 clouds of 1,024 points, k = 20): with
-    differences (D < 16) rows of 16 over one warp and 32 columns a tile (0.168 ms at D = 3; 8, 16 or 32 rows within
-    0.01 ms); with `tl.dot` 32 x 32 tiles (0.426 ms at D = 64, against 0.472-0.585 for 16 x 64, 16 x 16, 32 x 16)."""
+    With differences (D < 16) rows of 16 over one warp and 32 columns a tile; with `tl.dot` 32 x 32 tiles: the
+    fastest shapes of a sweep (`benchmarks/point_graphs.py --knn-configs`; DESIGN.md, "The kNN kernel")."""
     del k  # (up to MAX_K the same shapes compile: 230-255 registers at k = 128 with rows of 16)
     config = KnnConfig(block_m=16 if dim < 16 else 32, block_n=32)
     override = os.environ.get("JINSUM_KNN_CONFIG", "")

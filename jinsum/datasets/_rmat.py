@@ -24,8 +24,8 @@ def rmat(
     per-level noise. The defaults are the Graph500 parameters: scale 17 gives about 1.94M edges, scale 20
     about 16.1M.
 
-    Vectorised over edges (loops run over the ``scale`` levels and over chunks of draws, never single edges):
-    scale 20 takes about 2 s.
+    Vectorised over edges (loops run over the ``scale`` levels and over chunks of draws, never single edges), so
+    the benchmark graphs are quick to draw (DESIGN.md, "Host-side builders are vectorised").
 
     Args:
       scale: ``log2`` of the number of nodes, ``0 <= scale <= 62``.

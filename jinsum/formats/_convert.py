@@ -10,8 +10,8 @@ Two kinds of helpers live here:
   arrays. :class:`BlockGroupCOO` builds a canonical CSR of its *blocks* with :func:`blocks_from_csr` and reuses
   the same routine.
 
-Nothing here runs a Python loop over rows or entries: a 10**6 x 10**6 CSR matrix with 10**7 nonzeros converts
-in under half a second, an unsorted edge list of that size in about two (one stable argsort).
+Nothing here runs a Python loop over rows or entries: a conversion is a few whole-array passes (an unsorted edge
+list adds one stable argsort); measured in DESIGN.md, "Host-side builders are vectorised".
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def as_jax_array(x) -> jax.Array:
     """``x`` as a JAX array; JAX arrays and tracers pass through unchanged.
 
     ``jax.device_put`` rather than ``jnp.asarray``: in JAX 0.10 the latter compiles a copy for every new shape
-    (about 20 ms each on a CPU), while ``device_put`` only transfers. Both canonicalise dtypes the same way
-    (int64 becomes int32 without ``jax_enable_x64``).
+    (a compile per shape: DESIGN.md, "Host-side builders are vectorised"), while ``device_put`` only transfers.
+    Both canonicalise dtypes the same way (int64 becomes int32 without ``jax_enable_x64``).
     """
     return x if isinstance(x, jax.Array) else jax.device_put(np.asarray(x))
 

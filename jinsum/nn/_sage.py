@@ -101,9 +101,9 @@ class SAGEConv(nnx.Module):
 
 def _transform_first(A, in_features: int, out_features: int) -> bool:
     """Whether `A (x W)` costs fewer multiply-adds than `(A x) W`: `N_src F_in F_out + nnz F_out` against
-    `nnz F_in + N_dst F_in F_out`. On a square graph that is the narrower width. On a sampled bipartite layer
-    (R-MAT 20, batch 1,024, fanouts (15, 10): 16,384 sources, 1,024 destinations, 256 -> 40) transforming every
-    source first costs 11x more, and its backward is an atomic scatter into all the sources (40 us on an H100)."""
+    `nnz F_in + N_dst F_in F_out`. On a square graph that is the narrower width. On a sampled bipartite layer,
+    with many more sources than destinations, transforming every source first is many times the work, and its
+    backward is an atomic scatter into all the sources (DESIGN.md, "Order a mean's product by multiply-adds")."""
     n_dst, n_src = A.shape[:2]
     if n_dst == n_src:
         return out_features < in_features

@@ -98,11 +98,11 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
       replace: sample with replacement (a neighbor may repeat; its entries then count as often as drawn).
       with_transpose: give the adjacencies their entries in column order (`GroupCOO.from_neighbors`: one sort per
         layer, then a backward without atomics); one bool for every layer, or one per layer, outermost first.
-        The backward of an inner layer scatters into its sources, many of them hubs; XLA's atomic scatter of the
-        second layer's `(15,360, 256)` messages took 105 us of a 0.56 ms step on an H100 (R-MAT 20, batch
-        1,024, fanouts (15, 10)), the sort and the column-ordered sum some 15 us. The outermost layer's sources
-        are the input features, whose gradient nobody asks for: ``(False, True)`` for two layers. Deterministic
-        mode wants every layer that is differentiated through in column order (no sort per call).
+        The backward of an inner layer scatters into its sources, many of them hubs; XLA's atomic scatter
+        serialises on them, and costs far more than the sort and the column-ordered sum (DESIGN.md, "Atomic
+        scatters serialise on hubs"). The outermost layer's sources are the input features, whose gradient nobody
+        asks for: ``(False, True)`` for two layers. Deterministic mode wants every layer that is differentiated
+        through in column order (no sort per call).
       outer_sources: ``"sample"`` (the default, PyG's reading): the outermost adjacency maps the sample's ``n_L``
         nodes, whose features a model gathers as ``x[node_ids]``. ``"graph"``: it maps the graph's own node ids
         (``(n_{L-1}, num_nodes)``), so the first layer reads the whole feature table in place
