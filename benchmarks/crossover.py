@@ -6,7 +6,7 @@ backward, inside a jitted function of several such statements, on the Triton low
 Each jitted call runs 4 chained SpMMs and their gradient (a step's worth of statements), so the per-statement
 launch cost inside one executable counts, as it does in a training step: XLA's fusions run as one CUDA graph, a
 generated kernel (a custom call) is launched on its own. Prints ms per call for both lowerings and the number of
-terms (rows x k x F) per statement, which `jinsum._lowering._triton.SMALL_TERMS` is chosen from.
+terms (rows x k x F) per statement, which `jinsum._lowering._route.SMALL_TERMS` is chosen from.
 """
 
 from __future__ import annotations
