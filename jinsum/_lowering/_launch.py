@@ -8,6 +8,14 @@ per output; aliased outputs are their input's buffer), with two targets:
   first defined, and torch). NumPy arrays in and out; traced arrays through a host callback. Outputs that the
   kernel must write start as NaN (-7 for integers), so an element it leaves unwritten shows.
 `interpreted()` makes `target()` the interpreter within a block (tests of a kernel path traced for CPU).
+
+Kernels that make TMA descriptors on the device (`tl.make_tensor_descriptor`) need Triton's global scratch memory,
+a hidden last-but-one kernel parameter that jaxlib's Triton custom call passes as a null pointer (jax-triton
+0.3.1, jaxlib 0.11: the kernel dies with an illegal address). Such a kernel takes an explicit last parameter,
+`scratch`, and is launched with `global_scratch=` its bytes per program: the launch adds that operand (programs x
+bytes, uint8), and `redirect_global_scratch` rewrites the kernel's PTX, before jaxlib assembles it, to read the
+scratch pointer from that parameter instead of the hidden one. A kernel whose PTX reads the hidden pointer without
+such a launch is refused when it is compiled, with the fix, instead of crashing on the GPU.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -40,19 +50,28 @@ class Launcher:
 
 def _jax_triton_call(kernel, *args, out_shape, grid, num_warps: int, num_stages: int, name: str,
                      input_output_aliases: dict[int, int] | None = None, zeroed_outputs: Sequence[int] = (),
-                     **constexprs):
-    return jax_triton().triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid, num_warps=num_warps,
-                                    num_stages=num_stages, name=name,
-                                    input_output_aliases=input_output_aliases or {},
-                                    zeroed_outputs=tuple(zeroed_outputs), **constexprs)
+                     global_scratch: int = 0, **constexprs):
+    single = not isinstance(out_shape, (list, tuple))
+    structs = [out_shape] if single else list(out_shape)
+    if global_scratch:  # the kernel's last parameter: its global scratch memory (see the module docstring)
+        _SCRATCH_KERNELS.add(kernel.__name__)
+        structs.append(jax.ShapeDtypeStruct((math.prod(grid) * global_scratch,), jnp.uint8))
+    results = jax_triton().triton_call(*args, kernel=kernel, out_shape=structs, grid=grid, num_warps=num_warps,
+                                       num_stages=num_stages, name=name,
+                                       input_output_aliases=input_output_aliases or {},
+                                       zeroed_outputs=tuple(zeroed_outputs), **constexprs)
+    results = list(results)[:len(results) - bool(global_scratch)]
+    return results[0] if single else results
 
 
 def _interpreter_call(kernel, *args, out_shape, grid, num_warps: int, num_stages: int, name: str,
                       input_output_aliases: dict[int, int] | None = None, zeroed_outputs: Sequence[int] = (),
-                      **constexprs):
+                      global_scratch: int = 0, **constexprs):
     del num_stages, name  # (no meaning in the interpreter)
     single = not isinstance(out_shape, (list, tuple))
     structs = [out_shape] if single else list(out_shape)
+    if global_scratch:  # (the interpreter keeps descriptors on the host: the parameter is there, unread)
+        structs.append(jax.ShapeDtypeStruct((1,), jnp.uint8))
     arrays = [k for k, a in enumerate(args) if isinstance(a, (jax.Array, np.ndarray))]
     if any(isinstance(args[k], jax.Array) for k in arrays):  # traced (or on a device): the same launch on the host
 
@@ -62,7 +81,8 @@ def _interpreter_call(kernel, *args, out_shape, grid, num_warps: int, num_stages
                 host_args[k] = np.asarray(value)
             return _interpreter_call(kernel, *host_args, out_shape=out_shape, grid=grid, num_warps=num_warps,
                                      num_stages=0, name="", input_output_aliases=input_output_aliases,
-                                     zeroed_outputs=zeroed_outputs, **constexprs)
+                                     zeroed_outputs=zeroed_outputs, global_scratch=global_scratch,
+                                     **constexprs)
 
         return jax.pure_callback(host, out_shape, *(args[k] for k in arrays))
     inputs = [to_torch(np.asarray(a)) if isinstance(a, np.ndarray) else a for a in args]
@@ -78,7 +98,7 @@ def _interpreter_call(kernel, *args, out_shape, grid, num_warps: int, num_stages
             buffer.fill_(float("nan") if buffer.is_floating_point() else -7)
         outputs.append(buffer)
     kernel[grid](*inputs, *outputs, num_warps=num_warps, **constexprs)
-    results = [from_torch(t) for t in outputs]
+    results = [from_torch(t) for t in outputs[:len(outputs) - bool(global_scratch)]]
     return results[0] if single else results
 
 
@@ -130,8 +150,49 @@ def jax_triton():
     else:
         os.environ["TRITON_CACHE_DIR"] = previous
     _kernel_cache.install(module.triton_lib)
+    _install_scratch_redirect(module.triton_lib)
     _start_triton_specializer_without_torch()
     return module
+
+
+# Kernels launched with `global_scratch` (by name: the PTX entry is the `@triton.jit` function's name).
+_SCRATCH_KERNELS: set[str] = set()
+
+
+def redirect_global_scratch(ptx: str, has_scratch: bool) -> str:
+    """The kernel's PTX reading its global-scratch pointer from its last explicit parameter (the launch's scratch
+    operand) instead of the hidden one jaxlib passes as null; unchanged if the kernel reads no global scratch.
+    Triton (3.3 on) appends two hidden pointers to every kernel's parameters, global then profile scratch."""
+    entry = re.search(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx, re.S)
+    if entry is None:
+        return ptx
+    name, count = entry.group(1), len(re.findall(r"\.param\b", entry.group(2)))
+    hidden = rf"\[{name}_param_{count - 2}\]"
+    if count < 3 or not re.search(hidden, ptx):
+        return ptx
+    if not has_scratch:
+        raise ValueError(f"jinsum: kernel {name} makes TMA descriptors on the device, which need Triton's global "
+                         "scratch memory, and jaxlib passes none: give the kernel a last parameter `scratch` and "
+                         "launch it with global_scratch= its bytes per program (jinsum._lowering._launch)")
+    return re.sub(hidden, f"[{name}_param_{count - 3}]", ptx)
+
+
+def _install_scratch_redirect(triton_lib) -> None:
+    """Puts `redirect_global_scratch` after jax-triton's compiler (and jinsum's cache in front of it), once."""
+    if getattr(triton_lib, "_jinsum_scratch_redirect", False):
+        return
+    compile_ttir = triton_lib.compile_ttir_inplace
+
+    @functools.wraps(compile_ttir)
+    def compile_with_scratch(ttir, backend, options, compute_capability, platform):
+        result = compile_ttir(ttir, backend, options, compute_capability, platform)
+        if platform != "cuda":
+            return result
+        binary = redirect_global_scratch(result.binary, result.name in _SCRATCH_KERNELS)
+        return result if binary is result.binary else dataclasses.replace(result, binary=binary)
+
+    triton_lib.compile_ttir_inplace = compile_with_scratch
+    triton_lib._jinsum_scratch_redirect = True
 
 
 def _start_triton_specializer_without_torch() -> None:

@@ -1,0 +1,75 @@
+"""The one launcher (`jinsum._lowering._launch`): a kernel that makes TMA descriptors on the device runs with the
+scratch memory the launch provides, in Triton's interpreter here and through jax-triton on a GPU (`pytest -m
+gpu`), and its PTX is redirected to that scratch, or refused with the fix where the launch gave none."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jinsum._lowering import _launch
+
+from conftest import ON_GPU
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+
+@triton.jit
+def _double_by_descriptors(x_ptr, M, N, y_ptr, scratch, BM: tl.constexpr, BN: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    x = tl.make_tensor_descriptor(x_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    y = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1], block_shape=[BM, BN])
+    y.store([pid_m * BM, pid_n * BN], x.load([pid_m * BM, pid_n * BN]) * 2)
+
+
+def _double(launcher, x, block=16):
+    m, n = x.shape
+    return launcher.call(_double_by_descriptors, x, m, n, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         grid=(-(-m // block), -(-n // block)), num_warps=4, num_stages=1, name="double",
+                         global_scratch=256, BM=block, BN=block)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GPU is")
+def test_descriptors_in_the_interpreter(rng):
+    """NumPy arrays, and traced ones through a host callback; edges past the blocks (50 x 40 by 16) are masked."""
+    pytest.importorskip("torch")
+    x = rng.standard_normal((50, 40)).astype(np.float32)
+    np.testing.assert_array_equal(_double(_launch.INTERPRETER, x), 2 * x)
+    np.testing.assert_array_equal(jax.jit(lambda x: _double(_launch.INTERPRETER, x))(x), 2 * x)
+
+
+PTX = """.visible .entry k(
+\t.param .u64 .ptr .global .align 1 k_param_0,
+\t.param .u64 .ptr .global .align 1 k_param_1,
+\t.param .u64 .ptr .global .align 1 k_param_2,
+\t.param .u64 .ptr .global .align 1 k_param_3
+)
+{
+\tld.param.u64 %rd1, [k_param_0];
+\tld.param.u64 %rd2, [k_param_2];
+}"""
+
+
+def test_the_ptx_reads_the_launch_s_scratch():
+    """Parameters: x, the explicit scratch, then Triton's hidden global and profile scratch. The hidden global
+    scratch's reads move to the explicit one; a kernel that reads none is left alone; one that reads it without a
+    scratch operand is refused with the fix."""
+    redirected = _launch.redirect_global_scratch(PTX, has_scratch=True)
+    assert "[k_param_1]" in redirected and "[k_param_2]" not in redirected and "[k_param_0]" in redirected
+    untouched = PTX.replace("[k_param_2]", "[k_param_0]")
+    assert _launch.redirect_global_scratch(untouched, has_scratch=False) is untouched
+    with pytest.raises(ValueError, match=r"kernel k makes TMA descriptors on the device.*global_scratch="):
+        _launch.redirect_global_scratch(PTX, has_scratch=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_descriptors_through_jax_triton(rng):
+    """On a GPU the kernel runs from the launch's scratch (jaxlib alone passes a null pointer: an illegal
+    address), in bfloat16 tiles of 64 over an array that is not a multiple of them."""
+    x = jnp.asarray(rng.standard_normal((1000, 520)), jnp.bfloat16)
+    y = jax.jit(lambda x: _double(_launch.JAX_TRITON, x, block=64))(x)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), 2 * np.asarray(x, np.float32))
