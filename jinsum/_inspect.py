@@ -82,11 +82,10 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
                          for r in _routes(eqn.params["spec"], avals, config=config)]
             elif eqn.primitive in (_chain_primitive.attention_p, _chain_primitive.attention_backward_p):
                 chain_route = eqn.params["route"]
-                kinds = _chain_route.FORWARD if eqn.primitive is _chain_primitive.attention_p else ("dq", "dkdv")
-                plans = chain_route.plans(_chain_route.FORWARD if kinds == _chain_route.FORWARD
-                                          else _chain_route.BACKWARD)
-                if not isinstance(plans, kernels.Fallback):
-                    plans = {kind: plans[kind] for kind in kinds}
+                forward = eqn.primitive is _chain_primitive.attention_p
+                plans = chain_route.plans(_chain_route.FORWARD if forward else _chain_route.BACKWARD)
+                if not (forward or isinstance(plans, kernels.Fallback)):  # (the sums of pieces left unshown)
+                    plans = {kind: plans[kind] for kind in ("dq", "dkdv")}
                 found = [(repr(chain_route.chain), None, plans)]
             else:
                 continue
@@ -101,7 +100,7 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
     statement, arrays, flags = _einsum.prepare(target, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
     spec = _primitive.make_spec(statement, arrays, **flags)
     found = route(spec, config=config)
-    if found.rewritten or found.epilogue_after:  # the statements it is split into (see `_routes`)
+    if found.rewritten:  # deterministic mode: the statements it is rewritten into (see `_routes`)
         return triton_source(lambda ops: _primitive.bind(statement, ops, **flags), arrays, config=config)
     if not found.kernel:
         raise ValueError(f"jinsum: {statement} has no generated kernel: {found.reason}")

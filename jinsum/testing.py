@@ -190,6 +190,7 @@ def specs_in(fn, *args) -> list[Spec]:
 
 
 def kernel_specs_in(fn, *args) -> list[Spec]:
-    """The statements that reach a lowering when `fn(*args)` runs: `specs_in`, with deterministic mode's scatters
+    """The statements that reach the default device's lowering when `fn(*args)` runs, split as their routes say
+    (`jinsum._lowering._route`; on a GPU the CUDA lowering's): `specs_in`, with deterministic mode's scatters
     replaced by the sorted segment reductions they become."""
     return list(kernel_specs(fn, *args))

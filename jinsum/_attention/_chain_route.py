@@ -45,6 +45,11 @@ class ChainRoute:
     forward: tuple[ChainPlan, ...] | Fallback
     backward: tuple[ChainPlan, ...] | Fallback
 
+    def __repr__(self) -> str:  # short: a printed jaxpr shows it (each plan holds the chain again)
+        found = [f"{k} fused" if not isinstance(p, Fallback) else f"{k} unfused: {p.reason}"
+                 for k, p in (("forward", self.forward), ("backward", self.backward))]
+        return f"ChainRoute({self.chain!r}, {', '.join(found)})"
+
     def plans(self, kinds: tuple[str, ...]) -> dict[str, ChainPlan] | Fallback:
         """The plans of the `FORWARD` or the `BACKWARD` kernels by kind, or their `Fallback`."""
         found = self.forward if kinds == FORWARD else self.backward
@@ -79,11 +84,13 @@ def _plans(chain: Chain, kinds, config: ChainConfig, switched) -> tuple[ChainPla
         if isinstance(plan, Fallback):
             return plan
         found.append(plan)
-    try:  # a score_mod without a Triton translation shows up here
+    try:  # a score_mod without a Triton translation shows up here (and, routed on any platform, a chain that
+        #    only ever runs unfused must not fail on its kernels' source: the CUDA lowering warns of the fallback)
         for plan in found:
             generate_chain(plan)
-    except NotImplementedError as error:
-        return Fallback(str(error))
+    except Exception as error:  # noqa: BLE001
+        return Fallback(str(error) if isinstance(error, NotImplementedError) else
+                        f"the code generator failed: {type(error).__name__}: {error}")
     return tuple(found)
 
 

@@ -14,7 +14,8 @@ text, `<key>.ttir`), keyed by the generated module, the helpers it imports, the 
 specialisation, options and versions: a later process parses it instead of running Triton's front end, which
 costs far more (DESIGN.md, "First calls"). The process that runs the front end goes on with the module parsed
 from the stored text too, so every process hands Triton's compiler the same text and the PTX lookup hits. These
-two wrappers, on jax-triton's module, are the one place jinsum reaches into jax-triton, which offers no hook.
+two wrappers, on jax-triton's module, are with the launcher's global-scratch redirect (`_launch`) the places jinsum
+reaches into jax-triton, which offers no hook.
 
 Entries are files `<key>.json` (kernel name, shared memory, PTX) and `<key>.ttir` in `$JINSUM_CACHE_DIR/compiled`
 (default `~/.cache/jinsum/kernels/compiled`), each sealed with the SHA-256 of its text as a last line, written to a

@@ -1,7 +1,7 @@
-"""The CUDA path of `jinsum.nn.knn`: each row block's column range from the batch vector, then one hand-written
+"""The CUDA path of `jinsum.graphs.knn`: each row block's column range from the batch vector, then one hand-written
 Triton kernel (`jinsum.kernels.knn_kernel`, see its module for the design), launched by `_launch`.
 
-`knn` is what `jinsum.nn.knn` calls when the kernel can run (`usable`): a `lax.platform_dependent` of the kernel
+`knn` is what `jinsum.graphs.knn` calls when the kernel can run (`usable`): a `lax.platform_dependent` of the kernel
 on CUDA and the caller's tiled XLA path (`reference`) everywhere else, so the choice is made when the program is
 lowered for its device. Under `vmap` the launch's `custom_vmap` rule lays the batch entries end to end, each padded
 to whole row blocks, with each block's column range shifted into its entry, and launches once (`_kernel_call`).
@@ -16,7 +16,7 @@ them). Whether the batch is sorted is checked on the device in the same pass: wh
 all the columns, as the XLA path does, so results never depend on the order; only time does.
 
 Within `jinsum._lowering._launch.interpreted()` the same launch runs in Triton's interpreter on CPU (a host
-callback), which is how tests run `jinsum.nn.knn`'s kernel path, vmap rule included, without a GPU.
+callback), which is how tests run `jinsum.graphs.knn`'s kernel path, vmap rule included, without a GPU.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def default_config(dim: int, k: int) -> KnnConfig:
     """The launch parameters for points of `dim` coordinates and `k` neighbours. `JINSUM_KNN_CONFIG` (e.g.
     `block_m=32,block_n=64,num_warps=1`) overrides fields, for sweeps.
 
-    With differences (D < 16) rows of 16 over one warp and 32 columns a tile; with `tl.dot` 32 x 32 tiles: the
-    fastest shapes of a sweep (`benchmarks/point_graphs.py --knn-configs`; DESIGN.md, "The kNN kernel")."""
+    With differences (`D < DIFFERENCES_BELOW`) rows of 16 over one warp and 32 columns a tile; with `tl.dot` 32 x 32
+    tiles: the fastest shapes of a sweep (`benchmarks/point_graphs.py --knn-configs`; DESIGN.md, "The kNN kernel")."""
     del k  # (up to MAX_K the same shapes compile: 230-255 registers at k = 128 with rows of 16)
-    config = KnnConfig(block_m=16 if dim < 16 else 32, block_n=32)
+    config = KnnConfig(block_m=16 if dim < DIFFERENCES_BELOW else 32, block_n=32)
     override = os.environ.get("JINSUM_KNN_CONFIG", "")
     if override:
         fields = {f.name for f in dataclasses.fields(KnnConfig)}
@@ -89,7 +89,7 @@ def metaparameters(dim: int, n: int, k: int, loop: bool, config: KnnConfig) -> d
     direct = dim < DIFFERENCES_BELOW if config.direct is None else config.direct
     block_d = config.block_d or min(64, max(16, _next_power_of_two(dim)))
     if not direct and min(config.block_m, config.block_n, block_d) < 16:
-        raise ValueError(f"jinsum.nn.knn: tl.dot needs blocks of at least 16, got {config}")
+        raise ValueError(f"jinsum.graphs.knn: tl.dot needs blocks of at least 16, got {config}")
     return dict(D=dim, K=k, KP=_next_power_of_two(k), LOOP=bool(loop), DIRECT=bool(direct),
                 WIDE=n * max(dim, k) >= (1 << 31) - 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                 BLOCK_D=block_d)
@@ -120,7 +120,7 @@ def usable(pos_dtype, n: int, k: int) -> bool:
 # --- the call ------------------------------------------------------------------------------------------------------
 
 def knn(pos: jax.Array, batch: jax.Array, *, k: int, loop: bool, reference, config: KnnConfig | None = None):
-    """int32 `(N, k)`: `jinsum.nn.knn(pos, k, batch, loop)` by the kernel on CUDA, by `reference(pos, batch)`
+    """int32 `(N, k)`: `jinsum.graphs.knn(pos, k, batch, loop)` by the kernel on CUDA, by `reference(pos, batch)`
     (same arguments, same result) on other platforms. `batch`: int32 `(N,)`."""
     config = config or default_config(pos.shape[1], k)
     launcher = _launch.target()
@@ -194,7 +194,7 @@ def interpret_kernel(pos: np.ndarray, batch: np.ndarray, starts: np.ndarray, end
 
 
 def interpret(pos, k: int, batch=None, loop: bool = False, config: KnnConfig | None = None) -> np.ndarray:
-    """`jinsum.nn.knn(pos, k, batch, loop)` by the kernel in Triton's interpreter (tests): column ranges from
+    """`jinsum.graphs.knn(pos, k, batch, loop)` by the kernel in Triton's interpreter (tests): column ranges from
     `column_ranges`, then `interpret_kernel`."""
     pos = np.asarray(pos)
     batch = np.zeros(pos.shape[0], np.int32) if batch is None else np.asarray(batch, np.int32)

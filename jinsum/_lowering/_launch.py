@@ -15,7 +15,8 @@ a hidden last-but-one kernel parameter that jaxlib's Triton custom call passes a
 `scratch`, and is launched with `global_scratch=` its bytes per program: the launch adds that operand (programs x
 bytes, uint8), and `redirect_global_scratch` rewrites the kernel's PTX, before jaxlib assembles it, to read the
 scratch pointer from that parameter instead of the hidden one. A kernel whose PTX reads the hidden pointer without
-such a launch is refused when it is compiled, with the fix, instead of crashing on the GPU.
+such a launch is refused when it is compiled, with the fix, instead of crashing on the GPU. (A workaround for
+jaxlib's launch: once jaxlib passes global scratch itself, the redirect goes.)
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def _jax_triton_call(kernel, *args, out_shape, grid, num_warps: int, num_stages:
                      global_scratch: int = 0, **constexprs):
     single = not isinstance(out_shape, (list, tuple))
     structs = [out_shape] if single else list(out_shape)
+    _register(kernel, bool(global_scratch))
     if global_scratch:  # the kernel's last parameter: its global scratch memory (see the module docstring)
-        _SCRATCH_KERNELS.add(kernel.__name__)
         structs.append(jax.ShapeDtypeStruct((math.prod(grid) * global_scratch,), jnp.uint8))
     results = jax_triton().triton_call(*args, kernel=kernel, out_shape=structs, grid=grid, num_warps=num_warps,
                                        num_stages=num_stages, name=name,
@@ -155,8 +156,19 @@ def jax_triton():
     return module
 
 
-# Kernels launched with `global_scratch` (by name: the PTX entry is the `@triton.jit` function's name).
-_SCRATCH_KERNELS: set[str] = set()
+# The kernels this launcher launched, by name (the PTX entry is the `@triton.jit` function's name): with and without
+# `global_scratch`. A name in both would make the PTX redirect ambiguous, and is refused at launch.
+_LAUNCHED: dict[str, bool] = {}
+
+
+def _register(kernel, scratch: bool) -> None:
+    name = kernel.__name__
+    if scratch and kernel.arg_names[-1] != "scratch":
+        raise ValueError(f"jinsum: kernel {name} is launched with global_scratch but its last parameter is "
+                         f"{kernel.arg_names[-1]!r}: declare a last parameter `scratch` for the launch's operand")
+    if _LAUNCHED.setdefault(name, scratch) != scratch:
+        raise ValueError(f"jinsum: two kernels named {name}, one launched with global_scratch and one without: "
+                         "the PTX of one of them could read the other's scratch; give them distinct names")
 
 
 def redirect_global_scratch(ptx: str, has_scratch: bool) -> str:
@@ -188,7 +200,9 @@ def _install_scratch_redirect(triton_lib) -> None:
         result = compile_ttir(ttir, backend, options, compute_capability, platform)
         if platform != "cuda":
             return result
-        binary = redirect_global_scratch(result.binary, result.name in _SCRATCH_KERNELS)
+        if result.name not in _LAUNCHED:  # (not jinsum's: left as jax-triton made it)
+            return result
+        binary = redirect_global_scratch(result.binary, _LAUNCHED[result.name])
         return result if binary is result.binary else dataclasses.replace(result, binary=binary)
 
     triton_lib.compile_ttir_inplace = compile_with_scratch

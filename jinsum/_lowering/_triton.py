@@ -95,8 +95,7 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig | 
     if found.epilogue_after:
         raise ValueError(f"jinsum: the kernel for {spec.statement} does not apply the epilogue (it runs after it)")
     if not found.kernel:
-        raise ValueError(f"jinsum: no kernel for {spec.statement}: "
-                         f"{'rewritten first (deterministic mode)' if found.rewritten else found.reason}")
+        raise ValueError(f"jinsum: no kernel for {spec.statement}: {found.reason}")
     kernel_spec = found.plan.spec
     env = {kernel_name: np.asarray(arrays[name]) for kernel_name, name in
            zip(kernel_spec.names + kernel_spec.epilogue_names, spec.names + spec.epilogue_names)}

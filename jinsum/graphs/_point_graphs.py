@@ -4,8 +4,9 @@ points within a radius (torch_cluster's `radius_graph`).
 The results have static shapes, `(N, k)` or `(N, max_num_neighbors)` neighbours, so a step that rebuilds the graph
 from new positions (DGCNN's dynamic EdgeConv, kNN in an embedding space) compiles once. The distances are never an
 `(N, N)` array: rows go in blocks (`lax.map`), and each row block scans the columns in blocks keeping a running
-selection (the k nearest, or the first points within the radius), so memory is `O(block_size^2 + N k)`. A
-fixed-fanout table is already a format: `GroupCOO.from_neighbors(knn(...))` needs no sort.
+selection (the k nearest, or the first points within the radius), so memory is `O(block_size^2 + N k)`
+(`O(block_size^2 D + N k)` below 16 coordinates, where distances are sums of squared differences). A fixed-fanout
+table is already a format: `GroupCOO.from_neighbors(knn(...))` needs no sort.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def knn(pos, k: int, batch=None, loop: bool = False, *, block_size: int = 512) -
         None: one element. Sorted, as PyG makes it (each element's points consecutive; padding points anywhere),
         the CUDA kernel scans only each point's own element; unsorted, it scans every point (same result).
       loop: a point may be its own neighbour (at distance 0, so it comes first).
-      block_size: rows and columns per distance tile of the XLA path (memory ``block_size^2``).
+      block_size: rows and columns per distance tile of the XLA path (memory ``block_size^2``, times ``D`` below 16
+        coordinates).
 
     Returns:
       int32 ``(N, k)``: row ``i`` the neighbours of point ``i``, nearest first (ties: the lower index), ``-1``
@@ -165,7 +167,7 @@ def radius(pos, r, batch=None, max_num_neighbors: int = 32, loop: bool = False, 
         neighbours and is nobody's. None: one element.
       max_num_neighbors: neighbours kept per point (the table's width).
       loop: a point is within reach of itself (``r > 0``).
-      block_size: rows and columns per distance tile (memory ``block_size^2``).
+      block_size: rows and columns per distance tile (memory ``block_size^2``, times ``D`` below 16 coordinates).
 
     Returns:
       ``(neighbors, count)``: int32 ``(N, max_num_neighbors)``, row ``i`` the lowest indices within reach of point
