@@ -73,3 +73,26 @@ def test_descriptors_through_jax_triton(rng):
     x = jnp.asarray(rng.standard_normal((1000, 520)), jnp.bfloat16)
     y = jax.jit(lambda x: _double(_launch.JAX_TRITON, x, block=64))(x)
     np.testing.assert_array_equal(np.asarray(y, np.float32), 2 * np.asarray(x, np.float32))
+
+
+@triton.jit
+def _copy_without_scratch(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def test_a_scratch_launch_needs_its_parameter_and_a_name_of_its_own():
+    """Refused before anything compiles: a scratch launch of a kernel whose last parameter is not `scratch`, and
+    one name launched both with and without scratch (the redirect would not know which PTX is which)."""
+    x = jnp.zeros(8)
+
+    def launch(kernel, **scratch):
+        return _launch.JAX_TRITON.call(kernel, x, 8, out_shape=jax.ShapeDtypeStruct((8,), x.dtype), grid=(1,),
+                                       num_warps=1, num_stages=1, name="copy", BLOCK=8, **scratch)
+
+    with pytest.raises(ValueError, match=r"_copy_without_scratch is launched with global_scratch but its last "
+                                         r"parameter is 'y_ptr'"):
+        launch(_copy_without_scratch, global_scratch=128)
+    _launch._register(_double_by_descriptors, scratch=True)
+    with pytest.raises(ValueError, match=r"two kernels named _double_by_descriptors"):
+        _launch._register(_double_by_descriptors, scratch=False)

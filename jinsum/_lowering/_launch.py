@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import math
 import os
 import re
@@ -163,9 +164,11 @@ _LAUNCHED: dict[str, bool] = {}
 
 def _register(kernel, scratch: bool) -> None:
     name = kernel.__name__
-    if scratch and kernel.arg_names[-1] != "scratch":
+    # The last parameter that is not a constexpr (those are no parameters of the compiled kernel).
+    last = [n for n, p in inspect.signature(kernel.fn).parameters.items() if "constexpr" not in str(p.annotation)][-1]
+    if scratch and last != "scratch":
         raise ValueError(f"jinsum: kernel {name} is launched with global_scratch but its last parameter is "
-                         f"{kernel.arg_names[-1]!r}: declare a last parameter `scratch` for the launch's operand")
+                         f"{last!r}: declare a last (non-constexpr) parameter `scratch` for the launch's operand")
     if _LAUNCHED.setdefault(name, scratch) != scratch:
         raise ValueError(f"jinsum: two kernels named {name}, one launched with global_scratch and one without: "
                          "the PTX of one of them could read the other's scratch; give them distinct names")
