@@ -433,6 +433,22 @@ def test_sum_kernels_share_the_main_kernels_work_lists(config, rng):
     assert make_chain_plan(chain, "dkdv", config).dq_in_dkdv  # rank-2 scores: no dq kernel
 
 
+def test_a_fused_forward_keeps_its_work_lists_when_the_backward_runs_unfused(rng):
+    """Deterministic mode keeps the backward of a chain whose score_mod captures a differentiable array unfused (its
+    gradient would be added atomically) while the forward stays fused: the route says so, and the work lists made at
+    bind still hold the forward's rows (they were left empty once the backward fell back, for a fused forward)."""
+    pattern, _ = graph_pattern(rng)
+    q, k, v = _qkv(rng, *pattern.shape[:2])
+    bias = jnp.asarray(rng.standard_normal(2), jnp.float32)  # (one per head: a captured array with a gradient)
+    with jinsum.deterministic(True):
+        chain, arrays, _ = _attention.build_chain(q, k, v, pattern, score_mod=lambda s, b, h, i, j: s + bias[h])
+    route = _chain_route.route_chain(chain)
+    assert route.plan("forward") is not None and "captures are added atomically" in route.backward.reason
+    work = _chain_route.schedule(route, arrays)
+    assert work["row_items"].shape[0] == route.plan("forward").items and (work["row_items"][:, 0] >= 0).any()
+    assert work["key_items"].shape[0] == 0  # (no backward kernel reads them)
+
+
 # --- attention ------------------------------------------------------------------------------------------------------
 
 def test_attention_backward_adds_no_dq_atomically(rng):
