@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from jinsum._attention import _chain_primitive, _chain_route
 from jinsum._frontend import _einsum
-from jinsum._lowering._route import route
-from jinsum._rules import _deterministic, _primitive
+from jinsum._lowering._route import follow, route
+from jinsum._rules import _primitive
 
 
 def equations(fn: Callable, *args) -> Iterator:
@@ -42,20 +42,15 @@ def kernel_specs(fn: Callable, *args) -> Iterator:
 
 def _routes(spec, avals, kernels: bool = True, config=None) -> list:
     """The routes of the whole statements that run for `spec` (operands of shapes `avals`), in order."""
-    found = route(spec, kernels=kernels, config=config)
-    if found.epilogue_after:
-        return _routes(spec.without_epilogue, avals[:len(avals) - len(spec.epilogue_names)], kernels, config)
-    if not found.rewritten:
-        return [found]
-    derived = []
+    found = []
 
-    def record(statement, arrays):
-        derived.append(route(statement, kernels=kernels, config=config, rewrite=False))
-        return jnp.zeros(statement.lhs.shape, statement.lhs.dtype)
+    def record(whole, arrays):
+        found.append(whole)
+        return jnp.zeros(whole.spec.lhs.shape, whole.spec.lhs.dtype)
 
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    jax.eval_shape(lambda *a: _deterministic.evaluate(spec, dict(zip(spec.arguments, a)), record), *structs)
-    return derived
+    jax.eval_shape(lambda *a: follow(spec, a, record, kernels=kernels, config=config), *structs)
+    return found
 
 
 def triton_source(target: str | Callable, /, *args, config=None, sorted_indices: Collection[str] = (),

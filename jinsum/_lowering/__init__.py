@@ -17,9 +17,8 @@ from jax.interpreters import mlir
 
 from jinsum._lang import Spec
 from jinsum._lowering import _triton, _xla
-from jinsum._lowering._route import Route, route
-from jinsum._rules import _deterministic
-from jinsum._rules._primitive import apply_epilogue, jinsum_p, split_epilogue
+from jinsum._lowering._route import Route, follow
+from jinsum._rules._primitive import jinsum_p
 
 
 def _lowering(evaluate: Callable[[Route, Sequence[jax.Array]], jax.Array], kernels: bool):
@@ -29,15 +28,7 @@ def _lowering(evaluate: Callable[[Route, Sequence[jax.Array]], jax.Array], kerne
     column order's come after them, then the epilogue's captures.)"""
 
     def rule(*arrays: jax.Array, spec: Spec) -> jax.Array:
-        found = route(spec, kernels=kernels)
-        if found.epilogue_after:
-            statement_arrays, captures = split_epilogue(arrays, spec)
-            return apply_epilogue(spec, rule(*statement_arrays, spec=spec.without_epilogue), captures)
-        if found.rewritten:
-            return _deterministic.evaluate(
-                spec, dict(zip(spec.arguments, arrays)),
-                lambda s, a: evaluate(route(s, kernels=kernels, rewrite=False), [a[n] for n in s.arguments]))
-        return evaluate(found, arrays)
+        return follow(spec, arrays, evaluate, kernels=kernels)
 
     return mlir.lower_fun(rule, multiple_results=False)
 

@@ -19,6 +19,7 @@ import os
 
 from jinsum._lang import Spec
 from jinsum._rules import _deterministic
+from jinsum._rules._primitive import apply_epilogue, split_epilogue
 from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, tuned_config
 
 # Below this many terms (the product of every variable's extent: rows x slots x features for an SpMM) a statement
@@ -92,3 +93,18 @@ def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = Non
     if rewritten:
         return Route(spec, rewritten=True)
     return Route(spec, plan) if kernel else Route(spec, reason=plan.reason)
+
+
+def follow(spec: Spec, arrays, run, *, kernels: bool = True, config: KernelConfig | None = None):
+    """`spec` on `arrays` (its operands, `spec.arguments`, then the epilogue's captures) along its route: `run(route,
+    arrays)` for each whole statement (a kernel or XLA's lowering), the splits the routes say in between. The
+    lowerings evaluate a statement by it, and `jinsum.triton_source` records what would run by it."""
+    found = route(spec, kernels=kernels, config=config)
+    if found.epilogue_after:
+        statement_arrays, captures = split_epilogue(arrays, spec)
+        return apply_epilogue(spec, follow(spec.without_epilogue, statement_arrays, run, kernels=kernels,
+                                           config=config), captures)
+    if found.rewritten:
+        return _deterministic.evaluate(spec, dict(zip(spec.arguments, arrays)), lambda s, a: run(
+            route(s, kernels=kernels, config=config, rewrite=False), [a[n] for n in s.arguments]))
+    return run(found, arrays)
