@@ -39,12 +39,18 @@ timed forward and forward+backward (`jax.vjp` / `torch.autograd.grad` of the out
    (`jax.nn.dot_product_attention(is_causal=True, local_window_size=(1023, 0), implementation="cudnn")`) and dense
    causal FlashAttention (torch SDPA, ignoring the window: a speed reference only).
 4. `gqa`: causal grouped-query attention at 8,192 positions, 32 query heads and 8 key/value heads of 128: jinsum
-   (`k`, `v` of 8 heads read in place; `sequence_mask(L, 128, causal=True)`), FlexAttention (`enable_gqa=True`,
-   a causal block mask), FlashAttention (torch SDPA, flash backend, `is_causal=True` with `enable_gqa=True`, or
-   `k`, `v` repeated where the backend refuses it: the note says which), cuDNN (`jax.nn.dot_product_attention`,
-   `is_causal=True`; grouped heads natively, else repeated: the note says which).
-5. `dense`: causal multi-head attention at 8,192 positions, 16 heads of 128: jinsum (`sequence_mask` causal),
-   FlexAttention (causal block mask), FlashAttention (torch SDPA, flash backend, `is_causal=True`), cuDNN.
+   (`k`, `v` of 8 heads read in place; `sequence_mask(L, 128, causal=True)`), the same through a block pattern
+   (`block_pattern(L, 128, local_blocks=L // 128, causal=True)`: every block at or below the diagonal stored, the
+   diagonal ones lower triangular, passed with `causal=True`, as the README's example does; issue 42: its `x
+   jinsum`, over the `sequence_mask` row, should be <= 1.05), FlexAttention (`enable_gqa=True`, a causal block
+   mask), FlashAttention (torch SDPA, flash backend, `is_causal=True` with `enable_gqa=True`, or `k`, `v` repeated
+   where the backend refuses it: the note says which), cuDNN (`jax.nn.dot_product_attention`, `is_causal=True`;
+   grouped heads natively, else repeated: the note says which). Printed once per workload: how many stored blocks
+   the kernels treat as full (no mask read), partial (masked element by element) or empty, for both jinsum
+   patterns (`_chain_route.block_flags`, the library's own classification).
+5. `dense`: causal multi-head attention at 8,192 positions, 16 heads of 128: jinsum (`sequence_mask` causal, and
+   `block_pattern` with `causal=True` as for `gqa`), FlexAttention (causal block mask), FlashAttention (torch SDPA,
+   flash backend, `is_causal=True`), cuDNN.
 
 TFLOP/s count the attended (query, key) pairs only, the same count for every system of a workload (BigBird: the
 stored blocks; causal: L(L+1)/2; documents: the sum over documents; so a dense reference that computes more pairs
@@ -91,7 +97,7 @@ import numpy as np  # noqa: E402
 import jinsum  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum import _attention  # noqa: E402
-from jinsum._attention import _chain_reference  # noqa: E402
+from jinsum._attention import _chain_reference, _chain_route  # noqa: E402
 from jinsum.datasets import rmat  # noqa: E402
 from jinsum.kernels import ChainConfig, forced_config  # noqa: E402
 from jinsum.timing import kernel_times, time_calls  # noqa: E402
@@ -547,13 +553,34 @@ def causal_attention(kind: str, length: int, heads: int, kv_heads: int, dim: int
     arrays = _inputs(3, length, heads, kv_heads, dim)
     group = heads // kv_heads
     mask = jnn.sequence_mask(length, BLOCK, causal=True)
+    # Issue 42: the same attention through a block pattern (the README's way), every causal block stored.
+    pattern = jnn.block_pattern(length, BLOCK, local_blocks=length // BLOCK, causal=True)
     print(f"\n{name}: {int(jnp.count_nonzero(mask.flags))} blocks attend")
+    print(f"  sequence_mask(L, {BLOCK}, causal=True): {_block_classes(arrays, mask, causal=False)}")
+    print(f"  block_pattern(L, {BLOCK}, local_blocks={length // BLOCK}, causal=True) with causal=True: "
+          f"{_block_classes(arrays, pattern, causal=True)}")
 
     outputs = {}
+    in_place = f"k, v of {kv_heads} heads read in place" if group > 1 else None
     time_jax(name, "jinsum fused", lambda q, k, v: jinsum.attention(q, k, v, mask), arrays, flops, outputs,
-             show=True, note=f"k, v of {kv_heads} heads read in place" if group > 1 else None)
+             show=True, note=in_place)
+    time_jax(name, "jinsum fused (block_pattern, causal=True)",
+             lambda q, k, v: jinsum.attention(q, k, v, pattern, causal=True), arrays, flops, outputs, show=True,
+             note="; ".join(filter(None, (f"{pattern.nnz} blocks stored, elements {pattern.Av.dtype}", in_place))))
     time_peers(name, arrays, flops, outputs, _causal, cudnn=lambda arrays: _cudnn_causal(arrays, group),
                sdpa=lambda tensors: _sdpa_causal(tensors, group))
+
+
+def _block_classes(arrays, pattern, causal: bool) -> str:
+    """How the fused kernels treat `pattern`'s stored blocks in `jinsum.attention(q, k, v, pattern, causal=causal)`:
+    the library's own classification (`_chain_route.block_flags`, 2: full, no mask read or evaluated; 1: partial,
+    masked element by element; 0: empty), computed on the host as the schedule computes it for a pattern closed
+    over by a jitted function."""
+    q, k, v, _ = arrays
+    chain, operands, _ = _attention.build_chain(q, k, v, pattern, causal=causal)
+    flags = np.asarray(_chain_route.block_flags(chain, {n: np.asarray(operands[n]) for n in ("Ai", "Ak", "Av")}, np))
+    full, partial, empty = (int((flags == f).sum()) for f in (2, 1, 0))
+    return f"{full} full, {partial} partial, {empty} empty of {flags.size} stored blocks (mask {chain.mask})"
 
 
 def _cudnn_causal(arrays, group: int) -> Peer:
