@@ -223,6 +223,38 @@ def test_capacity_overflow_flag_and_the_dropped_blocks(rng):
     assert_allclose(out, reference(q, k, v, within)[0], np.float64)
 
 
+def test_eager_overflow_raises_with_the_capacity_needed():
+    L = 48
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    with pytest.raises(ValueError, match=r"jinsum.block_mask: 6 blocks attend but capacity = 4 holds only 4; pass "
+                                         r"capacity >= 6 \(or None for every block\)"):
+        jinsum.block_mask(causal, L, L, 16, capacity=4)
+    per_head = lambda b, h, q, kv: q >= kv + 16 * h  # noqa: E731  (6 and 3 blocks)
+    with pytest.raises(ValueError, match="9 blocks attend .* capacity >= 9"):
+        jinsum.block_mask(per_head, L, L, 16, heads=2, capacity=8)
+    exact = jinsum.block_mask(causal, L, L, 16, capacity=6)  # an exact fit
+    assert not bool(exact.overflow)
+    np.testing.assert_array_equal(np.asarray(exact.to_dense()), classify(np.greater_equal(*grid(L, L)), 16, 16))
+    # under jit the same build returns the flag, as before
+    assert bool(built(causal, L, L, 16, capacity=4).overflow)
+
+
+def test_eager_attention_refuses_an_overflowed_mask(rng):
+    """A mask built under jit and returned carries a concrete flag: attention outside jit refuses it, inside jit
+    (the flag traced) it reads the kept blocks as before."""
+    L = 48
+    q, k, v = qkv(rng, L, L, dtype=np.float32)
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    small = built(causal, L, L, 16, capacity=4)
+    with pytest.raises(ValueError, match=r"the block mask overflowed: more blocks attend than its capacity = 4 "
+                                         r"holds.*rebuild it with a larger capacity"):
+        jinsum.attention(q, k, v, small)
+    jax.jit(jinsum.attention)(q, k, v, small)
+    i, j = grid(L, L)
+    assert_allclose(jinsum.attention(q, k, v, built(causal, L, L, 16, capacity=6)),
+                    reference(q, k, v, i >= j)[0], np.float32)
+
+
 def test_overflow_is_a_checkify_error_under_check_indices(rng):
     L = 48
 
@@ -240,7 +272,7 @@ def test_overflow_is_a_checkify_error_under_check_indices(rng):
         assert error.get() is None
         error, _ = checked(np.repeat(np.arange(3), 16).astype(np.int32), 3)  # 3 documents of a block: 3 blocks
         assert error.get() is None
-        with pytest.raises(checkify.JaxRuntimeError, match="capacity = 5"):  # concrete: raised at once
+        with pytest.raises(ValueError, match="6 blocks attend but capacity = 5"):  # concrete: raised at once
             build(jnp.asarray(one_document), 5)
     with jinsum.check_indices(False):  # unchecked: the flag alone says so
         flags, overflow = jax.jit(build, static_argnums=1)(one_document, 5)

@@ -122,7 +122,11 @@ def test_capacity_exactly_full_and_overflowed(rng):
     assert not full.overflow
     np.testing.assert_allclose(np.asarray(full.todense()), _reference(edges, np.ones(60), (20, 20)))
 
-    short = jinsum.GroupCOO.from_edge_index(edges, num_nodes=20, capacity=num - 5)
+    # Eagerly an overflow is an error naming the capacity needed; under jit, the flag.
+    with pytest.raises(ValueError, match=rf"GroupCOO.from_edge_index: {num} distinct edges but capacity = {num - 5} "
+                                         rf"holds only {num - 5}; pass capacity >= {num} \(or None"):
+        jinsum.GroupCOO.from_edge_index(edges, num_nodes=20, capacity=num - 5)
+    short = jax.jit(lambda e: jinsum.GroupCOO.from_edge_index(e, num_nodes=20, capacity=num - 5))(edges)
     assert short.overflow
     # Exactly the first distinct entries in row-major order are kept; nothing else is lost or added.
     kept = np.asarray(short.todense())

@@ -185,6 +185,21 @@ def test_outer_sources_in_graph_ids_equal_the_gathered_sample(replace, rng):
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
 
 
+def test_seeds_out_of_range_raise_eagerly_and_are_padding_under_jit(rng):
+    edges, n = _graph(rng)
+    graph = CSRGraph.from_edge_index(edges, n)
+    seeds, key = np.array([0, 5, -1, n, 7]), jax.random.key(2)
+    with pytest.raises(ValueError, match=rf"sample_neighbors: seeds\[3\] = {n} is out of range: expected a node id in "
+                                         rf"\[0, num_nodes = {n}\), or a negative id \(-1\) for padding"):
+        sample_neighbors(graph, seeds, (3, 2), key)
+    # under jit (which cannot raise) the seed becomes padding, as documented
+    traced = jax.jit(lambda s: sample_neighbors(graph, s, (3, 2), key))(seeds)
+    padded = sample_neighbors(graph, np.where(seeds == n, -1, seeds), (3, 2), key)
+    np.testing.assert_array_equal(np.asarray(traced.node_ids), np.asarray(padded.node_ids))
+    assert np.asarray(traced.node_ids)[3] == -1
+    sample_neighbors(graph, np.array([0, n - 1, -1]), (3, 2), key)  # the range's ends: no error
+
+
 def test_bad_arguments():
     graph = CSRGraph.from_edge_index(np.array([[0], [1]]), 2)
     with pytest.raises(ValueError, match="seeds must be a 1-D integer array"):

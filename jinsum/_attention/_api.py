@@ -24,6 +24,7 @@ from jinsum._lang import _elementwise
 from jinsum._lang import Access, Var, parse
 from jinsum._lang._chain import Chain, Roles
 from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.formats._convert import is_concrete
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | BlockGroupCOO | BlockMask, *,
@@ -45,7 +46,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
         multi-query attention): query head `h` reads key/value head `h // (H / H_kv)` in place, never repeated.
       v: `(S, H_kv, E)` values (`(B, S, H_kv, E)`).
       pattern: a `BlockMask` (`jinsum.block_mask`: blocks from a `mask_mod`, built on the device; its `mask_mod`
-        applies too, per batch element and head if it was built so), a `BlockGroupCOO` (block-sparse attention)
+        applies too, per batch element and head if it was built so; outside `jit`, one whose `overflow` flag is
+        set is an error), a `BlockGroupCOO` (block-sparse attention)
         or a `GroupCOO` (graph attention) of shape `(L, S)`; a `GroupCOO` may carry one value per head,
         `(L, S, H)`. Shared by the batch.
       scale: multiplies `q . k`; defaults to `1 / sqrt(D)`.
@@ -95,6 +97,11 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
         if mask_mod is not None:
             raise ValueError("jinsum.attention: the block mask carries its mask_mod; build it with the whole mask "
                              "(jinsum.block_mask(lambda b, h, q, kv: a(...) & b(...), ...)) instead of passing another")
+        if is_concrete(pattern.overflow) and pattern.overflow:
+            raise ValueError(f"jinsum.attention: the block mask overflowed: more blocks attend than its capacity = "
+                             f"{pattern.capacity} holds, and those past it were dropped (the mask was built under "
+                             "jit); rebuild it with a larger capacity (jinsum.block_mask called outside jit names "
+                             "the capacity needed)")
         mods["mask_mod"] = pattern.mask_mod
         mods.update({f"MC{i}": x for i, x in enumerate(pattern.captures)})
         if causal and pattern.laid_out:

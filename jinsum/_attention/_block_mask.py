@@ -5,8 +5,10 @@ fused XLA reduction over broadcast iotas, nothing of size `L x S` kept) and clas
 (every element attends: the kernels read and evaluate nothing) or partial (the kernels evaluate `mask_mod` in
 registers). The attending blocks, in row-major order, are packed into `capacity` slots with `jnp.nonzero`: shapes
 depend on `capacity` alone, so new document boundaries in the next batch run the same compiled program, and more
-attending blocks than slots raise the `overflow` flag (a `checkify` error under `jinsum.check_indices`) instead of
-going silently missing. It runs inside `jit` or on concrete arrays alike: one builder, no host path beside it.
+attending blocks than slots never go silently missing: built eagerly (concrete inputs) that is an error naming the
+capacity needed; traced (inside `jit`) it raises the `overflow` flag (a `checkify` error under
+`jinsum.check_indices`), and an eager `jinsum.attention` refuses a mask whose flag is set. It runs inside `jit` or on
+concrete arrays alike: one builder, no host path beside it.
 
 A mask that differs per batch element or per head (`batch=B`, `heads=H`) lays the batch elements and heads along
 the block rows, so that one block pattern serves them all: `jinsum.attention` then lays `q`, `k` and `v` out the
@@ -24,6 +26,7 @@ from jax.experimental import checkify
 
 from jinsum import _config
 from jinsum._lang import _elementwise
+from jinsum.formats._convert import is_concrete
 
 
 @jax.tree_util.register_pytree_node_class
@@ -38,7 +41,9 @@ class BlockMask:
       Ak: int32 `(capacity, 1)` block column of each slot.
       flags: int8 `(capacity, 1)`: 2 if every element of the block attends, 1 if some may (`mask_mod` decides),
         0 for a padding slot.
-      overflow: bool scalar: more blocks attend than `capacity` holds (those past it were dropped).
+      overflow: bool scalar: more blocks attend than `capacity` holds (those past it were dropped). Only a mask
+        built under tracing can have it set (an eager build raises instead); `jinsum.attention` outside `jit`
+        refuses such a mask.
       captures: the arrays `mask_mod` closes over (document ids, lengths), kernel operands.
       shape: `(L, S)`; block: `(bm, bk)`; batch, heads: what the mask depends on (None: the same for all).
       mask_mod: the traced `mask_mod`, in the coordinates of the laid-out sequence (`Elementwise`).
@@ -102,7 +107,10 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
         head, so `mask_mod` must not depend on `h`. A mask per head of a batched `q` needs `batch` too. A mask
         per batch element or head carries the causal rule itself (`q_idx >= kv_idx` in `mask_mod`).
       capacity: slots for attending blocks; defaults to every block (never overflows). A tighter one makes
-        the kernels' grids smaller (a causal mask needs about half).
+        the kernels' grids smaller (a causal mask needs about half). If more blocks attend than it holds, those
+        past it (in row-major order) are dropped: built eagerly (`mask_mod`'s arrays concrete) that raises a
+        `ValueError` naming the capacity needed; traced (inside `jit`), the mask's `overflow` flag says so, a
+        `checkify` error under `jinsum.check_indices`.
 
     Returns:
       A `BlockMask` to pass as the pattern of `jinsum.attention` (or `jinsum.nn.block_sparse_attention`), which
@@ -140,8 +148,12 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
     flags = jnp.where(full, 2, jnp.where(some, 1, 0)).astype(jnp.int8).reshape(rows * sb)
 
     position = jnp.nonzero(flags, size=capacity, fill_value=rows * sb - 1)[0].astype(jnp.int32)
-    used = jnp.arange(capacity) < jnp.count_nonzero(flags)
-    overflow = jnp.count_nonzero(flags) > capacity
+    attending = jnp.count_nonzero(flags)
+    if is_concrete(attending) and attending > capacity:
+        raise ValueError(f"jinsum.block_mask: {int(attending)} blocks attend but capacity = {capacity} holds only "
+                         f"{capacity}; pass capacity >= {int(attending)} (or None for every block)")
+    used = jnp.arange(capacity) < attending
+    overflow = attending > capacity
     if _config.check_indices.value:
         checkify.check(~overflow, f"jinsum.block_mask: more attending blocks than capacity = {capacity}; those "
                        "past it were dropped (raise the capacity)")

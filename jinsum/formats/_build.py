@@ -193,9 +193,10 @@ def unique_entries(rows, cols, values, *, shape: tuple[int, int], capacity: int)
     duplicates summed (as the host converters do), traceable.
 
     An entry with a negative row or column is padding, and one past ``shape`` is out of range: both are left out
-    (`jinsum.check_indices` turns the latter into a `checkify` error). Returns ``(rows, cols, values, overflow,
-    out_of_range)`` of length ``capacity``, unused positions with row ``shape[0]``; ``overflow`` is True when more
-    distinct entries were given than fit (those past the capacity in row-major order are not kept).
+    (`jinsum.check_indices` turns the latter into a `checkify` error). Returns ``(rows, cols, values, distinct,
+    out_of_range)``, the first three of length ``capacity``, unused positions with row ``shape[0]``; ``distinct``
+    counts the distinct entries given, so more than ``capacity`` of them is an overflow (those past the capacity in
+    row-major order are not kept).
     """
     num_rows, num_cols = shape
     padding = (rows < 0) | (cols < 0)
@@ -209,14 +210,14 @@ def unique_entries(rows, cols, values, *, shape: tuple[int, int], capacity: int)
     new = jnp.concatenate([first, (row_key[1:] != row_key[:-1]) | (col_key[1:] != col_key[:-1])])
     new = new & (row_key < num_rows)
     position = jnp.cumsum(new) - 1
-    overflow = position[-1] >= capacity if rows.shape[0] else jnp.zeros((), bool)
+    distinct = position[-1] + 1 if rows.shape[0] else jnp.zeros((), position.dtype)
     target = jnp.where((row_key < num_rows) & (position < capacity), position, capacity)
     kept_rows = jnp.full(capacity, num_rows, jnp.int32).at[target].set(row_key, mode="drop")
     kept_cols = jnp.zeros(capacity, jnp.int32).at[target].set(col_key, mode="drop")
     accumulate = jnp.promote_types(values.dtype, jnp.float32)
     kept_values = jnp.zeros((capacity, *values.shape[1:]), accumulate).at[target].add(
         values[order].astype(accumulate), mode="drop")
-    return kept_rows, kept_cols, kept_values.astype(values.dtype), overflow, out_of_range
+    return kept_rows, kept_cols, kept_values.astype(values.dtype), distinct, out_of_range
 
 
 def host_argsort(key: np.ndarray, bins: int) -> np.ndarray:
@@ -251,14 +252,14 @@ def _row_major_order(rows, cols, shape: tuple[int, int]):
 def device_groups(rows, cols, values, *, shape: tuple[int, int], capacity: int, group_size: int, dtype,
                   index_dtype):
     """A grouped format's arrays from entries in any order, traceable: `unique_entries` then `groups_from_rows`
-    into `group_bound` groups. Returns ``(Ai, Ak, Av, active, overflow, out_of_range)``, ``active`` the slots that
+    into `group_bound` groups. Returns ``(Ai, Ak, Av, active, distinct, out_of_range)``, ``active`` the slots that
     hold an entry (``(G * P,)``)."""
-    rows, cols, values, overflow, out_of_range = unique_entries(rows, cols, values, shape=shape, capacity=capacity)
+    rows, cols, values, distinct, out_of_range = unique_entries(rows, cols, values, shape=shape, capacity=capacity)
     num_groups = group_bound(capacity, shape[0], group_size)
     Ai, Ak, Av, slot = groups_from_rows(jnp, rows, cols, values, num_rows=shape[0], group_size=group_size,
                                         num_groups=num_groups, dtype=dtype, index_dtype=index_dtype)
     active = jnp.zeros(num_groups * group_size, bool).at[slot].set(True, mode="drop")
-    return Ai, Ak, Av, active, overflow, out_of_range
+    return Ai, Ak, Av, active, distinct, out_of_range
 
 
 def device_transposed(Ai, Ak, active, *, num_columns: int, index_dtype):

@@ -31,6 +31,7 @@ from jinsum.formats._convert import (
     groups_from_csr,
     host_array,
     index_dtype,
+    is_concrete,
     to_scipy_csr,
     value_dtype,
 )
@@ -115,7 +116,8 @@ class GroupCOO(GroupedFormat):
         :meth:`with_transpose` (``jinsum.nn.adjacency`` does), and by the device builders.
       overflow: for a format built on the device for a capacity (``from_edge_index(..., capacity=C)``), a boolean
         scalar array, True when the input held more entries than the capacity (the rest were not kept); None for
-        a format built on the host. Check it outside ``jit``, or run under ``jinsum.check_indices`` and checkify.
+        a format built on the host. Only a build under tracing can set it (an eager one raises instead): check it
+        outside ``jit``, or run under ``jinsum.check_indices`` and checkify.
 
     The class is a pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, nnz)``, so it passes
     through ``jit``, ``grad`` and ``vmap``. Build it from other formats with :meth:`from_scipy`, :meth:`from_dense`,
@@ -247,9 +249,11 @@ class GroupCOO(GroupedFormat):
             An int ``C`` builds with `jax.numpy` from concrete or traced arrays (inside ``jit``, ``vmap``,
             ``grad`` with respect to ``values``): the result holds at most ``C`` distinct entries, its shapes
             depend only on ``C``, the node counts and the group size, and it carries its entries in column order
-            (`transposed`) and an ``overflow`` flag. Entries past the capacity (in row-major order) are not kept;
-            index values past the node counts are left out too (both are `checkify` errors under
-            ``jinsum.check_indices``).
+            (`transposed`) and an ``overflow`` flag. More distinct entries than the capacity never go silently
+            missing: with concrete ``edge_index`` that is a ``ValueError`` naming the capacity needed; traced
+            (inside ``jit``), those past the capacity (in row-major order) are not kept and ``overflow`` is True.
+            Index values past the node counts are left out. Under ``jinsum.check_indices`` both (an overflow only
+            when traced) are `checkify` errors.
           group_size: defaults to :func:`default_group_size` on the host, and to the capacity's rule
             (``jinsum.formats.capacity_group_size``) on the device.
           dtype: defaults to the dtype of ``values`` when floating, else float32.
@@ -300,9 +304,13 @@ class GroupCOO(GroupedFormat):
         group_size = (capacity_group_size(capacity, shape[0]) if group_size is None
                       else check_int(where, "group_size", group_size, minimum=1))
         index = index_dtype(*shape)
-        Ai, Ak, Av, active, overflow, out_of_range = device_groups(
+        Ai, Ak, Av, active, distinct, out_of_range = device_groups(
             edge_index[1], edge_index[0], values.astype(dtype), shape=shape, capacity=capacity,
             group_size=group_size, dtype=dtype, index_dtype=index)
+        if is_concrete(distinct) and distinct > capacity:
+            raise ValueError(f"{where}: {int(distinct)} distinct edges but capacity = {capacity} holds only "
+                             f"{capacity}; pass capacity >= {int(distinct)} (or None to build on the host)")
+        overflow = distinct > capacity
         if _config.check_indices.value:
             checkify.check(~out_of_range, f"{where}: edge_index holds a node index past num_nodes = "
                            f"(sources {shape[1]}, destinations {shape[0]}); negative indices mark padding")

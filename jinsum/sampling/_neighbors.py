@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum.formats import GroupCOO
-from jinsum.formats._convert import check_edge_index, check_int, host_array
+from jinsum.formats._convert import check_edge_index, check_int, host_array, is_concrete
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +92,9 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
 
     Args:
       graph: the full graph, a :class:`CSRGraph` on the device.
-      seeds: int ``(B,)`` node ids; -1 marks a padding seed (a short last batch).
+      seeds: int ``(B,)`` node ids; -1 (any negative id) marks a padding seed (a short last batch). A seed past
+        the graph's nodes is an error when ``seeds`` is concrete; traced (inside ``jit``, which cannot raise), it
+        becomes a padding seed, as a negative one does.
       fanouts: the neighbors per node at each hop, ``(k_1, ..., k_L)``.
       key: a `jax.random` key.
       replace: sample with replacement (a neighbor may repeat; its entries then count as often as drawn).
@@ -123,6 +125,12 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
     if seeds.ndim != 1 or not jnp.issubdtype(seeds.dtype, jnp.integer):
         raise ValueError(f"sample_neighbors: seeds must be a 1-D integer array of node ids, got "
                          f"{seeds.dtype}{list(seeds.shape)}")
+    if is_concrete(seeds):
+        host = np.asarray(seeds)
+        past = np.flatnonzero(host >= graph.num_nodes)
+        if past.size:
+            raise ValueError(f"sample_neighbors: seeds[{past[0]}] = {host[past[0]]} is out of range: expected a node "
+                             f"id in [0, num_nodes = {graph.num_nodes}), or a negative id (-1) for padding")
     nodes = jnp.where((seeds >= 0) & (seeds < graph.num_nodes), seeds, -1).astype(jnp.int32)
     tables = []
     for hop, fanout in enumerate(fanouts):
