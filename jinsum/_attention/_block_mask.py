@@ -1,14 +1,15 @@
 """Block masks built on the device from a `mask_mod`: which (query block, key block) pairs attend, and how.
 
-`block_mask(mask_mod, L, S, block)` evaluates `mask_mod(b, h, q_idx, kv_idx)` over every `bm x bk` tile (one
-fused XLA reduction over broadcast iotas, nothing of size `L x S` kept) and classifies each block as empty, full
-(every element attends: the kernels read and evaluate nothing) or partial (the kernels evaluate `mask_mod` in
-registers). The attending blocks, in row-major order, are packed into `capacity` slots with `jnp.nonzero`: shapes
-depend on `capacity` alone, so new document boundaries in the next batch run the same compiled program, and more
-attending blocks than slots never go silently missing: built eagerly (concrete inputs) that is an error naming the
-capacity needed; traced (inside `jit`) it raises the `overflow` flag (a `checkify` error under
-`jinsum.check_indices`), and an eager `jinsum.attention` refuses a mask whose flag is set. It runs inside `jit` or on
-concrete arrays alike: one builder, no host path beside it.
+`block_mask(mask_mod, L, S, block)` evaluates `mask_mod(b, h, q_idx, kv_idx)` over every `bm x bk` tile (one fused
+XLA reduction over broadcast iotas, nothing of size `L x S` kept; `jinsum.nn.sequence_mask`, which knows its rule's
+structure, classifies from per-block summaries instead, through the same builder) and classifies each block as
+empty, full (every element attends: the kernels read and evaluate nothing) or partial (the kernels evaluate
+`mask_mod` in registers). The attending blocks, in row-major order, are packed into `capacity` slots (a running
+count and a scatter): shapes depend on `capacity` alone, so new document boundaries in the next batch run the same
+compiled program, and more attending blocks than slots never go silently missing: built eagerly (concrete inputs)
+that is an error naming the capacity needed; traced (inside `jit`) it raises the `overflow` flag (a `checkify` error
+under `jinsum.check_indices`), and an eager `jinsum.attention` refuses a mask whose flag is set. It runs inside
+`jit` or on concrete arrays alike: one builder, no host path beside it.
 
 A mask that differs per batch element or per head (`batch=B`, `heads=H`) lays the batch elements and heads along
 the block rows, so that one block pattern serves them all: `jinsum.attention` then lays `q`, `k` and `v` out the
@@ -121,6 +122,20 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
       ...     mask = jinsum.block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), L, L, 128)
       ...     return jinsum.attention(q, k, v, mask)
     """
+    return build(mask_mod, L, S, block, batch=batch, heads=heads, capacity=capacity)
+
+
+def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, batch: int | None = None,
+          heads: int | None = None, capacity: int | None = None, classify: Callable | None = None) -> BlockMask:
+    """The one builder of block masks: `block_mask`'s, with the classification given or not.
+
+    `classify(grid)`, given `grid = (nb, nh, lb, sb)`, returns the flags `(nb * nh * lb, sb)` (any integer dtype:
+    2 full, 1 partial, 0 empty, rows laid out as `BlockMask` numbers them) from what it knows of `mask_mod`'s
+    structure (`jinsum.nn.sequence_mask`: per-block summaries of document ids and the position rules), with no
+    pass over the elements. A block it calls full must be full (the kernels evaluate nothing there: positions
+    past `L`, `S` included, so an edge block is never full); one it calls partial may attend nowhere (the kernels
+    evaluate `mask_mod` there), at the cost of a slot. Without it every element of every block is evaluated.
+    """
     bm, bk = (block, block) if isinstance(block, int) else tuple(block)
     for name, value in (("L", L), ("S", S), ("block", bm), ("block", bk)):
         if not isinstance(value, int) or value < 1:
@@ -135,25 +150,26 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
     if not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"jinsum.block_mask: capacity must be a positive int, got {capacity!r}")
     user, captured = _elementwise.trace(mask_mod, "mask_mod", "jinsum.block_mask")
+    if classify is None:
+        flags = _every_element(user, captured, (L, S), (bm, bk), (nb, nh, lb, sb))
+    else:
+        flags = jnp.asarray(classify((nb, nh, lb, sb)))
+        if flags.shape != (rows, sb):
+            raise ValueError(f"jinsum.block_mask: classify must return flags of shape {(rows, sb)}, got {flags.shape}")
+    flags = flags.astype(jnp.int8).reshape(rows * sb)
 
-    # Every element of every tile, as broadcast iotas: (batch, head, block row, block column, m, k).
-    b = jnp.arange(nb, dtype=jnp.int32).reshape(nb, 1, 1, 1, 1, 1)
-    h = jnp.arange(nh, dtype=jnp.int32).reshape(1, nh, 1, 1, 1, 1)
-    q = (jnp.arange(lb, dtype=jnp.int32).reshape(1, 1, lb, 1, 1, 1) * bm
-         + jnp.arange(bm, dtype=jnp.int32).reshape(1, 1, 1, 1, bm, 1))
-    kv = (jnp.arange(sb, dtype=jnp.int32).reshape(1, 1, 1, sb, 1, 1) * bk
-          + jnp.arange(bk, dtype=jnp.int32).reshape(1, 1, 1, 1, 1, bk))
-    allowed = user(captured, b, h, q, kv) & (q < L) & (kv < S)
-    full, some = allowed.all(axis=(4, 5)), allowed.any(axis=(4, 5))
-    flags = jnp.where(full, 2, jnp.where(some, 1, 0)).astype(jnp.int8).reshape(rows * sb)
-
-    position = jnp.nonzero(flags, size=capacity, fill_value=rows * sb - 1)[0].astype(jnp.int32)
-    attending = jnp.count_nonzero(flags)
-    if is_concrete(attending) and attending > capacity:
-        raise ValueError(f"jinsum.block_mask: {int(attending)} blocks attend but capacity = {capacity} holds only "
-                         f"{capacity}; pass capacity >= {int(attending)} (or None for every block)")
-    used = jnp.arange(capacity) < attending
-    overflow = attending > capacity
+    # The attending blocks in row-major order, packed into `capacity` slots: block e goes to slot
+    # cumsum(attends)[e] - 1 (one running count, one scatter; slots past the capacity are dropped).
+    attends = flags != 0
+    count = jnp.cumsum(attends, dtype=jnp.int32)
+    slot = jnp.where(attends, count - 1, capacity)
+    position = jnp.full(capacity, rows * sb - 1, jnp.int32).at[slot].set(
+        jnp.arange(rows * sb, dtype=jnp.int32), mode="drop")
+    if is_concrete(count) and count[-1] > capacity:
+        raise ValueError(f"jinsum.block_mask: {int(count[-1])} blocks attend but capacity = {capacity} holds only "
+                         f"{capacity}; pass capacity >= {int(count[-1])} (or None for every block)")
+    used = jnp.arange(capacity) < count[-1]
+    overflow = count[-1] > capacity
     if _config.check_indices.value:
         checkify.check(~overflow, f"jinsum.block_mask: more attending blocks than capacity = {capacity}; those "
                        "past it were dropped (raise the capacity)")
@@ -164,6 +180,21 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
     traced, _ = _elementwise.trace(laid_out, "mask_mod", "jinsum.block_mask")
     return BlockMask(Ai, Ak, kept, overflow, captured, shape=(L, S), block=(bm, bk), batch=batch, heads=heads,
                      mask_mod=traced)
+
+
+def _every_element(user, captured, shape, block, grid) -> jax.Array:
+    """The flags `(nb * nh * lb, sb)` of every tile, evaluating the traced `mask_mod` on every element: one fused
+    reduction over broadcast iotas `(batch, head, block row, block column, m, k)`, nothing of size `L x S` kept."""
+    (L, S), (bm, bk), (nb, nh, lb, sb) = shape, block, grid
+    b = jnp.arange(nb, dtype=jnp.int32).reshape(nb, 1, 1, 1, 1, 1)
+    h = jnp.arange(nh, dtype=jnp.int32).reshape(1, nh, 1, 1, 1, 1)
+    q = (jnp.arange(lb, dtype=jnp.int32).reshape(1, 1, lb, 1, 1, 1) * bm
+         + jnp.arange(bm, dtype=jnp.int32).reshape(1, 1, 1, 1, bm, 1))
+    kv = (jnp.arange(sb, dtype=jnp.int32).reshape(1, 1, 1, sb, 1, 1) * bk
+          + jnp.arange(bk, dtype=jnp.int32).reshape(1, 1, 1, 1, 1, bk))
+    allowed = user(captured, b, h, q, kv) & (q < L) & (kv < S)
+    full, some = allowed.all(axis=(4, 5)), allowed.any(axis=(4, 5))
+    return jnp.where(full, 2, jnp.where(some, 1, 0)).astype(jnp.int8).reshape(nb * nh * lb, sb)
 
 
 def _laid_out(fn: Callable, shape, block, grid, batch, heads) -> Callable:

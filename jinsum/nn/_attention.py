@@ -19,6 +19,7 @@ from flax import nnx
 
 import jinsum
 from jinsum._attention import BlockMask
+from jinsum._attention import _block_mask
 from jinsum._attention import block_mask as block_mask  # re-exported: jinsum.nn.block_mask
 from jinsum.formats import BlockGroupCOO
 from jinsum.nn._dropout import dropout_seed
@@ -123,6 +124,11 @@ def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = N
     `window`, fewer than `window` positions before it (and after it, unless causal). The capacity is what the
     causal rule and the window allow, so the kernels launch no more programs than that.
 
+    The blocks are classified from per-block summaries (each block's smallest and largest document id, the rules
+    on the blocks' first and last positions), with no pass over the elements: exactly `jinsum.block_mask`'s
+    classification for non-decreasing ids (packed documents); for others a pair of blocks whose id ranges overlap
+    may be kept as partial where nothing attends (the kernels' `mask_mod` masks it), within the same capacity.
+
     Example:
       >>> mask = jinsum.nn.sequence_mask(4096, 128, document_ids=doc, causal=True, window=1024)
     """
@@ -151,7 +157,44 @@ def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = N
     else:
         capacity = blocks * (blocks + 1) // 2 if causal else blocks * blocks
     batch = docs.shape[0] if per_batch else None
-    return block_mask(mask_mod, length, length, block, batch=batch, capacity=capacity * (batch or 1))
+    classify = lambda grid: _sequence_flags(length, block, docs, causal, window)  # noqa: E731
+    return _block_mask.build(mask_mod, length, length, block, batch=batch, capacity=capacity * (batch or 1),
+                             classify=classify)
+
+
+def _sequence_flags(length: int, block: int, docs: jax.Array | None, causal: bool, window: int | None) -> jax.Array:
+    """`sequence_mask`'s block flags `(B * n, n)` (2 full, 1 partial, 0 empty; `n = ceil(length / block)`) from
+    per-block summaries, `O(n^2)` work and no pass over the elements.
+
+    The position rules bound `d = q - kv` to `[low, high]` (causal: `d >= 0`; window: `d < window`, and
+    `d > -window` unless causal); the pairs of query block `i` and key block `j` (real positions only) cover every
+    `d` in `[first q - last kv, last q - first kv]`, so their tests are exact. Documents: a pair of blocks is full
+    iff both hold one and the same id, and may attend iff their `[min, max]` id intervals overlap. For ids that
+    never decrease this is exact too (a document in both blocks covers every position between them, so the pair
+    closest in position is in it); otherwise it may call partial a pair of blocks that attends nowhere (the
+    kernels' `mask_mod` masks it), never more than the position rules allow, so never past `sequence_mask`'s
+    capacity. A block that overhangs `length` is never full: the kernels evaluate nothing in a full block."""
+    n = -(-length // block)
+    first = jnp.arange(n, dtype=jnp.int32) * block
+    last = jnp.minimum(first + block, length) - 1  # the last real position of each block
+    lo, hi = first[:, None] - last[None, :], last[:, None] - first[None, :]  # d over a (query, key) block pair
+    whole = first + block <= length
+    full, some = whole[:, None] & whole[None, :], jnp.ones((n, n), bool)
+    low = 0 if causal else None if window is None else 1 - window
+    high = None if window is None else window - 1
+    if low is not None:
+        full, some = full & (lo >= low), some & (hi >= low)
+    if high is not None:
+        full, some = full & (hi <= high), some & (lo <= high)
+    if docs is not None:
+        ids = docs.reshape(-1, length)  # (B, length)
+        ids = jnp.pad(ids, ((0, 0), (0, n * block - length)), mode="edge").reshape(len(ids), n, block)
+        low_id, high_id = ids.min(-1), ids.max(-1)  # (B, n): the overhang repeats the last id, changing neither
+        single = low_id == high_id
+        full = full & single[:, :, None] & single[:, None, :] & (low_id[:, :, None] == low_id[:, None, :])
+        some = some & (low_id[:, :, None] <= high_id[:, None, :]) & (low_id[:, None, :] <= high_id[:, :, None])
+    flags = jnp.where(full, 2, jnp.where(some, 1, 0)).astype(jnp.int8)
+    return flags.reshape(-1, n)  # (B * n, n): batch element b's block rows are b * n + i
 
 
 class BlockSparseAttention(nnx.Module):
