@@ -14,7 +14,9 @@ from jinsum.kernels._chain_plan import ChainConfig as ChainConfig
 from jinsum.kernels._chain_plan import ChainPlan as ChainPlan
 from jinsum.kernels._chain_plan import make_chain_plan as make_chain_plan
 from jinsum.kernels._chain_source import chain_inputs as chain_inputs
+from jinsum.kernels._chain_source import chain_kernel_name as chain_kernel_name
 from jinsum.kernels._chain_source import chain_outputs as chain_outputs
+from jinsum.kernels._chain_source import chain_scratch as chain_scratch
 from jinsum.kernels._chain_source import chain_sizes as chain_sizes
 from jinsum.kernels._chain_source import generate_chain as generate_chain
 from jinsum.kernels._chain_source import scratch_shapes as scratch_shapes

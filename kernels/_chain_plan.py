@@ -26,6 +26,7 @@ heads play the part the block's query rows play in the dot template: the running
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -48,6 +49,10 @@ class ChainConfig:
     chunk: int = 0  # stored entries (blocks) per work item: longer rows and keys are split into pieces
     num_warps: int = 0
     num_stages: int = 0
+    # Dot template: read the tiles of Q, K, V, dO through TMA descriptors (Hopper; `chain_config` sets it there)
+    # where their layout allows, rather than by pointers: asynchronous copies into shared memory that Triton
+    # pipelines and feeds to wgmma.
+    descriptors: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +206,11 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
             "dkdv": (64, 64, 4, 2 if wide else 3)}.get(kind, (256, 256, 4, 2))
         changes["block_m"] = config.block_m or _pow2(bm, 16, rows)
         changes["block_k"] = config.block_k or _pow2(bk, 16, cols)
-        changes["chunk"] = config.chunk or 16  # blocks per work item (a BigBird row holds ~7)
+        # Rows (keys) longer than `chunk` blocks are cut into pieces, so that a few long ones (BigBird's global
+        # rows) do not hold back the launch; each piece costs its partial results in scratch and a merge. Pieces
+        # of at least twice the mean segment: rows of causal attention run whole (DESIGN.md, issue 42).
+        mean = plan.chain.entries / max(1, plan.segments)
+        changes["chunk"] = config.chunk or _pow2(math.ceil(2 * mean), 16, 1 << 12)
         changes["num_warps"] = config.num_warps or warps
         changes["num_stages"] = config.num_stages or stages
     else:  # tiles of heads x entries x features of about 4096 elements, two warps: many programs in flight hide

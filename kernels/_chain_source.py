@@ -20,7 +20,12 @@ import numpy as np
 from jinsum._lang import Access, Var
 from jinsum.kernels._chain_plan import SUMS, ChainPlan
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
+from jinsum.kernels._plan import INT32_LIMIT
 from jinsum.kernels._source import offset
+
+def _times(position: str, stride: int) -> str:
+    return position if stride == 1 else f"({position}) * {stride}"
+
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'
@@ -78,6 +83,64 @@ def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
             "part_dv": (*slots, cols, value)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Described:
+    """A tensor read through a TMA descriptor, viewed as a row-major matrix of `rows x width` whose rows run
+    along tile axis `axis` (dimension `dim` of the tensor): a tile is one box of `box` elements, at the row of
+    its indices before and at `dim` and at the column of those after it."""
+
+    axes: tuple[str, str]
+    dim: int
+    rows: int
+    width: int
+    box: tuple[int, int]
+
+
+_DESCRIBED = {"forward": {"Q": ("m", "d"), "K": ("k", "d"), "V": ("k", "e")},
+              "dq": {"Q": ("m", "d"), "dO": ("m", "e"), "K": ("k", "d"), "V": ("k", "e")},
+              "dkdv": {"K": ("k", "d"), "V": ("k", "e"), "Q": ("m", "d"), "dO": ("m", "e")}}
+DESCRIPTOR_BYTES = 128  # a TMA descriptor in Triton's global scratch
+
+
+@functools.lru_cache(maxsize=512)
+def described(plan: ChainPlan) -> dict[str, _Described]:
+    """The Tensor Core operands a kernel reads through TMA descriptors (with `ChainConfig.descriptors`): those
+    whose tile is whole boxes of a row-major view. A tile must cover its block's rows and the feature axis in
+    whole tiles (no edge masks: a box past them would read a neighbour's elements, not zeros), and TMA wants rows
+    of a multiple of 16 bytes."""
+    if not (plan.config.descriptors and plan.template == "dot") or plan.kind not in _DESCRIBED:
+        return {}
+    chain, found = plan.chain, {}
+    roles = {chain.roles.query_offset: "m", chain.roles.key_offset: "k", chain.roles.contract: "d",
+             chain.roles.feature: "e"}
+    blocks = {"m": (plan.block_m, chain.block[0]), "k": (plan.block_k, chain.block[1])}
+    for name, (axis, feature) in _DESCRIBED[plan.kind].items():
+        operand = chain.operand[_SAME_LAYOUT.get(name, name)]
+        shape, itemsize = tuple(operand.shape), np.dtype(operand.dtype).itemsize
+        access = chain.accesses()[_SAME_LAYOUT.get(name, name)]
+        tiled = [roles.get(i.name) if isinstance(i, Var) else None for i in access.indices]
+        if tiled.count(axis) != 1 or tiled[-1] != feature or sum(a is not None for a in tiled) != 2:
+            continue
+        dim = tiled.index(axis)
+        (block, size), width = blocks[axis], int(np.prod(shape[dim + 1:], dtype=np.int64))
+        rows = int(np.prod(shape, dtype=np.int64)) // width
+        box = (block, plan.block_d if feature == "d" else plan.block_e)
+        if size % block or shape[-1] != box[1] or (width * itemsize) % 16 or rows >= INT32_LIMIT:
+            continue
+        found[name] = _Described((axis, feature), dim, rows, width, box)
+    return found
+
+
+def chain_kernel_name(plan: ChainPlan) -> str:
+    """What a profile shows (kernels with descriptors have their own name: their launch differs)."""
+    return f"jinsum_attention_{plan.kind}" + ("_tma" if described(plan) else "")
+
+
+def chain_scratch(plan: ChainPlan) -> int:
+    """Global scratch bytes a program of the kernel needs (its TMA descriptors), for the launcher."""
+    return DESCRIPTOR_BYTES * len(described(plan))
+
+
 @functools.lru_cache(maxsize=512)
 def generate_chain(plan: ChainPlan) -> str:
     """The Python source of a module defining the kernel `jinsum_attention_<kind>` for one kernel of a chain
@@ -103,6 +166,8 @@ class _Writer:
         self.helpers: set[str] = set()
         self.env: dict[str, _Bound] = {}
         self.axis_masks: dict[str, str] = {}
+        self.starts: dict[str, str] = {}  # each tile axis's first position
+        self.described = described(plan)
         self.dot = plan.template == "dot"
         self.own = plan.own_axis
         self.score_axes = ("m", "k") if self.dot else ("h", "j")
@@ -135,6 +200,8 @@ class _Writer:
     def _kernel(self) -> list[str]:
         plan, chain = self.plan, self.chain
         params = [f"p_{n}" for n in self.inputs] + [*chain_sizes(plan)] + [f"o_{n}" for n in self.outputs]
+        if self.described:
+            params.append("scratch")  # global scratch for the descriptors (jinsum._lowering._launch)
         self._prologue()
         getattr(self, f"_{plan.kind}")()
         config = plan.config
@@ -142,7 +209,7 @@ class _Writer:
                  f"h {plan.block_h}, entries {config.entries}") + f", d {plan.block_d}, e {plan.block_e}"
         doc = [f'"""{chain!r}', "", f"{plan.kind} kernel; template {plan.template}; tiles {tiles}; grid "
                f"{', '.join(plan.grid_vars) or '-'}; pieces of {config.chunk} entries", '"""']
-        name = f"jinsum_attention_{plan.kind}"  # what a profile shows
+        name = chain_kernel_name(plan)
         return ["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
 
     # --- addressing --------------------------------------------------------------------------------------------
@@ -182,9 +249,12 @@ class _Writer:
         """Loads `name` as a tile with `axes` into `into` (default `x_<name>`); values are converted to the
         accumulation type unless `native` (Tensor Core operands keep 16-bit types). A `mask` (an attention mask,
         spread over the tile) replaces the edges and range checks of every axis but the features."""
-        pointer, address_mask = self.address(name, axes, covered=mask is not None)
-        masks = " & ".join(m for m in (address_mask, mask) if m)
-        load = f"tl.load({pointer}, mask={masks}, other=0.0)" if masks else f"tl.load({pointer})"
+        if native and name in self.described:
+            load = self._box(name, axes)
+        else:
+            pointer, address_mask = self.address(name, axes, covered=mask is not None)
+            masks = " & ".join(m for m in (address_mask, mask) if m)
+            load = f"tl.load({pointer}, mask={masks}, other=0.0)" if masks else f"tl.load({pointer})"
         if not native and name not in ("Av", "KM", "flags"):
             load += f".to({self.acc_type})"
         if name == "LSE":
@@ -192,6 +262,36 @@ class _Writer:
         variable = into or f"x_{name}"
         self.emit(f"{variable} = {load}")
         return variable
+
+    def describe(self) -> None:
+        """Makes the kernel's TMA descriptors (once per program, before any branch)."""
+        for name, view in self.described.items():
+            self.emit(f"d_{name} = tl.make_tensor_descriptor({self.pointer(name)}, shape=[{view.rows}, "
+                      f"{view.width}], strides=[{view.width}, 1], block_shape=[{view.box[0]}, {view.box[1]}])")
+
+    def _box(self, name: str, axes: tuple[str, ...]) -> str:
+        """The load of `name`'s tile from its descriptor: the box at the row and column of the tile's first
+        element. An index out of its range moves the box past the last row: TMA fills it with zeros, as the
+        masked pointer load would."""
+        view, access = self.described[name], self.access(name)
+        strides = np.cumprod((1,) + tuple(self.shapes[name])[:0:-1])[::-1]
+        row, column, checks = [], [], []
+        for dim, index in enumerate(access.indices):
+            bound = self.env[index.name if isinstance(index, Var) else str(index)]
+            position = self.starts[bound.axis] if bound.axis else bound.expression
+            if position != "0":
+                if dim <= view.dim:
+                    row.append(_times(position, int(strides[dim]) // view.width))
+                else:
+                    column.append(_times(position, int(strides[dim])))
+            if bound.check is not None:
+                self.helpers.add("in_range")
+                checks.append(f"in_range({bound.expression}, {bound.check})")
+        row_at = " + ".join(row) or "0"
+        if checks:
+            row_at = f"tl.where({' & '.join(checks)}, {row_at}, {view.rows})"
+        load = f"d_{name}.load([{row_at}, {' + '.join(column) or '0'}])"
+        return load if axes == view.axes else f"tl.trans({load})"
 
     def store(self, name: str, axes: tuple[str, ...], value: str) -> None:
         """Stores a tile in the output's dtype."""
@@ -259,6 +359,7 @@ class _Writer:
         cut the size into whole pieces need no mask: loads and stores along them go unpredicated. The lanes
         template keeps its masks: its gathers ran slower unpredicated (DESIGN.md, "A masking change for one
         template can slow another")."""
+        self.starts[axis] = start
         self.emit(f"v_{axis} = {'' if start == '0' else start + ' + '}tl.arange(0, {block})")
         self.emit(f"mk_{axis} = v_{axis} < {size}")
         whole = self.dot and isinstance(size, int) and size % block == 0
@@ -609,6 +710,7 @@ class _Writer:
 
     def _forward(self) -> None:
         chain, axes = self.chain, self._side("Q", "K", "V")
+        self.describe()
         row = _Bound("segment")
         self.env["Ai[g]"] = row
         with self.indented("if segment >= 0:"):
@@ -663,6 +765,7 @@ class _Writer:
     def _dq(self) -> None:
         chain = self.chain
         axes = self._side("Q", "K", "V", "dO", "LSE", "Drow", "dQ")
+        self.describe()
         row = _Bound("segment")
         self.env["Ai[g]"] = row
         with self.indented("if segment >= 0:"):
@@ -710,6 +813,7 @@ class _Writer:
     def _dkdv(self) -> None:
         chain = self.chain
         axes = self._side("Q", "K", "V", "dO", "LSE", "Drow", "dK", "dV")
+        self.describe()
         col = _Bound("segment")
         self.env["Ak[g,p]"] = col
         with self.indented("if segment >= 0:"):

@@ -38,9 +38,16 @@ def forced_config(config: KernelConfig | ChainConfig):
 
 
 def chain_config() -> ChainConfig:
-    """The configuration attention chains are lowered with: a forced one, else the defaults."""
+    """The configuration attention chains are lowered with: a forced one, else the defaults, which read tiles
+    through TMA descriptors on GPUs that have TMA (Hopper and later)."""
     forced = _OVERRIDE.get()
-    return forced if isinstance(forced, ChainConfig) else ChainConfig()
+    return forced if isinstance(forced, ChainConfig) else ChainConfig(descriptors=_has_tma())
+
+
+@functools.lru_cache(maxsize=1)
+def _has_tma() -> bool:
+    devices = jax.devices()
+    return devices[0].platform == "gpu" and float(getattr(devices[0], "compute_capability", 0)) >= 9
 
 
 def tuned_config(spec: Spec) -> KernelConfig | None:

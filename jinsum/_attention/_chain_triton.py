@@ -18,8 +18,8 @@ from jinsum._attention._chain_route import BACKWARD, EMPTY, FORWARD, SCHEDULE, C
 from jinsum._lang._chain import Chain
 from jinsum._lowering import _launch
 from jinsum._lowering._triton import FallbackWarning
-from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_inputs, chain_outputs, chain_sizes,
-                            generate_chain, load_kernel, scratch_shapes)
+from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_inputs, chain_kernel_name, chain_outputs,
+                            chain_scratch, chain_sizes, generate_chain, load_kernel, scratch_shapes)
 
 
 def _fallback(chain: Chain, plan: Fallback) -> None:
@@ -111,7 +111,8 @@ def _launch_kernel(launcher: _launch.Launcher, plan: ChainPlan, inputs: dict, ou
         zeroed_outputs=tuple(names_out.index(n) for n in zeroed),
         num_warps=plan.config.num_warps,
         num_stages=plan.config.num_stages,
-        name=f"jinsum_attention_{plan.kind}",
+        name=chain_kernel_name(plan),
+        global_scratch=chain_scratch(plan),
     )
     return dict(zip(names_out, results))
 
