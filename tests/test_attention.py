@@ -290,6 +290,9 @@ interpreted = pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no G
 KERNEL_CASES = [  # (with float32 and float16: both formats, dropout, key masks and the atomic dQ in half precision)
     ("block", dict(key_mask=True, dropout=0.2), ChainConfig(chunk=3)),
     ("block", dict(block=32, causal=True, dropout=0.1), ChainConfig(block_m=16, block_k=16, chunk=2)),  # tiles
+    # TMA descriptors (Hopper): boxes in place of pointer loads, an index out of range read as zeros past the end
+    ("block", dict(key_mask=True, batch=2, causal=True), ChainConfig(chunk=3, descriptors=True)),
+    ("block", dict(block=32), ChainConfig(block_m=16, block_k=16, chunk=2, descriptors=True)),
     ("graph", dict(key_mask=True, score_mod=softcap), ChainConfig(entries=16, chunk=16)),
     # GAT's rank-2 scores: dQ is added atomically by the dkdv kernel
     ("graph", dict(dim=2, score_mod=leaky, self_loops=True, dropout=0.2, batch=2), ChainConfig(entries=8, chunk=8)),
@@ -369,6 +372,58 @@ def test_block_kernels_use_tensor_cores_and_skip_the_mask_of_full_blocks(rng):
     backward = jinsum.triton_source(jax.grad(lambda q, k, v: jnp.sum(jinsum.attention(q, k, v, pattern)),
                                              argnums=(0, 1, 2)), q, k, v)
     assert "# ---- dq" in backward and "# ---- dkdv" in backward and "p_perm" in backward
+
+
+def test_descriptor_loads_where_the_layout_allows(rng):
+    """With `descriptors` (Hopper), the Tensor Core operands whose tiles are whole boxes of a row-major view are
+    read through TMA descriptors (the kernel takes its global scratch last, under its own name); a head size the
+    tile pads is read by pointers."""
+    from jinsum.nn import sequence_mask  # noqa: PLC0415 (imports flax)
+
+    mask = sequence_mask(256, 128, causal=True)
+    config = ChainConfig(descriptors=True)
+    for dim, described in ((128, ("Q", "K", "V")), (72, ())):
+        q, k, v = (jnp.zeros((256, h, dim), jnp.bfloat16) for h in (8, 2, 2))
+        chain, _, _ = _attention.build_chain(q, k, v, mask)
+        source = generate_chain(make_chain_plan(chain, "forward", config))
+        made = re.findall(r"d_(\w+) = tl\.make_tensor_descriptor", source)
+        assert tuple(made) == described
+        assert ("def jinsum_attention_forward_tma(" in source) == bool(described)
+        assert source.split("):")[0].endswith(", scratch") == bool(described)
+        dkdv = generate_chain(make_chain_plan(chain, "dkdv", config))
+        assert len(re.findall(r"make_tensor_descriptor", dkdv)) == (4 if described else 0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_host_patterns_without_holes_are_read_as_block_flags(causal, rng):
+    """`jinsum.nn.block_pattern`'s blocks hold zeros only where the causal rule masks anyway: the kernels read one
+    flag per block, never its elements, with the same results; a traced pattern, or one with a zero the rule does
+    not mask, keeps its elements; with a mask_mod, no block is full."""
+    from jinsum.nn import block_pattern as nn_block_pattern  # noqa: PLC0415 (imports flax)
+
+    pattern = nn_block_pattern(96, 16, local_blocks=1, global_blocks=1, random_blocks=1, causal=causal)
+    q, k, v = _qkv(rng, 96, 96)
+    expected, _ = dense_attention(q, k, v, np.asarray(pattern.todense()) != 0, causal=causal)
+    chain, arrays, _ = _attention.build_chain(q, k, v, pattern, causal=causal)
+    assert [str(i) for i in chain.mask.indices] == ["g", "p"] and arrays["Av"].dtype == jnp.int8
+    flags = np.asarray(_chain_route.block_flags(chain, arrays, np))
+    assert (flags == 2).any() and (flags == 1).any() == causal  # (the diagonal blocks: partial)
+    source = jinsum.triton_source(lambda q, k, v: jinsum.attention(q, k, v, pattern, causal=causal), q, k, v)
+    assert "p_Av +" not in source.split("# ---- combine")[0]
+    assert_allclose(jinsum.attention(q, k, v, pattern, causal=causal), expected, np.float32)
+    traced = jax.jit(lambda q, pattern: jinsum.attention(q, k, v, pattern, causal=causal))
+    assert_allclose(traced(q, pattern), expected, np.float32)
+
+    holed = pattern.with_values(pattern.Av.at[0, 5, 2, 0].set(0.0))  # below the diagonal: a hole of its own
+    assert len(_attention.build_chain(q, k, v, holed, causal=causal)[0].mask.indices) == 4
+    allowed = np.asarray(holed.todense()) != 0
+    assert_allclose(jinsum.attention(q, k, v, holed, causal=causal),
+                    dense_attention(q, k, v, allowed, causal=causal)[0], np.float32)
+    chain, arrays, _ = _attention.build_chain(q, k, v, pattern, causal=causal, mask_mod=lambda b, h, i, j: i != j)
+    assert 2 not in np.asarray(arrays["Av"])
+    allowed = (np.asarray(pattern.todense()) != 0) & ~np.eye(96, dtype=bool)
+    assert_allclose(jinsum.attention(q, k, v, pattern, causal=causal, mask_mod=lambda b, h, i, j: i != j),
+                    dense_attention(q, k, v, allowed, causal=causal)[0], np.float32)
 
 
 @pytest.mark.parametrize("fmt", ["block", "graph"])

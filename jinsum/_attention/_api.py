@@ -109,6 +109,8 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
                              "the causal rule into its mask_mod instead (... & (q_idx >= kv_idx)), so that the blocks "
                              "are classified with it")
         q, k, v, key_padding_mask, score_mod, pattern, outer = _lay_out(pattern, q, k, v, key_padding_mask, score_mod)
+    if isinstance(pattern, BlockGroupCOO):
+        pattern = _as_block_flags(pattern, causal=causal, mask_mod=mask_mod is not None)
     if mask_mod is not None and self_loops:
         raise ValueError("jinsum.attention: mask_mod and self_loops cannot be combined (a self loop would ignore the "
                          "mask); store the self loops in the pattern instead")
@@ -194,6 +196,27 @@ class _Blocks(NamedTuple):
     Av: jax.Array
     shape: tuple[int, int]
     block_shape: tuple[int, int]
+
+
+def _as_block_flags(pattern: BlockGroupCOO, *, causal: bool, mask_mod: bool) -> BlockGroupCOO | _Blocks:
+    """A block pattern known on the host whose blocks hold no zero the causal rule does not mask anyway (as
+    `jinsum.nn.block_pattern`'s), as one flag per block, as a block mask is read: the kernels then never read its
+    elements. (They would read them on a partial block only, but that read's 64-bit address tile costs registers,
+    spilled in every iteration, full blocks included: DESIGN.md, issue 42.) Blocks without a nonzero element get
+    flag 0; with `mask_mod`, no block is full (the kernels evaluate it on every block but empty ones)."""
+    if not all(is_concrete(x) for x in (pattern.Ai, pattern.Ak, pattern.Av)):
+        return pattern
+    (bm, bk), nonzero = pattern.block_shape, np.asarray(pattern.Av) != 0  # (G, bm, bk, P), on the host
+    holes = ~nonzero
+    if causal:  # zeros above the diagonal are masked by the rule
+        rows = np.asarray(pattern.Ai)[:, None, None, None] * bm + np.arange(bm)[None, :, None, None]
+        cols = np.asarray(pattern.Ak)[:, None, None, :] * bk + np.arange(bk)[None, None, :, None]
+        holes &= rows >= cols
+    attends, full = nonzero.any(axis=(1, 2)), nonzero.all(axis=(1, 2))
+    if (holes.any(axis=(1, 2)) & attends).any():
+        return pattern
+    flags = np.where(full & (not mask_mod), 2, np.where(attends, 1, 0)).astype(np.int8)
+    return _Blocks(pattern.Ai, pattern.Ak, jnp.asarray(flags), pattern.shape, pattern.block_shape)
 
 
 def _is_block(pattern) -> bool:
