@@ -3,6 +3,7 @@ forward + backward (the output, and the gradients with respect to the input and 
 
     python benchmarks/sparse_linear.py [--features 4096] [--batch 8192] [--calls 20] [--out benchmarks/results]
     python benchmarks/sparse_linear.py --features 256 --batch 512 --calls 2 --out /tmp/sl   # CPU: a check, < 1 min
+    python benchmarks/sparse_linear.py --tile-loads both      # jinsum's block kernels with and without TMA loads
 
 Workloads (the issue's; Scorch and SparseTIR's sparse autoencoders and pruned transformers):
 - block sparse: `features x features` weights in 32 x 32 blocks at 10% and at 5% of the blocks, bfloat16, batch
@@ -26,11 +27,17 @@ forward + backward 3x that (the output, dX and dW each one product of the same s
 "% peak" over the device's dense Tensor Core peak (`PEAKS`: bf16 989 TFLOP/s on H100 / H200 SXM; the float32 rows
 against TF32's 495, the precision XLA's float32 dots use there by default). A figure above the peak is a bug in the
 benchmark: such a row says so in its note. Results go to `--out` as `sparse_linear_<device>.{md,csv}`.
+
+`--tile-loads`: how jinsum's block kernels (dot plans) read their tiles: `default` as the library does (TMA
+descriptors on Hopper, `KernelConfig.descriptors`), `descriptors` or `pointers` forced, `both` a row each (the
+pointer row named "..., pointer loads"). Forcing runs every statement with the default tiles
+(`jinsum.kernels.forced_config`), ignoring configurations `jinsum.autotune` stored.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import sys
@@ -44,6 +51,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jinsum.nn as jnn  # noqa: E402
+from jinsum.kernels import KernelConfig, forced_config  # noqa: E402
 from jinsum.timing import time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -55,6 +63,12 @@ from _harness import (  # noqa: E402
 torch = torch_on_cuda()  # (without CUDA, the torch rows are left out)
 
 RESULTS = Results()
+JINSUM = "jinsum SparseLinear"
+# --tile-loads: the jinsum rows to time, as (system, forced KernelConfig or None for the library's default).
+TILE_LOADS = {"default": [(JINSUM, None)], "descriptors": [(JINSUM, KernelConfig(descriptors=True))],
+              "pointers": [(JINSUM, KernelConfig(descriptors=False))],
+              "both": [(JINSUM, KernelConfig(descriptors=True)),
+                       (f"{JINSUM}, pointer loads", KernelConfig(descriptors=False))]}
 DENSE = "dense x @ W (JAX)"  # (the system every other is compared with)
 PASSES = ("forward", "forward_backward")  # (the column keys' prefixes: forward_ms, forward_backward_tflops, ...)
 CSV_FIELDS = ("workload", "system", "flops", "peak_tflops", "target_vs_dense",
@@ -107,8 +121,9 @@ def torch_times(forward, backward, calls: int, note: str = "") -> dict:
 
 
 def run(features: int, batch: int, workload: str, pattern, block_shape, dtype, calls: int,
-        target: float | None = None) -> None:
-    """`workload`'s rows; `target`: the issue's forward + backward speed-up over the dense layer for jinsum."""
+        target: float | None = None, tile_loads: str = "default") -> None:
+    """`workload`'s rows; `target`: the issue's forward + backward speed-up over the dense layer for jinsum;
+    `tile_loads`: how jinsum's block kernels read their tiles (`TILE_LOADS`)."""
     print(f"\n{workload}")
     layer = jnn.SparseLinear(features, features, pattern, block_shape=block_shape, use_bias=False, dtype=dtype,
                              param_dtype=dtype, rngs=nnx.Rngs(0))
@@ -123,9 +138,12 @@ def run(features: int, batch: int, workload: str, pattern, block_shape, dtype, c
     expected = x.astype(jnp.float32) @ weight_t.T.astype(jnp.float32)
 
     peak = peak_tflops(dtype)
-    RESULTS.attempt(workload, "jinsum SparseLinear", lambda: jax_times(
-        lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x, dy, calls, expected), flops=flops,
-                    peak_tflops=peak, target_vs_dense=target)
+    for system, config in TILE_LOADS[tile_loads if block_shape is not None else "default"]:
+        def jinsum_times(config=config):
+            with forced_config(config) if config is not None else contextlib.nullcontext():  # (compiled inside)
+                return jax_times(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x, dy, calls, expected)
+
+        RESULTS.attempt(workload, system, jinsum_times, flops=flops, peak_tflops=peak, target_vs_dense=target)
     RESULTS.attempt(workload, DENSE, lambda: jax_times(lambda w, x: x @ w, weight_t.T, x, dy, calls),
                     flops=dense_flops, peak_tflops=peak)
     if torch is None:
@@ -218,12 +236,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8192)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--tile-loads", choices=sorted(TILE_LOADS), default="default",
+                   help="how jinsum's block kernels read tiles: the library's default, TMA descriptors, pointers, or "
+                        "a row for each of the two (see above)")
     args = p.parse_args()
     started, f, b = time.time(), args.features, args.batch
     for density, target in ((0.10, 3.0), (0.05, 5.0)):  # (the issue's targets over the dense layer, fwd+bwd)
         blocks = jnn.random_pattern(f, f, density, block_shape=(32, 32))
         run(f, b, f"{f}x{f}, 32x32 blocks at {density:.0%}, bf16, batch {b}", blocks, (32, 32), jnp.bfloat16,
-            args.calls, target)
+            args.calls, target, args.tile_loads)
     elements = jnn.random_pattern(f, f, 0.01)
     for dtype in (jnp.bfloat16, jnp.float32):
         run(f, b, f"{f}x{f}, elements at 1%, {jnp.dtype(dtype).name}, batch {b}", elements, None, dtype, args.calls)

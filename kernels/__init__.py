@@ -27,10 +27,15 @@ from jinsum.kernels._plan import KernelConfig as KernelConfig
 from jinsum.kernels._plan import KernelPlan as KernelPlan
 from jinsum.kernels._plan import canonical as canonical
 from jinsum.kernels._plan import make_plan as make_plan
+from jinsum.kernels._source import described as described
 from jinsum.kernels._source import generate as generate
 from jinsum.kernels._source import kernel_inputs as kernel_inputs
+from jinsum.kernels._source import kernel_name as kernel_name
+from jinsum.kernels._source import kernel_scratch as kernel_scratch
 from jinsum.kernels._tuned import chain_config as chain_config
+from jinsum.kernels._tuned import default_statement_config as default_statement_config
 from jinsum.kernels._tuned import forced_config as forced_config
+from jinsum.kernels._tuned import statement_config as statement_config
 from jinsum.kernels._tuned import store_tuned_config as store_tuned_config
 from jinsum.kernels._tuned import tuned_config as tuned_config
 

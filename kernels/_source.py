@@ -12,6 +12,8 @@ reduction's identity instead: it takes no part.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jinsum._lang import Access, Var, variables
@@ -29,9 +31,88 @@ _IDENTITIES = {"max": 'float("-inf")', "min": 'float("inf")'}
 FIXUP_TILE = 2048
 
 
+DESCRIPTOR_BYTES = 128  # a TMA descriptor in Triton's global scratch (as the attention chains')
+MAX_BOX = 256  # TMA's largest box side, in elements
+
+
 def generate(plan: KernelPlan) -> str:
-    """The Python source of a module defining the kernel `jinsum_<template>_<write>` for `plan`."""
+    """The Python source of a module defining the kernel `kernel_name(plan)` for `plan`."""
     return _Writer(plan).module()
+
+
+def kernel_name(plan: KernelPlan) -> str:
+    """`jinsum_<template>_<write>`, what a profile shows; kernels that make TMA descriptors end in `_tma` (their
+    launch differs: `jinsum._lowering._launch` refuses one name launched both ways)."""
+    return f"jinsum_{plan.template}_{plan.write}" + ("_tma" if described(plan) else "")
+
+
+def kernel_scratch(plan: KernelPlan) -> int:
+    """Global scratch bytes a program of the kernel needs (its TMA descriptors), for the launcher."""
+    return DESCRIPTOR_BYTES * len(described(plan))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Described:
+    """A dot factor read through a TMA descriptor: its operand viewed as a row-major matrix of `rows x width`
+    (`rows` as Triton source: a leading dimension may be a runtime size), whose rows run along tile variable
+    `axes[0]` (dimension `dim` of the operand) and whose columns are the elements after it, `axes[1]` the last
+    of them; a tile is one box of `box` (constexpr names), at the row of its indices up to `dim` and the column
+    of those after it."""
+
+    axes: tuple[str, str]
+    dim: int
+    rows: str
+    width: int
+    box: tuple[str, str]
+
+
+def described(plan: KernelPlan) -> dict[str, _Described]:
+    """The dot factors (by role, "a" / "b") the kernel reads through TMA descriptors (with
+    `KernelConfig.descriptors`): those whose tile is exactly one box of a row-major view, i.e.
+    - the two tile variables index the operand directly, once each, the later one at its last dimension of more
+      than one element (so it has stride 1);
+    - a tile never crosses its variable's extent where the box past it would read a neighbour's elements instead
+      of zeros: where the extent is not a whole number of tiles, the row axis must be the view's first (only
+      dimensions of size 1 before it) and the column axis the whole width (none of size > 1 between them); TMA
+      fills the rest of a box past the view's own edges with zeros, as the masked pointer load;
+    - rows of a multiple of 16 bytes, columns of the box at least 16 bytes (and every column offset a multiple of
+      16 bytes), box sides of at most `MAX_BOX` elements, and 1 to 2^31 - 2 rows.
+    An index out of its range moves the box past the last row (zeros, as the masked pointer load)."""
+    if not (plan.config.descriptors and plan.template == "dot"):
+        return {}
+    spec, dot, config = plan.spec, plan.dot, plan.config
+    blocks = {dot.m: (config.block_m, "BLOCK_M"), dot.n: (config.block_n, "BLOCK_N"),
+              dot.k: (config.block_k, "BLOCK_K")}
+    found = {}
+    for role, factor, tile in (("a", dot.a, (dot.m, dot.k)), ("b", dot.b, (dot.k, dot.n))):
+        node = spec.statement.factors[factor]
+        operand = spec.operand[node.tensor]
+        shape, itemsize = tuple(int(s) for s in operand.shape), np.dtype(operand.dtype).itemsize
+        dims = [d for d, i in enumerate(node.indices) if isinstance(i, Var) and i.name in tile]
+        if len(dims) != 2 or {node.indices[d].name for d in dims} != set(tile):
+            continue
+        row_dim, column_dim = dims
+        if any(shape[d] != 1 for d in range(column_dim + 1, len(shape))):
+            continue  # (the column axis is not contiguous)
+        row_var, column_var = node.indices[row_dim].name, node.indices[column_dim].name
+        width = int(np.prod(shape[row_dim + 1:], dtype=np.int64))
+        rows = int(np.prod(shape[:row_dim + 1], dtype=np.int64))
+        (row_block, row_name), (column_block, column_name) = blocks[row_var], blocks[column_var]
+        strides = np.cumprod((1,) + shape[:0:-1])[::-1]
+        aligned = all(shape[d] == 1 or int(strides[d]) * itemsize % 16 == 0 for d in range(row_dim + 1, column_dim))
+        if not (aligned and width * itemsize % 16 == 0 and column_block * itemsize >= 16
+                and max(row_block, column_block) <= MAX_BOX and 0 < rows < INT32_LIMIT and width < INT32_LIMIT):
+            continue
+        if shape[row_dim] % row_block and rows != shape[row_dim]:
+            continue  # the box past the row axis's extent would read the next rows of the view
+        if shape[column_dim] % column_block and width != shape[column_dim]:
+            continue  # the box past the column axis's extent would read the next columns of the view
+        rows_text = str(rows)
+        if node.indices and isinstance(node.indices[0], Access):  # the leading dimension is a runtime size
+            rest = rows // shape[0]
+            rows_text = f"rows_{node.tensor}" + (f" * {rest}" if rest != 1 else "")
+        found[role] = _Described((row_var, column_var), row_dim, rows_text, width, (row_name, column_name))
+    return found
 
 
 def kernel_inputs(plan: KernelPlan) -> tuple[str, ...]:
@@ -68,6 +149,8 @@ class _Writer:
         self.acc_type = _TRITON_DTYPES[str(plan.acc_dtype)]
         self.tiled = {*plan.tile_vars, self.inner_tile} - {None}
         self.lhs_role = "out"
+        self.described = described(plan)  # dot factors read through TMA descriptors, by role
+        self.starts: dict[str, str] = {}  # dot plans: each tile variable's first position in the current tile
         self.level = self._levels()
 
     # --- structure --------------------------------------------------------------------------------------------
@@ -114,6 +197,8 @@ class _Writer:
         plan, spec = self.plan, self.spec
         params = [f"p_{n}" for n in kernel_inputs(plan)] + ["p_row_starts"] * plan.row_programs + [*plan.sizes]
         params += ["p_out", "p_partials"] if plan.carries else ["p_out"]
+        if self.described:
+            params.append("scratch")  # global scratch for the descriptors (jinsum._lowering._launch)
         params += ["BLOCK_ROWS: tl.constexpr", "BLOCK: tl.constexpr"] if plan.template == "lanes" else \
             ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_K: tl.constexpr"]
         params += ["WINDOW: tl.constexpr", "NUM_STAGES: tl.constexpr"]
@@ -131,7 +216,7 @@ class _Writer:
                + (f"; {plan.dot.k} in {config.k_chunks} chunks" if plan.template == "dot" and config.k_chunks > 1
                   else ""),
                '"""']
-        name = f"jinsum_{plan.template}_{plan.write}"  # what a profile shows
+        name = kernel_name(plan)  # what a profile shows
         return ["@triton.jit", f"def {name}({', '.join(params)}):"] + ["    " + d for d in doc] + self.lines
 
     def _prologue(self) -> None:
@@ -159,10 +244,12 @@ class _Writer:
                 tiles = -(-extent[m] // plan.config.block_m) * tiles_n
                 self.emit(f"k_start = (tl.program_id(1) // {tiles}) * {plan.k_chunk}")
                 tile = f"(tl.program_id(1) % {tiles})"
-            self.emit(f"v_{m} = ({tile} // {tiles_n}) * BLOCK_M + tl.arange(0, BLOCK_M)")
-            self.emit(f"v_{n} = ({tile} % {tiles_n}) * BLOCK_N + tl.arange(0, BLOCK_N)")
+            self.starts[m], self.starts[n] = f"({tile} // {tiles_n}) * BLOCK_M", f"({tile} % {tiles_n}) * BLOCK_N"
+            self.emit(f"v_{m} = {self.starts[m]} + tl.arange(0, BLOCK_M)")
+            self.emit(f"v_{n} = {self.starts[n]} + tl.arange(0, BLOCK_N)")
             for v in (m, n):
                 self.emit(f"m_{v} = v_{v} < {extent[v]}")
+            self._describe()
         else:
             t = plan.lanes
             lane_tiles = -(-extent[t] // plan.config.block) if t in self.spec.loop_variables else 1
@@ -503,6 +590,7 @@ class _Writer:
             if plan.template == "dot" and plan.config.k_chunks > 1:
                 span = f"k_start, tl.minimum(k_start + {plan.k_chunk}, {extent[inner]})"
             self.emit(f"for t_{inner} in tl.range({span}, {block}, num_stages=NUM_STAGES):")
+            self.starts[inner] = f"t_{inner}"
             self.depth += 1
             opened += 1
             self.emit(f"v_{inner} = t_{inner} + tl.arange(0, {block})")
@@ -629,9 +717,48 @@ class _Writer:
             positions.append(value)
         return f"p_{node.tensor} + {offset(shape, positions)}", " & ".join(masks)
 
+    def _describe(self) -> None:
+        """Makes the kernel's TMA descriptors (once per program, before any loop or branch)."""
+        factors = self.spec.statement.factors
+        for role, view in self.described.items():
+            tensor = factors[self.plan.dot.a if role == "a" else self.plan.dot.b].tensor
+            self.emit(f"d_{role} = tl.make_tensor_descriptor(p_{tensor}, shape=[{view.rows}, {view.width}], "
+                      f"strides=[{view.width}, 1], block_shape=[{view.box[0]}, {view.box[1]}])")
+
+    def _box(self, node: Access, role: str) -> tuple[str, str]:
+        """`(load, mask)`: the load of dot factor `node`'s tile from its descriptor, the box at the row and column
+        of the tile's first element (`described`), transposed where the tile's rows are the view's columns, and
+        where the pointer load would read (its range checks). An index out of its range moves the box past the
+        last row: TMA fills it with zeros, as the masked pointer load would."""
+        view, shape = self.described[role], tuple(int(s) for s in self.spec.operand[node.tensor].shape)
+        strides = np.cumprod((1,) + shape[:0:-1])[::-1]
+        row, column, checks = [], [], []
+        for d, index in enumerate(node.indices):
+            if isinstance(index, Var):
+                position = self.starts[index.name] if index.name in view.axes else f"v_{index.name}"
+            else:
+                position = self.loaded[self._key(index, role)]
+                checks.append(f"in_range({position}, {f'rows_{node.tensor}' if d == 0 else shape[d]})")
+                self.helpers.add("in_range")
+            if shape[d] == 1:
+                continue  # (0 wherever it is in range)
+            stride = int(strides[d]) // view.width if d <= view.dim else int(strides[d])
+            (row if d <= view.dim else column).append(position if stride == 1 else f"({position}) * {stride}")
+        row_at = " + ".join(row) or "0"
+        if checks:
+            row_at = f"tl.where({' & '.join(checks)}, {row_at}, {view.rows})"
+        load = f"d_{role}.load([{row_at}, {' + '.join(column) or '0'}])"
+        tile = (self.plan.dot.m, self.plan.dot.k) if role == "a" else (self.plan.dot.k, self.plan.dot.n)
+        return (load if tile == view.axes else f"tl.trans({load})"), " & ".join(checks)
+
     def _load(self, node: Access, role: str) -> None:
         name = f"x{len(self.loaded)}"
         self.loaded[self._key(node, role)] = name
+        factors = self.spec.statement.factors
+        if role in self.described and node == factors[self.plan.dot.a if role == "a" else self.plan.dot.b]:
+            load, self.masks[self._key(node, role)] = self._box(node, role)
+            self.emit(f"{name} = {load}.to({self._value_type(role)})  # {node}, through a TMA descriptor")
+            return
         pointer, mask = self._address(node, role)
         self.masks[self._key(node, role)] = mask
         is_index = node.tensor in self.spec.index_tensors

@@ -51,12 +51,24 @@ def _has_tma() -> bool:
 
 
 def tuned_config(spec: Spec) -> KernelConfig | None:
-    """The configuration to lower `spec` with: the one being timed, else a stored one, else None."""
+    """The configuration to lower `spec` with: the one being timed (as given), else a stored one (one stored
+    before `KernelConfig.descriptors` existed reads tiles as the defaults do), else None."""
     forced = _OVERRIDE.get()
     if isinstance(forced, KernelConfig):
         return forced
     stored = _stored().get(_key(spec))
-    return KernelConfig(**stored) if stored else None
+    return KernelConfig(**{"descriptors": _has_tma(), **stored}) if stored else None
+
+
+def statement_config(spec: Spec) -> KernelConfig:
+    """The configuration statements are lowered with: `tuned_config`, else the defaults, which read the tiles of
+    dot plans through TMA descriptors on GPUs that have TMA (Hopper and later), as attention chains do."""
+    return tuned_config(spec) or default_statement_config()
+
+
+def default_statement_config() -> KernelConfig:
+    """The default configuration of statements on this device (all plan choices left to the plan)."""
+    return KernelConfig(descriptors=_has_tma())
 
 
 def _path() -> pathlib.Path:

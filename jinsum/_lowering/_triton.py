@@ -15,7 +15,8 @@ from jinsum._lowering import _launch, _xla
 from jinsum._lowering._route import Route, has_work, route
 from jinsum._rules._primitive import split_epilogue
 from jinsum.formats._row_starts import row_starts
-from jinsum.kernels import KernelConfig, KernelPlan, generate, kernel_inputs, load_kernel
+from jinsum.kernels import (KernelConfig, KernelPlan, generate, kernel_inputs, kernel_name, kernel_scratch,
+                            load_kernel)
 
 
 class FallbackWarning(UserWarning):
@@ -64,9 +65,9 @@ def run(found: Route, env: dict, launcher: _launch.Launcher):
         inputs.append(row_starts(env[kernel_spec.lhs_sorted_index], plan.row_count, xp))
     source, out_shape = generate(plan), jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype)
 
-    def launch(kernel, *args, **options):
+    def launch(kernel, *args, name="jinsum", **options):
         return launcher.call(load_kernel(source, kernel), *args, grid=plan.grid_shape,
-                             num_warps=plan.config.num_warps, num_stages=plan.config.num_stages, name="jinsum",
+                             num_warps=plan.config.num_warps, num_stages=plan.config.num_stages, name=name,
                              **options, **_metaparameters(plan))
 
     if plan.carries:  # the rows that windows share: partial sums, then the fixup kernel adds them up
@@ -76,9 +77,13 @@ def run(found: Route, env: dict, launcher: _launch.Launcher):
         out = launch(f"jinsum_{plan.template}_fixup", rows, partials, out, *plan.fixup_sizes.values(),
                      out_shape=out_shape, input_output_aliases={2: 0})
         return out.astype(spec.out_dtype)
+    # A kernel reading tiles through TMA descriptors has its own name and the global scratch they live in
+    # (`jinsum._lowering._launch`); a carried split schedule (a lanes plan) has none.
+    scratch = kernel_scratch(plan)
     out = launch(None, *inputs, *plan.sizes.values(), out_shape=out_shape,
                  input_output_aliases={0: 0} if plan.reads_lhs else {},
-                 zeroed_outputs=(0,) if plan.zeroes_output and not plan.covers_output else ())
+                 zeroed_outputs=(0,) if plan.zeroes_output and not plan.covers_output else (),
+                 **(dict(name=kernel_name(plan), global_scratch=scratch) if scratch else {}))
     return out.astype(spec.out_dtype)
 
 
