@@ -11,22 +11,19 @@ import jax
 from jinsum._frontend import _einsum
 from jinsum._rules import _primitive
 from jinsum._lang import Spec
-from jinsum.kernels import (KernelConfig, default_statement_config, forced_config, make_plan,
-                            store_tuned_config)
+from jinsum.kernels import KernelConfig, forced_config, has_tma, make_plan, store_tuned_config
 from jinsum.timing import time_calls
 
 
 def candidate_configs(spec: Spec) -> list[KernelConfig]:
-    """The configurations `autotune` tries for `spec` by default (the plan's default first). Dot plans read their
-    tiles as the device's default does (TMA descriptors on Hopper), and there also try the default tiles by
-    pointers."""
+    """The configurations `autotune` tries for `spec` by default (the plan's default first). On GPUs with TMA,
+    dot plans also try their tiles read through descriptors."""
     plan = make_plan(spec)
     if getattr(plan, "template", None) == "dot":
-        tma = default_statement_config().descriptors
+        tiles = [(0, 0, 0, ""), (128, 4, 2, "rows"), (256, 8, 3, "rows"), (128, 4, 2, "owned"), (256, 8, 1, "split"),
+                 (128, 4, 1, "split")]
         return [KernelConfig(block_n=bn, num_warps=w, num_stages=s, schedule=schedule, descriptors=tma)
-                for bn, w, s, schedule in [(0, 0, 0, ""), (128, 4, 2, "rows"), (256, 8, 3, "rows"),
-                                           (128, 4, 2, "owned"), (256, 8, 1, "split"), (128, 4, 1, "split")]
-                ] + [KernelConfig()] * tma
+                for tma in (False, True)[:1 + has_tma()] for bn, w, s, schedule in tiles]
     return [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, schedule=schedule)
             for b, win, w, s, schedule in [(0, 0, 0, 0, ""), (0, 4, 0, 1, "split"), (0, 8, 0, 1, "split"),
                                            (0, 16, 0, 1, "split"), (0, 4, 0, 1, "owned"), (0, 1, 0, 2, "rows"),

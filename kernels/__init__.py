@@ -33,9 +33,8 @@ from jinsum.kernels._source import kernel_inputs as kernel_inputs
 from jinsum.kernels._source import kernel_name as kernel_name
 from jinsum.kernels._source import kernel_scratch as kernel_scratch
 from jinsum.kernels._tuned import chain_config as chain_config
-from jinsum.kernels._tuned import default_statement_config as default_statement_config
 from jinsum.kernels._tuned import forced_config as forced_config
-from jinsum.kernels._tuned import statement_config as statement_config
+from jinsum.kernels._tuned import has_tma as has_tma
 from jinsum.kernels._tuned import store_tuned_config as store_tuned_config
 from jinsum.kernels._tuned import tuned_config as tuned_config
 

@@ -96,9 +96,9 @@ class KernelConfig:
     num_warps: int = 0
     num_stages: int = 0  # software pipelining depth of the window loop
     k_chunks: int = 0  # dot plans that update a plain left-hand side: the reduction cut into this many chunks
-    # Dot plans: read the tiles of the two factors through TMA descriptors (Hopper; the lowering's default config
-    # sets it there, `kernels._tuned.statement_config`) where their layout allows (`kernels._source.described`),
-    # rather than by pointers: asynchronous copies into shared memory that Triton pipelines and feeds to wgmma.
+    # Dot plans: read the tiles of the two factors through TMA descriptors (Hopper) where their layout allows
+    # (`kernels._source.described`), rather than by pointers: asynchronous copies into shared memory that Triton
+    # pipelines and feeds to wgmma. Off by default (slower on SparseLinear's 32 x 32 blocks); `autotune` tries it.
     descriptors: bool = False
 
 

@@ -41,34 +41,25 @@ def chain_config() -> ChainConfig:
     """The configuration attention chains are lowered with: a forced one, else the defaults, which read tiles
     through TMA descriptors on GPUs that have TMA (Hopper and later)."""
     forced = _OVERRIDE.get()
-    return forced if isinstance(forced, ChainConfig) else ChainConfig(descriptors=_has_tma())
+    return forced if isinstance(forced, ChainConfig) else ChainConfig(descriptors=has_tma())
 
 
 @functools.lru_cache(maxsize=1)
-def _has_tma() -> bool:
+def has_tma() -> bool:
+    """Whether the default device is a GPU with TMA (Hopper and later)."""
     devices = jax.devices()
     return devices[0].platform == "gpu" and float(getattr(devices[0], "compute_capability", 0)) >= 9
 
 
 def tuned_config(spec: Spec) -> KernelConfig | None:
-    """The configuration to lower `spec` with: the one being timed (as given), else a stored one (one stored
-    before `KernelConfig.descriptors` existed reads tiles as the defaults do), else None."""
+    """The configuration to lower `spec` with: the one being timed, else a stored one, else None. (The
+    defaults read a statement's tiles by pointers: `jinsum.autotune` tries TMA descriptors where the GPU has
+    them, and stores them where they win; DESIGN.md, issue 42.)"""
     forced = _OVERRIDE.get()
     if isinstance(forced, KernelConfig):
         return forced
     stored = _stored().get(_key(spec))
-    return KernelConfig(**{"descriptors": _has_tma(), **stored}) if stored else None
-
-
-def statement_config(spec: Spec) -> KernelConfig:
-    """The configuration statements are lowered with: `tuned_config`, else the defaults, which read the tiles of
-    dot plans through TMA descriptors on GPUs that have TMA (Hopper and later), as attention chains do."""
-    return tuned_config(spec) or default_statement_config()
-
-
-def default_statement_config() -> KernelConfig:
-    """The default configuration of statements on this device (all plan choices left to the plan)."""
-    return KernelConfig(descriptors=_has_tma())
+    return KernelConfig(**stored) if stored else None
 
 
 def _path() -> pathlib.Path:

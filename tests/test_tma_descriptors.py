@@ -1,4 +1,5 @@
-"""Dot plans reading their factors' tiles through TMA descriptors (`KernelConfig.descriptors`, the default on Hopper):
+"""Dot plans reading their factors' tiles through TMA descriptors (`KernelConfig.descriptors`, tried by autotune on
+Hopper):
 the block SpMM and SparseLinear's three statements, run in Triton's interpreter on CPU, equal the same kernels
 loading by pointers and a float64 reference, with gathered indices out of range; descriptors appear exactly where a
 tile is a whole box of the operand's row-major view (`jinsum.kernels.described`), and pointers stay where a box
@@ -14,12 +15,13 @@ import numpy as np
 import pytest
 
 import jinsum
+from jinsum import _autotune
 from jinsum._frontend import _einsum
 from jinsum._lowering import _launch, _route, _triton
 from jinsum._lowering._triton import interpret
 from jinsum._rules import _primitive
 from jinsum.kernels import (KernelConfig, _tuned, canonical, described, forced_config, generate, kernel_name,
-                            kernel_scratch, make_plan, statement_config)
+                            kernel_scratch, make_plan)
 from jinsum.testing import assert_allclose, reference
 
 from conftest import ON_GPU
@@ -230,26 +232,28 @@ def test_statement_kernels_launch_with_their_name_and_scratch(rng):
 
 
 @interpreted
-def test_the_default_reads_tiles_through_descriptors_where_the_gpu_has_tma(rng, monkeypatch):
+def test_statements_read_tiles_by_pointers_unless_tuned_to_descriptors(rng, monkeypatch):
+    """Descriptors lost on SparseLinear's 32 x 32 blocks on an H200 (DESIGN.md, issue 42): the default reads
+    tiles by pointers on any device; `jinsum.autotune` tries descriptors too where the GPU has TMA, and a stored
+    or forced configuration keeps its own value."""
     operands = CASES[1].make(rng, np.float16)
     operands["Ak"] = np.clip(operands["Ak"], 0, 2)
     spec = _spec(BLOCK_SPMM, operands)
-    assert not statement_config(spec).descriptors  # (no TMA on a CPU)
-    monkeypatch.setattr(_tuned, "_has_tma", lambda: True)
-    assert statement_config(spec) == KernelConfig(descriptors=True)
-    assert "tl.make_tensor_descriptor(" in jinsum.triton_source(BLOCK_SPMM, sorted_indices=("Ai",), **operands)
-    with forced_config(KernelConfig(block_n=64)):  # a forced configuration keeps its own value
-        assert statement_config(spec) == KernelConfig(block_n=64)
-        assert "tl.make_tensor_descriptor(" not in jinsum.triton_source(BLOCK_SPMM, sorted_indices=("Ai",),
-                                                                         **operands)
-    # A stored configuration from before the switch reads as the default does; one that says so keeps its value.
-    monkeypatch.setattr(_tuned, "_stored", lambda: {_tuned._key(spec): {"block_n": 64, "num_warps": 8}})
-    assert statement_config(spec) == KernelConfig(block_n=64, num_warps=8, descriptors=True)
-    monkeypatch.setattr(_tuned, "_stored", lambda: {_tuned._key(spec): {"block_n": 64, "descriptors": False}})
-    assert statement_config(spec) == KernelConfig(block_n=64)
+    monkeypatch.setattr(_tuned, "has_tma", lambda: True)
+    assert _tuned.tuned_config(spec) is None
+    assert "tl.make_tensor_descriptor(" not in jinsum.triton_source(BLOCK_SPMM, sorted_indices=("Ai",), **operands)
+    monkeypatch.setattr(_autotune, "has_tma", lambda: True)
+    tried = _autotune.candidate_configs(spec)
+    assert {c.descriptors for c in tried} == {False, True} and not tried[0].descriptors
+    monkeypatch.setattr(_autotune, "has_tma", lambda: False)
+    assert not any(c.descriptors for c in _autotune.candidate_configs(spec))
+    with forced_config(KernelConfig(descriptors=True)):
+        assert "tl.make_tensor_descriptor(" in jinsum.triton_source(BLOCK_SPMM, sorted_indices=("Ai",), **operands)
+    monkeypatch.setattr(_tuned, "_stored", lambda: {_tuned._key(spec): {"block_n": 64, "descriptors": True}})
+    assert _tuned.tuned_config(spec) == KernelConfig(block_n=64, descriptors=True)
 
 
-@pytest.mark.skipif(not (ON_GPU and _tuned._has_tma()), reason="TMA descriptors need a Hopper (or later) GPU")
+@pytest.mark.skipif(not (ON_GPU and _tuned.has_tma()), reason="TMA descriptors need a Hopper (or later) GPU")
 @pytest.mark.parametrize("dtype", [np.dtype(jnp.bfloat16), *DTYPES], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=repr)
 def test_on_hopper_descriptor_loads_equal_pointer_loads(case, dtype, rng):

@@ -20,7 +20,7 @@ import os
 from jinsum._lang import Spec
 from jinsum._rules import _deterministic
 from jinsum._rules._primitive import apply_epilogue, split_epilogue
-from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, statement_config
+from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, tuned_config
 
 # Below this many terms (the product of every variable's extent: rows x slots x features for an SpMM) a statement
 # runs on XLA's lowering on CUDA too: its fused gathers run inside the step's CUDA graph, while a generated kernel
@@ -57,8 +57,8 @@ class Route:
 def plan_for(spec: Spec, config: KernelConfig | None = None) -> KernelPlan | Fallback:
     """The kernel plan for `spec`: of its canonical form (so statements that differ in names share a kernel;
     `plan.spec` names the operands `T0, T1, ...` in `spec.names` order), with `config`, else the tuned
-    configuration if `jinsum.autotune` stored one, else the defaults (`jinsum.kernels.statement_config`)."""
-    return make_plan(canonical(spec), config or statement_config(spec))
+    configuration if `jinsum.autotune` stored one, else the defaults."""
+    return make_plan(canonical(spec), config or tuned_config(spec) or KernelConfig())
 
 
 def has_work(plan: KernelPlan) -> bool:

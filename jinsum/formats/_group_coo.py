@@ -27,7 +27,6 @@ from jinsum.formats._convert import (
     csr_from_coo,
     csr_from_dense,
     csr_from_scipy,
-    default_group_size,
     groups_from_csr,
     host_array,
     index_dtype,
