@@ -28,10 +28,10 @@ forward + backward 3x that (the output, dX and dW each one product of the same s
 against TF32's 495, the precision XLA's float32 dots use there by default). A figure above the peak is a bug in the
 benchmark: such a row says so in its note. Results go to `--out` as `sparse_linear_<device>.{md,csv}`.
 
-`--tile-loads`: how jinsum's block kernels (dot plans) read their tiles: `default` as the library does (TMA
-descriptors on Hopper, `KernelConfig.descriptors`), `descriptors` or `pointers` forced, `both` a row each (the
-pointer row named "..., pointer loads"). Forcing runs every statement with the default tiles
-(`jinsum.kernels.forced_config`), ignoring configurations `jinsum.autotune` stored.
+`--tile-loads`: how jinsum's block kernels (dot plans) read their tiles: `default` as the library does (by
+pointers, unless `jinsum.autotune` stored TMA descriptors for a statement), `descriptors` or `pointers` forced,
+`both` a row each (the descriptor row named "..., TMA descriptor loads"). Forcing runs every statement with the
+default tiles (`jinsum.kernels.forced_config`), ignoring configurations `jinsum.autotune` stored.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ JINSUM = "jinsum SparseLinear"
 # --tile-loads: the jinsum rows to time, as (system, forced KernelConfig or None for the library's default).
 TILE_LOADS = {"default": [(JINSUM, None)], "descriptors": [(JINSUM, KernelConfig(descriptors=True))],
               "pointers": [(JINSUM, KernelConfig(descriptors=False))],
-              "both": [(JINSUM, KernelConfig(descriptors=True)),
-                       (f"{JINSUM}, pointer loads", KernelConfig(descriptors=False))]}
+              "both": [(JINSUM, KernelConfig(descriptors=False)),
+                       (f"{JINSUM}, TMA descriptor loads", KernelConfig(descriptors=True))]}
 DENSE = "dense x @ W (JAX)"  # (the system every other is compared with)
 PASSES = ("forward", "forward_backward")  # (the column keys' prefixes: forward_ms, forward_backward_tflops, ...)
 CSV_FIELDS = ("workload", "system", "flops", "peak_tflops", "target_vs_dense",
