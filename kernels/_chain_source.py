@@ -551,10 +551,10 @@ class _Writer:
         return parts
 
     def _mask_scores(self) -> None:
-        """Dot template, after the scores: the launcher classified each block (2: every element attends, 1:
-        partial, 0: none), so a full block in range is not masked at all (FlexAttention's full blocks); a partial
-        one sets its masked scores to -inf: its stored elements or `mask_mod` (in registers), the causal rule and
-        the tile's edges. The key mask applies to every block."""
+        """Dot template, after the scores: the launcher classified each block (2: every element attends, its keys
+        valid; 1: partial; 0: none), so a full block in range is not masked at all (FlexAttention's full blocks); a
+        partial one sets its masked scores to -inf: its stored elements or `mask_mod` (in registers), the key
+        padding mask, the causal rule and the tile's edges."""
         row, col, positions, flag = self._mask_args
         edges = self._edges(row, col)
         checks = [e for e in edges if e.startswith("in_range")]
@@ -563,13 +563,13 @@ class _Writer:
             self.emit(f"allowed = {' & '.join(edges + [f'({flag} != 0)'])}")
             if self._element_mask:
                 self._read_mask(self.score_axes)
+            if self.chain.key_mask is not None:  # (a full block's keys are valid: see `_chain_route.schedule`)
+                pointer, mask = self.address("KM", self.score_axes)
+                keys = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
+                self.emit(f"allowed = allowed & ({keys} != 0)")
             self._mask_rules(positions)
             self.emit(f"s = tl.where(allowed, s, {_NEG_INF})")
         outside = [e for e in edges if e not in checks]  # tiles that overhang their block
-        if self.chain.key_mask is not None:
-            pointer, mask = self.address("KM", self.score_axes)
-            keys = f"tl.load({pointer}, mask={mask}, other=0)" if mask else f"tl.load({pointer})"
-            outside.append(f"({keys} != 0)")
         if outside:
             self.emit(f"s = tl.where({' & '.join(outside)}, s, {_NEG_INF})")
 

@@ -1,6 +1,7 @@
 """Fused attention chains (`jinsum.attention`): the unfused reference lowering against dense float64 NumPy, its
 derivatives and batching, and every generated chain kernel in Triton's interpreter against that reference."""
 
+import functools
 import importlib.util
 import re
 import warnings
@@ -424,6 +425,27 @@ def test_host_patterns_without_holes_are_read_as_block_flags(causal, rng):
     allowed = (np.asarray(pattern.todense()) != 0) & ~np.eye(96, dtype=bool)
     assert_allclose(jinsum.attention(q, k, v, pattern, causal=causal, mask_mod=lambda b, h, i, j: i != j),
                     dense_attention(q, k, v, allowed, causal=causal)[0], np.float32)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_full_block_is_one_whose_keys_are_valid_in_every_batch_element(traced, rng):
+    """With a key padding mask, the kernels read it on partial blocks only: a block stays full where its keys are
+    valid in every batch element (one invalid key anywhere demotes it), concrete or traced."""
+    from jinsum.nn import sequence_mask  # noqa: PLC0415 (imports flax)
+
+    mask = sequence_mask(64, 16)  # every block full
+    q, k, v = _qkv(rng, 64, 64, batch=2)
+    valid = np.ones((2, 64), bool)
+    valid[1, 37] = False  # key block 2, in the second batch element only
+    chain, arrays, _ = _attention.build_chain(q, k, v, mask, key_padding_mask=valid)
+    route = _chain_route.route_chain(chain)
+    schedule = jax.jit(lambda a: _chain_route.schedule(route, a)) if traced else functools.partial(
+        _chain_route.schedule, route)
+    flags = np.asarray(schedule({n: arrays[n] for n in (*chain.names, "seed")})["flags"])
+    blocks = np.asarray(arrays["Ak"]).reshape(-1)
+    assert (flags == np.where(blocks == 2, 1, 2)).all()
+    expected, _ = dense_attention(q, k, v, np.ones((64, 64), bool), key_mask=valid)
+    assert_allclose(jinsum.attention(q, k, v, mask, key_padding_mask=valid), expected, np.float32)
 
 
 @pytest.mark.parametrize("fmt", ["block", "graph"])

@@ -7,7 +7,8 @@ a `*_sum` kernel that adds up the pieces of long rows (keys). The route is a sta
 primitives, so their CUDA lowering (`_chain_triton`) and `jinsum.triton_source` read the plans it holds instead of
 planning again.
 
-The schedule (work items, block flags, the transposed order) depends on the pattern only. It is computed before
+The schedule (work items, block flags, the transposed order) depends on the pattern (and a block is full only where
+the key padding mask, if any, holds every key of the block in every batch element). It is computed before
 the primitive is bound, once for the forward and the backward: on the host with NumPy when the pattern is concrete
 (a pattern closed over by a jitted function costs nothing per call), else as XLA ops in the traced program (where
 layers sharing one adjacency share them): then the transposed order is the argsort of the keys, unless the
@@ -115,6 +116,8 @@ def schedule(route: ChainRoute, arrays: dict) -> dict:
     if (rows or keys).template == "dot":
         found["flags"] = block_flags(chain, pattern, xp)
     pattern["flags"] = found["flags"]
+    if chain.key_mask is not None and (rows or keys).template == "dot":
+        found["flags"] = _keys_all_valid(found["flags"], arrays["KM"], pattern["Ak"])
     if rows is not None:
         found["row_items"], found["row_combine"] = row_items(rows, pattern, xp)
     if keys is not None:
@@ -197,6 +200,19 @@ def block_flags(chain: Chain, env: dict, xp):
         all_ = all_ & (first_key + bk - 1 <= first_query)
         any_ = any_ & (first_key <= first_query + bm - 1)
     return xp.where(all_, 2, xp.where(any_, 1, 0)).astype(xp.int8).reshape(-1)
+
+
+def _keys_all_valid(flags, key_mask, Ak):
+    """`flags` with the blocks whose keys are not valid in every batch element demoted from full to partial, so
+    that the kernels read the key padding mask (`(B?, key blocks, bk)`) on partial blocks only."""
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in (flags, key_mask, Ak))
+    xp = np if concrete else jnp
+    key_mask = np.asarray(key_mask) if concrete else key_mask
+    valid = (key_mask != 0).all(axis=(*range(key_mask.ndim - 2), key_mask.ndim - 1))
+    blocks = xp.asarray(Ak).reshape(-1)
+    inside = (blocks >= 0) & (blocks < valid.shape[0])
+    full = valid[xp.clip(blocks, 0, valid.shape[0] - 1)] & inside
+    return xp.where((flags == 2) & ~full, 1, flags).astype(xp.int8)
 
 
 def transposed_entries(plan: ChainPlan, env: dict, xp):
