@@ -154,6 +154,23 @@ def test_overflow_and_bad_indices_are_checkify_errors(rng):
         error.throw()  # nothing to report
 
 
+def test_out_of_range_node_ids_raise_eagerly_and_are_left_out_under_jit():
+    """An eager build names the first edge past the node counts (padding columns, any index negative, pass); under
+    jit that edge is left out, as before (a checkify error under check_indices)."""
+    edges = np.array([[0, 1, -1, 7, 2], [1, 9, 12, 2, 3]])  # edge 2 is padding; edge 1 is the first out of range
+    with pytest.raises(ValueError, match=r"GroupCOO.from_edge_index: edge_index\[1, 1\] = 9 is out of range: "
+                                         r"expected 0 <= node < num_nodes = 4 \(destinations\), or a negative index"):
+        jinsum.GroupCOO.from_edge_index(edges, num_nodes=4, capacity=5)
+    with pytest.raises(ValueError, match=r"edge_index\[0, 3\] = 7 is out of range: expected 0 <= node < num_nodes "
+                                         r"= 6 \(sources\)"):  # bipartite (N_src 6, N_dst 10): edge 1 now fits
+        jinsum.GroupCOO.from_edge_index(edges, num_nodes=(6, 10), capacity=5)
+    fits = jinsum.GroupCOO.from_edge_index(edges, num_nodes=(8, 10), capacity=4)  # every node id in range, exactly
+    np.testing.assert_allclose(np.asarray(fits.todense()), _reference(edges, np.ones(5), (10, 8)))
+    traced = jax.jit(lambda e: jinsum.GroupCOO.from_edge_index(e, num_nodes=4, capacity=5))(edges)
+    assert not traced.overflow
+    np.testing.assert_allclose(np.asarray(traced.todense()), _reference(edges[:, [0, 4]], np.ones(2), (4, 4)))
+
+
 def test_one_compile_for_many_graphs(rng):
     build = CountingJit(lambda e, x: jinsum.GroupCOO.from_edge_index(e, num_nodes=30, capacity=100) @ x)
     x = rng.normal(size=(30, 2))
@@ -242,10 +259,18 @@ def test_block_mask_built_in_jit_equals_the_host_build(rng):
 
 def test_block_mask_overflow_keeps_the_first_blocks(rng):
     mask = _block_mask(rng, (6, 6))
-    short = jinsum.BlockGroupCOO.from_block_mask(mask, block_shape=(2, 2), capacity=int(mask.sum()) - 3)
+    stored = int(mask.sum())
+    # Eagerly an overflow is an error naming the capacity needed; an exact fit is not; under jit, the flag.
+    with pytest.raises(ValueError, match=rf"BlockGroupCOO.from_block_mask: {stored} blocks are stored but capacity = "
+                                         rf"{stored - 3} holds only {stored - 3}; pass capacity >= {stored} \(or None"):
+        jinsum.BlockGroupCOO.from_block_mask(mask, block_shape=(2, 2), capacity=stored - 3)
+    exact = jinsum.BlockGroupCOO.from_block_mask(mask, block_shape=(2, 2), capacity=stored)
+    assert not exact.overflow
+    np.testing.assert_array_equal(np.asarray(exact.todense()), np.kron(mask, np.ones((2, 2))))
+    short = jax.jit(lambda m: jinsum.BlockGroupCOO.from_block_mask(m, block_shape=(2, 2), capacity=stored - 3))(mask)
     assert short.overflow
     kept = np.zeros(mask.size, bool)
-    kept[np.flatnonzero(mask)[: int(mask.sum()) - 3]] = True  # row-major order
+    kept[np.flatnonzero(mask)[: stored - 3]] = True  # row-major order
     np.testing.assert_array_equal(np.asarray(short.todense()), np.kron(kept.reshape(mask.shape), np.ones((2, 2))))
     with jinsum.check_indices(True):
         error, _ = checkify.checkify(jax.jit(lambda m: jinsum.BlockGroupCOO.from_block_mask(
@@ -268,6 +293,49 @@ def test_attention_over_a_block_mask_built_in_jit(rng):
         q, k, v, jinsum.BlockGroupCOO.from_block_mask(m, block_shape=block, capacity=16)))(q, k, v, mask)
     for a, b in zip(got, expected):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-9)
+
+
+def test_eager_products_and_attention_refuse_an_overflowed_format(rng):
+    """A format built for a capacity under jit and returned carries a concrete overflow flag: einsum (either notation),
+    `@` and attention outside jit refuse it; inside jit (the flag traced) they read the kept entries as before."""
+    edges = _edges(rng, 8, 8, 30)
+    num = len(np.unique(edges.T, axis=0))
+    graph = jax.jit(lambda e: jinsum.GroupCOO.from_edge_index(e, num_nodes=8, capacity=num - 2))(edges)
+    mask = _block_mask(rng, (4, 4), 0.5)
+    blocks = jax.jit(lambda m: jinsum.BlockGroupCOO.from_block_mask(m, block_shape=(8, 8), capacity=3))(mask)
+    assert graph.overflow and blocks.overflow
+    refused = r"jinsum: the {} overflowed: it was built under jit with room for {} {}, .* dropped .* rebuild it with a " \
+              r"larger capacity \({}"
+    for A, x, message in ((graph, rng.normal(size=(8, 3)), refused.format("GroupCOO", num - 2, "distinct entries",
+                                                                          "GroupCOO.from_edge_index")),
+                          (blocks, rng.normal(size=(32, 3)), refused.format("BlockGroupCOO", 3, "blocks",
+                                                                            "BlockGroupCOO.from_block_mask"))):
+        with pytest.raises(ValueError, match=message):
+            A @ x
+        with pytest.raises(ValueError, match=message):
+            x.T @ A
+        with pytest.raises(ValueError, match=message):
+            jinsum.einsum("ik,kn->in", A, x)
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda A, x: A @ x)(A, x)), np.asarray(A.todense()) @ x,
+                                   rtol=1e-12)
+    with pytest.raises(ValueError, match=refused.format("GroupCOO", num - 2, "distinct entries", "GroupCOO")):
+        jinsum.einsum("C[Ai[g],n] += Av[g,p] * B[Ak[g,p],n]", A=graph, B=np.ones((8, 2)))
+    with pytest.raises(ValueError, match=refused.format("GroupCOO", num - 2, "distinct entries", "GroupCOO")):
+        jinsum.einsum("C[Ai[g],n] max= B[Ak[g,p],n]", A=graph, B=np.ones((8, 2)),
+                      C=jax.ShapeDtypeStruct((8, 2), np.float64))
+
+    q, k, v = (jnp.asarray(rng.normal(size=(32, 2, 16))) for _ in range(3))
+    with pytest.raises(ValueError, match="jinsum.attention: the BlockGroupCOO overflowed"):
+        jinsum.attention(q, k, v, blocks)
+    jax.jit(jinsum.attention)(q, k, v, blocks)
+    with pytest.raises(ValueError, match="jinsum.attention: the GroupCOO overflowed"):
+        jinsum.attention(q[:8], k[:8], v[:8], graph)
+    jax.jit(jinsum.attention)(q[:8], k[:8], v[:8], graph)
+    # a format of the same build that fits (flag concrete and False) is taken outside jit
+    fits = jax.jit(lambda e: jinsum.GroupCOO.from_edge_index(e, num_nodes=8, capacity=num))(edges)
+    x = rng.normal(size=(8, 3))
+    np.testing.assert_allclose(np.asarray(fits @ x), _reference(edges, np.ones(30), (8, 8)) @ x, rtol=1e-12)
+    jinsum.attention(q[:8], k[:8], v[:8], fits)
 
 
 def test_block_mask_rejects_bad_arguments():
@@ -302,3 +370,39 @@ def test_nn_adjacency_with_a_capacity_equals_the_host_one(self_loops, rng):
     loss = lambda x, A: jnp.sum(jnp.sin(conv(x, A)))  # noqa: E731
     np.testing.assert_allclose(np.asarray(jax.grad(loss)(x, device)), np.asarray(jax.grad(loss)(x, host)),
                                rtol=1e-10, atol=1e-12)
+
+
+def test_adjacency_with_self_loops_names_the_capacity_the_caller_passes(rng):
+    """With self loops the builder holds C + N entries; the eager error and the checkify message name C, the
+    capacity the caller passes (self loops aside), and explain the N more."""
+    n = 12
+    edges = _edges(rng, n, n, 40)
+    edges[:, :2] = [[3, 5], [3, 5]]  # two own self loops: they take the self loops' entries, not the capacity's
+    distinct = {(s, d) for s, d in edges.T if s != d}
+    num = len(distinct)
+    with pytest.raises(ValueError, match=rf"jinsum.graphs.adjacency: {num} distinct edges \(self loops aside\) but "
+                                         rf"capacity = {num - 1} holds only {num - 1}; pass capacity >= {num} \(or "
+                                         rf"None to build on the host\); the {n} self loops take {n} entries of their "
+                                         rf"own beyond it \({num - 1 + n} in all\)"):
+        jinsum.graphs.adjacency(edges, n, self_loops=True, capacity=num - 1)
+    exact = jinsum.graphs.adjacency(edges, n, self_loops=True, capacity=num)  # exact fit
+    assert not exact.overflow
+    np.testing.assert_allclose(np.asarray(exact.todense()),
+                               np.asarray(jinsum.graphs.adjacency(edges, n, self_loops=True).todense()))
+    with pytest.raises(ValueError, match=r"jinsum.graphs.adjacency: edge_index\[1, 4\] = 12 is out of range"):
+        bad = edges.copy()
+        bad[1, 4] = n
+        jinsum.graphs.adjacency(bad, n, self_loops=True, capacity=num)
+
+    def build(e, capacity):
+        return jinsum.graphs.adjacency(e, n, self_loops=True, capacity=capacity)
+
+    assert jax.jit(build, static_argnums=1)(edges, num - 1).overflow  # under jit: the flag, as before
+    with jinsum.check_indices(True):
+        error, _ = checkify.checkify(jax.jit(lambda e: build(e, num - 1).Av.sum()))(edges)
+        with pytest.raises(checkify.JaxRuntimeError,
+                           match=rf"jinsum.graphs.adjacency: more distinct edges \(self loops aside\) than capacity = "
+                                 rf"{num - 1}; .* the {n} self loops take {n} entries of their own beyond it"):
+            error.throw()
+        error, _ = checkify.checkify(jax.jit(lambda e: build(e, num).Av.sum()))(edges)
+        error.throw()  # an exact fit: nothing to report

@@ -24,7 +24,7 @@ from jinsum._lang import _elementwise
 from jinsum._lang import Access, Var, parse
 from jinsum._lang._chain import Chain, Roles
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.formats._convert import is_concrete
+from jinsum.formats._convert import check_not_overflowed, is_concrete
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | BlockGroupCOO | BlockMask, *,
@@ -49,7 +49,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
         applies too, per batch element and head if it was built so; outside `jit`, one whose `overflow` flag is
         set is an error), a `BlockGroupCOO` (block-sparse attention)
         or a `GroupCOO` (graph attention) of shape `(L, S)`; a `GroupCOO` may carry one value per head,
-        `(L, S, H)`. Shared by the batch.
+        `(L, S, H)`. Shared by the batch. Outside `jit`, a format whose `overflow` flag is set (built for a
+        capacity under `jit` and returned) is an error too.
       scale: multiplies `q . k`; defaults to `1 / sqrt(D)`.
       score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on scalars (FlexAttention's `score_mod`): a soft cap,
         a LeakyReLU, a positional bias. Traced once and compiled into the kernels. It may close over Python
@@ -93,6 +94,8 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     _check_arguments(q, k, v, pattern, dropout, self_loops)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mods, outer = {}, _identity
+    if isinstance(pattern, (GroupCOO, BlockGroupCOO)):  # built for a capacity under jit and returned, overflowed
+        check_not_overflowed("jinsum.attention", pattern)
     if isinstance(pattern, BlockMask):
         if mask_mod is not None:
             raise ValueError("jinsum.attention: the block mask carries its mask_mod; build it with the whole mask "

@@ -66,7 +66,9 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
         an operand the expression names but the call does not pass, one passed that the expression does not name
         (a typo would otherwise drop an array silently), and a format passed where the expression reads an array.
       ValueError: a concrete index array holds an out-of-range index. Under `jit`, indices cannot be checked: an
-        out-of-range read gives 0 and an out-of-range write is dropped.
+        out-of-range read gives 0 and an out-of-range write is dropped. Also a format whose `overflow` flag is
+        concrete and set (built for a capacity under `jit` and returned, entries dropped); inside `jit` the flag
+        is traced and not read.
     """
     if not isinstance(expression, str):
         raise TypeError(f"jinsum: the expression must be a string, got {type(expression).__name__}")
@@ -125,8 +127,9 @@ def _expand_formats(named: Mapping, entries_only: bool = False) -> tuple[dict, s
         if not isinstance(value, SPARSE_FORMATS):
             arrays[name] = value
             continue
-        parts = {name + "i": value.Ai, name + "k": _entry_columns(value) if entries_only else value.Ak,
-                 name + "v": value.Av}
+        parts = _format_rewrite.format_arrays(value, name)
+        if entries_only:
+            parts[name + "k"] = _entry_columns(value)
         clash = sorted(set(parts) & set(named))
         if clash:
             raise TypeError(f"jinsum: format operand {name}= expands to {sorted(parts)}, which clashes with the "

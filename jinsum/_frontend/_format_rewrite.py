@@ -22,6 +22,7 @@ from jinsum._rules import _primitive
 from jinsum._lang import ColumnOrder, parse
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.formats._base import GroupedFormat
+from jinsum.formats._convert import check_not_overflowed
 
 
 def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
@@ -87,12 +88,21 @@ def _expand(arrays: dict) -> tuple[dict, ColumnOrder | None]:
     """The format `A` among `arrays` replaced by `Ai`, `Ak` and `Av` (and its entries in column order, if it
     carries them)."""
     A = arrays.pop("A")
-    expanded = {**arrays, "Ai": A.Ai, "Ak": A.Ak, "Av": A.Av}
+    expanded = {**arrays, **format_arrays(A, "A")}
     order = None
     if getattr(A, "transposed", None) is not None:
         order, entries = column_order(A, "A")
         expanded.update(entries)
     return expanded, order
+
+
+def format_arrays(A: GroupCOO | BlockGroupCOO, name: str) -> dict:
+    """The arrays `{name}i`, `{name}k`, `{name}v` that a format operand binds: every format enters the einsum
+    front end here (the indirect notation's `A=`, NumPy subscripts and `@`). Outside `jit`, a format whose
+    `overflow` flag is set (built for a capacity under `jit` and returned: entries were dropped) is refused; a
+    traced flag is not read, so jitted calls trace as before."""
+    check_not_overflowed("jinsum", A)
+    return {name + "i": A.Ai, name + "k": A.Ak, name + "v": A.Av}
 
 
 def column_order(A: GroupCOO, name: str) -> tuple[ColumnOrder, dict]:

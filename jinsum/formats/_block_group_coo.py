@@ -28,6 +28,7 @@ from jinsum.formats._convert import (
     groups_from_csr,
     host_array,
     index_dtype,
+    is_concrete,
     to_scipy_csr,
     value_dtype,
 )
@@ -81,7 +82,9 @@ class BlockGroupCOO(GroupedFormat):
       transposed: a :class:`TransposedIndex` of the nonzero blocks in block-column order, or None: built on request
         by :meth:`with_transpose`, kept by :meth:`with_values`.
       overflow: for a format built on the device for a capacity (:meth:`from_block_mask`), a boolean scalar array,
-        True when more blocks were asked for than fit; None for one built on the host.
+        True when more blocks were asked for than fit; None for one built on the host. Only a build under tracing
+        can set it (an eager one raises instead); outside ``jit``, ``jinsum.einsum``, ``@`` and ``jinsum.attention``
+        refuse a format whose flag is set.
 
     A pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, block_shape, nnz)``, where
     ``nnz`` counts the stored blocks excluding padding. :meth:`from_validated` assembles one from arrays a builder has
@@ -198,9 +201,12 @@ class BlockGroupCOO(GroupedFormat):
           block_shape: ``(bm, bk)``.
           shape: the logical ``(M, K)``; defaults to ``(Mb * bm, Kb * bk)``.
           capacity: None builds on the host from a concrete mask (exact sizes). An int ``C`` builds with
-            `jax.numpy` from a concrete or traced mask: at most ``C`` blocks (the first in row-major order), shapes
-            that depend only on ``C``, the blocks in column order (`transposed`) and an ``overflow`` flag (a
-            `checkify` error under ``jinsum.check_indices``).
+            `jax.numpy` from a concrete or traced mask: at most ``C`` blocks, shapes that depend only on ``C``, the
+            blocks in column order (`transposed`) and an ``overflow`` flag. More nonzero blocks than ``C`` never go
+            silently missing: with a concrete mask that is a ``ValueError`` naming the capacity needed; traced
+            (inside ``jit``), the first ``C`` in row-major order are kept and ``overflow`` is True (a `checkify`
+            error under ``jinsum.check_indices``), and ``jinsum.einsum``, ``@`` or ``jinsum.attention`` called
+            outside ``jit`` refuse such a format.
           group_size: blocks per group; defaults to 1 (a padding slot costs a whole zero block).
           dtype: of the blocks.
         """
@@ -224,7 +230,11 @@ class BlockGroupCOO(GroupedFormat):
         capacity = check_int(where, "capacity", capacity)
         block_mask = as_jax_array(block_mask) != 0
         rows, cols = jnp.nonzero(block_mask, size=capacity, fill_value=-1)
-        overflow = jnp.count_nonzero(block_mask) > capacity
+        stored = jnp.count_nonzero(block_mask)
+        if is_concrete(stored) and stored > capacity:
+            raise ValueError(f"{where}: {int(stored)} blocks are stored but capacity = {capacity} holds only "
+                             f"{capacity}; pass capacity >= {int(stored)} (or None to build on the host)")
+        overflow = stored > capacity
         if _config.check_indices.value:
             checkify.check(~overflow, f"{where}: more stored blocks than capacity = {capacity}; those past it were "
                            "not kept (raise the capacity)")

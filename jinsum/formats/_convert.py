@@ -75,6 +75,22 @@ def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
+def check_not_overflowed(where: str, matrix) -> None:
+    """Refuses a format whose ``overflow`` flag is concrete and set: one built for a capacity under tracing
+    (``GroupCOO.from_edge_index`` or ``BlockGroupCOO.from_block_mask`` with ``capacity=``, inside ``jit``) and
+    returned, whose entries past the capacity were dropped. An eager build raises instead, so only such a format can
+    carry the flag; a traced flag (the call itself inside ``jit``) is not read, and no flag (None) is a host build."""
+    overflow = getattr(matrix, "overflow", None)
+    if overflow is None or not is_concrete(overflow) or not np.any(np.asarray(overflow)):
+        return
+    kind = type(matrix).__name__
+    entries, builders = (("blocks", "BlockGroupCOO.from_block_mask") if kind == "BlockGroupCOO" else
+                         ("distinct entries", "GroupCOO.from_edge_index or jinsum.graphs.adjacency"))
+    raise ValueError(f"{where}: the {kind} overflowed: it was built under jit with room for {matrix.nnz} "
+                     f"{entries}, more were given, and those past it were dropped (its overflow flag is set); "
+                     f"rebuild it with a larger capacity ({builders} called outside jit names the capacity needed)")
+
+
 def host_array(where: str, x) -> np.ndarray:
     """``np.asarray(x)``, with a clear error for tracers: host conversions cannot run under ``jit``."""
     if not is_concrete(x):

@@ -116,7 +116,8 @@ class GroupCOO(GroupedFormat):
       overflow: for a format built on the device for a capacity (``from_edge_index(..., capacity=C)``), a boolean
         scalar array, True when the input held more entries than the capacity (the rest were not kept); None for
         a format built on the host. Only a build under tracing can set it (an eager one raises instead): check it
-        outside ``jit``, or run under ``jinsum.check_indices`` and checkify.
+        outside ``jit``, or run under ``jinsum.check_indices`` and checkify. Outside ``jit``, ``jinsum.einsum``,
+        ``@`` and ``jinsum.attention`` refuse a format whose flag is set.
 
     The class is a pytree with children ``(Ai, Ak, Av, transposed, overflow)`` and static ``(shape, nnz)``, so it passes
     through ``jit``, ``grad`` and ``vmap``. Build it from other formats with :meth:`from_scipy`, :meth:`from_dense`,
@@ -250,9 +251,11 @@ class GroupCOO(GroupedFormat):
             depend only on ``C``, the node counts and the group size, and it carries its entries in column order
             (`transposed`) and an ``overflow`` flag. More distinct entries than the capacity never go silently
             missing: with concrete ``edge_index`` that is a ``ValueError`` naming the capacity needed; traced
-            (inside ``jit``), those past the capacity (in row-major order) are not kept and ``overflow`` is True.
-            Index values past the node counts are left out. Under ``jinsum.check_indices`` both (an overflow only
-            when traced) are `checkify` errors.
+            (inside ``jit``), those past the capacity (in row-major order) are not kept and ``overflow`` is True
+            (``jinsum.einsum``, ``@`` and ``jinsum.attention`` called outside ``jit`` refuse such a format). An
+            index past the node counts is likewise a ``ValueError`` naming the edge with concrete ``edge_index``;
+            traced, that edge is left out (no flag). Under ``jinsum.check_indices`` both are `checkify` errors
+            when traced.
           group_size: defaults to :func:`default_group_size` on the host, and to the capacity's rule
             (``jinsum.formats.capacity_group_size``) on the device.
           dtype: defaults to the dtype of ``values`` when floating, else float32.
@@ -293,9 +296,23 @@ class GroupCOO(GroupedFormat):
         return cls._from_csr(shape, indptr, indices, data, group_size, value_dtype(_FMT, values.dtype, dtype))
 
     @classmethod
-    def _from_edges_on_device(cls, where, edge_index, values, shape, capacity, group_size, dtype) -> GroupCOO:
+    def _from_edges_on_device(cls, where, edge_index, values, shape, capacity, group_size, dtype, *,
+                              self_loops: int = 0) -> GroupCOO:
+        """`from_edge_index` for a capacity. ``self_loops``: entries the caller added on top of its own capacity
+        (``jinsum.graphs.adjacency``'s ``N`` self loops, each node's one); the errors then count them apart, so that
+        they name the capacity that caller takes."""
         edge_index = as_jax_array(edge_index)
         check_edge_index(where, edge_index)
+        if is_concrete(edge_index):  # eagerly an index past the node counts is an error, not a dropped edge
+            host = np.asarray(edge_index)
+            bounds = np.array([[shape[1]], [shape[0]]])
+            bad = np.argwhere(((host >= bounds) & (host >= 0).all(axis=0)).T)  # (edge, row): the first edge first
+            if bad.size:
+                e, i = bad[0]
+                raise ValueError(
+                    f"{where}: edge_index[{i}, {e}] = {host[i, e]} is out of range: expected 0 <= node < num_nodes = "
+                    f"{int(bounds[i, 0])} ({'sources' if i == 0 else 'destinations'}), or a negative index (a "
+                    "padding column)")
         num_edges = edge_index.shape[1]
         values = jnp.ones(num_edges, jnp.float32) if values is None else as_jax_array(values)
         _check_edge_values(where, values, num_edges)
@@ -306,15 +323,20 @@ class GroupCOO(GroupedFormat):
         Ai, Ak, Av, active, distinct, out_of_range = device_groups(
             edge_index[1], edge_index[0], values.astype(dtype), shape=shape, capacity=capacity,
             group_size=group_size, dtype=dtype, index_dtype=index)
+        # The caller's numbers: its capacity and its edges, the self loops it had added counted apart.
+        asked, edges = capacity - self_loops, "distinct edges" + (" (self loops aside)" if self_loops else "")
+        loops = (f"; the {self_loops} self loops take {self_loops} entries of their own beyond it ({capacity} in "
+                 "all)" if self_loops else "")
         if is_concrete(distinct) and distinct > capacity:
-            raise ValueError(f"{where}: {int(distinct)} distinct edges but capacity = {capacity} holds only "
-                             f"{capacity}; pass capacity >= {int(distinct)} (or None to build on the host)")
+            needed = int(distinct) - self_loops
+            raise ValueError(f"{where}: {needed} {edges} but capacity = {asked} holds only {asked}; pass "
+                             f"capacity >= {needed} (or None to build on the host){loops}")
         overflow = distinct > capacity
         if _config.check_indices.value:
             checkify.check(~out_of_range, f"{where}: edge_index holds a node index past num_nodes = "
                            f"(sources {shape[1]}, destinations {shape[0]}); negative indices mark padding")
-            checkify.check(~overflow, f"{where}: more distinct edges than capacity = {capacity}; those past it "
-                           "were not kept (raise the capacity)")
+            checkify.check(~overflow, f"{where}: more {edges} than capacity = {asked}; those past it were not kept "
+                           f"(raise the capacity){loops}")
         transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=shape[1], index_dtype=index))
         return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=(*shape, *values.shape[1:]), nnz=capacity,
                                   transposed=transposed, overflow=overflow)

@@ -10,7 +10,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from jinsum.formats import GroupCOO
-from jinsum.formats._convert import check_edge_index
+from jinsum.formats._convert import check_edge_index, check_int
 
 
 def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, group_size: int | None = None,
@@ -32,6 +32,10 @@ def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, grou
         PyG's `add_remaining_self_loops`); other edges of weight 0 are dropped. `GCNConv` and `GATConv` add
         their own self loops by default, without this.
       capacity: the most distinct edges (self loops aside) of a graph built inside `jit`; None: on the host.
+        With a concrete `edge_index`, more distinct edges than that is a `ValueError` naming the capacity needed
+        (self loops aside, as this argument counts them), and so is a node index past `N`; traced (inside
+        `jit`), the edges past the capacity are not kept and `A.overflow` is True, and an edge past `N` is left
+        out, as `GroupCOO.from_edge_index` documents.
 
     Returns:
       A `GroupCOO` with `A[dst, src] = weight`, carrying its entries in column order (`A.with_transpose()`), so
@@ -63,7 +67,9 @@ def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: 
                                         group_size=group_size)
     if isinstance(num_nodes, tuple):
         raise ValueError(f"jinsum.graphs.adjacency: a bipartite graph (num_nodes={num_nodes}) has no self loops")
-    check_edge_index("jinsum.graphs.adjacency", edge_index)
+    where = "jinsum.graphs.adjacency"
+    num_nodes, capacity = check_int(where, "num_nodes", num_nodes), check_int(where, "capacity", capacity)
+    check_edge_index(where, edge_index)
     edge_index = jnp.asarray(edge_index)
     weights = jnp.ones(edge_index.shape[1], jnp.float32) if values is None else jnp.asarray(values)
     src, dst = edge_index
@@ -74,8 +80,9 @@ def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: 
     loops = jnp.where(has_loop, -1, nodes)
     edges = jnp.concatenate([jnp.where(kept, edge_index, -1), jnp.stack([loops, loops])], axis=1)
     weights = jnp.concatenate([weights, jnp.ones(num_nodes, weights.dtype)])
-    return GroupCOO.from_edge_index(edges, weights, num_nodes=num_nodes, capacity=capacity + num_nodes,
-                                    group_size=group_size)
+    # The self loops take N entries beyond the caller's capacity; the errors name the capacity the caller passes.
+    return GroupCOO._from_edges_on_device(where, edges, weights, (num_nodes, num_nodes), capacity + num_nodes,
+                                          group_size, None, self_loops=num_nodes)
 
 
 def _bipartite_adjacency(edge_index, num_nodes: tuple[int, int], values, group_size, self_loops) -> GroupCOO:
