@@ -77,7 +77,8 @@ def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
     else:
         rows = cols = chain.output.extent[chain.roles.head]
     slots = (plan.parts, plan.grid_size)
-    return {"items": (plan.items, 5), "combine": (plan.split_segments, 3), "flags": (chain.entries,),
+    batch = chain.operand["KM"].shape[:-2] if chain.key_mask is not None and plan.template == "dot" else ()
+    return {"items": (plan.items, 5), "combine": (plan.split_segments, 3), "flags": (*batch, chain.entries),
             "perm": (chain.entries,), "part_m": (*slots, rows), "part_l": (*slots, rows),
             "part_acc": (*slots, rows, value), "part_dq": (*slots, rows, head), "part_dk": (*slots, cols, head),
             "part_dv": (*slots, cols, value)}
@@ -405,7 +406,9 @@ class _Writer:
             row, col = own, self._gather("Ak[g,p]", "col", "p_Ak", "keys")
         positions = self._positions(row, col)
         if self.dot:  # masked after the scores, and only where a block is partial (`_mask_scores`)
-            self.emit("flag = tl.load(p_flags + entry)")
+            batch = self.shapes["flags"][:-1]  # (flags per batch element: see `_chain_route.schedule`)
+            element = f"{self.env[self.chain.roles.batch_index].expression} * entries + " if batch else ""
+            self.emit(f"flag = tl.load(p_flags + {element}entry)")
             self._mask_args = (row, col, positions, "flag")
             return "entry", positions, None
         return "entry", positions, self._allowed(row, col, positions)
@@ -551,10 +554,10 @@ class _Writer:
         return parts
 
     def _mask_scores(self) -> None:
-        """Dot template, after the scores: the launcher classified each block (2: every element attends, its keys
-        valid; 1: partial; 0: none), so a full block in range is not masked at all (FlexAttention's full blocks); a
-        partial one sets its masked scores to -inf: its stored elements or `mask_mod` (in registers), the key
-        padding mask, the causal rule and the tile's edges."""
+        """Dot template, after the scores: the launcher classified each block (2: every element attends; 1:
+        partial; 0: none; for each batch element, with a key padding mask), so a full block in range is not
+        masked at all (FlexAttention's full blocks); a partial one sets its masked scores to -inf: its stored
+        elements or `mask_mod` (in registers), the key padding mask, the causal rule and the tile's edges."""
         row, col, positions, flag = self._mask_args
         edges = self._edges(row, col)
         checks = [e for e in edges if e.startswith("in_range")]

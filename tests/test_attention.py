@@ -428,22 +428,24 @@ def test_host_patterns_without_holes_are_read_as_block_flags(causal, rng):
 
 
 @pytest.mark.parametrize("traced", [False, True])
-def test_a_full_block_is_one_whose_keys_are_valid_in_every_batch_element(traced, rng):
-    """With a key padding mask, the kernels read it on partial blocks only: a block stays full where its keys are
-    valid in every batch element (one invalid key anywhere demotes it), concrete or traced."""
+def test_blocks_are_classified_per_batch_element_of_the_key_padding_mask(traced, rng):
+    """With a key padding mask the kernels read it on partial blocks only: for each batch element, a block whose
+    keys are all valid stays full, one with some is partial, one with none attends nowhere (concrete or traced)."""
     from jinsum.nn import sequence_mask  # noqa: PLC0415 (imports flax)
 
     mask = sequence_mask(64, 16)  # every block full
     q, k, v = _qkv(rng, 64, 64, batch=2)
     valid = np.ones((2, 64), bool)
-    valid[1, 37] = False  # key block 2, in the second batch element only
+    valid[1, 37] = False  # key block 2 partial in the second batch element
+    valid[0, 48:] = False  # key block 3 padding in the first
     chain, arrays, _ = _attention.build_chain(q, k, v, mask, key_padding_mask=valid)
     route = _chain_route.route_chain(chain)
     schedule = jax.jit(lambda a: _chain_route.schedule(route, a)) if traced else functools.partial(
         _chain_route.schedule, route)
     flags = np.asarray(schedule({n: arrays[n] for n in (*chain.names, "seed")})["flags"])
     blocks = np.asarray(arrays["Ak"]).reshape(-1)
-    assert (flags == np.where(blocks == 2, 1, 2)).all()
+    assert flags.shape == (2, blocks.size)
+    assert (flags[0] == np.where(blocks == 3, 0, 2)).all() and (flags[1] == np.where(blocks == 2, 1, 2)).all()
     expected, _ = dense_attention(q, k, v, np.ones((64, 64), bool), key_mask=valid)
     assert_allclose(jinsum.attention(q, k, v, mask, key_padding_mask=valid), expected, np.float32)
 

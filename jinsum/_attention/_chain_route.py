@@ -117,7 +117,7 @@ def schedule(route: ChainRoute, arrays: dict) -> dict:
         found["flags"] = block_flags(chain, pattern, xp)
     pattern["flags"] = found["flags"]
     if chain.key_mask is not None and (rows or keys).template == "dot":
-        found["flags"] = _keys_all_valid(found["flags"], arrays["KM"], pattern["Ak"])
+        found["flags"] = _per_batch_element(found["flags"], arrays["KM"], pattern["Ak"])
     if rows is not None:
         found["row_items"], found["row_combine"] = row_items(rows, pattern, xp)
     if keys is not None:
@@ -202,17 +202,19 @@ def block_flags(chain: Chain, env: dict, xp):
     return xp.where(all_, 2, xp.where(any_, 1, 0)).astype(xp.int8).reshape(-1)
 
 
-def _keys_all_valid(flags, key_mask, Ak):
-    """`flags` with the blocks whose keys are not valid in every batch element demoted from full to partial, so
-    that the kernels read the key padding mask (`(B?, key blocks, bk)`) on partial blocks only."""
+def _per_batch_element(flags, key_mask, Ak):
+    """`flags` for each batch element of the key padding mask (`(B?, key blocks, bk)`), `(B?, entries)`: a block
+    whose keys are all valid keeps its flag, one with some is partial (the kernels read the mask there), one with
+    none attends nowhere."""
     concrete = not any(isinstance(x, jax.core.Tracer) for x in (flags, key_mask, Ak))
     xp = np if concrete else jnp
-    key_mask = np.asarray(key_mask) if concrete else key_mask
-    valid = (key_mask != 0).all(axis=(*range(key_mask.ndim - 2), key_mask.ndim - 1))
+    valid = (np.asarray(key_mask) if concrete else key_mask) != 0
+    every, some = valid.all(axis=-1), valid.any(axis=-1)  # (B?, key blocks)
     blocks = xp.asarray(Ak).reshape(-1)
-    inside = (blocks >= 0) & (blocks < valid.shape[0])
-    full = valid[xp.clip(blocks, 0, valid.shape[0] - 1)] & inside
-    return xp.where((flags == 2) & ~full, 1, flags).astype(xp.int8)
+    inside = (blocks >= 0) & (blocks < valid.shape[-2])
+    at = xp.clip(blocks, 0, valid.shape[-2] - 1)
+    every, some = every[..., at] & inside, some[..., at] & inside
+    return xp.where(some, xp.where(every, flags, xp.minimum(flags, 1)), 0).astype(xp.int8)
 
 
 def transposed_entries(plan: ChainPlan, env: dict, xp):
