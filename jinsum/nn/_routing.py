@@ -1,0 +1,137 @@
+"""Top-k routing of tokens to experts, on the device: the routing of a mixture of experts as a sparse matrix.
+
+A router's logits `(tokens, experts)` pick each token's `k` most probable experts. The pairs `(expert, token)`
+with their combine weights are a `GroupCOO` of shape `(experts, tokens)`, built inside `jit` by the formats' device
+builder (`GroupCOO.from_edge_index(..., capacity=)`), so the expert layers are indirect Einsums over it:
+
+    Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]      (each token's weighted sum of its experts' X W_e)
+
+Its rows are the experts and each group holds tokens of one expert, so a group is a row tile of one expert's
+matrix product (`jinsum.nn.MoE`). The same call returns the two auxiliary losses of sparse mixtures: Switch's load
+balancing loss and ST-MoE's router z-loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jinsum.formats import GroupCOO
+
+
+class Routing(NamedTuple):
+    """Where each token goes and the router's auxiliary losses (a pytree: it passes through `jit` and `grad`).
+
+    Attributes:
+      combine: the `GroupCOO` `(num_experts, tokens)` whose entry `[e, t]` is token `t`'s combine weight at expert
+        `e`, one entry per kept (token, expert) pair; its static `nnz` (a capacity) bounds the entries.
+      experts: int32 `(tokens, k)`, each token's `k` distinct experts, most probable first.
+      weights: `(tokens, k)`, their combine weights; 0 where capacity dropped the pair.
+      balance_loss: Switch's load balancing loss, `E * sum_e f_e * P_e` (see `route_tokens`); `k` when the load
+        and the probabilities are uniform.
+      z_loss: ST-MoE's router z-loss, `mean_t logsumexp(logits_t)^2`.
+      dropped: int32 scalar, the (token, expert) pairs left out by the capacity (0 without one).
+    """
+
+    combine: GroupCOO
+    experts: jax.Array
+    weights: jax.Array
+    balance_loss: jax.Array
+    z_loss: jax.Array
+    dropped: jax.Array
+
+
+def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The most tokens one expert keeps: `ceil(capacity_factor * tokens * k / E)` (Switch's capacity, with `k`
+    assignments per token), at most every token."""
+    return min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capacity_factor: float | None = None,
+                 group_size: int | None = None) -> Routing:
+    """Routes each token to its `top_k` most probable experts and builds the routing matrix, traceable (`jit`,
+    `grad` with respect to `logits`; shapes depend only on the logits' shape and the arguments).
+
+    Combine weights: with `norm_topk` a softmax over the selected `k` logits (Mixtral; they sum to 1), without it
+    the full softmax's probabilities of the selected experts (Switch). The routing is computed in at least
+    float32 (Switch's selective precision: bfloat16 logits would round close probabilities together).
+
+    Losses, both unweighted:
+
+    * balance (Switch, eq. 4, read for top-k as Mixtral's / Hugging Face's `load_balancing_loss_func`):
+      `E * sum_e f_e * P_e` with `f_e` the fraction of tokens whose top-k includes `e` (so `sum_e f_e = k`: the
+      loss is `k`, not 1, at a uniform load) and `P_e` the mean over tokens of the full softmax's probability of
+      `e`. `f_e` counts the assignments before any capacity drops them, as Switch does; only `P_e` carries a
+      gradient.
+    * z (ST-MoE, eq. 5): `mean_t logsumexp(logits_t)^2`, which keeps the logits small.
+
+    With `capacity_factor`, expert `e` keeps at most `expert_capacity(capacity_factor, T, k, E) = ceil(
+    capacity_factor * T * k / E)` of the tokens routed to it, the first ones in token order (Switch's priority,
+    whatever rank `e` has among the token's `k`), and drops the rest: such a pair is not an entry of `combine`,
+    its weight is 0 (the other experts' weights of that token are not renormalised: a residual connection carries
+    what is missing, as in Switch), and `dropped` counts it. Without one, no pair is dropped (the matrix holds
+    all `T * k` pairs).
+
+    Args:
+      logits: floating `(tokens, num_experts)`, the router's scores.
+      top_k: experts per token, `1 <= top_k <= num_experts`.
+      norm_topk: renormalise the weights over the selected experts (Mixtral) or keep the full softmax's (Switch).
+      capacity_factor: None (dropless), or a positive factor of the mean load `T * k / E`.
+      group_size: slots per group of `combine` (tokens of one expert per group: a later kernel's row tile); None:
+        the device builder's rule for the capacity (`jinsum.formats.capacity_group_size`).
+
+    Returns:
+      A `Routing`.
+
+    Example:
+      >>> routing = jax.jit(route_tokens, static_argnums=1)(x @ router_weight, 2)     # logits (T, E)
+      >>> y = jinsum.einsum("Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]", A=routing.combine, X=x, W=w,
+      ...                   Y=jax.ShapeDtypeStruct(x.shape[:1] + w.shape[2:], x.dtype))
+      >>> loss = task_loss + 0.01 * routing.balance_loss + 0.001 * routing.z_loss
+    """
+    where = "route_tokens"
+    logits = jnp.asarray(logits)
+    if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"{where}: expected floating logits of shape (tokens, num_experts), got "
+                         f"{logits.dtype}{list(logits.shape)}; flatten a batch's leading axes into tokens first")
+    num_tokens, num_experts = logits.shape
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{where}: top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"{where}: capacity_factor must be positive (or None: no token dropped), got "
+                         f"{capacity_factor!r}")
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    probabilities = jax.nn.softmax(logits, axis=-1)
+    top_logits, experts = jax.lax.top_k(logits, top_k)  # distinct experts, most probable first
+    experts = experts.astype(jnp.int32)
+    if norm_topk:
+        weights = jax.nn.softmax(top_logits, axis=-1)  # = the selected probabilities over their sum
+    else:
+        weights = jnp.take_along_axis(probabilities, experts, axis=-1)
+    selected = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32).sum(axis=1)  # (T, E), 0 or 1
+    fraction = selected.mean(axis=0).astype(logits.dtype)  # f_e: sums to k
+    balance_loss = num_experts * jnp.sum(fraction * probabilities.mean(axis=0))
+    z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+    tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], experts.shape)
+    capacity = num_tokens * top_k
+    if capacity_factor is None:
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        per_expert = expert_capacity(capacity_factor, num_tokens, top_k, num_experts)
+        # Each pair's place among its expert's tokens, in token order: a running count down the token axis.
+        place = jnp.cumsum(selected, axis=0) - 1
+        kept = jnp.take_along_axis(place, experts, axis=-1) < per_expert
+        dropped = jnp.sum(~kept, dtype=jnp.int32)
+        weights = jnp.where(kept, weights, 0)
+        tokens = jnp.where(kept, tokens, -1)  # a negative index is padding for the builder: not an entry
+        capacity = min(capacity, num_experts * per_expert)
+    # A[expert, token] = weight: edges from tokens (sources) to experts (destinations). The pairs are distinct,
+    # so the builder's sum of duplicates never adds two of them, and no more than `capacity` exist (no overflow).
+    edge_index = jnp.stack([tokens.reshape(-1), experts.reshape(-1)])
+    combine = GroupCOO.from_edge_index(edge_index, weights.reshape(-1), num_nodes=(num_tokens, num_experts),
+                                       capacity=capacity, group_size=group_size)
+    return Routing(combine, experts, weights, balance_loss, z_loss, dropped)
