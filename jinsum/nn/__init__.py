@@ -17,7 +17,9 @@ TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N
 `AttentionalAggregation`. `DynamicEdgeConv` (DGCNN: EdgeConv over a kNN graph that each call rebuilds from its
 input, tiled, never an `(N, N)` distance matrix).
 Sparse weights: `SparseLinear` (a linear layer over a fixed element or block pattern, learned values;
-`random_pattern`). Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the
+`random_pattern`). Typed and routed weights: `HeteroLinear` (PyG's: one matrix per node or edge type), `MoE` (a
+mixture of experts: `route_tokens` builds the routing on the device, `routed_mlp` / `routed_linear` run the
+experts as statements over it). Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the
 device by `bags`; `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
@@ -65,11 +67,17 @@ from jinsum.nn._gcn import SGConv as SGConv
 from jinsum.nn._gin import GINConv as GINConv
 from jinsum.nn._gine import GINEConv as GINEConv
 from jinsum.nn._graph_conv import GraphConv as GraphConv
+from jinsum.nn._hetero_linear import HeteroLinear as HeteroLinear
+from jinsum.nn._moe import MoE as MoE
+from jinsum.nn._moe import routed_linear as routed_linear
+from jinsum.nn._moe import routed_mlp as routed_mlp
 from jinsum.nn._pool import AttentionalAggregation as AttentionalAggregation
 from jinsum.nn._pool import global_add_pool as global_add_pool
 from jinsum.nn._pool import global_max_pool as global_max_pool
 from jinsum.nn._pool import global_mean_pool as global_mean_pool
 from jinsum.nn._rgcn import RGCNConv as RGCNConv
+from jinsum.nn._routing import Routing as Routing
+from jinsum.nn._routing import route_tokens as route_tokens
 from jinsum.nn._sage import SAGEConv as SAGEConv
 from jinsum.nn._sparse_adagrad import sparse_adagrad as sparse_adagrad
 from jinsum.nn._sparse_linear import SparseLinear as SparseLinear
