@@ -23,10 +23,6 @@ from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._plan import INT32_LIMIT
 from jinsum.kernels._source import offset
 
-def _times(position: str, stride: int) -> str:
-    return position if stride == 1 else f"({position}) * {stride}"
-
-
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'
 # The softmax runs in base 2 (FlashAttention's habit: exp2 is the hardware's instruction): scores, running
@@ -87,8 +83,8 @@ def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
 @dataclasses.dataclass(frozen=True)
 class _Described:
     """A tensor read through a TMA descriptor, viewed as a row-major matrix of `rows x width` whose rows run
-    along tile axis `axis` (dimension `dim` of the tensor): a tile is one box of `box` elements, at the row of
-    its indices before and at `dim` and at the column of those after it."""
+    along tile axis `axes[0]` (dimension `dim` of the tensor) and whose last dimension is `axes[1]`: a tile is one
+    box of `box` elements, at the row of its indices up to `dim` and at the column of those after it."""
 
     axes: tuple[str, str]
     dim: int
@@ -130,6 +126,10 @@ def described(plan: ChainPlan) -> dict[str, _Described]:
             continue
         found[name] = _Described((axis, feature), dim, rows, width, box)
     return found
+
+
+def _times(position: str, stride: int) -> str:
+    return position if stride == 1 else f"({position}) * {stride}"
 
 
 def chain_kernel_name(plan: ChainPlan) -> str:
