@@ -501,16 +501,24 @@ def _dot_roles(spec: Spec) -> DotRoles | None:
     def direct(access: Access) -> set[str]:
         return {i.name for i in access.indices if isinstance(i, Var)}
 
-    # Tile variables must address their operands directly: they may not occur inside any index array.
+    def reached(access: Access) -> set[str]:
+        return {v.name for node in walk(access) for v in node.indices if isinstance(v, Var)}
+
+    # Tile variables address the output directly. The contraction `k` addresses both factors directly; a factor's
+    # row (column) variable may also reach it through an index array: its rows are gathered (a grouped product,
+    # `H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]`, a tile of one group's rows), if no index array of the output or
+    # of the other factor holds it.
     inside_indices = {v.name for access in statement.accesses for node in walk(access) if node is not access
                       for v in node.indices if isinstance(v, Var)}
-
-    out = direct(statement.lhs) - inside_indices
+    out = direct(statement.lhs) - {v for node in walk(statement.lhs) if node is not statement.lhs
+                                   for v in reached(node)}
     for a, b in ((0, 1), (1, 0)):
         da = direct(statement.factors[a]) - inside_indices
         db = direct(statement.factors[b]) - inside_indices
-        ms = sorted((da & out) - db, key=lambda v: -spec.extent[v])
-        ns = sorted((db & out) - da, key=lambda v: -spec.extent[v])
+        ms = sorted((reached(statement.factors[a]) & out) - reached(statement.factors[b]),
+                    key=lambda v: -spec.extent[v])
+        ns = sorted((reached(statement.factors[b]) & out) - reached(statement.factors[a]),
+                    key=lambda v: -spec.extent[v])
         ks = sorted((da & db) - set(spec.loop_variables), key=lambda v: -spec.extent[v])
         for m in ms:
             for n in ns:

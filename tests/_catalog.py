@@ -112,6 +112,14 @@ def _multihead(rng, dtype, M=8, K=9, H=3, N=4, G=11, P=2):
                 B=_values(rng, (K, H, N), dtype))
 
 
+def _grouped_matmul(rng, dtype, E=3, T=29, C=16, H=24, G=5, P=16):
+    """Each slot's token row by its group's expert matrix (a mixture of experts in grouped order): groups of
+    Tensor Core size (the tl.dot plan, rows gathered), an expert with no group, repeated tokens, padding slots."""
+    Ak, _ = _padded(rng, G, P, T, dtype)
+    return dict(H=_values(rng, (G, P, H), dtype), Ai=_group_rows(rng, E - 1, G), Ak=Ak,
+                X=_values(rng, (T, C), dtype), W=_values(rng, (E, C, H), dtype))
+
+
 def _scatter_set(rng, dtype, M=9, I=6, N=4):
     return dict(C=_values(rng, (M, N), dtype), P=rng.permutation(M)[:I].astype(np.int32),
                 X=_values(rng, (I, N), dtype))
@@ -130,6 +138,7 @@ CATALOG = [
     Case("ell", "C[i,n] += V[i,p] * B[K[i,p],n]", _ell, ("C", "V", "B")),
     Case("embedding_bag", "O[b,d] += W[Idx[b,p],d] * Wt[b,p]", _embedding_bag, ("O", "W", "Wt")),
     Case("multihead_spmm", "C[Ai[g],h,n] += Av[g,p,h] * B[Ak[g,p],h,n]", _multihead, ("C", "Av", "B")),
+    Case("grouped_matmul", "H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]", _grouped_matmul, ("H", "X", "W")),
     Case("scatter_set", "C[P[i],n] = X[i,n]", _scatter_set, ("C", "X")),
     Case("spmm_transpose", "B[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]", group_spmm, ("B", "Av", "C")),
 ]

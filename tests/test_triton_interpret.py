@@ -176,6 +176,9 @@ def test_plan_of_the_catalog():
     wide = make_plan(_spec(group.expression, group.make(rng, np.float32)), KernelConfig(block=128))
     assert wide.write == "segmented" and wide.config.schedule == "split" and wide.rows is None
     assert plans["block_spmm_tiles"].template == "dot" and plans["block_sddmm"].template == "dot"
+    # A group's rows gathered into a tile (a grouped product): Tensor Core tiles over (slots, h), c looped.
+    assert plans["grouped_matmul"].template == "dot" and (plans["grouped_matmul"].dot.m,
+                                                          plans["grouped_matmul"].dot.n) == ("p", "h")
     assert plans["coo_spmm"].write == "atomic"
     assert plans["sddmm"].lanes == "d" and plans["sddmm"].write == "set"
     assert plans["ell"].write == "update"
