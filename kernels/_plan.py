@@ -79,6 +79,11 @@ UNROLLED_BODIES = 64
 # SparseLinear's value gradient (dW of 32 x 32 blocks over a batch of 8,192, H100): windows of blocks each summing the
 # whole batch read 1.77 GB mostly from HBM, 0.843 ms; 8 chunks and a block per program, 0.232 ms.
 K_CHUNK = 1024
+# ... unless the output has this many elements or more: then its tiles alone fill the GPU, and the chunks' float32
+# atomics (and the cast after them) cost more than the reuse saves. Issue 43's grouped products (H200, kernel time):
+# 16,384 x 14,336 outputs (k = 4,096) in 4 chunks 5.41 ms, unchunked 2.95; 131,072 x 768 (k = 2,048) in 2 chunks
+# 1.12 ms (and 0.16 for the cast), unchunked see DESIGN.md.
+CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +259,27 @@ class KernelPlan:
                 sizes[f"rows_{node.tensor}"] = self.spec.operand[node.tensor].shape[0]
         return {name: int(size) for name, size in sizes.items()}  # (Python ints: jax-triton's scalar arguments)
 
+    @functools.cached_property
+    def window_in_k(self) -> bool:
+        """A dot plan's row program walks its groups and each group's k as one loop over `groups x extent(k)`
+        positions: wherever the window variable or k indexes an access, k indexes the dimension right after the
+        window variable's (so a position is `g * extent(k) + k`), and nothing else reads the window variable.
+        A grouped product's weight gradient (`dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]`): each expert's rows are
+        one long pipelined reduction instead of a loop over groups of one or two k tiles each."""
+        if not (self.template == "dot" and self.row_programs):
+            return False
+        g, k = self.window, self.dot.k
+        sorted_node = next(i for i in self.spec.statement.lhs.indices if isinstance(i, Access))
+        for access in (*self.spec.statement.factors, self.spec.statement.lhs):
+            for node in walk(access):
+                if node is sorted_node:
+                    continue
+                names = [i.name if isinstance(i, Var) else None for i in node.indices]
+                if (g in names or k in names) and not (
+                        names.count(g) == names.count(k) == 1 and names.index(k) == names.index(g) + 1):
+                    return False
+        return True
+
     @property
     def k_chunk(self) -> int:
         """Dot plans: terms of the reduction per chunk (whole `block_k` tiles; the last chunk may be shorter)."""
@@ -376,7 +402,10 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     given, config = config, default_config(spec, dot, tiles, config)
     chunks = 1
     if dot and write == "update" and summing and not spec.deterministic and spec.epilogue is None:
-        chunks = config.k_chunks or (_ceil(spec.extent[dot.k], K_CHUNK) if spec.extent[dot.k] >= 2 * K_CHUNK else 1)
+        elements = spec.extent[dot.m] * spec.extent[dot.n] * int(np.prod(
+            [spec.extent[v] for v in (*grid, window) if v], dtype=np.int64))
+        long = spec.extent[dot.k] >= 2 * K_CHUNK and elements < CHUNK_ELEMENTS
+        chunks = config.k_chunks or (_ceil(spec.extent[dot.k], K_CHUNK) if long else 1)
     config = dataclasses.replace(config, k_chunks=chunks)
     if chunks > 1:
         write = "atomic"  # (several programs add into each output tile)
@@ -422,13 +451,19 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
     #   `rows` with 256-wide tiles, 5% 0.049 -> 0.048 ms, 20% 0.162 -> 0.143 ms; dense cuBLAS 0.157 ms). A row's
     #   blocks are one program's work under either schedule, so a long row costs the same.
     changes["schedule"] = config.schedule or ("rows" if dot else "split")
+    # - products of wide tiles (m and n at least 128: grouped matmuls, a weight gradient's features) take 128 x 256
+    #   tiles over 8 warps and three stages, as dense GEMMs on Hopper do (issue 43's expert matmul, 4096 -> 14336 in
+    #   groups of 128 rows, H200, hand-written variants of the generated kernel: 64 x 128 / 4 warps / 3 stages
+    #   4.75 ms, 128 x 128 / 8 / 3 3.48 ms, 128 x 256 / 8 / 3 2.96 ms; torch._grouped_mm 3.05 ms).
     if dot:
-        changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 64)
-        changes["block_n"] = config.block_n or _pow2(extent[dot.n], 16, 256 if changes["block_m"] <= 32 else 128)
+        wide = min(extent[dot.m], extent[dot.n]) >= 128
+        changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 128 if wide else 64)
+        changes["block_n"] = config.block_n or _pow2(
+            extent[dot.n], 16, 256 if changes["block_m"] <= 32 or changes["block_m"] >= 128 else 128)
         changes["block_k"] = config.block_k or _pow2(extent[dot.k], 16, 64)
-        changes["num_warps"] = config.num_warps or 4
-        changes["window"] = config.window or 8
-        changes["num_stages"] = config.num_stages or 2
+        changes["num_warps"] = config.num_warps or (8 if changes["block_m"] * changes["block_n"] >= 128 * 256 else 4)
+        changes["window"] = config.window or (1 if wide else 8)
+        changes["num_stages"] = config.num_stages or (3 if changes["block_m"] >= 128 else 2)
     else:
         block = _lanes_block(spec, tiles[-1], config)
         changes["block"] = block
@@ -504,14 +539,19 @@ def _dot_roles(spec: Spec) -> DotRoles | None:
     def reached(access: Access) -> set[str]:
         return {v.name for node in walk(access) for v in node.indices if isinstance(v, Var)}
 
-    # Tile variables address the output directly. The contraction `k` addresses both factors directly; a factor's
-    # row (column) variable may also reach it through an index array: its rows are gathered (a grouped product,
-    # `H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]`, a tile of one group's rows), if no index array of the output or
-    # of the other factor holds it.
+    # Tile variables address the output directly, or (a scatter, written atomically) through an index array of an
+    # output that has no sorted one (`dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]`, a grouped product's input
+    # gradient: a tile of one group's rows, each added to its token's row). A factor's row (column) variable may
+    # reach it through an index array: its rows are gathered (`H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]`, a tile of
+    # one group's rows), if no index array of the other factor holds it. The contraction `k` addresses both factors
+    # directly; failing that, either through an index array: the tiles are gathered along k (the weight gradient
+    # `dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]`, a reduction over each group's rows).
     inside_indices = {v.name for access in statement.accesses for node in walk(access) if node is not access
                       for v in node.indices if isinstance(v, Var)}
-    out = direct(statement.lhs) - {v for node in walk(statement.lhs) if node is not statement.lhs
-                                   for v in reached(node)}
+    through_lhs = {v for node in walk(statement.lhs) if node is not statement.lhs for v in reached(node)}
+    out = direct(statement.lhs) - through_lhs
+    if spec.lhs_sorted_index is None and statement.accumulate:
+        out |= through_lhs
     for a, b in ((0, 1), (1, 0)):
         da = direct(statement.factors[a]) - inside_indices
         db = direct(statement.factors[b]) - inside_indices
@@ -519,10 +559,28 @@ def _dot_roles(spec: Spec) -> DotRoles | None:
                     key=lambda v: -spec.extent[v])
         ns = sorted((reached(statement.factors[b]) & out) - reached(statement.factors[a]),
                     key=lambda v: -spec.extent[v])
-        ks = sorted((da & db) - set(spec.loop_variables), key=lambda v: -spec.extent[v])
-        for m in ms:
-            for n in ns:
-                for k in ks:
-                    if min(spec.extent[m], spec.extent[n], spec.extent[k]) >= 16:
-                        return DotRoles(a, b, m, n, k)
+        direct_ks = sorted((da & db) - set(spec.loop_variables), key=lambda v: -spec.extent[v])
+        gathered_ks = sorted((reached(statement.factors[a]) & reached(statement.factors[b]))
+                             - set(spec.loop_variables) - set(direct_ks), key=lambda v: -spec.extent[v])
+        for ks in (direct_ks, gathered_ks):
+            for m in ms:
+                for n in ns:
+                    for k in ks:
+                        if min(spec.extent[m], spec.extent[n], spec.extent[k]) >= 16:
+                            if spec.lhs_sorted_index is None and _lhs_position(statement, n) < _lhs_position(
+                                    statement, m):  # the tile's rows along the output's: contiguous atomics
+                                return DotRoles(b, a, n, m, k)
+                            return DotRoles(a, b, m, n, k)
     return None
+
+
+def _lhs_position(statement, var: str) -> int:
+    """The first dimension of the left-hand side that `var` addresses, directly or through an index array."""
+    for d, index in enumerate(statement.lhs.indices):
+        if isinstance(index, Var) and index.name == var:
+            return d
+        if isinstance(index, Access) and var in {v.name for node in walk(index) for v in node.indices
+                                                 if isinstance(v, Var)}:
+            return d
+    raise AssertionError(f"{var} is not on the left-hand side")
+

@@ -334,11 +334,15 @@ class _Writer:
         if schedule == "rows":
             # The program's groups are exactly its row's: one accumulator, no branch in the loop, one write.
             self.emit(self._acc_init())
-            self.emit(f"for v_{g} in tl.range(begin, end, num_stages=NUM_STAGES):")
-            self.depth += 1
-            self._emit_loads(1)
-            self._inner_loops()
-            self.depth -= 1
+            if plan.window_in_k:  # positions g * extent(k) + k: the k loop walks them (`_inner_loops`)
+                self.emit(f"v_{g} = 0")
+                self._inner_loops()
+            else:
+                self.emit(f"for v_{g} in tl.range(begin, end, num_stages=NUM_STAGES):")
+                self.depth += 1
+                self._emit_loads(1)
+                self._inner_loops()
+                self.depth -= 1
             if plan.covers_output or plan.fuses_epilogue:  # empty rows store their zeros (or epilogue) too
                 self._flush(None)
                 return
@@ -586,15 +590,18 @@ class _Writer:
         inner = self.inner_tile
         if inner:
             block = "BLOCK_K" if plan.template == "dot" else "BLOCK"
-            span = f"0, {extent[inner]}"
+            span, stop = f"0, {extent[inner]}", extent[inner]
             if plan.template == "dot" and plan.config.k_chunks > 1:
                 span = f"k_start, tl.minimum(k_start + {plan.k_chunk}, {extent[inner]})"
+            if plan.template == "dot" and plan.window_in_k:
+                stop = f"end * {extent[inner]}"
+                span = f"begin * {extent[inner]}, {stop}"
             self.emit(f"for t_{inner} in tl.range({span}, {block}, num_stages=NUM_STAGES):")
             self.starts[inner] = f"t_{inner}"
             self.depth += 1
             opened += 1
             self.emit(f"v_{inner} = t_{inner} + tl.arange(0, {block})")
-            self.emit(f"m_{inner} = v_{inner} < {extent[inner]}")
+            self.emit(f"m_{inner} = v_{inner} < {stop}")
             self._emit_loads(self.level[inner])
         self._accumulate()
         self.depth -= opened

@@ -276,6 +276,49 @@ def test_long_reductions_are_cut_into_chunks_added_atomically(rng):
     assert make_plan(spec_for(2500, deterministic=True)[0]).config.k_chunks == 1
 
 
+@pytest.mark.parametrize("config", [KernelConfig(), KernelConfig(block_m=16, block_n=16, block_k=16, window=3),
+                                    KernelConfig(block_m=16, block_n=32, block_k=32, num_stages=3)],
+                         ids=["default", "small", "k32"])
+def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng):
+    """A mixture of experts' product in grouped order and its two gradients are dot plans: the forward gathers a
+    group's token rows into the tile; the input gradient adds each tile's rows into its tokens' rows (atomically,
+    the tile's rows along the output's rows); the weight gradient walks each expert's groups and their slots as one
+    reduction (`window_in_k`), its k tiles crossing group boundaries (24 slots a group, tiles of 16 and 32). An
+    expert without groups gets a zero gradient; padding slots (token 0) take part like any slot."""
+    E, T, C, H, G, P = 4, 37, 16, 48, 7, 24
+    Ai = np.sort(rng.choice([0, 1, 3], G)).astype(np.int32)  # expert 2: no group
+    Ak = rng.integers(0, T, (G, P)).astype(np.int32)
+    Ak[:, -5:] = 0  # padding
+    X, W = rng.standard_normal((T, C)).astype(np.float32), rng.standard_normal((E, C, H)).astype(np.float32)
+    dH = rng.standard_normal((G, P, H)).astype(np.float32)
+    cases = [("H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]", dict(X=X, W=W, H=np.zeros((G, P, H), np.float32)),
+              ("p", "h", "c"), "update"),
+             ("dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]", dict(dH=dH, W=W, dX=np.zeros((T, C), np.float32)),
+              ("p", "c", "h"), "atomic"),
+             ("dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]", dict(X=X, dH=dH, dW=np.zeros((E, C, H), np.float32)),
+              ("c", "h", "p"), "segmented")]
+    for expression, operands, roles, write in cases:
+        operands = dict(operands, Ai=Ai, Ak=Ak)
+        spec = _spec(expression, operands)
+        plan = make_plan(spec, config)
+        assert plan.template == "dot" and (plan.dot.m, plan.dot.n, plan.dot.k) == roles, expression
+        assert plan.write == write and plan.window_in_k == (write == "segmented"), expression
+        assert_allclose(interpret(spec, operands, config), reference(expression, **operands), np.float32,
+                        err_msg=expression)
+
+
+def test_wide_outputs_are_not_cut_into_chunks():
+    """A long reduction into an output of many tiles (a grouped product's 16,384 x 14,336 rows) runs unchunked,
+    in one program per tile (no float32 atomics); wide tiles take 128 x 256 over 8 warps."""
+    G, P, T, C, H, E = 128, 128, 8192, 4096, 14336, 8
+    operands = dict(X=np.zeros((T, C), jnp.bfloat16), W=np.zeros((E, C, H), jnp.bfloat16),
+                    Ai=np.zeros(G, np.int32), Ak=np.zeros((G, P), np.int32), H=np.zeros((G, P, H), jnp.bfloat16))
+    plan = make_plan(_spec("H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]", operands))
+    assert (plan.write, plan.config.k_chunks, plan.out_dtype) == ("update", 1, np.dtype(jnp.bfloat16))
+    config = plan.config
+    assert (config.block_m, config.block_n, config.num_warps, config.num_stages, config.window) == (128, 256, 8, 3, 1)
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("window", [1, 2, 5])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
