@@ -2,16 +2,21 @@
 
 Each token goes to `k` of `E` experts (`route_tokens`). The routing is a `GroupCOO` `A` `(experts, tokens)` whose
 values are the combine weights; its groups hold tokens of one expert, in token order. The experts' MLP is then
-three statements over `A`'s entries, with no per-expert loop, no padding to a capacity and no dense dispatch
-tensor:
+statements over `A`'s entries, with no per-expert loop, no padding to a capacity and no dense dispatch tensor:
 
-    up:    U[g,p,h] += X[Ak[g,p],c] * Wup[Ai[g],c,h]            each entry: its token's row by its expert's matrix
-    gate:  G[g,p,h] += X[Ak[g,p],c] * Wgate[Ai[g],c,h]          (SwiGLU), then  H = silu(G) * U  element-wise
-    down:  Y[Ak[g,p],n] += Av[g,p] * H[g,p,h] * Wdown[Ai[g],h,n]   weighted by the combine weight, summed per token
+    up:      U[g,p,h] += X[Ak[g,p],c] * Wup[Ai[g],c,h]       each entry: its token's row by its expert's matrix
+    gate:    G[g,p,h] += X[Ak[g,p],c] * Wgate[Ai[g],c,h]     (SwiGLU), then  H = silu(G) * U  element-wise
+    down:    O[g,p,n] += H[g,p,h] * Wdown[Ai[g],h,n]
+    combine: Y[Ak[g,p],n] += Av[g,p] * O[g,p,n]              weighted by the combine weight, summed per token
 
-The hidden activations live in grouped order, `(groups, group size, hidden)`: one row per routed (token, expert)
-pair, those of an expert contiguous, which a GPU kernel reads as row tiles of one expert's matrix product. A
-mixture of single matrices is one statement (`routed_linear`).
+The activations live in grouped order, `(groups, group size, features)`: one row per routed (token, expert) pair,
+those of an expert contiguous, which a GPU kernel reads as row tiles of one expert's matrix product (Tensor Core
+plans; their derivatives too: `dX[Ak[g,p],c] += dU[g,p,h] * Wup[Ai[g],c,h]` adds each tile's rows into its tokens',
+`dWup[Ai[g],c,h] += X[Ak[g,p],c] * dU[g,p,h]` reduces each expert's rows). The combine is a statement apart, not
+a factor of the down projection: the combine weights' gradient is then `dAv[g,p] += O[g,p,n] * dY[Ak[g,p],n]`,
+a row-wise product of the rows kept, where with `Av` inside the product it would be a three-factor sum that
+recomputes the down projection outside Tensor Cores. A mixture of single matrices is the same pair of statements
+(`routed_linear`).
 """
 
 from __future__ import annotations
@@ -28,9 +33,9 @@ from jinsum.nn._routing import route_tokens
 
 # Statements (the names are their operands'). `A=` binds the routing: Ai the expert of each group, Ak the token of
 # each slot, Av its combine weight.
-_GROUPED = "H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]"
-_COMBINE_GROUPED = "Y[Ak[g,p],n] += Av[g,p] * H[g,p,h] * W[Ai[g],h,n]"
-_COMBINE_TOKENS = "Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]"
+_GATHERED = "H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]"
+_GROUPED = "O[g,p,n] += H[g,p,h] * W[Ai[g],h,n]"
+_COMBINE = "Y[Ak[g,p],n] += Av[g,p] * O[g,p,n]"
 
 # `nnx.Linear`'s kernel initialiser (LeCun normal) for a stack of expert matrices: fan-in is each matrix's own.
 expert_kernel_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -43,8 +48,9 @@ ACTIVATIONS: dict[str, Callable | None] = {
 
 
 def routed_linear(x: jax.Array, combine: GroupCOO, w: jax.Array) -> jax.Array:
-    """`y_t = sum_e A[e, t] x_t W_e`: each token's weighted sum of its experts' linear maps, one statement
-    (`Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]`).
+    """`y_t = sum_e A[e, t] x_t W_e`: each token's weighted sum of its experts' linear maps (the statement
+    `Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]`, run as its product in grouped order and the combine:
+    see the module's docstring).
 
     Args:
       x: `(tokens, c)`.
@@ -58,8 +64,21 @@ def routed_linear(x: jax.Array, combine: GroupCOO, w: jax.Array) -> jax.Array:
       >>> y = routed_linear(x, route_tokens(x @ w_router, 2).combine, w)
     """
     dtype = _check_routed("routed_linear", x, combine, w)
-    return jinsum.einsum(_COMBINE_TOKENS, A=combine.astype(dtype), X=x.astype(dtype), W=w.astype(dtype),
-                         Y=jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), dtype))
+    A = combine.astype(dtype)
+    rows = gathered_product(A, x.astype(dtype), w.astype(dtype))
+    return combined(A, rows, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), dtype))
+
+
+def gathered_product(A: GroupCOO, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`(groups, group size, n)`: each entry's row of `x` (its column of `A`) by its group's matrix `w[Ai[g]]`."""
+    return jinsum.einsum(_GATHERED, A=A, X=x, W=w, H=jax.ShapeDtypeStruct((*A.Ak.shape, w.shape[2]), x.dtype))
+
+
+def combined(A: GroupCOO, rows: jax.Array, start) -> jax.Array:
+    """`start` (an array, or a `ShapeDtypeStruct` for zeros) plus each column's rows (grouped order) weighted by
+    `A`'s values. Group padding (and capacity's dropped pairs, which are padding too) holds some row's products,
+    but its value is 0: it adds nothing and gets no gradient."""
+    return jinsum.einsum(_COMBINE, A=A, O=rows, Y=start)
 
 
 def routed_mlp(x: jax.Array, combine: GroupCOO, w_up: jax.Array, w_down: jax.Array, *,
@@ -94,19 +113,13 @@ def routed_mlp(x: jax.Array, combine: GroupCOO, w_up: jax.Array, w_down: jax.Arr
         raise ValueError(f"{where}: expected w_down of shape (num_experts, hidden, c_out) with (num_experts, hidden) "
                          f"= {w_up.shape[::2]} (from w_up), got {tuple(w_down.shape)}")
     A, x = combine.astype(dtype), x.astype(dtype)
-    grouped = jax.ShapeDtypeStruct((*A.Ak.shape, w_up.shape[2]), dtype)
-
-    def per_entry(w):  # (groups, group size, hidden): every routed pair's token row by its expert's matrix
-        return jinsum.einsum(_GROUPED, A=A, X=x, W=w.astype(dtype), H=grouped)
-
-    if w_gate is None:
-        hidden = ACTIVATIONS[activation](per_entry(w_up))
+    if w_gate is None:  # (groups, group size, hidden): every routed pair's token row by its expert's matrix
+        hidden = ACTIVATIONS[activation](gathered_product(A, x, w_up.astype(dtype)))
     else:
-        hidden = jax.nn.silu(per_entry(w_gate)) * per_entry(w_up)
-    # Group padding (and capacity's dropped pairs, which are padding too) holds some token's products, but its
-    # combine weight is 0: it adds nothing to y and gets no gradient.
-    return jinsum.einsum(_COMBINE_GROUPED, A=A, H=hidden, W=w_down.astype(dtype),
-                         Y=jax.ShapeDtypeStruct((x.shape[0], w_down.shape[2]), dtype))
+        hidden = jax.nn.silu(gathered_product(A, x, w_gate.astype(dtype))) * gathered_product(A, x, w_up.astype(dtype))
+    down = jinsum.einsum(_GROUPED, A=A, H=hidden, W=w_down.astype(dtype),
+                         O=jax.ShapeDtypeStruct((*A.Ak.shape, w_down.shape[2]), dtype))
+    return combined(A, down, jax.ShapeDtypeStruct((x.shape[0], w_down.shape[2]), dtype))
 
 
 def _check_routed(where: str, x, combine, *weights) -> jnp.dtype:

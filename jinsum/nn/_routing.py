@@ -44,6 +44,17 @@ class Routing(NamedTuple):
     dropped: jax.Array
 
 
+# Groups of the routing matrix are the expert kernels' row tiles: 128 rows where a product is wide enough
+# (`jinsum.kernels._plan.default_config`), smaller ones where padding each expert's last group would cost more.
+ROW_TILES = (128, 64, 32, 16)
+
+
+def routed_group_size(capacity: int, num_experts: int) -> int | None:
+    """The largest row tile whose worst-case padding (every expert's last group nearly empty: `(P - 1) E` slots)
+    is at most an eighth of the capacity; None (the builder's rule) where none is."""
+    return next((p for p in ROW_TILES if 8 * (p - 1) * num_experts <= capacity), None)
+
+
 def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
     """The most tokens one expert keeps: `ceil(capacity_factor * tokens * k / E)` (Switch's capacity, with `k`
     assignments per token), at most every token."""
@@ -80,8 +91,9 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
       top_k: experts per token, `1 <= top_k <= num_experts`.
       norm_topk: renormalise the weights over the selected experts (Mixtral) or keep the full softmax's (Switch).
       capacity_factor: None (dropless), or a positive factor of the mean load `T * k / E`.
-      group_size: slots per group of `combine` (tokens of one expert per group: a later kernel's row tile); None:
-        the device builder's rule for the capacity (`jinsum.formats.capacity_group_size`).
+      group_size: slots per group of `combine` (tokens of one expert per group: the expert kernels' row tile);
+        None: `routed_group_size` (128 for large batches), else the device builder's rule for the capacity
+        (`jinsum.formats.capacity_group_size`).
 
     Returns:
       A `Routing`.
@@ -132,6 +144,8 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
     # A[expert, token] = weight: edges from tokens (sources) to experts (destinations). The pairs are distinct,
     # so the builder's sum of duplicates never adds two of them, and no more than `capacity` exist (no overflow).
     edge_index = jnp.stack([tokens.reshape(-1), experts.reshape(-1)])
+    if group_size is None:
+        group_size = routed_group_size(capacity, num_experts)
     combine = GroupCOO.from_edge_index(edge_index, weights.reshape(-1), num_nodes=(num_tokens, num_experts),
                                        capacity=capacity, group_size=group_size)
     return Routing(combine, experts, weights, balance_loss, z_loss, dropped)
