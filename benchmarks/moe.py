@@ -14,7 +14,8 @@ with Mixtral's renormalised weights: the groups are of uneven sizes, listed unde
 Systems, each timed forward and forward + backward:
 1. jinsum, the grouped statements as `jinsum.nn.MoE` runs them, over the routing `GroupCOO` (experts x tokens) of
    `route_tokens`, which is built once outside the timed functions and passed to them as an argument:
-   - `routed_linear` (scatter-combine form, `Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]`): the tokens'
+   - `routed_linear` (`Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]`, run as the grouped product below and
+     the combine `Y[Ak[g,p],n] += Av[g,p] * O[g,p,n]`): the tokens'
      weighted sums, `(tokens, N)`;
    - the grouped-order form `H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]` (`jinsum.einsum`; the MoE layer's up and
      gate projections): one row per routed pair, `(groups, group size, N)`, the groups' padding included;
@@ -82,10 +83,10 @@ from sparse_linear import peak_tflops  # noqa: E402 (the peak table: one copy, t
 RESULTS = Results()
 HIGHEST = jax.lax.Precision.HIGHEST
 
-# The grouped-order statement of the MoE layer's up and gate projections (jinsum/nn/_moe.py, `_GROUPED`).
+# The grouped-order statement of the MoE layer's up and gate projections (jinsum/nn/_moe.py, `_GATHERED`).
 GROUPED = "H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]"
 
-ROUTED_LINEAR = "jinsum routed_linear (scatter-combine)"
+ROUTED_LINEAR = "jinsum routed_linear (grouped product, combine)"
 GROUPED_FORM = "jinsum grouped order H[g,p,h] (einsum)"
 MOE_LAYER = "jinsum MoE layer (router, routing, SwiGLU: 3 matmuls, combine)"
 ROUTED_MLP = "jinsum routed_mlp (SwiGLU: 3 matmuls, the layer's routing given)"
