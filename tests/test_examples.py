@@ -39,7 +39,7 @@ RUNS = {
     "dlrm/main.py": (["--smoke"], ["jinsum EmbeddingBag, sparse rows", "jinsum EmbeddingBag, dense gradient",
                                    "plain JAX gather + segment_sum"]),
     "packed_lm/main.py": (["--smoke"], ["dense causal + document mask", "sliding window + document mask",
-                                        "BigBird + document mask"]),
+                                        "BigBird + document mask", "dense causal + document mask, MoE FFN"]),
     "sparse_mlp/main.py": (["--smoke"], ["jinsum SparseLinear, 10% of the weights", "dense nnx.Linear"]),
 }
 

@@ -25,9 +25,13 @@ documents. Systems, the same model trained from the same seed on the same batche
 - dense causal + document mask, GQA: the first with half as many key/value heads as query heads;
 - plain JAX dot_product_attention + document mask: the first written without jinsum, as a baseline:
   `jax.nn.dot_product_attention` with a boolean `(L, L)` mask per sequence (all `L^2` scores computed), from the
-  same parameters; its losses match the first system's up to rounding.
+  same parameters; its losses match the first system's up to rounding;
+- dense causal + document mask, MoE FFN: the first with each block's MLP a mixture of experts
+  (`jinsum.nn.MoE`: `--experts` GELU MLPs of hidden width `2 * d_model`, each byte routed to 2 of them, the
+  load-balancing and z losses added to the training loss): the dense MLP's active parameters and FLOPs per byte,
+  `--experts / 2` times its parameters.
 
-`--smoke` runs the first three unless `--systems` names others.
+`--smoke` runs the first three and the MoE one unless `--systems` names others.
 
 Printed: the training loss every few steps for each system (the mean over the steps since the previous row),
 then per system the validation loss (and bits per byte), the median step time (forward, backward and Adam; each
@@ -63,16 +67,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples' sh
 import _common  # noqa: E402
 
 # name -> (attention: "mask", a BlockMask built from the data per step; "bigbird", a fixed pattern; "dense", plain
-# JAX with an (L, L) mask per sequence; the query heads per key/value head)
+# JAX with an (L, L) mask per sequence; the query heads per key/value head; the feed-forward layer: "mlp" or "moe")
 SYSTEMS = {
-    "dense causal + document mask": ("mask", 1),
-    "sliding window + document mask": ("mask", 1),
-    "BigBird + document mask": ("bigbird", 1),
-    "dense causal + document mask, GQA": ("mask", 2),
-    "plain JAX dot_product_attention + document mask": ("dense", 1),
+    "dense causal + document mask": ("mask", 1, "mlp"),
+    "sliding window + document mask": ("mask", 1, "mlp"),
+    "BigBird + document mask": ("bigbird", 1, "mlp"),
+    "dense causal + document mask, GQA": ("mask", 2, "mlp"),
+    "plain JAX dot_product_attention + document mask": ("dense", 1, "mlp"),
+    "dense causal + document mask, MoE FFN": ("mask", 1, "moe"),
 }
 BASELINE = "plain JAX dot_product_attention + document mask"
-SMOKE_SYSTEMS = ["dense causal + document mask", "sliding window + document mask", "BigBird + document mask"]
+SMOKE_SYSTEMS = ["dense causal + document mask", "sliding window + document mask", "BigBird + document mask",
+                 "dense causal + document mask, MoE FFN"]
+TOP_K = 2  # experts per byte in the MoE system (each of hidden width 2 * d_model: the dense MLP's active size)
 
 
 # --- data --------------------------------------------------------------------------------------------------------
@@ -160,22 +167,32 @@ def bigbird(length: int, block: int, seed: int) -> tuple[BlockGroupCOO, float]:
 # --- model -------------------------------------------------------------------------------------------------------
 
 class Block(nnx.Module):
-    """A pre-norm transformer block: `x + attn(ln(x))`, then `x + mlp(ln(x))`."""
+    """A pre-norm transformer block: `x + attn(ln(x))`, then `x + ffn(ln(x))`, the feed-forward layer a 4x GELU
+    MLP or (`experts`) a mixture of GELU experts of width 2x with 2 per byte. Returns `(x, aux_loss)`: the MoE's
+    load-balancing and z losses (0 for the MLP)."""
 
-    def __init__(self, d_model: int, heads: int, kv_heads: int, window: int | None, block: int, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, heads: int, kv_heads: int, window: int | None, block: int,
+                 experts: int | None, *, rngs: nnx.Rngs):
         self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
         self.attn = jinsum.nn.BlockSparseAttention(d_model, heads, num_kv_heads=kv_heads, causal=True, window=window,
                                                    block=block, rngs=rngs)
         self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
-        self.mlp = nnx.Sequential(nnx.Linear(d_model, 4 * d_model, rngs=rngs), nnx.gelu,
-                                  nnx.Linear(4 * d_model, d_model, rngs=rngs))
+        if experts is None:
+            self.mlp = nnx.Sequential(nnx.Linear(d_model, 4 * d_model, rngs=rngs), nnx.gelu,
+                                      nnx.Linear(4 * d_model, d_model, rngs=rngs))
+        else:
+            self.mlp = jinsum.nn.MoE(d_model, 2 * d_model, num_experts=experts, top_k=TOP_K, activation="gelu",
+                                     rngs=rngs)
 
     def __call__(self, x, pattern, documents):
         if isinstance(pattern, jax.Array):  # the plain JAX baseline: a boolean (B, 1, L, L) mask
             x = x + dense_attention(self.attn, self.ln1(x), pattern)
         else:
             x = x + self.attn(self.ln1(x), pattern, document_ids=documents)
-        return x + self.mlp(self.ln2(x))
+        if isinstance(self.mlp, jinsum.nn.MoE):
+            y, aux_loss = self.mlp(self.ln2(x))  # (its computation dtype: the input's, the parameters cast)
+            return x + y, aux_loss
+        return x + self.mlp(self.ln2(x)), jnp.zeros((), jnp.float32)
 
 
 def dense_attention(attn: jinsum.nn.BlockSparseAttention, x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -191,17 +208,18 @@ class ByteLM(nnx.Module):
     """Byte and position embeddings, `layers` blocks, a final LayerNorm and the output projection to 256 bytes."""
 
     def __init__(self, *, length: int, d_model: int, layers: int, heads: int, kv_heads: int, window: int | None,
-                 block: int, attention: str = "mask", rngs: nnx.Rngs):
+                 block: int, attention: str = "mask", experts: int | None = None, rngs: nnx.Rngs):
         embedding = nnx.initializers.normal(0.02)
         self.tokens = nnx.Embed(256, d_model, embedding_init=embedding, rngs=rngs)
         self.positions = nnx.Embed(length, d_model, embedding_init=embedding, rngs=rngs)
-        self.blocks = nnx.List([Block(d_model, heads, kv_heads, window, block, rngs=rngs) for _ in range(layers)])
+        self.blocks = nnx.List([Block(d_model, heads, kv_heads, window, block, experts, rngs=rngs)
+                                for _ in range(layers)])
         self.ln = nnx.LayerNorm(d_model, rngs=rngs)
         self.head = nnx.Linear(d_model, 256, kernel_init=nnx.initializers.zeros, rngs=rngs)  # (starts at ln 256)
         self.window, self.block, self.attention = window, block, attention
 
-    def __call__(self, batch: dict[str, jax.Array], pattern: BlockGroupCOO | None = None) -> jax.Array:
-        """Logits `(B, L, 256)`. Without `pattern`, the document mask (causal, and windowed if the model is) is
+    def __call__(self, batch: dict[str, jax.Array], pattern: BlockGroupCOO | None = None):
+        """`(logits (B, L, 256), aux_loss)`, the blocks' auxiliary losses summed. Without `pattern`, the document mask (causal, and windowed if the model is) is
         built here on the device, one per sequence, and shared by the layers; with one (the BigBird layout), each
         sequence's document ids mask inside its blocks. The plain JAX baseline
         (`attention="dense"`) builds a boolean `(B, 1, L, L)` mask instead."""
@@ -213,9 +231,11 @@ class ByteLM(nnx.Module):
             pattern = ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
         elif pattern is None:
             pattern, documents = self.mask(documents), None  # (the mask carries the documents)
+        aux_loss = jnp.zeros((), jnp.float32)
         for block in self.blocks:
-            x = block(x, pattern, documents)
-        return self.head(self.ln(x)).reshape(size, length, -1)
+            x, aux = block(x, pattern, documents)
+            aux_loss += aux
+        return self.head(self.ln(x)).reshape(size, length, -1), aux_loss
 
     def mask(self, documents: jax.Array) -> jinsum.BlockMask:
         """The block mask of `documents` `(B, L)` (causal, windowed if the model is), one per sequence."""
@@ -227,7 +247,8 @@ class ByteLM(nnx.Module):
 
 def trainer(model: ByteLM, tx: optax.GradientTransformation, dtype):
     """`(step, evaluate, state)`: `step(state, batch, pattern) -> (state, loss)` (jitted, `state` donated: pass
-    each step the last one's) and `evaluate(state, batch, pattern) -> (summed loss, targets, blocks)`, where
+    each step the last one's; the loss it returns and minimises includes the MoE's auxiliary losses) and
+    `evaluate(state, batch, pattern) -> (summed loss, targets, blocks)` (the language model's loss alone), where
     `blocks` counts the blocks the document mask of the batch computes (0 unless it is a `BlockMask`).
 
     The parameters stay in float32 (Adam's master copy); the forward and backward passes run in `dtype`."""
@@ -235,13 +256,13 @@ def trainer(model: ByteLM, tx: optax.GradientTransformation, dtype):
 
     def loss_sum(params, batch, pattern):
         compute = jax.tree.map(lambda p: p.astype(dtype), params)
-        logits = nnx.merge(graphdef, compute, rest)(batch, pattern).astype(jnp.float32)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        return jnp.sum(jnp.where(batch["valid"], losses, 0.0)), jnp.sum(batch["valid"])
+        logits, aux_loss = nnx.merge(graphdef, compute, rest)(batch, pattern)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+        return jnp.sum(jnp.where(batch["valid"], losses, 0.0)), jnp.sum(batch["valid"]), aux_loss
 
     def mean_loss(params, batch, pattern):
-        total, count = loss_sum(params, batch, pattern)
-        return total / jnp.maximum(count, 1)
+        total, count, aux_loss = loss_sum(params, batch, pattern)
+        return total / jnp.maximum(count, 1) + aux_loss
 
     @functools.partial(jax.jit, donate_argnums=0)  # (the new state takes the old one's buffers)
     def step(state, batch, pattern):
@@ -254,18 +275,19 @@ def trainer(model: ByteLM, tx: optax.GradientTransformation, dtype):
     def evaluate(state, batch, pattern):
         by_mask = pattern is None and model.attention == "mask"
         blocks = jnp.count_nonzero(model.mask(batch["documents"]).flags) if by_mask else 0
-        return *loss_sum(state[0], batch, pattern), blocks
+        return *loss_sum(state[0], batch, pattern)[:2], blocks
 
     return step, evaluate, (params, tx.init(params))
 
 
 def run(name: str, args, train_docs, val_batches, dtype, pattern_info) -> dict:
     """Trains one system; its losses every step, validation loss, median step time, compile time."""
-    kind, kv_fraction = SYSTEMS[name]
+    kind, kv_fraction, ffn = SYSTEMS[name]
     window = args.window if name.startswith("sliding window") else None
     model = ByteLM(length=args.seq_len, d_model=args.d_model, layers=args.layers, heads=args.heads,
                    kv_heads=args.heads // kv_fraction, window=window, block=args.block, attention=kind,
-                   rngs=nnx.Rngs(args.seed))
+                   experts=args.experts if ffn == "moe" else None, rngs=nnx.Rngs(args.seed))
+    parameters = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     warmup = min(args.warmup, args.steps - 1)  # (the cosine decay needs a step)
     schedule = optax.warmup_cosine_decay_schedule(args.lr / max(warmup, 1), args.lr, warmup, args.steps,
                                                   end_value=args.lr / 10)
@@ -296,7 +318,7 @@ def run(name: str, args, train_docs, val_batches, dtype, pattern_info) -> dict:
     grid = len(val_batches) * args.batch * (args.seq_len // args.block) ** 2
     share = {"bigbird": pattern_info[1] if pattern_info else 0.0, "dense": 1.0}.get(kind, blocks / grid)
     return dict(losses=losses, val=total / count, step_s=float(np.median(times[1:] or times)), compile_s=compile_s,
-                share=share, kv_heads=args.heads // kv_fraction, window=window)
+                share=share, kv_heads=args.heads // kv_fraction, window=window, parameters=parameters)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--window", type=int, default=256, help="the sliding window, in bytes")
+    p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (the MoE system)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=30,
@@ -327,8 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.systems is None:
         args.systems = SMOKE_SYSTEMS if args.smoke else list(SYSTEMS)
     gqa = any(SYSTEMS[s][1] == 2 for s in args.systems)
-    if args.steps < 1 or args.seq_len % args.block or (gqa and args.heads % 2):
-        p.error("--steps must be positive, --seq-len a multiple of --block, and --heads even for the GQA system")
+    if args.steps < 1 or args.seq_len % args.block or (gqa and args.heads % 2) or args.experts < TOP_K:
+        p.error(f"--steps must be positive, --seq-len a multiple of --block, --heads even for the GQA system and "
+                f"--experts at least {TOP_K}")
     if args.dtype == "auto":
         args.dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     dtype = jnp.dtype(args.dtype)
@@ -364,12 +388,17 @@ def main(argv: list[str] | None = None) -> None:
         attention = "causal" + (f", window {r['window']}" if r["window"] else "") + \
             {"bigbird": ", BigBird 1 local / 1 global / 1 random", "dense": ", dense (L, L) mask"}.get(
                 SYSTEMS[name][0], "")
-        rows.append([name, attention, f"{args.heads}/{r['kv_heads']}", f"{100 * r['share']:.1f}%",
-                     f"{r['losses'][-1]:.3f}", f"{r['val']:.3f}", f"{r['val'] / math.log(2):.3f}",
-                     f"{1e3 * r['step_s']:.1f}", f"{per_step / r['step_s'] / 1e3:.0f}", f"{r['compile_s']:.1f}"])
+        ffn = (f"MoE, {TOP_K} of {args.experts} GELU 2x" if SYSTEMS[name][2] == "moe" else "GELU 4x")
+        rows.append([name, attention, f"{args.heads}/{r['kv_heads']}", ffn, f"{r['parameters'] / 1e6:.2f}M",
+                     f"{100 * r['share']:.1f}%", f"{r['losses'][-1]:.3f}", f"{r['val']:.3f}",
+                     f"{r['val'] / math.log(2):.3f}", f"{1e3 * r['step_s']:.1f}",
+                     f"{per_step / r['step_s'] / 1e3:.0f}", f"{r['compile_s']:.1f}"])
     _common.print_table(f"Byte-level LM on packed documents, {args.steps} steps, validation on "
-                        f"{len(val_batches)} batch{'es' * (len(val_batches) > 1)}", ["system", "attention", "q/kv heads", "blocks computed", "final train loss",
-                                     "val loss", "val bits/byte", "ms / step", "kB/s", "compile s"], rows)
+                        f"{len(val_batches)} batch{'es' * (len(val_batches) > 1)} (final train loss: with the "
+                        f"MoE's auxiliary losses; val: the language model's alone)",
+                        ["system", "attention", "q/kv heads", "FFN", "parameters", "blocks computed",
+                         "final train loss", "val loss", "val bits/byte", "ms / step", "k bytes/s", "compile s"],
+                        rows)
     jinsum_run, plain = results.get("dense causal + document mask"), results.get(BASELINE)
     if jinsum_run and plain:
         difference = max(abs(a - b) for a, b in zip(jinsum_run["losses"] + [jinsum_run["val"]],
