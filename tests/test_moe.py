@@ -13,7 +13,8 @@ from flax import nnx
 from jax.test_util import check_grads
 from scipy.special import erf, logsumexp, softmax
 
-from jinsum.nn._moe import MoE, routed_linear, routed_mlp
+from jinsum.nn._moe import routed_linear, routed_mlp
+from jinsum.nn._moe_layer import MoE
 from jinsum.nn._routing import expert_capacity, route_tokens
 from jinsum.testing import CountingJit, assert_allclose, specs_in
 

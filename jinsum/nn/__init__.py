@@ -19,7 +19,7 @@ input, tiled, never an `(N, N)` distance matrix).
 Sparse weights: `SparseLinear` (a linear layer over a fixed element or block pattern, learned values;
 `random_pattern`). Typed and routed weights: `HeteroLinear` (PyG's: one matrix per node or edge type), `MoE` (a
 mixture of experts: `route_tokens` builds the routing on the device, `routed_mlp` / `routed_linear` run the
-experts as statements over it). Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the
+experts as statements over it, `expert_parallel_mlp` with the experts split over a mesh axis). Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the
 device by `bags`; `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
@@ -59,6 +59,7 @@ from jinsum.nn._dynamic_edge_conv import DynamicEdgeConv as DynamicEdgeConv
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
 from jinsum.nn._embedding_bag import EmbeddingBag as EmbeddingBag
 from jinsum.nn._embedding_bag import embedding_bag as embedding_bag
+from jinsum.nn._expert_parallel import expert_parallel_mlp as expert_parallel_mlp
 from jinsum.nn._gat import GATConv as GATConv
 from jinsum.nn._gatv2 import GATv2Conv as GATv2Conv
 from jinsum.nn._gcn import APPNP as APPNP
@@ -68,7 +69,7 @@ from jinsum.nn._gin import GINConv as GINConv
 from jinsum.nn._gine import GINEConv as GINEConv
 from jinsum.nn._graph_conv import GraphConv as GraphConv
 from jinsum.nn._hetero_linear import HeteroLinear as HeteroLinear
-from jinsum.nn._moe import MoE as MoE
+from jinsum.nn._moe_layer import MoE as MoE
 from jinsum.nn._moe import routed_linear as routed_linear
 from jinsum.nn._moe import routed_mlp as routed_mlp
 from jinsum.nn._pool import AttentionalAggregation as AttentionalAggregation

@@ -27,7 +27,8 @@ class Routing(NamedTuple):
 
     Attributes:
       combine: the `GroupCOO` `(num_experts, tokens)` whose entry `[e, t]` is token `t`'s combine weight at expert
-        `e`, one entry per kept (token, expert) pair; its static `nnz` (a capacity) bounds the entries.
+        `e`, one entry per kept (token, expert) pair; its static `nnz` (a capacity) bounds the entries. None
+        under expert parallelism (`expert_parallel_mlp`), where each device builds its own.
       experts: int32 `(tokens, k)`, each token's `k` distinct experts, most probable first.
       weights: `(tokens, k)`, their combine weights; 0 where capacity dropped the pair.
       balance_loss: Switch's load balancing loss, `E * sum_e f_e * P_e` (see `route_tokens`); `k` when the load
@@ -36,7 +37,7 @@ class Routing(NamedTuple):
       dropped: int32 scalar, the (token, expert) pairs left out by the capacity (0 without one).
     """
 
-    combine: GroupCOO
+    combine: GroupCOO | None
     experts: jax.Array
     weights: jax.Array
     balance_loss: jax.Array
@@ -59,6 +60,32 @@ def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_exp
     """The most tokens one expert keeps: `ceil(capacity_factor * tokens * k / E)` (Switch's capacity, with `k`
     assignments per token), at most every token."""
     return min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def select_experts(logits: jax.Array, top_k: int, norm_topk: bool):
+    """Each token's `top_k` experts and combine weights (see `route_tokens`), computed in at least float32.
+
+    Returns `(experts, weights, selected, statistics)`: int32 and float `(T, k)`, the int32 `(T, E)` indicator of
+    the selected experts, and the per-expert means `routing_losses` reads, `(fraction f_e, mean probability P_e,
+    mean squared logsumexp)` (averages over these tokens: devices that route their own tokens average them over
+    the mesh first)."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    probabilities = jax.nn.softmax(logits, axis=-1)
+    top_logits, experts = jax.lax.top_k(logits, top_k)  # distinct experts, most probable first
+    experts = experts.astype(jnp.int32)
+    if norm_topk:
+        weights = jax.nn.softmax(top_logits, axis=-1)  # = the selected probabilities over their sum
+    else:
+        weights = jnp.take_along_axis(probabilities, experts, axis=-1)
+    selected = jax.nn.one_hot(experts, logits.shape[-1], dtype=jnp.int32).sum(axis=1)  # (T, E), 0 or 1
+    fraction = selected.mean(axis=0).astype(logits.dtype)  # f_e: sums to k
+    squared_lse = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return experts, weights, selected, (fraction, probabilities.mean(axis=0), squared_lse)
+
+
+def routing_losses(fraction: jax.Array, mean_probability: jax.Array, squared_lse: jax.Array):
+    """`(balance_loss, z_loss)` from `select_experts`' statistics (Switch's and ST-MoE's, see `route_tokens`)."""
+    return fraction.shape[-1] * jnp.sum(fraction * mean_probability), squared_lse
 
 
 def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capacity_factor: float | None = None,
@@ -115,18 +142,8 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"{where}: capacity_factor must be positive (or None: no token dropped), got "
                          f"{capacity_factor!r}")
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    probabilities = jax.nn.softmax(logits, axis=-1)
-    top_logits, experts = jax.lax.top_k(logits, top_k)  # distinct experts, most probable first
-    experts = experts.astype(jnp.int32)
-    if norm_topk:
-        weights = jax.nn.softmax(top_logits, axis=-1)  # = the selected probabilities over their sum
-    else:
-        weights = jnp.take_along_axis(probabilities, experts, axis=-1)
-    selected = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32).sum(axis=1)  # (T, E), 0 or 1
-    fraction = selected.mean(axis=0).astype(logits.dtype)  # f_e: sums to k
-    balance_loss = num_experts * jnp.sum(fraction * probabilities.mean(axis=0))
-    z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    experts, weights, selected, statistics = select_experts(logits, top_k, norm_topk)
+    balance_loss, z_loss = routing_losses(*statistics)
 
     tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], experts.shape)
     capacity = num_tokens * top_k
