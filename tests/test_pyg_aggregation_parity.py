@@ -167,17 +167,22 @@ def test_propagation_layers(layer, rng):
 
 
 @pytest.mark.parametrize("aggr", ["mean", "add"])
-@pytest.mark.parametrize("num_bases, num_blocks", [(None, None), (2, None), (None, 2)])
-def test_rgcn(aggr, num_bases, num_blocks, rng):
+@pytest.mark.parametrize("num_bases, num_blocks, relations", [(None, None, 2), (2, None, 3), (None, 2, 3),
+                                                              (None, None, 40)])
+def test_rgcn(aggr, num_bases, num_blocks, relations, rng):
+    """(2 relations: fewer than edges per node, every node transformed by every relation; 40: more, so the
+    messages run edge by edge, grouped by relation, some relations without edges.)"""
     edge_index = _edges(rng)
-    rel = rng.integers(0, 3, edge_index.shape[1])
+    rel = rng.integers(0, relations, edge_index.shape[1])
     with jax.enable_x64(True):
-        graph = jnn.relational_graph(edge_index[0], edge_index[1], rel, N, 3)  # (its 1 / c in float64)
+        graph = jnn.relational_graph(edge_index[0], edge_index[1], rel, N, relations)  # (its 1 / c in float64)
+        if num_bases is None and num_blocks is None:
+            assert (edge_index.shape[1] < N * relations) == (relations == 40)
         torch.manual_seed(0)
         f_in = 6 if num_blocks else F_IN  # (blocks divide the widths)
-        theirs = pyg.RGCNConv(f_in, F_OUT, 3, num_bases=num_bases, num_blocks=num_blocks, aggr=aggr).double()
-        ours = jnn.RGCNConv(f_in, F_OUT, num_relations=3, num_bases=num_bases, num_blocks=num_blocks, aggr=aggr,
-                            param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        theirs = pyg.RGCNConv(f_in, F_OUT, relations, num_bases=num_bases, num_blocks=num_blocks, aggr=aggr).double()
+        ours = jnn.RGCNConv(f_in, F_OUT, num_relations=relations, num_bases=num_bases, num_blocks=num_blocks,
+                            aggr=aggr, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
         ours.weight[...] = jnp.asarray(theirs.weight.detach().numpy())
         if num_bases:
             ours.comp[...] = jnp.asarray(theirs.comp.detach().numpy())

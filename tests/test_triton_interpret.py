@@ -296,9 +296,17 @@ def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng
              ("dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]", dict(dH=dH, W=W, dX=np.zeros((T, C), np.float32)),
               ("p", "c", "h"), "atomic"),
              ("dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]", dict(X=X, dH=dH, dW=np.zeros((E, C, H), np.float32)),
+              ("c", "h", "p"), "segmented"),
+             # RGCN's messages by edge: the edges grouped by relation, their sources read through the edge list
+             ("H[g,p,h] += X[S[Ak[g,p]],c] * W[Ai[g],c,h]", dict(X=X, W=W, H=np.zeros((G, P, H), np.float32)),
+              ("p", "h", "c"), "update"),
+             ("dX[S[Ak[g,p]],c] += dH[g,p,h] * W[Ai[g],c,h]", dict(dH=dH, W=W, dX=np.zeros((T, C), np.float32)),
+              ("p", "c", "h"), "atomic"),
+             ("dW[Ai[g],c,h] += X[S[Ak[g,p]],c] * dH[g,p,h]", dict(X=X, dH=dH, dW=np.zeros((E, C, H), np.float32)),
               ("c", "h", "p"), "segmented")]
+    edges = rng.integers(0, T, T).astype(np.int32)  # (S: each slot's token is the source of an edge)
     for expression, operands, roles, write in cases:
-        operands = dict(operands, Ai=Ai, Ak=Ak)
+        operands = dict(operands, Ai=Ai, Ak=Ak, **({"S": edges} if "S[" in expression else {}))
         spec = _spec(expression, operands)
         plan = make_plan(spec, config)
         assert plan.template == "dot" and (plan.dot.m, plan.dot.n, plan.dot.k) == roles, expression

@@ -8,6 +8,8 @@ from flax import nnx
 
 import jinsum
 from jinsum.graphs import RelationalGraph
+from jinsum.nn._hetero_linear import rows_by_type
+from jinsum.nn._moe import combined
 from jinsum.shard import Partitioned, per_part
 
 
@@ -20,6 +22,12 @@ class RGCNConv(nnx.Module):
     H[src[e],rel[e],f]` (a sorted segment sum, edges being sorted by destination). With `num_bases`
     (`W_r = sum_b comp[r,b] V_b`), `H` holds `x V_b` and the statement is
     `O[dst[e],f] += norm[e] * comp[rel[e],b] * H[src[e],b,f]`. `H` has `N x R x out_features` (or bases) entries.
+
+    With many relations (fewer edges than `N x R`, each relation its own weight), transforming every node by every
+    relation would cost more than transforming each edge's source by its relation: the edges are grouped by
+    relation (as `HeteroLinear` groups rows by type) and each group's sources multiplied by its relation's weight,
+    `M[g,p,f] += X[src[Ak[g,p]],c] * W[Ai[g],c,f]` (a grouped product: Tensor Core tiles on GPUs; PyG's
+    `segment_matmul` path), then summed into the destinations: `N x R` fewer rows, no `N x R x out` array.
 
     Shapes: `x` `(N, in_features)`, `graph` a `RelationalGraph` over `N` nodes -> `(N, out_features)`.
 
@@ -92,15 +100,29 @@ class RGCNConv(nnx.Module):
             raise ValueError(f"RGCNConv: expected a graph over the N = {x.shape[0]} rows of x {tuple(x.shape)} "
                              f"with num_relations = {self.num_relations}, got num_nodes = {graph.num_nodes} and "
                              f"num_relations = {graph.num_relations}")
+        norm = graph.norm if self.aggr == "mean" else jnp.ones_like(graph.norm)
+        if self.comp is None and self.num_blocks is None and graph.src.shape[0] < x.shape[0] * self.num_relations:
+            return self._messages_by_edge(x, graph, norm)
         H, dtype = self._transform(x, self.weight[...])
         zeros = jax.ShapeDtypeStruct((x.shape[0], H.shape[-1]), dtype)
-        norm = graph.norm if self.aggr == "mean" else jnp.ones_like(graph.norm)
         edges = dict(R=graph.dst, C=graph.src, T=graph.rel, N=norm.astype(dtype), H=H)
         if self.comp is None:
             return jinsum.einsum("O[R[e],f] += N[e] * H[C[e],T[e],f]", sorted_indices=("R",), O=zeros, **edges)
         # W_r = sum_b comp[r,b] V_b: H holds x V_b, and each edge weighs the bases by its relation's comp
         return jinsum.einsum("O[R[e],f] += N[e] * Comp[T[e],b] * H[C[e],b,f]", sorted_indices=("R",), O=zeros,
                              Comp=self.comp[...].astype(dtype), **edges)
+
+    def _messages_by_edge(self, x: jax.Array, graph: RelationalGraph, norm: jax.Array) -> jax.Array:
+        """Each edge's source by its relation's weight, the edges grouped by relation (the class docstring)."""
+        weight = self.weight[...]
+        dtype = jnp.result_type(x, weight)
+        by_relation = rows_by_type(graph.rel, self.num_relations).astype(dtype)  # (R, E): the edges of each relation
+        messages = jinsum.einsum("M[g,p,f] += X[C[Ak[g,p]],c] * W[Ai[g],c,f]", A=by_relation, C=graph.src,
+                                 X=x.astype(dtype), W=weight.astype(dtype),
+                                 M=jax.ShapeDtypeStruct((*by_relation.Ak.shape, weight.shape[-1]), dtype))
+        per_edge = combined(by_relation, messages, jax.ShapeDtypeStruct((graph.src.shape[0], weight.shape[-1]), dtype))
+        return jinsum.einsum("O[R[e],f] += N[e] * M[e,f]", sorted_indices=("R",), R=graph.dst, N=norm.astype(dtype),
+                             M=per_edge, O=jax.ShapeDtypeStruct((x.shape[0], weight.shape[-1]), dtype))
 
     def _transform(self, x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jnp.dtype]:
         """`H` `(N, R or bases, out_features)`: every node by every relation (or basis) in one dense product, so
