@@ -19,6 +19,8 @@ Systems, each timed forward and forward + backward:
      weighted sums, `(tokens, N)`;
    - the grouped-order form `H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]` (`jinsum.einsum`; the MoE layer's up and
      gate projections): one row per routed pair, `(groups, group size, N)`, the groups' padding included;
+   - with several devices, the same layer with its experts and the tokens split over all of them
+     (`MoE(..., mesh=, axis=)`: rows to their experts' devices and back with `all_to_all`), beside the layer on one;
    - the whole `MoE` layer (SwiGLU, `in_features = K`, `hidden_features = N`, bf16 parameters: router, routing,
      three expert matmuls, combine; its own router's routing) and `routed_mlp` on that layer's routing given (the
      three matmuls and the SwiGLU alone), each against three times the grouped form's time ("x 3 matmuls"; issue
@@ -91,6 +93,7 @@ GROUPED_FORM = "jinsum grouped order H[g,p,h] (einsum)"
 MOE_LAYER = "jinsum MoE layer (router, routing, SwiGLU: 3 matmuls, combine)"
 ROUTED_MLP = "jinsum routed_mlp (SwiGLU: 3 matmuls, the layer's routing given)"
 ROUTE_TOKENS = "jinsum route_tokens alone (the layer's routing)"
+PARALLEL_LAYER = "jinsum MoE layer, experts and tokens over {} devices (all_to_all)"
 RAGGED = "jax.lax.ragged_dot"
 TORCH_KN = "torch._grouped_mm, W (E, K, N)"
 TORCH_NK = "torch._grouped_mm, W stored (E, N, K), transposed view"
@@ -443,6 +446,31 @@ def moe_rows(shape: Shape, dtype, x, key, calls: int, workload: str, tol: float,
                 "note": "forward only: the router's logits and the routing GroupCOO"}
 
     RESULTS.attempt(workload, ROUTE_TOKENS, route_alone)
+
+    devices = jax.device_count()
+    if devices > 1 and shape.experts % devices == 0 and shape.tokens % devices == 0:
+        def parallel_layer():
+            mesh = jax.make_mesh((devices,), ("x",))
+            split = jnn.MoE(K, N, shape.experts, shape.top_k, dtype=dtype, param_dtype=dtype, mesh=mesh, axis="x",
+                            rngs=nnx.Rngs(0))  # (the same parameters as `layer`'s: the same seed and order)
+            split_graphdef, split_params, split_rest = nnx.split(split, nnx.Param, ...)
+
+            def apply(params, x):
+                return nnx.merge(split_graphdef, params, split_rest)(x)
+
+            aux = jax.eval_shape(apply, split_params, x)[1]
+            y = jax.jit(apply)(split_params, x)[0]
+            error = check(y, jax.jit(mlp_reference)(*(a.astype(jnp.float32) for a in (x, w_up, w_gate, w_down))),
+                          tol, ("output",))
+            del y
+            measured = jax_times(apply, (split_params, x), (), (dy, jnp.ones(aux.shape, aux.dtype)), calls)
+            one = next((r for r in RESULTS.rows if r["workload"] == workload and r["system"] == MOE_LAYER), {})
+            speedups = [f"{name} {one[f'{p}_ms'] / measured[f'{p}_ms']:.2f}x" for name, p in
+                        (("fwd", "forward"), ("fwd+bwd", "forward_backward")) if one.get(f"{p}_ms")]
+            return {**measured, "error": error, "note": "dropless (a capacity of every pair per destination); "
+                    f"against the layer on one device: {', '.join(speedups) or 'not run'}"}
+
+        RESULTS.attempt(workload, PARALLEL_LAYER.format(devices), parallel_layer, **common)
     return f"- {workload}, the MoE layer's own router: {rows.describe()}."
 
 
