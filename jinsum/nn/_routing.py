@@ -7,7 +7,9 @@ builder (`GroupCOO.from_edge_index(..., capacity=)`), so the expert layers are i
     Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]      (each token's weighted sum of its experts' X W_e)
 
 Its rows are the experts and each group holds tokens of one expert, so a group is a row tile of one expert's
-matrix product (`jinsum.nn.MoE`). The same call returns the two auxiliary losses of sparse mixtures: Switch's load
+matrix product (`jinsum.nn.MoE`). `routed_linear` and `routed_mlp` run such statements as their products in
+grouped order and a combine (`jinsum.nn._moe`): written as one statement, the product with three factors is no
+Tensor Core plan, and its gradient w.r.t. the weights `Av` recomputes the matmul entry by entry. The same call returns the two auxiliary losses of sparse mixtures: Switch's load
 balancing loss and ST-MoE's router z-loss.
 """
 
@@ -127,8 +129,7 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
 
     Example:
       >>> routing = jax.jit(route_tokens, static_argnums=1)(x @ router_weight, 2)     # logits (T, E)
-      >>> y = jinsum.einsum("Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]", A=routing.combine, X=x, W=w,
-      ...                   Y=jax.ShapeDtypeStruct(x.shape[:1] + w.shape[2:], x.dtype))
+      >>> y = jinsum.nn.routed_linear(x, routing.combine, w)     # y_t = sum_e A[e, t] x_t W_e
       >>> loss = task_loss + 0.01 * routing.balance_loss + 0.001 * routing.z_loss
     """
     where = "route_tokens"
