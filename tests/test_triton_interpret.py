@@ -13,6 +13,7 @@ import pytest
 import jinsum
 from jinsum._frontend import _einsum
 from jinsum._rules import _primitive
+from jinsum._lowering._route import route
 from jinsum._lowering._triton import interpret
 from jinsum.kernels import KernelConfig, generate, make_plan
 from jinsum.testing import assert_allclose, random_operands, reference, specs_in
@@ -313,6 +314,39 @@ def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng
         assert plan.write == write and plan.window_in_k == (write == "segmented"), expression
         assert_allclose(interpret(spec, operands, config), reference(expression, **operands), np.float32,
                         err_msg=expression)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)], ids=str)
+def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
+    """A sum of three factors with no Tensor Core plan, two of which have one, runs as two statements (`pairwise`):
+    the mixture of experts' product with its combine weights and its experts' gradient (the rows scaled first, then
+    the matmul) and its combine weights' gradient (the matmul, then a row-wise product); equal to the reference. An SpMM by a dense
+    weight keeps its one statement: contracting the weight with each entry's row would build an intermediate
+    larger than any operand."""
+    E, T, C, N, G, P = 4, 37, 16, 48, 7, 16
+    Ai = np.sort(rng.choice([0, 1, 3], G)).astype(np.int32)
+    Ak = rng.integers(0, T, (G, P)).astype(np.int32)
+    values = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+    cases = [("Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]",
+              dict(Av=values(G, P), X=values(T, C), W=values(E, C, N), Y=np.zeros((T, N), dtype)),
+              # (scaling the c-wide rows first makes a smaller intermediate than the n-wide products)
+              ("pair[g,p,c] += Av[g,p] * X[Ak[g,p],c]", "Y[Ak[g,p],n] += W[Ai[g],c,n] * pair[g,p,c]")),
+             ("dW[Ai[g],c,n] += Av[g,p] * X[Ak[g,p],c] * dY[Ak[g,p],n]",
+              dict(Av=values(G, P), X=values(T, C), dY=values(T, N), dW=np.zeros((E, C, N), dtype)),
+              ("pair[g,p,c] += Av[g,p] * X[Ak[g,p],c]", "dW[Ai[g],c,n] += dY[Ak[g,p],n] * pair[g,p,c]")),
+             ("dAv[g,p] += O[g,p,c] * W[Ai[g],c,n] * dY[Ak[g,p],n]",
+              dict(O=values(G, P, C), W=values(E, C, N), dY=values(T, N), dAv=np.zeros((G, P), dtype)),
+              ("pair[g,p,c] += W[Ai[g],c,n] * dY[Ak[g,p],n]", "dAv[g,p] += O[g,p,c] * pair[g,p,c]"))]
+    for expression, operands, statements in cases:
+        operands = dict(operands, Ai=Ai, Ak=Ak)
+        spec = _spec(expression, operands)
+        found = route(spec)
+        assert found.pairwise and tuple(str(s.statement) for s in found.pairwise) == statements, expression
+        assert "dot" in (make_plan(found.pairwise[0]).template, make_plan(found.pairwise[1]).template)
+        assert_allclose(interpret(spec, operands), reference(expression, **operands), dtype, err_msg=expression)
+    spmm = dict(Av=values(G, P), X=values(T, C), W=values(C, N), H=np.zeros((5, N), dtype),
+                Ai=np.sort(rng.integers(0, 5, G)).astype(np.int32), Ak=Ak)
+    assert route(_spec("H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]", spmm)).pairwise is None
 
 
 def test_wide_outputs_are_not_cut_into_chunks():

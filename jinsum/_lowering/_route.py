@@ -8,7 +8,9 @@ and by `jinsum.triton_source`, so that what the inspection shows is what runs. A
 - a split: in deterministic mode a `+=` through index arrays whose kernel would not add in a fixed order is first
   rewritten into sorted segment reductions (`rewritten`, `jinsum._rules._deterministic`), each routed again; an
   epilogue that the route of the statement does not fuse runs as an element-wise pass after it
-  (`epilogue_after`: the statement without it is routed again).
+  (`epilogue_after`: the statement without it is routed again); a sum of three or more factors that has no Tensor
+  Core plan, but two of whose factors do, contracts those two first into an intermediate (`pairwise`: the two
+  statements routed again; see `contracted_first`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import dataclasses
 import math
 import os
 
-from jinsum._lang import Spec
-from jinsum._rules import _deterministic
+import jax.numpy as jnp
+import numpy as np
+
+from jinsum._lang import Operand, Spec, Var, check, tensor_names, walk
+from jinsum._rules import _derive, _deterministic
 from jinsum._rules._primitive import apply_epilogue, split_epilogue
 from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, tuned_config
 
@@ -42,6 +47,7 @@ class Route:
     reason: str = ""
     rewritten: bool = False
     epilogue_after: bool = False
+    pairwise: tuple[Spec, Spec] | None = None  # the pair's statement (into zeros), then the rest's
 
     @property
     def kernel(self) -> bool:
@@ -51,7 +57,8 @@ class Route:
     @property
     def warns(self) -> bool:
         """XLA's lowering runs where a kernel was wanted (a `FallbackWarning`)."""
-        return not self.kernel and not self.rewritten and not self.epilogue_after and self.reason not in CHOSEN
+        return (not self.kernel and not self.rewritten and not self.epilogue_after and not self.pairwise
+                and self.reason not in CHOSEN)
 
 
 def plan_for(spec: Spec, config: KernelConfig | None = None) -> KernelPlan | Fallback:
@@ -86,6 +93,8 @@ def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = Non
     else:
         plan = plan_for(spec, config)
     kernel = not isinstance(plan, Fallback)
+    if kernel and plan.template == "lanes" and (split := contracted_first(spec)) is not None:
+        return Route(spec, pairwise=split)
     # A carried `split` schedule adds each element's terms in a fixed order as it stands: no rewrite needed.
     rewritten = rewrite and _deterministic.rewritten(spec) and not (kernel and plan.carries)
     if spec.epilogue is not None and (rewritten or not (kernel and plan.fuses_epilogue and has_work(plan))):
@@ -93,6 +102,58 @@ def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = Non
     if rewritten:
         return Route(spec, rewritten=True)
     return Route(spec, plan) if kernel else Route(spec, reason=plan.reason)
+
+
+def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
+    """A sum of three or more factors as two statements, a pair of its factors multiplied first into an
+    intermediate (`_derive.contracted_first`), where one of the two statements has a Tensor Core plan and the
+    statement as written has none: `Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]` runs `T[g,p,n] +=
+    X[Ak[g,p],c] * W[Ai[g],c,n]` on Tensor Cores, then `Y[Ak[g,p],n] += Av[g,p] * T[g,p,n]`; its weight gradient
+    `dW[Ai[g],c,n] += Av[g,p] * X[Ak[g,p],c] * dY[Ak[g,p],n]` first scales the rows, `T[g,p,c] += Av[g,p] *
+    X[Ak[g,p],c]`, then `dW[Ai[g],c,n] += dY[Ak[g,p],n] * T[g,p,c]` on Tensor Cores. Three factors at once would be a
+    lanes plan doing every product on CUDA cores. The intermediate takes the result type of the pair.
+
+    Not where the pair's product depends on the entries only through one index array: an SpMM by a dense weight,
+    `H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]`, would transform each entry's row (`nnz x o`) where one row
+    of `X W` per row of `X` does. Among the splits, the one whose Tensor Core statement has the most terms, then
+    the smallest intermediate. None where none qualifies."""
+    statement = spec.statement
+    if len(statement.factors) < 3 or statement.reduction != "sum" or spec.winners:
+        return None
+    name = _derive.fresh_name("pair", set(tensor_names(statement)))
+    best, best_key = None, None
+    factors = range(len(statement.factors))
+    for pair in ((i, j) for i in factors for j in factors if i < j):
+        first, rest = _derive.contracted_first(statement, pair, name)
+        if _through_one_index(first):
+            continue
+        shape = tuple(spec.extent[v.name] for v in first.lhs.indices)
+        dtype = np.result_type(*(spec.operand[statement.factors[k].tensor].dtype for k in pair))
+        intermediate = Operand(name, shape, np.dtype(dtype))
+        first_spec = check(first, (intermediate, *(spec.operand[n] for n in tensor_names(first) if n != name)),
+                           spec.sorted_indices, spec.allow_tf32, True, None, spec.deterministic)
+        rest_spec = check(rest, (*(spec.operand[n] for n in tensor_names(rest) if n != name), intermediate),
+                          spec.sorted_indices, spec.allow_tf32, spec.zero_lhs, None, spec.deterministic,
+                          epilogue=spec.epilogue)
+        dots = [math.prod(s.extent.values()) for s in (first_spec, rest_spec)
+                if not isinstance(plan := plan_for(s), Fallback) and plan.template == "dot"]
+        key = (max(dots, default=0), -math.prod(shape))
+        if dots and (best_key is None or key > best_key):
+            best, best_key = (first_spec, rest_spec), key
+    return best
+
+
+def _through_one_index(statement) -> bool:
+    """Whether the factors read every left-hand side variable they do not index directly through one and the same
+    index access (`T[g,p,o] += X[Ak[g,p],c] * W[c,o]`: a function of `Ak[g,p]` alone)."""
+    kept = {v.name for v in statement.lhs.indices}
+    direct = {i.name for f in statement.factors for i in f.indices if isinstance(i, Var)}
+    indirect = kept - direct
+    if not indirect:
+        return False
+    nodes = {str(node) for f in statement.factors for node in walk(f) if node is not f
+             and indirect & {v.name for v in node.indices if isinstance(v, Var)}}
+    return len(nodes) == 1
 
 
 def follow(spec: Spec, arrays, run, *, kernels: bool = True, config: KernelConfig | None = None):
@@ -104,6 +165,13 @@ def follow(spec: Spec, arrays, run, *, kernels: bool = True, config: KernelConfi
         statement_arrays, captures = split_epilogue(arrays, spec)
         return apply_epilogue(spec, follow(spec.without_epilogue, statement_arrays, run, kernels=kernels,
                                            config=config), captures)
+    if found.pairwise:
+        first, rest = found.pairwise
+        named = dict(zip(spec.arguments, arrays))
+        named[first.lhs.name] = jnp.zeros(first.lhs.shape, first.lhs.dtype)
+        named[first.lhs.name] = follow(first, [named[n] for n in first.arguments], run, kernels=kernels,
+                                       config=config)
+        return follow(rest, [named[n] for n in rest.arguments], run, kernels=kernels, config=config)
     if found.rewritten:
         return _deterministic.evaluate(spec, dict(zip(spec.arguments, arrays)), lambda s, a: run(
             route(s, kernels=kernels, config=config, rewrite=False), [a[n] for n in s.arguments]))

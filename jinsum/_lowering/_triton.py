@@ -12,7 +12,7 @@ import numpy as np
 
 from jinsum._lang import Spec
 from jinsum._lowering import _launch, _xla
-from jinsum._lowering._route import Route, has_work, route
+from jinsum._lowering._route import Route, follow, has_work, route
 from jinsum._rules._primitive import split_epilogue
 from jinsum.formats._row_starts import row_starts
 from jinsum.kernels import (KernelConfig, KernelPlan, generate, kernel_inputs, kernel_name, kernel_scratch,
@@ -95,8 +95,11 @@ def _partials_shape(plan: KernelPlan) -> tuple[int, int, int]:
 def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig | None = None) -> np.ndarray:
     """Runs the generated kernel for `spec` in Triton's interpreter on CPU (needs `TRITON_INTERPRET=1` set before
     Triton kernels are first defined, and torch). For tests: the route, plan, source, arguments and launch sequence
-    the CUDA lowering takes, with the configuration `config`."""
+    the CUDA lowering takes, with the configuration `config` (a statement contracted pairwise: each of its two)."""
     found = route(spec, config=config, rewrite=False)
+    if found.pairwise:  # two statements, each interpreted
+        return np.asarray(follow(spec, [arrays[name] for name in spec.arguments],
+                                 lambda part, a: interpret(part.spec, dict(zip(part.spec.arguments, a)), config)))
     if found.epilogue_after:
         raise ValueError(f"jinsum: the kernel for {spec.statement} does not apply the epilogue (it runs after it)")
     if not found.kernel:

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from jinsum._lang import (Access, ColumnOrder, Statement, Var, map_accesses, map_statement, statement_variables,
-                          tensor_names, variables)
+                          tensor_names, variables, walk)
 
 
 def fresh_name(base: str, taken: Collection[str]) -> str:
@@ -184,6 +184,31 @@ def in_pieces(statement: Statement, pieces: str, piece_of: str, piece_rows: str)
         Access(piece_rows, (piece,)) if i is through else i for i in lhs.indices), span=None), True,
         (Access(pieces, tuple(piece if i is through else i for i in lhs.indices)),))
     return per_piece, per_row
+
+
+def contracted_first(statement: Statement, pair: tuple[int, int], name: str) -> tuple[Statement, Statement]:
+    """A sum of three or more factors with two of them contracted first, as an intermediate `name`.
+
+    `Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]` with the pair `(1, 2)` gives `T[g,p,n] += X[Ak[g,p],c]
+    * W[Ai[g],c,n]` (the variables summed only inside the pair, `c`, are summed there) and `Y[Ak[g,p],n] += Av[g,p]
+    * T[g,p,n]`; with the pair `(0, 1)`, `T[g,p,c] += Av[g,p] * X[Ak[g,p],c]` (element-wise: nothing is summed
+    inside the pair) and `Y[Ak[g,p],n] += W[Ai[g],c,n] * T[g,p,c]`. The intermediate is indexed by the pair's
+    variables that the left-hand side or another factor read, directly: those inside the statement's index arrays
+    first, in order of first appearance there, then the others in the pair's order.
+    """
+    first, second = (statement.factors[k] for k in pair)
+    pair_variables = list(dict.fromkeys((*variables(first), *variables(second))))
+    others = [f for k, f in enumerate(statement.factors) if k not in pair]
+    outside = set(variables(statement.lhs)).union(*(variables(f) for f in others))
+    # The entries' variables (those inside index arrays: groups, slots) first, the features' after, so that the
+    # intermediate is laid out as the rows of its entries (`T[g,p,c]`), as the operands of grouped products are.
+    structure = list(dict.fromkeys(v.name for access in (statement.lhs, *statement.factors) for node in walk(access)
+                                   if node is not access for v in node.indices if isinstance(v, Var)))
+    kept = sorted((v for v in pair_variables if v in outside),
+                  key=lambda v: (structure.index(v) if v in structure else len(structure), pair_variables.index(v)))
+    intermediate = Access(name, tuple(Var(v) for v in kept))
+    return (Statement(intermediate, True, (first, second)),
+            dataclasses.replace(statement, factors=(*others, intermediate), source=""))
 
 
 def at_winners(statement: Statement, coordinates: Mapping[str, str], tangent: str, factor: int) -> Statement:
