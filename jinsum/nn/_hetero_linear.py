@@ -28,6 +28,7 @@ from jax.experimental import checkify
 from jinsum import _config
 from jinsum.formats import GroupCOO
 from jinsum.nn._moe import combined, gathered_product
+from jinsum.nn._routing import routed_group_size
 
 _WHERE = "HeteroLinear"
 
@@ -140,4 +141,6 @@ def rows_by_type(type_vec: jax.Array, num_types: int) -> GroupCOO:
     counts = jnp.zeros(num_types + 1, jnp.int32).at[key].add(1)
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts[:num_types], dtype=jnp.int32)])
     # No column order: the input's gradient then runs over the groups as the forward does (module docstring).
-    return GroupCOO.from_csr(starts, order.astype(jnp.int32), num_columns=type_vec.shape[0], with_transpose=False)
+    # Groups of the grouped product's row tile where the padding stays small (`routed_group_size`, as MoE's).
+    return GroupCOO.from_csr(starts, order.astype(jnp.int32), num_columns=type_vec.shape[0], with_transpose=False,
+                             group_size=routed_group_size(type_vec.shape[0], num_types))
