@@ -46,7 +46,8 @@ from _harness import (  # noqa: E402
 RESULTS = Results()
 JINSUM, LOOP, RAGGED, PYG = ("jinsum HeteroLinear", "plain JAX loop of per-type matmuls (masked)",
                              "jax.lax.ragged_dot on rows sorted by type", "PyG HeteroLinear")
-COLUMNS = (WORKLOAD, SYSTEM, Column("fwd ms", "forward_ms", "{:.3f}"), Column("fwd TFLOP/s", "forward_tflops", "{:.0f}"),
+COLUMNS = (WORKLOAD, SYSTEM, Column("fwd ms", "forward_ms", "{:.3f}"),
+           Column("fwd TFLOP/s", "forward_tflops", "{:.0f}"),
            Column("fwd x loop", "forward_vs_loop", "{:.2f}"), Column("fwd+bwd ms", "forward_backward_ms", "{:.3f}"),
            Column("fwd+bwd TFLOP/s", "forward_backward_tflops", "{:.0f}"),
            Column("fwd+bwd x loop", "forward_backward_vs_loop", "{:.2f}"), Column("rel. error", "error", "{:.1e}"),

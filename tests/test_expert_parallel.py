@@ -35,7 +35,8 @@ def mesh():
 def _operands(rng, T=32, E=8, C=6, H=5):
     """`(x, logits, w_up, w_gate, w_down)` in float64 (under `x64`), logits with clear top-k orders."""
     x, logits = rng.standard_normal((T, C)), distinct_logits(rng, T, E)
-    w_up, w_gate, w_down = rng.standard_normal((E, C, H)), rng.standard_normal((E, C, H)), rng.standard_normal((E, H, C))
+    w_up, w_gate = rng.standard_normal((E, C, H)), rng.standard_normal((E, C, H))
+    w_down = rng.standard_normal((E, H, C))
     return tuple(map(jnp.asarray, (x, logits, w_up, w_gate, w_down)))
 
 

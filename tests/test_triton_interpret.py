@@ -320,9 +320,8 @@ def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng
 def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
     """A sum of three factors with no Tensor Core plan, two of which have one, runs as two statements (`pairwise`):
     the mixture of experts' product with its combine weights and its experts' gradient (the rows scaled first, then
-    the matmul) and its combine weights' gradient (the matmul, then a row-wise product); equal to the reference. An SpMM by a dense
-    weight keeps its one statement: contracting the weight with each entry's row would build an intermediate
-    larger than any operand."""
+    the matmul) and its combine weights' gradient (the matmul, then a row-wise product); equal to the reference.
+    An SpMM by a dense weight keeps its one statement: its pair would transform every entry's row."""
     E, T, C, N, G, P = 4, 37, 16, 48, 7, 16
     Ai = np.sort(rng.choice([0, 1, 3], G)).astype(np.int32)
     Ak = rng.integers(0, T, (G, P)).astype(np.int32)

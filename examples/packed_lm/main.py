@@ -219,10 +219,10 @@ class ByteLM(nnx.Module):
         self.window, self.block, self.attention = window, block, attention
 
     def __call__(self, batch: dict[str, jax.Array], pattern: BlockGroupCOO | None = None):
-        """`(logits (B, L, 256), aux_loss)`, the blocks' auxiliary losses summed. Without `pattern`, the document mask (causal, and windowed if the model is) is
-        built here on the device, one per sequence, and shared by the layers; with one (the BigBird layout), each
-        sequence's document ids mask inside its blocks. The plain JAX baseline
-        (`attention="dense"`) builds a boolean `(B, 1, L, L)` mask instead."""
+        """`(logits (B, L, 256), aux_loss)`, the blocks' auxiliary losses summed. Without `pattern`, the document
+        mask (causal, and windowed if the model is) is built here on the device, one per sequence, and shared by the
+        layers; with one (the BigBird layout), each sequence's document ids mask inside its blocks. The plain JAX
+        baseline (`attention="dense"`) builds a boolean `(B, 1, L, L)` mask instead."""
         documents = batch["documents"]
         size, length = documents.shape
         x = self.tokens(batch["tokens"]) + self.positions(batch["positions"])

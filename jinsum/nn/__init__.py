@@ -19,8 +19,9 @@ input, tiled, never an `(N, N)` distance matrix).
 Sparse weights: `SparseLinear` (a linear layer over a fixed element or block pattern, learned values;
 `random_pattern`). Typed and routed weights: `HeteroLinear` (PyG's: one matrix per node or edge type), `MoE` (a
 mixture of experts: `route_tokens` builds the routing on the device, `routed_mlp` / `routed_linear` run the
-experts as statements over it, `expert_parallel_mlp` with the experts split over a mesh axis). Recommendation: `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the
-device by `bags`; `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
+experts as statements over it, `expert_parallel_mlp` with the experts split over a mesh axis). Recommendation:
+`EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by `bags`;
+`embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
 partition of an `edge_adjacency` (the edges one by one, their features in its values).

@@ -8,9 +8,10 @@ builder (`GroupCOO.from_edge_index(..., capacity=)`), so the expert layers are i
 
 Its rows are the experts and each group holds tokens of one expert, so a group is a row tile of one expert's
 matrix product (`jinsum.nn.MoE`). `routed_linear` and `routed_mlp` run such statements as their products in
-grouped order and a combine (`jinsum.nn._moe`): written as one statement, the product with three factors is no
-Tensor Core plan, and its gradient w.r.t. the weights `Av` recomputes the matmul entry by entry. The same call returns the two auxiliary losses of sparse mixtures: Switch's load
-balancing loss and ST-MoE's router z-loss.
+grouped order and a combine (`jinsum.nn._moe`), whose derivatives are each a Tensor Core product or a pass over
+the rows: use them. As one statement over this routing (which carries its entries in column order), the input's
+gradient runs entry by entry, a weight matrix read per entry. The same call returns the two auxiliary losses of
+sparse mixtures: Switch's load balancing loss and ST-MoE's router z-loss.
 """
 
 from __future__ import annotations
