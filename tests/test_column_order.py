@@ -36,6 +36,8 @@ ORDER = ColumnOrder("Av", "Ai", "Ak", *(Operand(n, shape, np.dtype(np.int32)) fo
     ("dB[Ak[g,p],n] += C[Ai[g],n]", None),  # no values factor: unlisted (zero) entries would count
     ("dB[Ak[g,p],n] += Av[g,p] * C[n,g]", None),  # g not leading
     ("dAv[g,p] += B[Ak[g,p],n] * C[Ai[g],n]", None),  # not a scatter into the columns
+    # a matrix per row contracted with the entries' rows (MoE's input gradient): a matrix per entry in column order
+    ("dX[Ak[g,p],c] += Av[g,p] * dY[Ak[g,p],n] * W[Ai[g],c,n]", None),
 ])
 def test_by_columns_rewrites_a_scatter_into_the_columns(statement, expected):
     rewritten = _derive.by_columns(parse(statement), ORDER)

@@ -72,7 +72,12 @@ def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tup
 
     Returns None where it does not apply: the left-hand side is not written through `Ak[g,p]`; `g` or `p` is used
     other than as an access's leading indices; or the format's values are not a factor (the order lists the
-    entries whose value was nonzero when it was built, so the others must contribute nothing).
+    entries whose value was nonzero when it was built, so the others must contribute nothing). And where it does
+    not pay: a factor read through the rows, `Ai[g]`, contracted with one read through the columns, `Ak[g,p]`,
+    over a summed variable (`W[Ai[g],c,n]` and `dY[Ak[g,p],n]` in `dX[Ak[g,p],c] += Av[g,p] * dY[Ak[g,p],n] *
+    W[Ai[g],c,n]`, a mixture of experts' input gradient: a matrix per row times the rows of its entries). In
+    column order each entry of a column would read another matrix, never a Tensor Core tile; in group order the
+    route contracts a group's rows with its matrix on Tensor Cores (`_lowering._route.contracted_first`).
     """
     through = [i for i in statement.lhs.indices if isinstance(i, Access) and i.tensor == order.columns_index]
     if len(through) != 1 or not all(isinstance(i, Var) for i in through[0].indices):
@@ -80,6 +85,13 @@ def by_columns(statement: Statement, order: ColumnOrder) -> tuple[Statement, tup
     group, slot = (i.name for i in through[0].indices)
     if not any(f.tensor == order.values and f.indices[:1] == (Var(group),) and Var(slot) in f.indices
                for f in statement.factors):
+        return None
+    def summed_through(index: str) -> set[str]:  # the summed variables of the factors read through `index`
+        return {i.name for f in statement.factors if any(n.tensor == index for n in walk(f) if n is not f)
+                for i in f.indices if isinstance(i, Var) and i.name not in written}
+
+    written = set(variables(statement.lhs))
+    if summed_through(order.rows_index) & summed_through(order.columns_index):
         return None
     taken_variables = set(statement_variables(statement))
     group_var = Var(fresh_name("h", taken_variables))
