@@ -9,9 +9,9 @@ builder (`GroupCOO.from_edge_index(..., capacity=)`), so the expert layers are i
 Its rows are the experts and each group holds tokens of one expert, so a group is a row tile of one expert's
 matrix product (`jinsum.nn.MoE`). `routed_linear` and `routed_mlp` run such statements as their products in
 grouped order and a combine (`jinsum.nn._moe`), whose derivatives are each a Tensor Core product or a pass over
-the rows: use them. As one statement over this routing (which carries its entries in column order), the input's
-gradient runs entry by entry, a weight matrix read per entry. The same call returns the two auxiliary losses of
-sparse mixtures: Switch's load balancing loss and ST-MoE's router z-loss.
+the rows. Written as one statement, the CUDA route splits it and its derivatives the same way
+(`jinsum._lowering._route.contracted_first`), while XLA's lowering gathers a weight matrix per group. The same
+call returns the two auxiliary losses of sparse mixtures: Switch's load balancing loss and ST-MoE's router z-loss.
 """
 
 from __future__ import annotations
