@@ -15,8 +15,8 @@ Systems, each timed forward and forward + backward:
 1. jinsum, the grouped statements as `jinsum.nn.MoE` runs them, over the routing `GroupCOO` (experts x tokens) of
    `route_tokens`, which is built once outside the timed functions and passed to them as an argument:
    - `routed_linear` (`Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]`, run as the grouped product below and
-     the combine `Y[Ak[g,p],n] += Av[g,p] * O[g,p,n]`): the tokens'
-     weighted sums, `(tokens, N)`;
+     the combine `Y[Ak[g,p],n] += Av[g,p] * O[g,p,n]`): the tokens' weighted sums, `(tokens, N)`; and the same
+     statement written as one, which the CUDA route splits (`contracted_first`);
    - the grouped-order form `H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]` (`jinsum.einsum`; the MoE layer's up and
      gate projections): one row per routed pair, `(groups, group size, N)`, the groups' padding included;
    - with several devices, the same layer with its experts and the tokens split over all of them
@@ -89,6 +89,9 @@ HIGHEST = jax.lax.Precision.HIGHEST
 GROUPED = "H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]"
 
 ROUTED_LINEAR = "jinsum routed_linear (grouped product, combine)"
+# The issue's statement as a user writes it: the CUDA route splits it (and its derivatives) into Tensor Core parts.
+COMBINED = "Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]"
+ONE_STATEMENT = f"jinsum one statement {COMBINED} (split by the route)"
 GROUPED_FORM = "jinsum grouped order H[g,p,h] (einsum)"
 MOE_LAYER = "jinsum MoE layer (router, routing, SwiGLU: 3 matmuls, combine)"
 ROUTED_MLP = "jinsum routed_mlp (SwiGLU: 3 matmuls, the layer's routing given)"
@@ -315,7 +318,16 @@ def run(shape: Shape, dtype, calls: int, torch, torch_device: str | None, seed: 
         return jax_times(lambda x, w, A: jinsum.einsum(GROUPED, A=A, X=x, W=w, H=out), (x, w), (combine,), dh,
                          calls, expected, tol, project=lambda h: jnp.where(valid[..., None], h, 0))
 
+    def one_statement():
+        expected = reference(
+            lambda x, w: jax.ops.segment_sum(weight[:, None] * per_expert(x[token], w, layout), token,
+                                             shape.tokens), x, w, dy_tokens)
+        out = jax.ShapeDtypeStruct((shape.tokens, N), dtype)
+        return jax_times(lambda x, w, A: jinsum.einsum(COMBINED, A=A, X=x, W=w, Y=out), (x, w), (combine,), dy_tokens,
+                         calls, expected, tol)
+
     RESULTS.attempt(workload, ROUTED_LINEAR, routed_linear, **common)
+    RESULTS.attempt(workload, ONE_STATEMENT, one_statement, **common)
     RESULTS.attempt(workload, GROUPED_FORM, grouped, **common)
 
     # 2. ragged_dot and 4. the dense matmul, on the sorted rows.
