@@ -93,7 +93,9 @@ def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = Non
     else:
         plan = plan_for(spec, config)
     kernel = not isinstance(plan, Fallback)
-    if kernel and plan.template == "lanes" and (split := contracted_first(spec)) is not None:
+    # (Not a statement that a deterministic rewrite derived, `rewrite=False`: it runs as written.)
+    if (kernel and plan.template == "lanes" and (rewrite or not spec.deterministic)
+            and (split := contracted_first(spec)) is not None):
         return Route(spec, pairwise=split)
     # A carried `split` schedule adds each element's terms in a fixed order as it stands: no rewrite needed.
     rewritten = rewrite and _deterministic.rewritten(spec) and not (kernel and plan.carries)
