@@ -320,8 +320,8 @@ def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng
 def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
     """A sum of three factors with no Tensor Core plan, two of which have one, runs as two statements (`pairwise`):
     the mixture of experts' product with its combine weights and its experts' gradient (the rows scaled first, then
-    the matmul) and its combine weights' gradient (the matmul, then a row-wise product); equal to the reference.
-    An SpMM by a dense weight keeps its one statement: its pair would transform every entry's row."""
+    the matmul) and its combine weights' gradient (the matmul, then a row-wise product); and an SpMM by a dense
+    weight, its pair multiplied once per row of X, not per entry (`A (X W)`). Equal to the reference."""
     E, T, C, N, G, P = 4, 37, 16, 48, 7, 16
     Ai = np.sort(rng.choice([0, 1, 3], G)).astype(np.int32)
     Ak = rng.integers(0, T, (G, P)).astype(np.int32)
@@ -343,9 +343,16 @@ def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
         assert found.pairwise and tuple(str(s.statement) for s in found.pairwise) == statements, expression
         assert "dot" in (make_plan(found.pairwise[0]).template, make_plan(found.pairwise[1]).template)
         assert_allclose(interpret(spec, operands), reference(expression, **operands), dtype, err_msg=expression)
+    # An SpMM by a dense weight: one row of X W per row of X (a dense product), then the SpMM (`A (X W)`)
     spmm = dict(Av=values(G, P), X=values(T, C), W=values(C, N), H=np.zeros((5, N), dtype),
                 Ai=np.sort(rng.integers(0, 5, G)).astype(np.int32), Ak=Ak)
-    assert route(_spec("H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]", spmm)).pairwise is None
+    expression = "H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]"
+    spec = _spec(expression, spmm)
+    found = route(spec)
+    assert tuple(str(s.statement) for s in found.pairwise) == ("pair[j,o] += X[j,c] * W[c,o]",
+                                                               "H[Ai[g],o] += Av[g,p] * pair[Ak[g,p],o]")
+    assert found.pairwise[0].lhs.shape == (T, N) and make_plan(found.pairwise[0]).template == "dot"
+    assert_allclose(interpret(spec, spmm), reference(expression, **spmm), dtype, err_msg=expression)
 
 
 def test_wide_outputs_are_not_cut_into_chunks():

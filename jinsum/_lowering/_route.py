@@ -115,10 +115,11 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
     X[Ak[g,p],c]`, then `dW[Ai[g],c,n] += dY[Ak[g,p],n] * T[g,p,c]` on Tensor Cores. Three factors at once would be a
     lanes plan doing every product on CUDA cores. The intermediate takes the result type of the pair.
 
-    Not where the pair's product depends on the entries only through one index array: an SpMM by a dense weight,
-    `H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]`, would transform each entry's row (`nnz x o`) where one row
-    of `X W` per row of `X` does. Among the splits, the one whose Tensor Core statement has the most terms, then
-    the smallest intermediate. None where none qualifies."""
+    Where the pair's product depends on the entries only through one index array, it is multiplied over that
+    index's range instead (`_derive.contracted_at_index`): an SpMM by a dense weight, `H[Ai[g],o] += Av[g,p] *
+    X[Ak[g,p],c] * W[c,o]`, runs `T[j,o] += X[j,c] * W[c,o]` (a row of `X W` per row of `X`, not per entry), then
+    `H[Ai[g],o] += Av[g,p] * T[Ak[g,p],o]`. Among the splits, the one whose Tensor Core statement has the most
+    terms, then the smallest intermediate. None where none qualifies."""
     statement = spec.statement
     if len(statement.factors) < 3 or statement.reduction != "sum" or spec.winners:
         return None
@@ -128,8 +129,12 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
     for pair in ((i, j) for i in factors for j in factors if i < j):
         first, rest = _derive.contracted_first(statement, pair, name)
         if _through_one_index(first):
-            continue
-        shape = tuple(spec.extent[v.name] for v in first.lhs.indices)
+            split = _derive.contracted_at_index(statement, pair, name)
+            if split is None:
+                continue
+            first, rest = split
+        extent = {**spec.extent, **_index_ranges(first, spec)}
+        shape = tuple(extent[v.name] for v in first.lhs.indices)
         dtype = np.result_type(*(spec.operand[statement.factors[k].tensor].dtype for k in pair))
         intermediate = Operand(name, shape, np.dtype(dtype))
         first_spec = check(first, (intermediate, *(spec.operand[n] for n in tensor_names(first) if n != name)),
@@ -143,6 +148,13 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
         if dots and (best_key is None or key > best_key):
             best, best_key = (first_spec, rest_spec), key
     return best
+
+
+def _index_ranges(statement, spec: Spec) -> dict[str, int]:
+    """The extents of the variables a `contracted_at_index` statement introduces: each ranges over the dimension of
+    the operand it indexes (variables the spec knows keep theirs)."""
+    return {i.name: spec.operand[f.tensor].shape[d] for f in statement.factors for d, i in enumerate(f.indices)
+            if isinstance(i, Var) and i.name not in spec.extent}
 
 
 def _through_one_index(statement) -> bool:

@@ -223,6 +223,39 @@ def contracted_first(statement: Statement, pair: tuple[int, int], name: str) -> 
             dataclasses.replace(statement, factors=(*others, intermediate), source=""))
 
 
+def contracted_at_index(statement: Statement, pair: tuple[int, int], name: str) -> tuple[Statement, Statement] | None:
+    """Two factors that read the entries only through one index array, multiplied first over that index's range.
+
+    `H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]` with the pair `(1, 2)` gives `T[j,o] += X[j,c] * W[c,o]` (one
+    row of `X W` per row of `X`: a dense product) and `H[Ai[g],o] += Av[g,p] * T[Ak[g,p],o]` (an SpMM): `A (X W)`,
+    where `contracted_first` would multiply each entry's row. Applies where one factor of the pair reads exactly one
+    index access, at one of its dimensions, whose variables index nothing else in the pair. None elsewhere.
+    """
+    first, second = (statement.factors[k] for k in pair)
+    others = [f for k, f in enumerate(statement.factors) if k not in pair]
+    outside = set(variables(statement.lhs)).union(*(variables(f) for f in others))
+    for factor, other in ((first, second), (second, first)):
+        through = [d for d, i in enumerate(factor.indices) if isinstance(i, Access)]
+        if len(through) != 1 or not all(isinstance(i, Var) for i in factor.indices[through[0]].indices):
+            continue
+        position = through[0]
+        index = factor.indices[position]
+        entry_variables = set(variables(index))
+        plain = {i.name for i in factor.indices if isinstance(i, Var)}
+        if entry_variables & (plain | set(variables(other))):
+            continue
+        row = Var(fresh_name("j", set(statement_variables(statement))))
+        at_rows = dataclasses.replace(factor, indices=tuple(row if d == position else i
+                                                            for d, i in enumerate(factor.indices)), span=None)
+        rest_variables = [v for v in dict.fromkeys((*variables(at_rows), *variables(other)))
+                          if v != row.name and v in outside]
+        multiplied = (at_rows, other) if factor is first else (other, at_rows)
+        return (Statement(Access(name, (row, *map(Var, rest_variables))), True, multiplied),
+                dataclasses.replace(statement, factors=(*others, Access(name, (index, *map(Var, rest_variables)))),
+                                    source=""))
+    return None
+
+
 def at_winners(statement: Statement, coordinates: Mapping[str, str], tangent: str, factor: int) -> Statement:
     """The tangent term of the `factor`-th factor of a `max=` / `min=`, read at each output element's winner.
 
