@@ -321,7 +321,8 @@ def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
     """A sum of three factors with no Tensor Core plan, two of which have one, runs as two statements (`pairwise`):
     the mixture of experts' product with its combine weights and its experts' gradient (the rows scaled first, then
     the matmul) and its combine weights' gradient (the matmul, then a row-wise product); and an SpMM by a dense
-    weight, its pair multiplied once per row of X, not per entry (`A (X W)`). Equal to the reference."""
+    weight as `(A X) W` or `A (X W)`, whichever moves the narrower rows (never X W per entry). Equal to the
+    reference."""
     E, T, C, N, G, P = 4, 37, 16, 48, 7, 16
     Ai = np.sort(rng.choice([0, 1, 3], G)).astype(np.int32)
     Ak = rng.integers(0, T, (G, P)).astype(np.int32)
@@ -343,16 +344,19 @@ def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
         assert found.pairwise and tuple(str(s.statement) for s in found.pairwise) == statements, expression
         assert "dot" in (make_plan(found.pairwise[0]).template, make_plan(found.pairwise[1]).template)
         assert_allclose(interpret(spec, operands), reference(expression, **operands), dtype, err_msg=expression)
-    # An SpMM by a dense weight: one row of X W per row of X (a dense product), then the SpMM (`A (X W)`)
-    spmm = dict(Av=values(G, P), X=values(T, C), W=values(C, N), H=np.zeros((5, N), dtype),
-                Ai=np.sort(rng.integers(0, 5, G)).astype(np.int32), Ak=Ak)
+    # An SpMM by a dense weight: `(A X) W` where o is the wider side, the SpMM then moving the narrower rows;
+    # `A (X W)` where c is (one row of X W per row of X, not per entry, then the SpMM)
     expression = "H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]"
-    spec = _spec(expression, spmm)
-    found = route(spec)
-    assert tuple(str(s.statement) for s in found.pairwise) == ("pair[j,o] += X[j,c] * W[c,o]",
-                                                               "H[Ai[g],o] += Av[g,p] * pair[Ak[g,p],o]")
-    assert found.pairwise[0].lhs.shape == (T, N) and make_plan(found.pairwise[0]).template == "dot"
-    assert_allclose(interpret(spec, spmm), reference(expression, **spmm), dtype, err_msg=expression)
+    for (c, o), statements, shape in [
+            ((16, 48), ("pair[Ai[g],c] += Av[g,p] * X[Ak[g,p],c]", "H[i,o] += W[c,o] * pair[i,c]"), (20, 16)),
+            ((48, 16), ("pair[j,o] += X[j,c] * W[c,o]", "H[Ai[g],o] += Av[g,p] * pair[Ak[g,p],o]"), (T, 16))]:
+        spmm = dict(Av=values(G, P), X=values(T, c), W=values(c, o), H=np.zeros((20, o), dtype),
+                    Ai=np.sort(rng.integers(0, 20, G)).astype(np.int32), Ak=Ak)
+        spec = _spec(expression, spmm)
+        found = route(spec)
+        assert tuple(str(s.statement) for s in found.pairwise) == statements, (c, o)
+        assert found.pairwise[0].lhs.shape == shape
+        assert_allclose(interpret(spec, spmm), reference(expression, **spmm), dtype, err_msg=str((c, o)))
 
 
 def test_wide_outputs_are_not_cut_into_chunks():

@@ -22,7 +22,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum._lang import Operand, Spec, Var, check, tensor_names, walk
+from jinsum._lang import Access, Operand, Spec, Var, check, tensor_names, walk
 from jinsum._rules import _derive, _deterministic
 from jinsum._rules._primitive import apply_epilogue, split_epilogue
 from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, tuned_config
@@ -34,6 +34,10 @@ from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_p
 # scatter adds a hub column's entries atomically one after another, where the kernel sums them in registers.
 # `JINSUM_SMALL_TERMS=0` sends every statement to a kernel (the tests do, to test the kernels).
 SMALL_TERMS = 1 << 24
+# How much cheaper a term of a Tensor Core (dot) plan is than one of a lanes plan, to order the ways of splitting a
+# product of three factors (`contracted_first`): H100 dense bf16 989 TFLOP/s against a few tens for gathered
+# multiply-adds on CUDA cores. A rough ratio: it only ranks splits whose costs differ by their shapes.
+TENSOR_CORE_RATIO = 16
 # Reasons for XLA's lowering that are choices, not shortcomings of the code generator: they do not warn.
 CHOSEN = ("not CUDA", "JINSUM_TRITON=0", "small")
 
@@ -118,23 +122,26 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
     Where the pair's product depends on the entries only through one index array, it is multiplied over that
     index's range instead (`_derive.contracted_at_index`): an SpMM by a dense weight, `H[Ai[g],o] += Av[g,p] *
     X[Ak[g,p],c] * W[c,o]`, runs `T[j,o] += X[j,c] * W[c,o]` (a row of `X W` per row of `X`, not per entry), then
-    `H[Ai[g],o] += Av[g,p] * T[Ak[g,p],o]`. Among the splits, the one whose Tensor Core statement has the most
-    terms, then the smallest intermediate. None where none qualifies."""
+    `H[Ai[g],o] += Av[g,p] * T[Ak[g,p],o]` (`A (X W)`); or summed over the entries first into the rows the
+    left-hand side writes (`_derive.contracted_into_rows`): `T[Ai[g],c] += Av[g,p] * X[Ak[g,p],c]`, then `H[i,o] +=
+    W[c,o] * T[i,c]` (`(A X) W`). Among the splits with a Tensor Core statement, the one of least cost: its
+    statements' terms, those on Tensor Cores counted `TENSOR_CORE_RATIO` times cheaper (so an SpMM by a weight
+    contracts first whichever of c and o is narrower, and a grouped product scales the narrower rows). None where
+    none qualifies."""
     statement = spec.statement
     if len(statement.factors) < 3 or statement.reduction != "sum" or spec.winners:
         return None
     name = _derive.fresh_name("pair", set(tensor_names(statement)))
-    best, best_key = None, None
+    best, best_cost = None, None
     factors = range(len(statement.factors))
+    splits = []
     for pair in ((i, j) for i in factors for j in factors if i < j):
-        first, rest = _derive.contracted_first(statement, pair, name)
-        if _through_one_index(first):
+        split = _derive.contracted_first(statement, pair, name)
+        if _through_one_index(split[0]):
             split = _derive.contracted_at_index(statement, pair, name)
-            if split is None:
-                continue
-            first, rest = split
-        extent = {**spec.extent, **_index_ranges(first, spec)}
-        shape = tuple(extent[v.name] for v in first.lhs.indices)
+        splits += [(split, pair), (_derive.contracted_into_rows(statement, pair, name), pair)]
+    for (first, rest), pair in ((split, pair) for split, pair in splits if split is not None):
+        shape = _intermediate_shape(first, spec)
         dtype = np.result_type(*(spec.operand[statement.factors[k].tensor].dtype for k in pair))
         intermediate = Operand(name, shape, np.dtype(dtype))
         first_spec = check(first, (intermediate, *(spec.operand[n] for n in tensor_names(first) if n != name)),
@@ -142,19 +149,27 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
         rest_spec = check(rest, (*(spec.operand[n] for n in tensor_names(rest) if n != name), intermediate),
                           spec.sorted_indices, spec.allow_tf32, spec.zero_lhs, None, spec.deterministic,
                           epilogue=spec.epilogue)
-        dots = [math.prod(s.extent.values()) for s in (first_spec, rest_spec)
-                if not isinstance(plan := plan_for(s), Fallback) and plan.template == "dot"]
-        key = (max(dots, default=0), -math.prod(shape))
-        if dots and (best_key is None or key > best_key):
-            best, best_key = (first_spec, rest_spec), key
+        dots = [_on_tensor_cores(s) for s in (first_spec, rest_spec)]
+        cost = sum(math.prod(s.extent.values()) / (TENSOR_CORE_RATIO if dot else 1)
+                   for s, dot in zip((first_spec, rest_spec), dots))
+        if any(dots) and (best_cost is None or cost < best_cost):
+            best, best_cost = (first_spec, rest_spec), cost
     return best
 
 
-def _index_ranges(statement, spec: Spec) -> dict[str, int]:
-    """The extents of the variables a `contracted_at_index` statement introduces: each ranges over the dimension of
-    the operand it indexes (variables the spec knows keep theirs)."""
-    return {i.name: spec.operand[f.tensor].shape[d] for f in statement.factors for d, i in enumerate(f.indices)
-            if isinstance(i, Var) and i.name not in spec.extent}
+def _on_tensor_cores(spec: Spec) -> bool:
+    return not isinstance(plan := plan_for(spec), Fallback) and plan.template == "dot"
+
+
+def _intermediate_shape(first, spec: Spec) -> tuple[int, ...]:
+    """The shape of the intermediate a split's first statement writes: a variable's extent (one that
+    `contracted_at_index` introduces ranges over the operand dimension it indexes), and for an index array
+    (`contracted_into_rows`: the left-hand side's rows) the left-hand side's dimension it addresses."""
+    ranges = {i.name: spec.operand[f.tensor].shape[d] for f in first.factors for d, i in enumerate(f.indices)
+              if isinstance(i, Var)}
+    lhs_rows = {str(i): spec.lhs.shape[d] for d, i in enumerate(spec.statement.lhs.indices) if isinstance(i, Access)}
+    return tuple(spec.extent.get(i.name, ranges.get(i.name)) if isinstance(i, Var) else lhs_rows[str(i)]
+                 for i in first.lhs.indices)
 
 
 def _through_one_index(statement) -> bool:

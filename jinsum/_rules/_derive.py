@@ -256,6 +256,40 @@ def contracted_at_index(statement: Statement, pair: tuple[int, int], name: str) 
     return None
 
 
+def contracted_into_rows(statement: Statement, pair: tuple[int, int], name: str) -> tuple[Statement, Statement] | None:
+    """Two factors summed over the entries first, into the rows the left-hand side writes them to.
+
+    `H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]` with the pair `(0, 1)` gives `T[Ai[g],c] += Av[g,p] *
+    X[Ak[g,p],c]` (an SpMM) and `H[i,o] += W[c,o] * T[i,c]` (a dense product): `(A X) W`. Applies to a `+=` whose
+    left-hand side has exactly one index array, its variables read by the pair and by no other factor, and whose
+    other variables of the pair's entries are summed inside the pair. None elsewhere.
+    """
+    if not statement.accumulate:
+        return None
+    through = [d for d, i in enumerate(statement.lhs.indices) if isinstance(i, Access)]
+    if len(through) != 1:
+        return None
+    position = through[0]
+    index = statement.lhs.indices[position]
+    if not all(isinstance(i, Var) for i in index.indices):
+        return None
+    pair_factors = [statement.factors[k] for k in pair]
+    others = [f for k, f in enumerate(statement.factors) if k not in pair]
+    entry_variables = set(variables(index))
+    read_elsewhere = set().union(*(variables(f) for f in others)) | {
+        i.name for d, i in enumerate(statement.lhs.indices) if d != position and isinstance(i, Var)}
+    pair_variables = list(dict.fromkeys(v for f in pair_factors for v in variables(f)))
+    if entry_variables & read_elsewhere or not entry_variables <= set(pair_variables):
+        return None
+    kept = [v for v in pair_variables if v in read_elsewhere]
+    row = Var(fresh_name("i", set(statement_variables(statement))))
+    lhs = dataclasses.replace(statement.lhs, indices=tuple(row if d == position else i
+                                                           for d, i in enumerate(statement.lhs.indices)), span=None)
+    return (Statement(Access(name, (index, *map(Var, kept))), True, tuple(pair_factors)),
+            dataclasses.replace(statement, lhs=lhs, factors=(*others, Access(name, (row, *map(Var, kept)))),
+                                source=""))
+
+
 def at_winners(statement: Statement, coordinates: Mapping[str, str], tangent: str, factor: int) -> Statement:
     """The tangent term of the `factor`-th factor of a `max=` / `min=`, read at each output element's winner.
 
