@@ -61,7 +61,8 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
     - `triton_source(expression, **operands)`: the kernel of one indirect Einsum, with `einsum`'s arguments
       (plus an optional `jinsum.kernels.KernelConfig`). Raises `ValueError` with the reason when the statement
       runs on the XLA lowering (too small for a kernel to pay, `JINSUM_SMALL_TERMS`, or no kernel for it). In
-      deterministic mode, a scatter shows the kernels of the statements it is rewritten into.
+      deterministic mode, a scatter shows the kernels of the statements it is rewritten into; a product of three
+      factors split in two (`contracted_first`), the kernels of both.
     - `triton_source(fn, *args)`: every generated kernel that `fn(*args)` lowers to, in order (statements and
       fused attention chains; `jax.grad` of `fn` shows the backward kernels), each under a comment naming it, and a
       comment for each statement that runs on XLA, with the reason.
@@ -95,7 +96,7 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
     statement, arrays, flags = _einsum.prepare(target, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
     spec = _primitive.make_spec(statement, arrays, **flags)
     found = route(spec, config=config)
-    if found.rewritten:  # deterministic mode: the statements it is rewritten into (see `_routes`)
+    if found.rewritten or found.pairwise:  # the statements it is rewritten or split into (see `_routes`)
         return triton_source(lambda ops: _primitive.bind(statement, ops, **flags), arrays, config=config)
     if not found.kernel:
         raise ValueError(f"jinsum: {statement} has no generated kernel: {found.reason}")

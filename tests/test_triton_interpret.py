@@ -343,6 +343,8 @@ def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
         found = route(spec)
         assert found.pairwise and tuple(str(s.statement) for s in found.pairwise) == statements, expression
         assert "dot" in (make_plan(found.pairwise[0]).template, make_plan(found.pairwise[1]).template)
+        shown = jinsum.triton_source(expression, sorted_indices=("Ai",), **operands)
+        assert all(f"# ---- statement: {statement}" in shown for statement in statements)
         assert_allclose(interpret(spec, operands), reference(expression, **operands), dtype, err_msg=expression)
     # An SpMM by a dense weight: `(A X) W` where o is the wider side, the SpMM then moving the narrower rows;
     # `A (X W)` where c is (one row of X W per row of X, not per entry, then the SpMM)
