@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from jinsum.formats import GroupCOO
 from jinsum.nn._moe import routed_mlp
-from jinsum.nn._routing import Routing, routed_group_size, routing_losses, select_experts
+from jinsum.nn._routing import (Routing, check_logits, check_routing, routed_group_size, routing_losses,
+                                select_experts)
 
 
 def destination_capacity(capacity_factor: float | None, local_tokens: int, top_k: int, devices: int) -> int:
@@ -68,18 +69,15 @@ def expert_parallel_mlp(x: jax.Array, logits: jax.Array, top_k: int, w_up: jax.A
     if axis not in mesh.axis_names:
         raise ValueError(f"{where}: axis {axis!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")
     devices = mesh.shape[axis]
+    logits = check_logits(where, logits)
     num_tokens, num_experts = logits.shape
+    check_routing(where, num_experts, top_k, capacity_factor)
     if x.ndim != 2 or x.shape[0] != num_tokens:
         raise ValueError(f"{where}: expected x of shape (tokens, features) with tokens = {num_tokens} (the logits' "
                          f"rows), got {tuple(x.shape)}")
     if num_experts % devices or num_tokens % devices:
         raise ValueError(f"{where}: the {num_experts} experts and the {num_tokens} tokens must each split evenly "
                          f"over the {devices} devices of axis {axis!r}; pad the batch or change the mesh")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"{where}: top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"{where}: capacity_factor must be positive (or None: no pair dropped), got "
-                         f"{capacity_factor!r}")
     capacity = destination_capacity(capacity_factor, num_tokens // devices, top_k, devices)
     local_experts = num_experts // devices
     weights_in = (w_up, w_down) + (() if w_gate is None else (w_gate,))

@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 
 from jinsum.nn._expert_parallel import expert_parallel_mlp
 from jinsum.nn._moe import ACTIVATIONS, routed_mlp
-from jinsum.nn._routing import route_tokens
+from jinsum.nn._routing import check_routing, route_tokens
 
 # `nnx.Linear`'s kernel initialiser (LeCun normal) for a stack of expert matrices: fan-in is each matrix's own.
 expert_kernel_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -77,11 +77,7 @@ class MoE(nnx.Module):
         where = "MoE"
         if activation not in ACTIVATIONS:
             raise ValueError(f"{where}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(f"{where}: top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"{where}: capacity_factor must be positive (or None: no token dropped), got "
-                             f"{capacity_factor!r}")
+        check_routing(where, num_experts, top_k, capacity_factor)
         self.in_features, self.hidden_features = in_features, hidden_features
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
         if (mesh is None) != (axis is None):

@@ -65,6 +65,24 @@ def expert_capacity(capacity_factor: float, num_tokens: int, top_k: int, num_exp
     return min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
+def check_logits(where: str, logits) -> jax.Array:
+    """`logits` as a floating `(tokens, num_experts)` array, else a `ValueError` from `where`."""
+    logits = jnp.asarray(logits)
+    if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"{where}: expected floating logits of shape (tokens, num_experts), got "
+                         f"{logits.dtype}{list(logits.shape)}; flatten a batch's leading axes into tokens first")
+    return logits
+
+
+def check_routing(where: str, num_experts: int, top_k, capacity_factor) -> None:
+    """That `top_k` is an int in `[1, num_experts]` and `capacity_factor` None or positive, else a `ValueError`."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{where}: top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"{where}: capacity_factor must be positive (or None: nothing dropped), got "
+                         f"{capacity_factor!r}")
+
+
 def select_experts(logits: jax.Array, top_k: int, norm_topk: bool):
     """Each token's `top_k` experts and combine weights (see `route_tokens`), computed in at least float32.
 
@@ -133,17 +151,9 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
       >>> y = jinsum.nn.routed_linear(x, routing.combine, w)     # y_t = sum_e A[e, t] x_t W_e
       >>> loss = task_loss + 0.01 * routing.balance_loss + 0.001 * routing.z_loss
     """
-    where = "route_tokens"
-    logits = jnp.asarray(logits)
-    if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
-        raise ValueError(f"{where}: expected floating logits of shape (tokens, num_experts), got "
-                         f"{logits.dtype}{list(logits.shape)}; flatten a batch's leading axes into tokens first")
+    logits = check_logits("route_tokens", logits)
     num_tokens, num_experts = logits.shape
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"{where}: top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"{where}: capacity_factor must be positive (or None: no token dropped), got "
-                         f"{capacity_factor!r}")
+    check_routing("route_tokens", num_experts, top_k, capacity_factor)
     experts, weights, selected, statistics = select_experts(logits, top_k, norm_topk)
     balance_loss, z_loss = routing_losses(*statistics)
 
