@@ -40,8 +40,8 @@ from jinsum.timing import time_calls  # noqa: E402
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _harness import (  # noqa: E402
-    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio, sync_torch,
-    torch_on_cuda, versions_text, write)
+    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio,
+    relative_error, sync_torch, torch_on_cuda, versions_text, write)
 
 RESULTS = Results()
 JINSUM, LOOP, RAGGED, PYG = ("jinsum HeteroLinear", "plain JAX loop of per-type matmuls (masked)",
@@ -88,11 +88,6 @@ def timed(apply, x, w, b, types, dy, calls: int, expected, tolerance: float) -> 
             "forward_backward_ms": 1e3 * time_calls(both, x, w, b, types, dy, calls=calls)}
 
 
-def relative_error(actual, expected) -> float:
-    expected = jnp.asarray(expected, jnp.float32)
-    return float(jnp.max(jnp.abs(jnp.asarray(actual, jnp.float32) - expected)) / jnp.max(jnp.abs(expected)))
-
-
 def pyg_times(torch, x, w, b, types, dy, calls: int, expected, tolerance: float) -> dict:
     from torch_geometric.nn import HeteroLinear  # noqa: PLC0415
 
@@ -111,7 +106,7 @@ def pyg_times(torch, x, w, b, types, dy, calls: int, expected, tolerance: float)
         return y, torch.autograd.grad(y, (xg, layer.weight, layer.bias), tdy)
 
     y, grads = both()
-    error = max(relative_error(jnp.asarray(t.detach().float().cpu().numpy()), e)
+    error = max(relative_error(t.detach().float().cpu().numpy(), e)
                 for t, e in zip((y, *grads), jax.tree.leaves(expected), strict=True))
     if not error <= tolerance:
         raise AssertionError(f"differs from the float32 reference: relative error {error:.3g} > {tolerance:g}")

@@ -303,12 +303,12 @@ def run(shape: Shape, dtype, calls: int, torch, torch_device: str | None, seed: 
     described = [f"- {workload}: {rows.describe()}."]
 
     # 1. jinsum, the routing given.
-    def routed_linear():
+    def token_sums(apply):
+        """`apply(x, w, A)`, each token's weighted sum of its experts' rows, timed against the float32 reference."""
         expected = reference(
             lambda x, w: jax.ops.segment_sum(weight[:, None] * per_expert(x[token], w, layout), token,
                                              shape.tokens), x, w, dy_tokens)
-        return jax_times(lambda x, w, A: jnn.routed_linear(x, A, w), (x, w), (combine,), dy_tokens, calls,
-                         expected, tol)
+        return jax_times(apply, (x, w), (combine,), dy_tokens, calls, expected, tol)
 
     def grouped():
         expected = reference(
@@ -318,16 +318,11 @@ def run(shape: Shape, dtype, calls: int, torch, torch_device: str | None, seed: 
         return jax_times(lambda x, w, A: jinsum.einsum(GROUPED, A=A, X=x, W=w, H=out), (x, w), (combine,), dh,
                          calls, expected, tol, project=lambda h: jnp.where(valid[..., None], h, 0))
 
-    def one_statement():
-        expected = reference(
-            lambda x, w: jax.ops.segment_sum(weight[:, None] * per_expert(x[token], w, layout), token,
-                                             shape.tokens), x, w, dy_tokens)
-        out = jax.ShapeDtypeStruct((shape.tokens, N), dtype)
-        return jax_times(lambda x, w, A: jinsum.einsum(COMBINED, A=A, X=x, W=w, Y=out), (x, w), (combine,), dy_tokens,
-                         calls, expected, tol)
-
-    RESULTS.attempt(workload, ROUTED_LINEAR, routed_linear, **common)
-    RESULTS.attempt(workload, ONE_STATEMENT, one_statement, **common)
+    tokens_out = jax.ShapeDtypeStruct((shape.tokens, N), dtype)
+    RESULTS.attempt(workload, ROUTED_LINEAR, lambda: token_sums(lambda x, w, A: jnn.routed_linear(x, A, w)),
+                    **common)
+    RESULTS.attempt(workload, ONE_STATEMENT, lambda: token_sums(
+        lambda x, w, A: jinsum.einsum(COMBINED, A=A, X=x, W=w, Y=tokens_out)), **common)
     RESULTS.attempt(workload, GROUPED_FORM, grouped, **common)
 
     # 2. ragged_dot and 4. the dense matmul, on the sorted rows.
