@@ -67,7 +67,8 @@ def ragged(x, w, b, types):
     """The rows sorted by type through `ragged_dot`, then back in their order."""
     order = jnp.argsort(types, stable=True)
     sizes = jnp.bincount(types, length=w.shape[0]).astype(jnp.int32)
-    y = jax.lax.ragged_dot(x[order], w, sizes) + b[types[order]]
+    # (the bias gathered in float32: its gradient, a scatter-add over each type's rows, sums in float32)
+    y = (jax.lax.ragged_dot(x[order], w, sizes) + b.astype(jnp.float32)[types[order]]).astype(x.dtype)
     return jnp.zeros_like(y).at[order].set(y)
 
 

@@ -122,6 +122,20 @@ def test_bfloat16_computation_with_float32_parameters(rng):
         assert_allclose(g_half, g_full, jnp.bfloat16)
 
 
+def test_bfloat16_bias_gradient_sums_many_rows_in_float32(rng):
+    """bfloat16 parameters: the bias's gradient sums each type's many rows in float32, not one by one in bfloat16
+    (where adding the 4,000th row of a type changes nothing: the benchmark's 77,000 rows lost half the sum)."""
+    rows = 4096
+    types = np.zeros(rows, np.int32)
+    types[::8] = 1
+    layer = HeteroLinear(4, 3, 2, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((rows, 4)), jnp.bfloat16)
+    dy = rng.uniform(0.5, 1.5, (rows, 3)).astype(np.float32)  # (positive: a sum that grows to thousands)
+    grads = nnx.grad(lambda layer: jnp.sum(layer(x, types).astype(jnp.float32) * dy))(layer)
+    expected = np.stack([dy[types == t].sum(0) for t in range(2)])
+    assert_allclose(np.asarray(grads["bias"][...], np.float64) / expected, np.ones_like(expected), jnp.bfloat16)
+
+
 def test_initialisation_is_pygs():
     """Weight and bias uniform in +-1/sqrt(in_features) (PyG's kaiming_uniform with a = sqrt(5), and its bias)."""
     layer = HeteroLinear(16, 300, 4, rngs=nnx.Rngs(0))

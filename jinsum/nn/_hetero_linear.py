@@ -108,7 +108,10 @@ class HeteroLinear(nnx.Module):
             out = jax.ShapeDtypeStruct((rows, self.out_features), dtype)
         else:  # each row starts from its type's bias (0 for a type out of range; a negative one must not wrap)
             known = jnp.where(type_vec >= 0, type_vec, self.num_types)
-            out = bias.astype(dtype).at[known].get(mode="fill", fill_value=0)
+            # Gathered in float32 at least: the bias's gradient is a scatter-add of every row of a type, and in
+            # bfloat16 tens of thousands of rows added one by one lose every digit (a relative error of 0.5).
+            wide = jnp.promote_types(bias.dtype, jnp.float32)
+            out = bias.astype(wide).at[known].get(mode="fill", fill_value=0).astype(dtype)
         A = rows_by_type(type_vec, self.num_types).astype(dtype)
         # `Y[Ak[g,p],o] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,o]` as MoE runs it: the rows' products in grouped order
         # (a Tensor Core plan on GPUs), then each added into its start, `out`.
