@@ -224,6 +224,15 @@ class _Writer:
         self.emit("always = tl.program_id(0) >= 0  # the mask of writes that need none")
         self.emit("pid = tl.program_id(0)")
         rest = "pid"
+        tile_pid = "tl.program_id(1)"
+        if plan.window_in_k:
+            # The grid in the other order: a row's tiles run one after another (programs start program_id(0)
+            # fastest), so the programs running at once read one row's (an expert's) operands, which stay in L2,
+            # rather than the same tile of every row.
+            self.emit("launched = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)")
+            self.emit("pid = launched // tl.num_programs(1)")
+            self.emit("tile_pid = launched % tl.num_programs(1)")
+            tile_pid = "tile_pid"
         if plan.row_programs:
             self.emit("row = pid % programs")
             self.emit("begin = tl.load(p_row_starts + row)")
@@ -239,11 +248,11 @@ class _Writer:
         if plan.template == "dot":
             m, n = plan.dot.m, plan.dot.n
             tiles_n = -(-extent[n] // plan.config.block_n)
-            tile = "tl.program_id(1)"
+            tile = tile_pid
             if plan.config.k_chunks > 1:  # chunks of the reduction: the slow axis, tiles within
                 tiles = -(-extent[m] // plan.config.block_m) * tiles_n
-                self.emit(f"k_start = (tl.program_id(1) // {tiles}) * {plan.k_chunk}")
-                tile = f"(tl.program_id(1) % {tiles})"
+                self.emit(f"k_start = ({tile_pid} // {tiles}) * {plan.k_chunk}")
+                tile = f"({tile_pid} % {tiles})"
             self.starts[m], self.starts[n] = f"({tile} // {tiles_n}) * BLOCK_M", f"({tile} % {tiles_n}) * BLOCK_N"
             self.emit(f"v_{m} = {self.starts[m]} + tl.arange(0, BLOCK_M)")
             self.emit(f"v_{n} = {self.starts[n]} + tl.arange(0, BLOCK_N)")
@@ -295,7 +304,13 @@ class _Writer:
         for v in plan.write_loops:
             self._open_loop(v)
         self.emit(self._acc_init())
+        guard = self._selected_in_range() if window_loop else None
+        if guard:  # the group selects no matrix: its products are zeros, computed by no one
+            self.emit(f"if {guard}:")
+            self.depth += 1
         self._inner_loops()
+        if guard and plan.write in ("set", "update"):
+            self.depth -= 1  # (its zeros are still stored)
         pointer, mask = self._lhs_pointer()
         value = self._written_value()
         if plan.write in ("set", "update"):
@@ -304,8 +319,29 @@ class _Writer:
             self.helpers.add("atomic_update")
             for factor in self._scalar_factors():  # (`tl.where`: the interpreter cannot `&` a float comparison)
                 mask = f"tl.where({factor} != 0, {mask}, False)"
+            if plan.template == "dot" and plan.reduction == "sum":
+                # Zeros are not added: a grouped product's padding slots (column 0, their rows' cotangents 0) would
+                # otherwise send every padded slot's atomics to one row, one after another.
+                mask = f"tl.where(acc != 0, {mask}, False)"
             self.emit(f"atomic_update({pointer}, {value}, {mask}, {self.reduction})")
+            self.depth -= bool(guard)  # (adding zeros: skipped)
         self.depth -= len(plan.write_loops) + bool(window_loop)
+
+    def _selected_in_range(self) -> str | None:
+        """Dot plans: where a dot factor is a matrix selected per group through an index already loaded (`W[Ai[g],
+        c,h]`), the condition that every such index is in range. Out of range (a group padded past the last
+        matrix: expert parallelism's), the factor reads zeros, so the group's k loop need not run."""
+        if self.plan.template != "dot":
+            return None
+        factors, checks = self.spec.statement.factors, []
+        for role, k in (("a", self.plan.dot.a), ("b", self.plan.dot.b)):
+            node = factors[k]
+            for d, index in enumerate(node.indices):
+                key = self._key(index, role) if isinstance(index, Access) else None
+                if key and key[1] == "scalar" and key in self.loaded:
+                    bound = f"rows_{node.tensor}" if d == 0 else self.spec.operand[node.tensor].shape[d]
+                    checks.append(f"in_range({self.loaded[key]}, {bound})")
+        return " & ".join(dict.fromkeys(checks)) or None
 
     def _scalar_factors(self) -> list[str]:
         """The loaded factors that are one value per written row (constant along the lanes and the sums). An

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jinsum import _config
 from jinsum.formats import GroupCOO
 from jinsum.nn._moe import routed_mlp
 from jinsum.nn._routing import (Routing, check_logits, check_routing, routed_group_size, routing_losses,
@@ -99,11 +100,7 @@ def expert_parallel_mlp(x: jax.Array, logits: jax.Array, top_k: int, w_up: jax.A
         sent_expert = jnp.full(rows, -1, jnp.int32).at[slot].set(experts.reshape(-1) % local_experts, mode="drop")
         received = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)  # rows [j * capacity, ...): from device j
         expert = jax.lax.all_to_all(sent_expert, axis, 0, 0, tiled=True)
-        # The local experts on the rows received: one entry per filled row (an empty row, expert -1, is padding).
-        combine = GroupCOO.from_edge_index(
-            jnp.stack([jnp.where(expert >= 0, jnp.arange(rows, dtype=jnp.int32), -1), expert]),
-            jnp.ones(rows, x.dtype), num_nodes=(rows, local_experts), capacity=rows,
-            group_size=routed_group_size(rows, local_experts))
+        combine = _local_routing(expert, local_experts, x.dtype)
         out = routed_mlp(received, combine, w_up, w_down, w_gate=gate[0] if gate else None, activation=activation)
         returned = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # row `slot` of each pair: its result
         weights = jnp.where(kept.reshape(weights.shape), weights, 0)
@@ -119,3 +116,27 @@ def expert_parallel_mlp(x: jax.Array, logits: jax.Array, top_k: int, w_up: jax.A
     inputs = [jax.reshard(a, NamedSharding(mesh, split)) for a in (x, logits, *weights_in)]
     y, experts, weights, balance_loss, z_loss, dropped = sharded(*inputs)
     return y, Routing(None, experts, weights, balance_loss, z_loss, dropped)
+
+
+def _local_routing(expert: jax.Array, local_experts: int, dtype) -> GroupCOO:
+    """The local experts on the rows received: `(local_experts, rows)`, one entry of value 1 per filled row.
+
+    Most of the buffer is empty (dropless: `D` times the rows a device routes). Its empty rows (expert -1) go to
+    one more expert past the last, with value 0, and so do the builder's padding groups (the last row's): a row
+    out of the weights' range, so the grouped kernels skip those groups (no matrix selected, no product) and the
+    weight gradient's programs, one per expert, never see them; the XLA lowering reads zeros there and drops the
+    writes. Under `jinsum.check_indices` (which would report that row as out of range) the empty rows are left
+    out instead, and the padding groups compute the last expert's products of zeros.
+    """
+    rows = expert.shape[0]
+    filled = expert >= 0
+    if _config.check_indices.value:
+        return GroupCOO.from_edge_index(
+            jnp.stack([jnp.where(filled, jnp.arange(rows, dtype=jnp.int32), -1), expert]), jnp.ones(rows, dtype),
+            num_nodes=(rows, local_experts), capacity=rows, group_size=routed_group_size(rows, local_experts))
+    padded = GroupCOO.from_edge_index(
+        jnp.stack([jnp.arange(rows, dtype=jnp.int32), jnp.where(filled, expert, local_experts)]),
+        filled.astype(dtype), num_nodes=(rows, local_experts + 1), capacity=rows,
+        group_size=routed_group_size(rows, local_experts))
+    return GroupCOO.from_validated(Ai=padded.Ai, Ak=padded.Ak, Av=padded.Av, shape=(local_experts, rows),
+                                   nnz=padded.nnz)
