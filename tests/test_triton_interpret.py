@@ -324,6 +324,31 @@ def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng
                         err_msg=expression)
 
 
+def test_weight_gradient_gathers_its_rows_first_where_many_tiles_would(rng):
+    """A weight gradient whose reduction walks an expert's entries and gathers their rows (`dW[Ai[g],c,h] +=
+    X[Ak[g,p],c] * dH[g,p,h]`) gathers them once first where the output has `GATHER_FIRST_TILES` tiles or more
+    along its columns (then a product on contiguous rows), and in the loop where it has fewer. Equal to the
+    reference either way."""
+    from jinsum._lowering._route import GATHER_FIRST_TILES  # noqa: PLC0415
+    E, T, C, G, P = 3, 29, 16, 6, 16
+    Ai = np.sort(rng.choice([0, 2], G)).astype(np.int32)
+    Ak = rng.integers(0, T, (G, P)).astype(np.int32)
+    config = KernelConfig(block_m=16, block_n=16, block_k=16)
+    expression = "dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]"
+    for H, split in ((16 * GATHER_FIRST_TILES, True), (16 * (GATHER_FIRST_TILES - 1), False)):
+        operands = dict(X=rng.standard_normal((T, C)).astype(np.float32), Ai=Ai, Ak=Ak,
+                        dH=rng.standard_normal((G, P, H)).astype(np.float32), dW=np.zeros((E, C, H), np.float32))
+        spec = _spec(expression, operands)
+        found = route(spec, config=config)
+        if split:
+            assert tuple(str(s.statement) for s in found.pairwise) == (
+                "rows[g,p,c] += X[Ak[g,p],c]", "dW[Ai[g],c,h] += rows[g,p,c] * dH[g,p,h]")
+            assert make_plan(found.pairwise[1], config).window_in_k
+        else:
+            assert found.plan is not None and found.plan.window_in_k
+        assert_allclose(interpret(spec, operands, config), reference(expression, **operands), np.float32)
+
+
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)], ids=str)
 def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
     """A sum of three factors with no Tensor Core plan, two of which have one, runs as two statements (`pairwise`):

@@ -10,7 +10,8 @@ and by `jinsum.triton_source`, so that what the inspection shows is what runs. A
   epilogue that the route of the statement does not fuse runs as an element-wise pass after it
   (`epilogue_after`: the statement without it is routed again); a sum of three or more factors that has no Tensor
   Core plan, but two of whose factors do, contracts those two first into an intermediate (`pairwise`: the two
-  statements routed again; see `contracted_first`).
+  statements routed again; see `contracted_first`); a weight gradient that would gather its rows in its reduction
+  loop, tile after tile, gathers them once first (`pairwise` too; see `gathered_first`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from jinsum._lang import Access, Operand, Spec, Var, check, tensor_names, walk
+from jinsum._lang import Access, Operand, Spec, Var, check, tensor_names, variables, walk
 from jinsum._rules import _derive, _deterministic
 from jinsum._rules._primitive import apply_epilogue, split_epilogue
 from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, tuned_config
@@ -38,6 +39,11 @@ SMALL_TERMS = 1 << 24
 # product of three factors (`contracted_first`): H100 dense bf16 989 TFLOP/s against a few tens for gathered
 # multiply-adds on CUDA cores. A rough ratio: it only ranks splits whose costs differ by their shapes.
 TENSOR_CORE_RATIO = 16
+# A weight gradient's rows gathered along its reduction (`dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]`) are gathered
+# once beforehand where at least this many tiles along the output's columns would each gather them again: H200,
+# bf16, hand-written, 56 tiles (4096 x 14336, 8 experts) 4.59 ms gathered in the loop against 0.08 + 3.29
+# beforehand; 3 tiles (2048 x 768, 128 experts) 0.97 against 0.29 + 0.68 (DESIGN.md).
+GATHER_FIRST_TILES = 8
 # Reasons for XLA's lowering that are choices, not shortcomings of the code generator: they do not warn.
 CHOSEN = ("not CUDA", "JINSUM_TRITON=0", "small")
 
@@ -101,6 +107,8 @@ def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = Non
     if (kernel and plan.template == "lanes" and (rewrite or not spec.deterministic)
             and (split := contracted_first(spec)) is not None):
         return Route(spec, pairwise=split)
+    if kernel and (split := gathered_first(spec, plan)) is not None:
+        return Route(spec, pairwise=split)
     # A carried `split` schedule adds each element's terms in a fixed order as it stands: no rewrite needed.
     rewritten = rewrite and _deterministic.rewritten(spec) and not (kernel and plan.carries)
     if spec.epilogue is not None and (rewritten or not (kernel and plan.fuses_epilogue and has_work(plan))):
@@ -155,6 +163,35 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
         if any(dots) and (best_cost is None or cost < best_cost):
             best, best_cost = (first_spec, rest_spec), cost
     return best
+
+
+def gathered_first(spec: Spec, plan: KernelPlan) -> tuple[Spec, Spec] | None:
+    """A Tensor Core plan that walks a row's entries as its reduction (`KernelPlan.window_in_k`: a weight
+    gradient) and gathers one factor's rows through an index array in that loop, as two statements: the rows
+    gathered first, in the entries' order (`_derive.gathered_first`), then the product on contiguous rows.
+    Each k step of the loop as written loads an index tile and then the rows it names, a dependent load that
+    the pipeline does not hide, and every tile along the output's columns does it again. Only where those tiles
+    are at least `GATHER_FIRST_TILES`; None elsewhere."""
+    if not (plan.template == "dot" and plan.window_in_k):
+        return None
+    canonical, k = plan.spec.statement, plan.dot.k  # (the plan's names: `canonical(spec)`'s, same factor order)
+    if -(-plan.spec.extent[plan.dot.n] // plan.config.block_n) < GATHER_FIRST_TILES:
+        return None
+    gathered = [f for f in (plan.dot.a, plan.dot.b) if any(
+        node is not canonical.factors[f] and k in variables(node) for node in walk(canonical.factors[f]))]
+    if len(gathered) != 1:
+        return None
+    statement = spec.statement
+    name = _derive.fresh_name("rows", set(tensor_names(statement)))
+    first, rest = _derive.gathered_first(statement, gathered[0], name)
+    source = spec.operand[statement.factors[gathered[0]].tensor]
+    intermediate = Operand(name, _intermediate_shape(first, spec), source.dtype)
+    first_spec = check(first, (intermediate, *(spec.operand[n] for n in tensor_names(first) if n != name)),
+                       spec.sorted_indices, spec.allow_tf32, True, None, spec.deterministic)
+    rest_spec = check(rest, (*(spec.operand[n] for n in tensor_names(rest) if n != name), intermediate),
+                      spec.sorted_indices, spec.allow_tf32, spec.zero_lhs, None, spec.deterministic,
+                      epilogue=spec.epilogue)
+    return first_spec, rest_spec
 
 
 def _on_tensor_cores(spec: Spec) -> bool:

@@ -99,7 +99,8 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig | 
     found = route(spec, config=config, rewrite=False)
     if found.pairwise:  # two statements, each interpreted
         return np.asarray(follow(spec, [arrays[name] for name in spec.arguments],
-                                 lambda part, a: interpret(part.spec, dict(zip(part.spec.arguments, a)), config)))
+                                 lambda part, a: interpret(part.spec, dict(zip(part.spec.arguments, a)), config),
+                                 config=config))
     if found.epilogue_after:
         raise ValueError(f"jinsum: the kernel for {spec.statement} does not apply the epilogue (it runs after it)")
     if not found.kernel:

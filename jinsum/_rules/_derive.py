@@ -290,6 +290,22 @@ def contracted_into_rows(statement: Statement, pair: tuple[int, int], name: str)
                                 source=""))
 
 
+def gathered_first(statement: Statement, factor: int, name: str) -> tuple[Statement, Statement]:
+    """A factor read through an index array, gathered first into an intermediate in the order of its entries.
+
+    `dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]` with the factor `0` gives `T[g,p,c] += X[Ak[g,p],c]` (each entry's
+    row, once) and `dW[Ai[g],c,h] += T[g,p,c] * dH[g,p,h]`. The intermediate is indexed by the index access's
+    variables, then the factor's own, in order of first appearance.
+    """
+    node = statement.factors[factor]
+    kept = list(dict.fromkeys(v.name for i in node.indices if isinstance(i, Access) for v in i.indices
+                              if isinstance(v, Var)))
+    kept += [i.name for i in node.indices if isinstance(i, Var) and i.name not in kept]
+    intermediate = Access(name, tuple(map(Var, kept)))
+    factors = tuple(intermediate if k == factor else f for k, f in enumerate(statement.factors))
+    return Statement(intermediate, True, (node,)), dataclasses.replace(statement, factors=factors, source="")
+
+
 def at_winners(statement: Statement, coordinates: Mapping[str, str], tangent: str, factor: int) -> Statement:
     """The tangent term of the `factor`-th factor of a `max=` / `min=`, read at each output element's winner.
 
