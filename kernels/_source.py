@@ -319,10 +319,6 @@ class _Writer:
             self.helpers.add("atomic_update")
             for factor in self._scalar_factors():  # (`tl.where`: the interpreter cannot `&` a float comparison)
                 mask = f"tl.where({factor} != 0, {mask}, False)"
-            if plan.template == "dot" and plan.reduction == "sum":
-                # Zeros are not added: a grouped product's padding slots (column 0, their rows' cotangents 0) would
-                # otherwise send every padded slot's atomics to one row, one after another.
-                mask = f"tl.where(acc != 0, {mask}, False)"
             self.emit(f"atomic_update({pointer}, {value}, {mask}, {self.reduction})")
             self.depth -= bool(guard)  # (adding zeros: skipped)
         self.depth -= len(plan.write_loops) + bool(window_loop)
