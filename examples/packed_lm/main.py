@@ -226,6 +226,9 @@ class ByteLM(nnx.Module):
         documents = batch["documents"]
         size, length = documents.shape
         x = self.tokens(batch["tokens"]) + self.positions(batch["positions"])
+        # In the parameters' dtype (bfloat16 where the trainer casts them): nnx.Embed computes in the dtype it was
+        # built with, float32, and every layer after it would too.
+        x = x.astype(self.tokens.embedding[...].dtype)
         if self.attention == "dense":  # (window: not needed by the systems here)
             causal = jnp.tril(jnp.ones((length, length), bool))
             pattern = ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
