@@ -13,7 +13,7 @@ from flax import nnx
 from jax.test_util import check_grads
 from scipy.special import erf, logsumexp, softmax
 
-from jinsum.nn._moe import routed_linear, routed_mlp
+from jinsum.nn._moe import gathered_product, routed_linear, routed_mlp
 from jinsum.nn._moe_layer import MoE
 from jinsum.nn._routing import expert_capacity, route_tokens
 from jinsum.testing import CountingJit, assert_allclose, specs_in
@@ -147,6 +147,24 @@ def test_routed_linear_is_a_grouped_product_and_a_combine(x64, rng):
     specs = specs_in(f, *map(jnp.asarray, (x, w, logits)))
     assert [str(s.statement) for s in specs] == ["H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]",
                                                  "Y[Ak[g,p],n] += Av[g,p] * O[g,p,n]"]
+
+
+def test_padding_slots_read_no_row_under_jit(x64, rng):
+    """Inside `jit` a slot of value 0 (group padding) reads no token row: its product is 0, and the input's
+    gradient adds nothing for it (its column is -1, not padding's column 0). Outside `jit`, where indices are
+    checked on the host, padding keeps column 0 (any product: its value is 0); the layer's results agree."""
+    T, E, C, N = 9, 4, 3, 5
+    x, w = jnp.asarray(rng.standard_normal((T, C))), jnp.asarray(rng.standard_normal((E, C, N)))
+    A = route_tokens(distinct_logits(rng, T, E), 2, group_size=4).combine
+    padding = np.asarray(A.Av) == 0
+    assert padding.any()
+    rows = np.asarray(jax.jit(gathered_product)(A, x, w))
+    expected = np.einsum("gpc,gcn->gpn", np.asarray(x)[np.asarray(A.Ak)], np.asarray(w)[np.asarray(A.Ai)])
+    np.testing.assert_allclose(rows[~padding], expected[~padding], rtol=1e-12, atol=1e-12)
+    assert not rows[padding].any()
+    np.testing.assert_allclose(np.asarray(gathered_product(A, x, w)), expected, rtol=1e-12, atol=1e-12)
+    grad = lambda x: jax.grad(lambda x: jnp.sum(routed_linear(x, A, w) ** 2))(x)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.jit(grad)(x)), np.asarray(grad(x)), rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------------------
