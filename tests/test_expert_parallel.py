@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import checkify
 
-from jinsum.nn._expert_parallel import destination_capacity, expert_parallel_mlp
+import jinsum
+from jinsum.nn._expert_parallel import _local_routing, destination_capacity, expert_parallel_mlp
 from jinsum.nn._moe import routed_mlp
 from jinsum.nn._moe_layer import MoE
 from jinsum.nn._routing import route_tokens
@@ -140,3 +142,21 @@ def test_errors_name_the_mesh_and_the_sizes(mesh, rng):
         expert_parallel_mlp(x, logits, 2, w_up, w_down, activation="relu", mesh=mesh, axis="y")
     with pytest.raises(ValueError, match="give both mesh and axis"):
         MoE(4, 4, 8, 2, mesh=mesh, rngs=nnx.Rngs(0))
+
+
+def test_empty_rows_go_to_an_expert_past_the_last():
+    """The local routing of a received buffer: filled rows by their experts (value 1); the empty rows, and the
+    builder's padding groups, on an expert past the last (value 0), so the kernels skip them; under
+    `jinsum.check_indices` (which would report that expert) the empty rows are left out instead."""
+    expert = jnp.asarray([1, -1, 0, 1, -1, -1, 2, -1], jnp.int32)
+    A = jax.jit(lambda e: _local_routing(e, 3, jnp.float32))(expert)
+    assert A.shape == (3, 8)
+    Ai, Ak, Av = (np.asarray(a) for a in (A.Ai, A.Ak, A.Av))
+    real = Ai < 3
+    assert sorted(zip(Ai[:, None].repeat(Ak.shape[1], 1)[Av != 0], Ak[Av != 0])) == [(0, 2), (1, 0), (1, 3), (2, 6)]
+    assert (Av[~real] == 0).all() and (~real).any() and (Ai[:-1] <= Ai[1:]).all()
+    with jinsum.check_indices(True):
+        error, checked = checkify.checkify(jax.jit(lambda e: _local_routing(e, 3, jnp.float32)))(expert)
+    error.throw()
+    assert (np.asarray(checked.Ai) < 3).all()
+    np.testing.assert_array_equal(np.asarray(checked.todense()), np.asarray(A.todense()))

@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental import checkify
 from jax.test_util import check_grads
 from scipy.special import erf, logsumexp, softmax
 
+import jinsum
 from jinsum.nn._moe import gathered_product, routed_linear, routed_mlp
 from jinsum.nn._moe_layer import MoE
 from jinsum.nn._routing import expert_capacity, route_tokens
@@ -165,6 +167,24 @@ def test_padding_slots_read_no_row_under_jit(x64, rng):
     np.testing.assert_allclose(np.asarray(gathered_product(A, x, w)), expected, rtol=1e-12, atol=1e-12)
     grad = lambda x: jax.grad(lambda x: jnp.sum(routed_linear(x, A, w) ** 2))(x)  # noqa: E731
     np.testing.assert_allclose(np.asarray(jax.jit(grad)(x)), np.asarray(grad(x)), rtol=1e-12, atol=1e-12)
+
+
+def test_check_indices_reports_nothing_on_a_routing(x64, rng):
+    """Under `jinsum.check_indices` (checkify inside jit) padding keeps column 0, which is in range: a valid
+    routing reports no error, forward or backward, and gives the same results."""
+    T, E, C, N = 9, 4, 3, 5
+    x, w = jnp.asarray(rng.standard_normal((T, C))), jnp.asarray(rng.standard_normal((E, C, N)))
+    logits = jnp.asarray(distinct_logits(rng, T, E))
+
+    def value_and_grad(x, w, logits):
+        return jax.value_and_grad(lambda x: jnp.sum(routed_linear(x, route_tokens(logits, 2).combine, w) ** 2))(x)
+
+    expected = jax.jit(value_and_grad)(x, w, logits)
+    with jinsum.check_indices(True):
+        error, got = checkify.checkify(jax.jit(value_and_grad))(x, w, logits)
+    error.throw()
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------------------
