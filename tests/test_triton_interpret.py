@@ -341,9 +341,11 @@ def test_weight_gradient_gathers_its_rows_first_where_many_tiles_would(rng):
         spec = _spec(expression, operands)
         found = route(spec, config=config)
         if split:
-            assert tuple(str(s.statement) for s in found.pairwise) == (
-                "rows[g,p,c] += X[Ak[g,p],c]", "dW[Ai[g],c,h] += rows[g,p,c] * dH[g,p,h]")
+            statements = ("rows[g,p,c] += X[Ak[g,p],c]", "dW[Ai[g],c,h] += rows[g,p,c] * dH[g,p,h]")
+            assert tuple(str(s.statement) for s in found.pairwise) == statements
             assert make_plan(found.pairwise[1], config).window_in_k
+            shown = jinsum.triton_source(expression, config=config, sorted_indices=("Ai",), **operands)
+            assert all(f"# ---- statement: {statement}" in shown for statement in statements)
         else:
             assert found.plan is not None and found.plan.window_in_k
         assert_allclose(interpret(spec, operands, config), reference(expression, **operands), np.float32)
