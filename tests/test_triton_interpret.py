@@ -326,22 +326,25 @@ def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng
 
 def test_weight_gradient_gathers_its_rows_first_where_many_tiles_would(rng):
     """A weight gradient whose reduction walks an expert's entries and gathers their rows (`dW[Ai[g],c,h] +=
-    X[Ak[g,p],c] * dH[g,p,h]`) gathers them once first where the output has `GATHER_FIRST_TILES` tiles or more
-    along its columns (then a product on contiguous rows), and in the loop where it has fewer. Equal to the
-    reference either way."""
+    X[Ak[g,p],c] * dH[g,p,h]`, or RGCN's through the edge list, `X[S[Ak[g,p]],c]`) gathers them once first where
+    the output has `GATHER_FIRST_TILES` tiles or more along its columns (then a product on contiguous rows), and in
+    the loop where it has fewer. Equal to the reference either way."""
     from jinsum._lowering._route import GATHER_FIRST_TILES  # noqa: PLC0415
     E, T, C, G, P = 3, 29, 16, 6, 16
     Ai = np.sort(rng.choice([0, 2], G)).astype(np.int32)
     Ak = rng.integers(0, T, (G, P)).astype(np.int32)
     config = KernelConfig(block_m=16, block_n=16, block_k=16)
-    expression = "dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]"
-    for H, split in ((16 * GATHER_FIRST_TILES, True), (16 * (GATHER_FIRST_TILES - 1), False)):
+    for gathered, H, split in (("X[Ak[g,p],c]", 16 * GATHER_FIRST_TILES, True),
+                               ("X[S[Ak[g,p]],c]", 16 * GATHER_FIRST_TILES, True),
+                               ("X[Ak[g,p],c]", 16 * (GATHER_FIRST_TILES - 1), False)):
+        expression = f"dW[Ai[g],c,h] += {gathered} * dH[g,p,h]"
         operands = dict(X=rng.standard_normal((T, C)).astype(np.float32), Ai=Ai, Ak=Ak,
-                        dH=rng.standard_normal((G, P, H)).astype(np.float32), dW=np.zeros((E, C, H), np.float32))
+                        dH=rng.standard_normal((G, P, H)).astype(np.float32), dW=np.zeros((E, C, H), np.float32),
+                        **({"S": rng.integers(0, T, T).astype(np.int32)} if "S[" in gathered else {}))
         spec = _spec(expression, operands)
         found = route(spec, config=config)
         if split:
-            statements = ("rows[g,p,c] += X[Ak[g,p],c]", "dW[Ai[g],c,h] += rows[g,p,c] * dH[g,p,h]")
+            statements = (f"rows[g,p,c] += {gathered}", "dW[Ai[g],c,h] += rows[g,p,c] * dH[g,p,h]")
             assert tuple(str(s.statement) for s in found.pairwise) == statements
             assert make_plan(found.pairwise[1], config).window_in_k
             shown = jinsum.triton_source(expression, config=config, sorted_indices=("Ai",), **operands)

@@ -295,11 +295,11 @@ def gathered_first(statement: Statement, factor: int, name: str) -> tuple[Statem
 
     `dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]` with the factor `0` gives `T[g,p,c] += X[Ak[g,p],c]` (each entry's
     row, once) and `dW[Ai[g],c,h] += T[g,p,c] * dH[g,p,h]`. The intermediate is indexed by the index access's
-    variables, then the factor's own, in order of first appearance.
+    variables (nested ones too: `X[S[Ak[g,p]],c]` gives `T[g,p,c]`), then the factor's own, in order of first
+    appearance.
     """
     node = statement.factors[factor]
-    kept = list(dict.fromkeys(v.name for i in node.indices if isinstance(i, Access) for v in i.indices
-                              if isinstance(v, Var)))
+    kept = list(dict.fromkeys(v for i in node.indices if isinstance(i, Access) for v in variables(i)))
     kept += [i.name for i in node.indices if isinstance(i, Var) and i.name not in kept]
     intermediate = Access(name, tuple(map(Var, kept)))
     factors = tuple(intermediate if k == factor else f for k, f in enumerate(statement.factors))
