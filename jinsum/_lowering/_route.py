@@ -151,12 +151,7 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
     for (first, rest), pair in ((split, pair) for split, pair in splits if split is not None):
         shape = _intermediate_shape(first, spec)
         dtype = np.result_type(*(spec.operand[statement.factors[k].tensor].dtype for k in pair))
-        intermediate = Operand(name, shape, np.dtype(dtype))
-        first_spec = check(first, (intermediate, *(spec.operand[n] for n in tensor_names(first) if n != name)),
-                           spec.sorted_indices, spec.allow_tf32, True, None, spec.deterministic)
-        rest_spec = check(rest, (*(spec.operand[n] for n in tensor_names(rest) if n != name), intermediate),
-                          spec.sorted_indices, spec.allow_tf32, spec.zero_lhs, None, spec.deterministic,
-                          epilogue=spec.epilogue)
+        first_spec, rest_spec = _checked_split(spec, first, rest, Operand(name, shape, np.dtype(dtype)))
         dots = [_on_tensor_cores(s) for s in (first_spec, rest_spec)]
         cost = sum(math.prod(s.extent.values()) / (TENSOR_CORE_RATIO if dot else 1)
                    for s, dot in zip((first_spec, rest_spec), dots))
@@ -185,13 +180,19 @@ def gathered_first(spec: Spec, plan: KernelPlan) -> tuple[Spec, Spec] | None:
     name = _derive.fresh_name("rows", set(tensor_names(statement)))
     first, rest = _derive.gathered_first(statement, gathered[0], name)
     source = spec.operand[statement.factors[gathered[0]].tensor]
-    intermediate = Operand(name, _intermediate_shape(first, spec), source.dtype)
-    first_spec = check(first, (intermediate, *(spec.operand[n] for n in tensor_names(first) if n != name)),
-                       spec.sorted_indices, spec.allow_tf32, True, None, spec.deterministic)
-    rest_spec = check(rest, (*(spec.operand[n] for n in tensor_names(rest) if n != name), intermediate),
-                      spec.sorted_indices, spec.allow_tf32, spec.zero_lhs, None, spec.deterministic,
-                      epilogue=spec.epilogue)
-    return first_spec, rest_spec
+    return _checked_split(spec, first, rest, Operand(name, _intermediate_shape(first, spec), source.dtype))
+
+
+def _checked_split(spec: Spec, first, rest, intermediate: Operand) -> tuple[Spec, Spec]:
+    """The specs of a split's two statements: the first into zeros of `intermediate`, the rest reading it (and
+    writing `spec`'s left-hand side, its epilogue included), with `spec`'s flags."""
+    def given(statement):
+        return tuple(spec.operand[n] for n in tensor_names(statement) if n != intermediate.name)
+
+    return (check(first, (intermediate, *given(first)), spec.sorted_indices, spec.allow_tf32, True, None,
+                  spec.deterministic),
+            check(rest, (*given(rest), intermediate), spec.sorted_indices, spec.allow_tf32, spec.zero_lhs, None,
+                  spec.deterministic, epilogue=spec.epilogue))
 
 
 def _on_tensor_cores(spec: Spec) -> bool:

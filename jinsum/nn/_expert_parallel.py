@@ -128,15 +128,13 @@ def _local_routing(expert: jax.Array, local_experts: int, dtype) -> GroupCOO:
     writes. Under `jinsum.check_indices` (which would report that row as out of range) the empty rows are left
     out instead, and the padding groups compute the last expert's products of zeros.
     """
-    rows = expert.shape[0]
-    filled = expert >= 0
-    if _config.check_indices.value:
-        return GroupCOO.from_edge_index(
-            jnp.stack([jnp.where(filled, jnp.arange(rows, dtype=jnp.int32), -1), expert]), jnp.ones(rows, dtype),
-            num_nodes=(rows, local_experts), capacity=rows, group_size=routed_group_size(rows, local_experts))
-    padded = GroupCOO.from_edge_index(
-        jnp.stack([jnp.arange(rows, dtype=jnp.int32), jnp.where(filled, expert, local_experts)]),
-        filled.astype(dtype), num_nodes=(rows, local_experts + 1), capacity=rows,
-        group_size=routed_group_size(rows, local_experts))
-    return GroupCOO.from_validated(Ai=padded.Ai, Ak=padded.Ak, Av=padded.Av, shape=(local_experts, rows),
-                                   nnz=padded.nnz)
+    rows, filled = expert.shape[0], expert >= 0
+    received = jnp.arange(rows, dtype=jnp.int32)
+    if _config.check_indices.value:  # the empty rows left out (-1)
+        edges, experts = jnp.stack([jnp.where(filled, received, -1), expert]), local_experts
+    else:  # the empty rows on the expert past the last
+        edges, experts = jnp.stack([received, jnp.where(filled, expert, local_experts)]), local_experts + 1
+    built = GroupCOO.from_edge_index(edges, filled.astype(dtype), num_nodes=(rows, experts), capacity=rows,
+                                     group_size=routed_group_size(rows, local_experts))
+    return GroupCOO.from_validated(Ai=built.Ai, Ak=built.Ak, Av=built.Av, shape=(local_experts, rows),
+                                   nnz=built.nnz)
