@@ -460,7 +460,10 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
         changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 128 if wide else 64)
         changes["block_n"] = config.block_n or _pow2(
             extent[dot.n], 16, 256 if changes["block_m"] <= 32 or changes["block_m"] >= 128 else 128)
-        changes["block_k"] = config.block_k or _pow2(extent[dot.k], 16, 64)
+        # k tiles of the same bytes whatever the factors' width: three stages of 128 x 256 tiles with k 64 take 288
+        # KiB of shared memory in float32, past the 227 KiB a Hopper program may have (the launch fails).
+        width = max(spec.operand[spec.statement.factors[f].tensor].dtype.itemsize for f in (dot.a, dot.b))
+        changes["block_k"] = config.block_k or _pow2(extent[dot.k], 16, max(16, 128 // width))
         changes["num_warps"] = config.num_warps or (8 if changes["block_m"] * changes["block_n"] >= 128 * 256 else 4)
         changes["window"] = config.window or (1 if wide else 8)
         changes["num_stages"] = config.num_stages or (3 if changes["block_m"] >= 128 else 2)
