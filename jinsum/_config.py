@@ -30,3 +30,12 @@ check_indices = _jax_config.bool_state(
     include_in_jit_key=True,
     include_in_trace_context=True,
 )
+
+
+def tf32_allowed(allow_tf32: bool | None) -> bool:
+    """Whether float32 products may use TensorFloat-32 on GPUs: `allow_tf32` where given, else JAX's reading of
+    its default matmul precision (`jax.default_matmul_precision`), as `jnp.dot` does: TensorFloat-32 unless it is
+    `"highest"` or `"float32"`. (Read when a call is traced: JAX keys its jit cache by that option.)"""
+    if allow_tf32 is not None:
+        return bool(allow_tf32)
+    return str(_jax_config.default_matmul_precision.value).lower() not in ("highest", "float32")

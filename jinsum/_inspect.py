@@ -54,7 +54,7 @@ def _routes(spec, avals, kernels: bool = True, config=None) -> list:
 
 
 def triton_source(target: str | Callable, /, *args, config=None, sorted_indices: Collection[str] = (),
-                  allow_tf32: bool = False, **named) -> str:
+                  allow_tf32: bool | None = None, **named) -> str:
     """The Triton source that runs on a CUDA GPU: what the routes of the statements (`jinsum._lowering._route`) and
     of the attention chains (`jinsum._attention._chain_route`) launch. Needs no GPU.
 

@@ -20,7 +20,7 @@ import numpy as np
 from jinsum._lang import Access, Var
 from jinsum.kernels._chain_plan import SUMS, ChainPlan
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
-from jinsum.kernels._plan import INT32_LIMIT
+from jinsum.kernels._plan import INT32_LIMIT, PRECISE_FLOAT32
 from jinsum.kernels._source import offset
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
@@ -525,7 +525,7 @@ class _Writer:
 
     def _precision(self) -> str:
         if self.chain.operand["Q"].dtype == np.float32:
-            return f', input_precision="{"tf32" if self.chain.allow_tf32 else "ieee"}"'
+            return f', input_precision="{"tf32" if self.chain.allow_tf32 else PRECISE_FLOAT32}"'
         return ""
 
     def _allowed(self, row: _Bound, col: _Bound, positions: tuple[str, str]) -> str:

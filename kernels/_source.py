@@ -18,7 +18,7 @@ import numpy as np
 
 from jinsum._lang import Access, Var, variables
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
-from jinsum.kernels._plan import INT32_LIMIT, UNROLL_LIMIT, KernelPlan
+from jinsum.kernels._plan import INT32_LIMIT, PRECISE_FLOAT32, UNROLL_LIMIT, KernelPlan
 
 _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
                   "float64": "tl.float64"}
@@ -654,7 +654,7 @@ class _Writer:
             a = self.loaded[self._key(self.spec.statement.factors[plan.dot.a], "a")]
             b = self.loaded[self._key(self.spec.statement.factors[plan.dot.b], "b")]
             if self._value_type("a") == "tl.float32":  # 16-bit operands always use Tensor Cores
-                precision = "tf32" if self.spec.allow_tf32 else "ieee"
+                precision = "tf32" if self.spec.allow_tf32 else PRECISE_FLOAT32
                 self.emit(f"acc = tl.dot({a}, {b}, acc, input_precision=\"{precision}\")")
             else:
                 self.emit(f"acc = tl.dot({a}, {b}, acc)")

@@ -164,8 +164,22 @@ def test_spmm_transpose_loops_slots_inside_and_skips_padding(rng):
 def test_fp32_dot_precision_follows_allow_tf32(rng):
     operands = next(c for c in CATALOG if c.name == "block_spmm_tiles").make(rng, np.float32)
     expression = "C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]"
-    assert 'input_precision="ieee"' in jinsum.triton_source(expression, **operands)
+    assert 'input_precision="tf32x3"' in jinsum.triton_source(expression, allow_tf32=False, **operands)
     assert 'input_precision="tf32"' in jinsum.triton_source(expression, allow_tf32=True, **operands)
+    # None (the default) reads JAX's default matmul precision when traced, as jnp.dot does.
+    assert 'input_precision="tf32"' in jinsum.triton_source(expression, **operands)
+    with jax.default_matmul_precision("highest"):
+        assert 'input_precision="tf32x3"' in jinsum.triton_source(expression, **operands)
+
+
+def test_attention_precision_follows_jax_default(rng):
+    q = jnp.asarray(rng.standard_normal((256, 2, 16)), jnp.float32)
+    mask = jinsum.nn.sequence_mask(256, 64, causal=True)
+    def source():
+        return jinsum.triton_source(lambda q: jinsum.attention(q, q, q, mask), q)
+    assert 'input_precision="tf32"' in source()
+    with jax.default_matmul_precision("float32"):
+        assert 'input_precision="tf32x3"' in source() and 'input_precision="tf32"' not in source()
 
 
 def test_plan_of_the_catalog():

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinsum import _config
 from jinsum._attention import _chain_primitive
 from jinsum._attention._block_mask import BlockMask
 from jinsum._rules import _primitive
@@ -30,7 +31,7 @@ from jinsum.formats._convert import check_not_overflowed, is_concrete
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | BlockGroupCOO | BlockMask, *,
               scale: float | None = None, score_mod: Callable | None = None, mask_mod: Callable | None = None,
               causal: bool = False, key_padding_mask: jax.Array | None = None, dropout: float = 0.0, seed=None,
-              self_loops: bool = False, allow_tf32: bool = False, return_lse: bool = False):
+              self_loops: bool = False, allow_tf32: bool | None = None, return_lse: bool = False):
     """Multi-head softmax attention of `q` over `k`, `v`, computed only at the stored entries of `pattern`.
 
     For query `i` and head `h`, `out[i, h] = sum_j softmax_j(s_ij) v[j, h]` over the keys `j` that `i` attends to,
@@ -68,7 +69,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
         the backward draw the same ones from it; the same seed gives the same mask on every lowering.
       self_loops: graph attention: every node `i` also attends to itself, and stored self loops are ignored
         (needs `L == S`, a `GroupCOO`).
-      allow_tf32: float32 products may use TensorFloat-32 on GPUs.
+      allow_tf32: float32 products may use TensorFloat-32 on GPUs; None follows `jax.default_matmul_precision`
+        (as `jinsum.einsum`).
       return_lse: also return the log-sum-exp of each query's scores, `(..., L, H)` in float32.
 
     Returns:
@@ -88,10 +90,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
 
 
 def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, causal=False, key_padding_mask=None,
-                dropout=0.0, seed=None, self_loops=False, allow_tf32=False):
+                dropout=0.0, seed=None, self_loops=False, allow_tf32=None):
     """The checked `Chain` of an `attention` call, its operands by name, and a function that turns the blocked
     `(..., rows, (bm,) H, ...)` results back into `(..., L, H, ...)`."""
     _check_arguments(q, k, v, pattern, dropout, self_loops)
+    allow_tf32 = _config.tf32_allowed(allow_tf32)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mods, outer = {}, _identity
     if isinstance(pattern, (GroupCOO, BlockGroupCOO)):  # built for a capacity under jit and returned, overflowed

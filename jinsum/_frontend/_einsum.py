@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinsum import _config
 from jinsum._frontend import _format_rewrite
 from jinsum._rules import _primitive
 from jinsum._lang import (Access, ExpressionError, Statement, Var, _elementwise, check_operand_names,
@@ -19,7 +20,7 @@ SPARSE_FORMATS = (GroupCOO, BlockGroupCOO)
 IDENTITIES = {"sum": 0, "max": -np.inf, "min": np.inf}
 
 
-def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), allow_tf32: bool = False,
+def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), allow_tf32: bool | None = None,
            epilogue: Callable | None = None, **named):
     """Evaluates an indirect Einsum, or a NumPy-style einsum whose operands may be sparse formats.
 
@@ -44,7 +45,10 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
       *operands: operands of NumPy subscripts.
       sorted_indices: names of 1-D index arrays whose values are non-decreasing; writes through them are sorted
         segment reductions (no atomics on GPUs). A format's row indices (`Ai`) are always included.
-      allow_tf32: float32 contractions may use TensorFloat-32 on GPUs (faster, ~1e-3 relative error).
+      allow_tf32: float32 contractions may use TensorFloat-32 on GPUs (faster, ~1e-3 relative error); None (the
+        default) follows `jax.default_matmul_precision` as `jnp.dot` does: TensorFloat-32 unless it is
+        `"highest"` or `"float32"`. Without it, generated kernels keep float32's accuracy with three
+        TensorFloat-32 products (Triton's `tf32x3`).
       epilogue: `epilogue(value, *position) -> value`, applied to every element of the result before it is stored
         (indirect notation): `value` is the element's result (float32; float64 for float64 results) and `position`
         its index along each dimension of the left-hand side (int32 scalars; `C[Ai[g],n]`: `(value, row, n)`).
@@ -91,7 +95,8 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
     return _primitive.bind(statement, arrays, **flags)
 
 
-def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] = (), allow_tf32: bool = False):
+def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] = (),
+            allow_tf32: bool | None = None):
     """Parses, expands format operands, fills an omitted left-hand side and validates concrete index arrays.
 
     Returns `(statement, arrays, flags)` ready for `_primitive.bind(statement, arrays, **flags)`.
@@ -110,7 +115,8 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
     _check_index_values(statement, arrays, skip=checked)
     _check_sorted(sorted_indices, arrays)
     # A format's entries in column order serve the derivatives (one format's: the primitive takes one order).
-    return statement, arrays, dict(sorted_indices=frozenset(sorted_indices) | row_indices, allow_tf32=allow_tf32,
+    return statement, arrays, dict(sorted_indices=frozenset(sorted_indices) | row_indices,
+                                   allow_tf32=_config.tf32_allowed(allow_tf32),
                                    zero_lhs=zero_lhs, column_order=orders[0] if len(orders) == 1 else None)
 
 
