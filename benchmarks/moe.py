@@ -465,12 +465,15 @@ def moe_rows(shape: Shape, dtype, x, key, calls: int, workload: str, tol: float,
             def apply(params, x):
                 return nnx.merge(split_graphdef, params, split_rest)(x)
 
-            aux = jax.eval_shape(apply, split_params, x)[1]
-            y = jax.jit(apply)(split_params, x)[0]
+            # The tokens split over the devices as a data-parallel step holds them (the weights: by the layer).
+            tokens = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+            xs, dys = jax.device_put(x, tokens), jax.device_put(dy, tokens)
+            aux = jax.eval_shape(apply, split_params, xs)[1]
+            y = jax.jit(apply)(split_params, xs)[0]
             error = check(y, jax.jit(mlp_reference)(*(a.astype(jnp.float32) for a in (x, w_up, w_gate, w_down))),
                           tol, ("output",))
             del y
-            measured = jax_times(apply, (split_params, x), (), (dy, jnp.ones(aux.shape, aux.dtype)), calls)
+            measured = jax_times(apply, (split_params, xs), (), (dys, jnp.ones(aux.shape, aux.dtype)), calls)
             one = next((r for r in RESULTS.rows if r["workload"] == workload and r["system"] == MOE_LAYER), {})
             speedups = [f"{name} {one[f'{p}_ms'] / measured[f'{p}_ms']:.2f}x" for name, p in
                         (("fwd", "forward"), ("fwd+bwd", "forward_backward")) if one.get(f"{p}_ms")]

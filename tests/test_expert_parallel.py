@@ -127,6 +127,9 @@ def test_layer_with_a_mesh_equals_the_layer_on_one_device(mesh, rng):
         expected, expected_aux, _ = numpy_moe(layer, x)
         np.testing.assert_allclose(np.asarray(y).reshape(-1, 7), expected, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(float(aux_loss), expected_aux, rtol=1e-10)
+        for w in (layer.w_gate, layer.w_up, layer.w_down):  # each device holds its experts' weights
+            assert w[...].sharding.spec == jax.sharding.PartitionSpec("x")
+            assert {s.data.shape[0] for s in w[...].addressable_shards} == {2}
         graphdef, state = nnx.split(layer)
         forward = CountingJit(lambda state, x: nnx.merge(graphdef, state)(x))
         for seed in range(3):
@@ -142,6 +145,8 @@ def test_errors_name_the_mesh_and_the_sizes(mesh, rng):
         expert_parallel_mlp(x, logits, 2, w_up, w_down, activation="relu", mesh=mesh, axis="y")
     with pytest.raises(ValueError, match="give both mesh and axis"):
         MoE(4, 4, 8, 2, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"MoE: the 6 experts must split evenly over the 4 devices of axis 'x'"):
+        MoE(4, 4, 6, 2, mesh=mesh, axis="x", rngs=nnx.Rngs(0))
 
 
 def test_empty_rows_go_to_an_expert_past_the_last():
