@@ -100,16 +100,27 @@ def rows_of_positions(indptr, length: int, dtype=jnp.int32):
     return jnp.cumsum(starts[:length]) - 1
 
 
-def _row_lengths(xp, rows, num_rows: int):
-    """Entries per row of row ids in ``[0, num_rows]`` (``num_rows``: a dropped entry)."""
-    counts = np.bincount(rows, minlength=num_rows + 1) if xp is np else jnp.bincount(rows, length=num_rows + 1)
-    return counts[:num_rows]
+def row_lengths(xp, rows, num_rows: int):
+    """Entries per row of non-decreasing row ids in ``[0, num_rows]`` (``num_rows``: a dropped entry).
+
+    On the device, from each row's first position (written by that position alone) rather than a histogram: a
+    histogram's additions go atomically to a few counters when the rows are few, one after another (H200,
+    HeteroLinear's 262,144 rows of 16 types: 0.19 ms)."""
+    if xp is np:
+        return np.bincount(rows, minlength=num_rows + 1)[:num_rows]
+    length = rows.shape[0]
+    positions = jnp.arange(length, dtype=rows.dtype)
+    first = jnp.concatenate([jnp.ones(min(length, 1), bool), rows[1:] != rows[:-1]])
+    starts = jnp.full(num_rows + 1, length, rows.dtype).at[jnp.where(first, rows, num_rows + 1)].set(
+        positions, mode="drop")
+    starts = jax.lax.cummin(starts, reverse=True)  # a row without entries starts where the next one does
+    return starts[1:] - starts[:-1]
 
 
 def group_slots(xp, rows, *, num_rows: int, group_size: int, num_groups: int):
     """Where `groups_from_rows` puts each entry: its flat slot (``num_groups * P`` for a dropped one), and each
     row's first group and number of groups."""
-    lengths = _row_lengths(xp, rows, num_rows)
+    lengths = row_lengths(xp, rows, num_rows)
     groups = -(-lengths // group_size)
     first_group = xp.cumsum(groups) - groups
     # Entry i of row r: slot first_group[r] * P + (i - row_start[r]), one gather of the rows' shifts.
@@ -169,7 +180,7 @@ def transposed_from_slots(xp, Ai, Ak, active, *, num_columns: int, group_size: i
     key = xp.where(active, Ak.reshape(-1), num_columns)
     perm = host_argsort(key, num_columns + 1) if xp is np else _argsort(key)
     key = key[perm]
-    counts = _row_lengths(xp, key, num_columns)
+    counts = row_lengths(xp, key, num_columns)
     starts = xp.concatenate([xp.zeros(1, counts.dtype), xp.cumsum(counts)])
     if group_size is None:
         group_size = default_group_size(np.asarray(counts))

@@ -27,6 +27,7 @@ from jax.experimental import checkify
 
 from jinsum import _config
 from jinsum.formats import GroupCOO
+from jinsum.formats._build import row_lengths
 from jinsum.nn._moe import combined, gathered_product
 from jinsum.nn._routing import routed_group_size
 
@@ -141,7 +142,7 @@ def rows_by_type(type_vec: jax.Array, num_types: int) -> GroupCOO:
     valid = (type_vec >= 0) & (type_vec < num_types)
     key = jnp.where(valid, type_vec, num_types)  # out-of-range types sort last, past the last type's rows
     order = jnp.argsort(key, stable=True)  # stable: a type's rows stay in order, for locality
-    counts = jnp.zeros(num_types + 1, jnp.int32).at[key].add(1)
+    counts = row_lengths(jnp, key[order], num_types)  # (of the sorted keys: a histogram's atomics would queue)
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts[:num_types], dtype=jnp.int32)])
     # No column order: the input's gradient then runs over the groups as the forward does (module docstring).
     # Groups of the grouped product's row tile where the padding stays small (`routed_group_size`, as MoE's).
