@@ -137,6 +137,27 @@ def test_layer_with_a_mesh_equals_the_layer_on_one_device(mesh, rng):
         assert forward.traces == 1
 
 
+def test_layer_gradients_with_the_tokens_split(mesh, x64, rng):
+    """A data-parallel step holds its tokens split over the mesh: the layer's output and every parameter's gradient
+    (the router's summed over the devices' tokens) equal the same parameters' on one device."""
+    layers = [MoE(6, 5, num_experts=8, top_k=2, param_dtype=jnp.float64, rngs=nnx.Rngs(0), **kw)
+              for kw in ({}, dict(mesh=mesh, axis="x"))]
+    x, dy = jnp.asarray(rng.standard_normal((32, 6))), jnp.asarray(rng.standard_normal((32, 6)))
+    tokens = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+
+    def loss(params, graphdef, x, dy):
+        y, aux_loss = nnx.merge(graphdef, params)(x)
+        return jnp.sum(y * dy) + aux_loss
+
+    (one, grads_one), (split, grads_split) = (
+        jax.jit(jax.value_and_grad(loss), static_argnums=1)(nnx.state(layer), nnx.graphdef(layer), *inputs)
+        for layer, inputs in zip(layers, ((x, dy), (jax.device_put(x, tokens), jax.device_put(dy, tokens)))))
+    np.testing.assert_allclose(float(split), float(one), rtol=1e-12)
+    for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(grads_one),
+                                 jax.tree_util.tree_leaves_with_path(grads_split)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-10, atol=1e-12, err_msg=str(path))
+
+
 def test_errors_name_the_mesh_and_the_sizes(mesh, rng):
     x, logits, w_up, _, w_down = _operands(rng, T=30)  # 30 tokens over 4 devices
     with pytest.raises(ValueError, match=r"the 8 experts and the 30 tokens must each split evenly over the 4 devices"):

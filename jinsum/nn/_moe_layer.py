@@ -111,7 +111,14 @@ class MoE(nnx.Module):
                              f"{self.in_features}) (in_features), got {jnp.shape(x)}")
         tokens = x.reshape(-1, self.in_features)
         # The router in at least float32 (Switch's selective precision), whatever the experts' dtype.
-        logits = self.router(tokens.astype(jnp.promote_types(tokens.dtype, jnp.float32)))
+        tokens_router = tokens.astype(jnp.promote_types(tokens.dtype, jnp.float32))
+        if self.mesh is None:
+            logits = self.router(tokens_router)
+        else:  # each device's tokens by the whole router: its gradient, summed over the tokens, adds the devices'
+            # parts (outside `shard_map`, a mesh of explicit axes cannot tell that sum's sharding and raises)
+            split = P(self.axis)
+            logits = jax.shard_map(lambda t, w: t @ w, mesh=self.mesh, in_specs=(split, P()), out_specs=split)(
+                jax.reshard(tokens_router, NamedSharding(self.mesh, split)), self.router.kernel[...])
         weights = [w[...] for w in (self.w_up, self.w_down, *(() if self.w_gate is None else (self.w_gate,)))]
         dtype = self.dtype or jnp.result_type(x, *weights)
         w_up, w_down = self.w_up[...].astype(dtype), self.w_down[...].astype(dtype)
