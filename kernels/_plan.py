@@ -88,6 +88,10 @@ K_CHUNK = 1024
 # 16,384 x 14,336 outputs (k = 4,096) in 4 chunks 5.41 ms, unchunked 2.95; 131,072 x 768 (k = 2,048) in 2 chunks
 # 1.12 ms (and 0.16 for the cast), unchunked see DESIGN.md.
 CHUNK_ELEMENTS = 1 << 22
+# A weight gradient walking its rows' positions (`KernelPlan.window_in_k`) with fewer row programs than this (rows x
+# output tiles) takes windows of groups instead, about this many (twice an H100's 132 SMs). HeteroLinear, 16 types
+# (4,889 to 77,382 rows each), 256 x 256, H200: 32 row programs 1.32 ms (see DESIGN.md for the windows).
+SPLIT_ROW_PROGRAMS = 264
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +228,12 @@ class KernelPlan:
         """One program per output row, through row pointers (the `rows` schedule of a segmented write)."""
         return self.write == "segmented" and self.config.schedule == "rows"
 
+    @property
+    def row_pointers(self) -> bool:
+        """The kernel reads the row starts of the sorted index (`p_row_starts`): row programs, and windows that walk
+        their rows' positions as one reduction (`window_in_k` under the `split` schedule)."""
+        return self.row_programs or self.window_in_k
+
     @functools.cached_property
     def row_count(self) -> int:
         """The size of the left-hand side dimension that the sorted index addresses."""
@@ -269,8 +279,10 @@ class KernelPlan:
         positions: wherever the window variable or k indexes an access, k indexes the dimension right after the
         window variable's (so a position is `g * extent(k) + k`), and nothing else reads the window variable.
         A grouped product's weight gradient (`dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]`): each expert's rows are
-        one long pipelined reduction instead of a loop over groups of one or two k tiles each."""
-        if not (self.template == "dot" and self.row_programs):
+        one long pipelined reduction instead of a loop over groups of one or two k tiles each. A program per row
+        (the `rows` schedule), or, where rows are few (`SPLIT_ROW_PROGRAMS`), a window of groups whose rows' parts
+        are each one such reduction, added atomically (the `split` schedule)."""
+        if not (self.template == "dot" and self.write == "segmented" and self.config.schedule in ("rows", "split")):
             return False
         g, k = self.window, self.dot.k
         sorted_node = next(i for i in self.spec.statement.lhs.indices if isinstance(i, Access))
@@ -418,6 +430,13 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
         config = dataclasses.replace(config, window=given.window or 1)
     plan = KernelPlan(spec, "dot" if dot else "lanes", lanes, rows, dot, grid, window, write_loops, loops, write,
                       config, np.dtype(np.int32) if spec.winners else np.dtype(spec.lhs.dtype))
+    if (plan.window_in_k and not given.schedule and summing and not spec.deterministic
+            and plan.row_count * plan.grid_shape[1] < SPLIT_ROW_PROGRAMS):
+        # Few rows (16 types' weight gradients): a program per row and tile would leave most of the GPU idle while
+        # the longest row runs; windows of groups spread the rows' lengths over about `SPLIT_ROW_PROGRAMS`.
+        groups = _ceil(spec.extent[window] * plan.grid_shape[1], SPLIT_ROW_PROGRAMS)
+        config = dataclasses.replace(config, schedule="split", window=given.window or groups)
+        plan = dataclasses.replace(plan, config=config)
     if _writes_atomically(write, config) and not plan.carries and plan.out_dtype.itemsize < 4 and not spec.winners:
         # 16-bit atomics lose precision and are slow; the launcher casts back
         plan = dataclasses.replace(plan, out_dtype=np.dtype(np.float32))

@@ -117,7 +117,7 @@ def described(plan: KernelPlan) -> dict[str, _Described]:
 
 def kernel_inputs(plan: KernelPlan) -> tuple[str, ...]:
     """The operands passed to the kernel, in order: the statement's, then the arrays a fused epilogue captures.
-    Then come the row pointers (`plan.row_programs`: entry r is the first group of row r, entry `row_count` the
+    Then come the row pointers (`plan.row_pointers`: entry r is the first group of row r, entry `row_count` the
     number of groups) and the output."""
     names = plan.spec.names
     names = names if plan.reads_lhs or plan.spec.winners else names[1:]  # (winners read the result they locate)
@@ -195,7 +195,7 @@ class _Writer:
 
     def _kernel(self) -> list[str]:
         plan, spec = self.plan, self.spec
-        params = [f"p_{n}" for n in kernel_inputs(plan)] + ["p_row_starts"] * plan.row_programs + [*plan.sizes]
+        params = [f"p_{n}" for n in kernel_inputs(plan)] + ["p_row_starts"] * plan.row_pointers + [*plan.sizes]
         params += ["p_out", "p_partials"] if plan.carries else ["p_out"]
         if self.described:
             params.append("scratch")  # global scratch for the descriptors (jinsum._lowering._launch)
@@ -383,6 +383,9 @@ class _Writer:
             self._flush(None)
             self.depth -= 1
             return
+        if schedule == "split" and plan.window_in_k:
+            self._rows_of_the_window()
+            return
         if schedule == "split":
             # Rows at the window's edges may continue in the neighbouring windows: those are added atomically
             # (or carried, `KernelPlan.carries`).
@@ -439,6 +442,25 @@ class _Writer:
             self.depth += 1
             self._flush(None)
             self.depth -= 1
+
+    def _rows_of_the_window(self) -> None:
+        """A window of groups walking its rows' positions (`window_in_k`, `split` schedule): each row's part of the
+        window is one pipelined reduction, added atomically (the row may go on in the neighbouring windows). Rows
+        outside the left-hand side are not computed."""
+        rows = f"p_{self.spec.lhs_sorted_index}"
+        self.emit(f"first_row = tl.maximum(tl.load({rows} + start), 0)")
+        self.emit(f"last_row = tl.minimum(tl.load({rows} + stop - 1), {self.plan.row_count - 1})")
+        self.emit("for row in tl.range(first_row, last_row + 1):")
+        self.depth += 1
+        self.emit("begin = tl.maximum(tl.load(p_row_starts + row), start)")
+        self.emit("end = tl.minimum(tl.load(p_row_starts + row + 1), stop)")
+        self.emit(self._acc_init())
+        self.emit(f"v_{self.plan.window} = 0")
+        self._inner_loops()
+        self.emit("if begin < end:")
+        self.depth += 1
+        self._flush("always")
+        self.depth -= 2
 
     def _flush(self, shared: str | None) -> None:
         """Writes the accumulator to row `row`: atomically where `shared` (an expression) holds, else alone."""
@@ -730,7 +752,7 @@ class _Writer:
         if self.spec.winners:  # the result, compared with each term (so broadcast like the terms)
             self._load_at(statement.lhs, "lanes", level)
         for index in statement.lhs.indices:
-            if isinstance(index, Access) and not self.plan.row_programs:  # row programs know their row
+            if isinstance(index, Access) and not self.plan.row_pointers:  # their programs know their row
                 self._load_at(index, self.lhs_role, level)
 
     def _load_at(self, node: Access, role: str, level: int) -> None:

@@ -27,6 +27,15 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture(autouse=True)
+def float32_products():
+    """float32 products in float32's accuracy, as the tests' tolerances and float64 references assume: on GPUs
+    jinsum (as `jnp.dot`) follows `jax.default_matmul_precision`, which is TensorFloat-32 by default there. The
+    TensorFloat-32 default itself is tested on its own (`test_gpu.py`)."""
+    with jax.default_matmul_precision("float32"):
+        yield
+
+
 @pytest.fixture
 def rng(request):
     """A generator seeded per test, so every test draws fresh but reproducible inputs."""

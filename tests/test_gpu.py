@@ -61,6 +61,22 @@ def test_catalog_kernels_on_gpu(case, dtype, rng):
     assert_allclose(actual, np.asarray(_on_xla(case, operands), np.float64), dtype, err_msg="against XLA")
 
 
+@pytest.mark.parametrize("name", ["block_spmm_tiles", "grouped_matmul"])
+def test_float32_products_are_tf32_by_default_as_jnp_dot(name, rng):
+    """Outside the tests' float32 fixture (conftest.py), float32 Tensor Core products follow JAX's default matmul
+    precision, TensorFloat-32 on GPUs: its rounding shows (10 bits of mantissa), within TF32's error; asked for
+    float32 (the fixture), they keep float32's accuracy."""
+    case = next(c for c in CATALOG if c.name == name)
+    operands = case.make(rng, np.float32)
+    expected = reference(case.expression, **operands)
+    precise = _jinsum(case, operands)
+    with jax.default_matmul_precision("default"):
+        tf32 = _jinsum(case, operands)
+    assert_allclose(precise, expected, np.float32)
+    error = np.abs(np.asarray(tf32, np.float64) - expected).max() / np.abs(expected).max()
+    assert 1e-6 < error < 1e-2, error
+
+
 @pytest.mark.parametrize("case", CATALOG, ids=repr)
 def test_grads_on_gpu(case, rng):
     with jax.enable_x64(True):

@@ -166,8 +166,10 @@ def test_fp32_dot_precision_follows_allow_tf32(rng):
     expression = "C[Ai[g],m,n] += Av[g,m,k,p] * B[Ak[g,p],k,n]"
     assert 'input_precision="tf32x3"' in jinsum.triton_source(expression, allow_tf32=False, **operands)
     assert 'input_precision="tf32"' in jinsum.triton_source(expression, allow_tf32=True, **operands)
-    # None (the default) reads JAX's default matmul precision when traced, as jnp.dot does.
-    assert 'input_precision="tf32"' in jinsum.triton_source(expression, **operands)
+    # None (the default) reads JAX's default matmul precision when traced, as jnp.dot does (the tests run under
+    # "float32": conftest.py).
+    with jax.default_matmul_precision("default"):
+        assert 'input_precision="tf32"' in jinsum.triton_source(expression, **operands)
     with jax.default_matmul_precision("highest"):
         assert 'input_precision="tf32x3"' in jinsum.triton_source(expression, **operands)
 
@@ -177,7 +179,8 @@ def test_attention_precision_follows_jax_default(rng):
     mask = jinsum.nn.sequence_mask(256, 64, causal=True)
     def source():
         return jinsum.triton_source(lambda q: jinsum.attention(q, q, q, mask), q)
-    assert 'input_precision="tf32"' in source()
+    with jax.default_matmul_precision("default"):
+        assert 'input_precision="tf32"' in source()
     with jax.default_matmul_precision("float32"):
         assert 'input_precision="tf32x3"' in source() and 'input_precision="tf32"' not in source()
 
@@ -296,7 +299,8 @@ def test_long_reductions_are_cut_into_chunks_added_atomically(rng):
 
     spec, operands = spec_for(2500)
     plan = make_plan(spec)
-    assert (plan.write, plan.config.k_chunks, plan.k_chunk, plan.config.window) == ("atomic", 3, 896, 1)
+    # (k tiles of 32 float32 terms: 2,500 in 3 chunks of 864)
+    assert (plan.write, plan.config.k_chunks, plan.k_chunk, plan.config.window) == ("atomic", 3, 864, 1)
     assert "n in 3 chunks" in generate(plan)
     expected = reference(str(spec.statement), **operands)
     for config in (KernelConfig(), KernelConfig(k_chunks=5, block_m=16, block_n=16, block_k=16, window=3)):
@@ -306,14 +310,17 @@ def test_long_reductions_are_cut_into_chunks_added_atomically(rng):
 
 
 @pytest.mark.parametrize("config", [KernelConfig(), KernelConfig(block_m=16, block_n=16, block_k=16, window=3),
-                                    KernelConfig(block_m=16, block_n=32, block_k=32, num_stages=3)],
-                         ids=["default", "small", "k32"])
+                                    KernelConfig(block_m=16, block_n=32, block_k=32, num_stages=3),
+                                    KernelConfig(block_k=16, schedule="rows")],
+                         ids=["default", "small", "k32", "rows"])
 def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng):
     """A mixture of experts' product in grouped order and its two gradients are dot plans: the forward gathers a
     group's token rows into the tile; the input gradient adds each tile's rows into its tokens' rows (atomically,
     the tile's rows along the output's rows); the weight gradient walks each expert's groups and their slots as one
-    reduction (`window_in_k`), its k tiles crossing group boundaries (24 slots a group, tiles of 16 and 32). An
-    expert without groups gets a zero gradient; padding slots (token 0) take part like any slot. Groups past the
+    reduction (`window_in_k`), its k tiles crossing group boundaries (24 slots a group, tiles of 16 and 32): with
+    experts this few, in windows of groups that add each expert's part atomically (the `split` schedule; a window
+    of 3 groups cuts experts' rows), or a program per expert (`rows`, where experts are many). An expert without
+    groups gets a zero gradient; padding slots (token 0) take part like any slot. Groups past the
     last expert (expert parallelism's padding) read no matrix: they contribute zeros, without running their k loop
     or adding them atomically."""
     E, T, C, H, G, P = 4, 37, 16, 48, 9, 24
@@ -343,6 +350,8 @@ def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng
         plan = make_plan(spec, config)
         assert plan.template == "dot" and (plan.dot.m, plan.dot.n, plan.dot.k) == roles, expression
         assert plan.write == write and plan.window_in_k == (write == "segmented"), expression
+        if write == "segmented":
+            assert plan.config.schedule == (config.schedule or "split") and plan.row_pointers, expression
         source = generate(plan)
         assert write == "segmented" or re.search(r"if in_range\(x\d+, rows_W\):", source), expression
         # The reference with one more expert, of zeros (its gradient dropped): what reads past the last reads 0.
@@ -350,6 +359,21 @@ def test_grouped_products_and_their_gradients_take_tensor_core_plans(config, rng
         expected = reference(expression, **dict(operands, **padded))
         assert_allclose(interpret(spec, operands, config), expected[:E] if "dW" in padded else expected, np.float32,
                         err_msg=expression)
+
+
+def test_weight_gradient_windows_its_groups_only_where_rows_are_few(rng):
+    """The weight gradient's rows (experts) times its output tiles make its row programs: fewer than
+    `SPLIT_ROW_PROGRAMS`, it takes windows of groups instead, about that many programs in all."""
+    from jinsum.kernels._plan import SPLIT_ROW_PROGRAMS  # noqa: PLC0415
+    T, C, H, G, P = 50, 16, 16, 600, 16
+    for experts, schedule in ((SPLIT_ROW_PROGRAMS - 1, "split"), (SPLIT_ROW_PROGRAMS, "rows")):
+        operands = dict(X=np.zeros((T, C), np.float32), dH=np.zeros((G, P, H), np.float32),
+                        Ai=np.sort(rng.integers(0, experts, G)).astype(np.int32),
+                        Ak=rng.integers(0, T, (G, P)).astype(np.int32), dW=np.zeros((experts, C, H), np.float32))
+        plan = make_plan(_spec("dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]", operands))
+        assert plan.grid_shape[1] == 1 and plan.config.schedule == schedule
+        if schedule == "split":  # (windows of 3 groups: 200 programs)
+            assert plan.config.window == 3 and plan.grid_shape[0] == 200
 
 
 def test_weight_gradient_gathers_its_rows_first_where_many_tiles_would(rng):

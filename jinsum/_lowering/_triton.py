@@ -61,7 +61,7 @@ def run(found: Route, env: dict, launcher: _launch.Launcher):
     if plan.reads_lhs:
         env = {**env, kernel_spec.lhs.name: lhs.astype(plan.out_dtype)}
     inputs = [env[n] for n in kernel_inputs(plan)]
-    if plan.row_programs:
+    if plan.row_pointers:
         inputs.append(row_starts(env[kernel_spec.lhs_sorted_index], plan.row_count, xp))
     source, out_shape = generate(plan), jax.ShapeDtypeStruct(lhs.shape, plan.out_dtype)
 
