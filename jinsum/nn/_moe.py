@@ -65,21 +65,29 @@ def routed_linear(x: jax.Array, combine: GroupCOO, w: jax.Array) -> jax.Array:
     return combined(A, rows, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), dtype))
 
 
-def gathered_product(A: GroupCOO, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`(groups, group size, n)`: each entry's row of `x` (its column of `A`) by its group's matrix `w[Ai[g]]`.
+def gathered_product(A: GroupCOO, x: jax.Array, w: jax.Array, epilogue: Callable | None = None) -> jax.Array:
+    """`(groups, group size, n)`: each entry's row of `x` (its column of `A`) by its group's matrix `w[Ai[g]]`,
+    then `epilogue(value, g, p, n)` where given (`jinsum.einsum`'s: in the kernel's registers on GPUs).
 
-    An entry of value 0 (group padding, a dropped pair) reads no row: its product is 0. Its slot's column is -1,
-    out of range, so that the input's gradient adds nothing for it, where padding's column 0 would send every
-    padded slot's atomic additions to row 0, one after another (H200, 16,384 tokens to 8 of 128 experts: that
-    gradient 1.54 -> 1.12 ms). Whatever multiplies it by its value (the combine) gets 0 and gives its value a 0
-    gradient there, which a softmax's logits do not see (it scales their gradient by that 0). Padding keeps its
-    column where the -1 would be reported: outside `jit` (concrete indices are checked on the host) and under
-    `jinsum.check_indices`."""
+    An entry of value 0 (group padding, a dropped pair) reads no row where `slot_columns` drops it: its product is
+    0 (before the epilogue). Whatever multiplies it by its value (the combine) gets 0 and gives its value a 0
+    gradient there, which a softmax's logits do not see (it scales their gradient by that 0)."""
+    columns = slot_columns(A)
+    return jinsum.einsum(_GATHERED, Ak=A.Ak if columns is None else columns, Ai=A.Ai, X=x, W=w,
+                         sorted_indices=("Ai",), H=jax.ShapeDtypeStruct((*A.Ak.shape, w.shape[2]), x.dtype),
+                         epilogue=epilogue)
+
+
+def slot_columns(A: GroupCOO) -> jax.Array | None:
+    """`A.Ak` with -1 (out of range: read as zeros, written nowhere) at the entries of value 0, or None where that
+    -1 would be reported and padding keeps its column: outside `jit` (concrete indices are checked on the host)
+    and under `jinsum.check_indices`. A product's input gradient then adds nothing for padding, where padding's
+    column 0 would send every padded slot's atomic additions to row 0, one after another (H200, 16,384 tokens to
+    8 of 128 experts: that gradient 1.54 -> 1.12 ms)."""
     columns = jnp.where(_nonzero(A.Av), A.Ak, -1)
     if _config.check_indices.value or not isinstance(columns, jax.core.Tracer):
-        columns = A.Ak
-    return jinsum.einsum(_GATHERED, Ak=columns, Ai=A.Ai, X=x, W=w, sorted_indices=("Ai",),
-                         H=jax.ShapeDtypeStruct((*A.Ak.shape, w.shape[2]), x.dtype))
+        return None
+    return columns
 
 
 def _nonzero(values: jax.Array) -> jax.Array:
