@@ -480,7 +480,9 @@ def moe_rows(shape: Shape, dtype, x, key, calls: int, workload: str, tol: float,
             return {**measured, "error": error, "note": "dropless (a capacity of every pair per destination); "
                     f"against the layer on one device: {', '.join(speedups) or 'not run'}"}
 
-        RESULTS.attempt(workload, PARALLEL_LAYER.format(devices), parallel_layer, **common)
+        # (% of peak: of all the devices' peaks together)
+        RESULTS.attempt(workload, PARALLEL_LAYER.format(devices), parallel_layer,
+                        **{**common, "peak_tflops": common["peak_tflops"] * devices})
     return f"- {workload}, the MoE layer's own router: {rows.describe()}."
 
 
