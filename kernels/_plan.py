@@ -207,10 +207,12 @@ class KernelPlan:
     @property
     def covers_output(self) -> bool:
         """Row programs into zeros write every element of the output once: a program per row (empty rows too, which
-        store zeros) and the output's other axes parallel variables; so do carried windows (`carries`). The
-        launcher then leaves the output unfilled (a zero fill is a measurable share of a block SpMM's time:
-        DESIGN.md, "Dot plans")."""
-        return (self.row_programs or self.carries) and self.zeroes_output  # (a segmented write: one indirection)
+        store zeros) and the output's other axes parallel variables; so do carried windows (`carries`), and plans
+        updating a plain left-hand side (every element one program's, stored whole: a grouped product in grouped
+        order). The launcher then leaves the output unfilled (a zero fill is a measurable share of a block SpMM's
+        time: DESIGN.md, "Dot plans"; 0.11 ms of the Mixtral-like grouped forward's 3.16)."""
+        one_writer = self.row_programs or self.carries or (self.write == "update" and not self.spec.winners)
+        return one_writer and self.zeroes_output  # (a segmented write: one indirection)
 
     @functools.cached_property
     def tile_vars(self) -> tuple[str, ...]:
