@@ -41,6 +41,13 @@ def destination_capacity(capacity_factor: float | None, local_tokens: int, top_k
     return pairs if capacity_factor is None else min(pairs, math.ceil(capacity_factor * pairs / devices))
 
 
+def devices_along(where: str, mesh: Mesh, axis: str) -> int:
+    """The number of devices along `mesh`'s `axis`; a `ValueError` naming the mesh's axes if it has none such."""
+    if axis not in mesh.axis_names:
+        raise ValueError(f"{where}: axis {axis!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")
+    return mesh.shape[axis]
+
+
 def expert_parallel_mlp(x: jax.Array, logits: jax.Array, top_k: int, w_up: jax.Array, w_down: jax.Array, *,
                         mesh: Mesh, axis: str, w_gate: jax.Array | None = None, activation: str = "swiglu",
                         norm_topk: bool = True, capacity_factor: float | None = None) -> tuple[jax.Array, Routing]:
@@ -67,9 +74,7 @@ def expert_parallel_mlp(x: jax.Array, logits: jax.Array, top_k: int, w_up: jax.A
       >>> y, routing = expert_parallel_mlp(x, x @ w_router, 2, w_up, w_down, w_gate=w_gate, mesh=mesh, axis="x")
     """
     where = "expert_parallel_mlp"
-    if axis not in mesh.axis_names:
-        raise ValueError(f"{where}: axis {axis!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")
-    devices = mesh.shape[axis]
+    devices = devices_along(where, mesh, axis)
     logits = check_logits(where, logits)
     num_tokens, num_experts = logits.shape
     check_routing(where, num_experts, top_k, capacity_factor)
