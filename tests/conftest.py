@@ -29,9 +29,12 @@ if not ON_GPU:
 
 @pytest.fixture(autouse=True)
 def float32_products():
-    """float32 products in float32's accuracy, as the tests' tolerances and float64 references assume: on GPUs
+    """On GPUs, float32 products in float32's accuracy, as the tests' tolerances and float64 references assume:
     jinsum (as `jnp.dot`) follows `jax.default_matmul_precision`, which is TensorFloat-32 by default there. The
-    TensorFloat-32 default itself is tested on its own (`test_gpu.py`)."""
+    TensorFloat-32 default itself is tested on its own (`test_gpu.py`). (CPUs multiply float32 exactly either way.)"""
+    if not ON_GPU:
+        yield
+        return
     with jax.default_matmul_precision("float32"):
         yield
 
