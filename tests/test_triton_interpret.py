@@ -206,11 +206,11 @@ def test_plan_of_the_catalog():
 def test_wide_dot_tiles_fit_shared_memory(dtype):
     """A grouped product of wide tiles (128 x 256) pipelines its k tiles in the bytes a Hopper program may have
     (227 KiB): float32 factors take a shorter k tile, where k 64 asked 288 KiB and the launch failed."""
-    x, w = jnp.zeros((4096, 256), dtype), jnp.zeros((4, 256, 1024), dtype)
-    A = jinsum.nn.route_tokens(jnp.asarray(np.random.default_rng(0).standard_normal((4096, 4))), 1).combine
-    operands = dict(A=A.astype(dtype), X=x, W=w, H=jax.ShapeDtypeStruct((*A.Ak.shape, 1024), dtype))
-    statement, arrays, flags = _einsum.prepare("H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]", operands)
-    config = make_plan(_primitive.make_spec(statement, arrays, **flags)).config
+    G, P = 6, 128  # (groups of 128 slots: the product's m)
+    operands = dict(X=jnp.zeros((500, 256), dtype), W=jnp.zeros((4, 256, 1024), dtype),
+                    Ai=np.repeat(np.arange(3, dtype=np.int32), 2), Ak=np.zeros((G, P), np.int32),
+                    H=jax.ShapeDtypeStruct((G, P, 1024), dtype))
+    config = make_plan(_spec("H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]", operands)).config
     assert (config.block_m, config.block_n) == (128, 256)
     stage = (config.block_m + config.block_n) * config.block_k * jnp.dtype(dtype).itemsize
     assert config.num_stages * stage <= 227 * 1024
