@@ -90,7 +90,7 @@ K_CHUNK = 1024
 CHUNK_ELEMENTS = 1 << 22
 # A weight gradient walking its rows' positions (`KernelPlan.window_in_k`) with fewer row programs than this (rows x
 # output tiles) takes windows of groups instead, about this many (twice an H100's 132 SMs). HeteroLinear, 16 types
-# (4,889 to 77,382 rows each), 256 x 256, H200: 32 row programs 1.32 ms (see DESIGN.md for the windows).
+# (4,889 to 77,382 rows each), 256 x 256, H200: 32 row programs 1.32 ms, 258 windows of 16 groups 0.107 ms.
 SPLIT_ROW_PROGRAMS = 264
 
 
