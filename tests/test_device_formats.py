@@ -14,7 +14,7 @@ from jax.test_util import check_grads
 import jinsum
 import jinsum.graphs
 import jinsum.nn
-from jinsum.formats._build import capacity_group_size, group_bound
+from jinsum.formats._build import CONTENDED_ROW_LENGTH, capacity_group_size, group_bound, row_lengths
 from jinsum.testing import CountingJit
 
 
@@ -406,3 +406,16 @@ def test_adjacency_with_self_loops_names_the_capacity_the_caller_passes(rng):
             error.throw()
         error, _ = checkify.checkify(jax.jit(lambda e: build(e, num).Av.sum()))(edges)
         error.throw()  # an exact fit: nothing to report
+
+
+@pytest.mark.parametrize("entries_per_row", [0.5, 3, CONTENDED_ROW_LENGTH, 4 * CONTENDED_ROW_LENGTH])
+def test_row_lengths_of_sorted_rows(entries_per_row, rng):
+    """The device's row lengths (a histogram where rows are short, each row's first position where they are long)
+    equal NumPy's count, with empty rows (the first, the last, runs between) and entries of the dropped row."""
+    num_rows = 12
+    rows = np.sort(rng.choice([1, 2, 5, 6, 7, 9, num_rows], int(entries_per_row * num_rows)))
+    expected = np.bincount(rows, minlength=num_rows + 1)[:num_rows]
+    for dtype in (jnp.int32, jnp.int64):
+        with jax.enable_x64(dtype == jnp.int64):
+            np.testing.assert_array_equal(jax.jit(row_lengths, static_argnums=(0, 2))(jnp, jnp.asarray(rows, dtype),
+                                                                                       num_rows), expected)
