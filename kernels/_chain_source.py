@@ -21,7 +21,7 @@ from jinsum._lang import Access, Var
 from jinsum.kernels._chain_plan import SUMS, ChainPlan
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._plan import INT32_LIMIT, PRECISE_FLOAT32
-from jinsum.kernels._source import offset
+from jinsum.kernels._source import DESCRIPTOR_BYTES, offset
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'
@@ -96,7 +96,6 @@ class _Described:
 _DESCRIBED = {"forward": {"Q": ("m", "d"), "K": ("k", "d"), "V": ("k", "e")},
               "dq": {"Q": ("m", "d"), "dO": ("m", "e"), "K": ("k", "d"), "V": ("k", "e")},
               "dkdv": {"K": ("k", "d"), "V": ("k", "e"), "Q": ("m", "d"), "dO": ("m", "e")}}
-DESCRIPTOR_BYTES = 128  # a TMA descriptor in Triton's global scratch
 
 
 @functools.lru_cache(maxsize=512)

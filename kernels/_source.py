@@ -31,7 +31,7 @@ _IDENTITIES = {"max": 'float("-inf")', "min": 'float("inf")'}
 FIXUP_TILE = 2048
 
 
-DESCRIPTOR_BYTES = 128  # a TMA descriptor in Triton's global scratch (as the attention chains')
+DESCRIPTOR_BYTES = 128  # a TMA descriptor in Triton's global scratch (the statements' and the attention chains')
 MAX_BOX = 256  # TMA's largest box side, in elements
 
 
