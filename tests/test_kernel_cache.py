@@ -236,26 +236,6 @@ def test_an_unreadable_autotune_table_is_ignored_with_a_warning(tmp_path, monkey
     _tuned._stored.cache_clear()
 
 
-def test_the_triton_specializer_starts_without_importing_torch():
-    """Triton's specializer imports torch on its first call (seconds per process); jinsum starts it with torch
-    hidden. Torch tensors passed later still specialise (the `data_ptr` path)."""
-    pytest.importorskip("triton")
-    pytest.importorskip("torch")
-    script = textwrap.dedent("""
-        import sys
-        from jinsum._lowering._launch import _start_triton_specializer_without_torch
-        _start_triton_specializer_without_torch()
-        assert "torch" not in sys.modules
-        import torch
-        from triton._C.libtriton import native_specialize_impl
-        from triton.backends.nvidia.compiler import CUDABackend
-        print(native_specialize_impl(CUDABackend, torch.zeros(4), False, True, True))
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "('*fp32', 'D')"
-
-
 def _front_end_inputs(triton, rows: int = 300):
     """What jax-triton hands Triton's front end for one of jinsum's generated kernels (an SpMM), on CPU."""
     import jax.numpy as jnp  # noqa: PLC0415

@@ -161,7 +161,7 @@ def test_gpu_kernel_equals_xla_on_a_grid(rng, dim, loop, monkeypatch):
     def knn(p, b):
         return jg.knn(p, k, b, loop)
 
-    assert "triton_kernel_call" in jax.jit(knn).lower(pos, batch).as_text()
+    assert _launch.KERNEL_NODE in jax.jit(knn).lower(pos, batch).as_text()
     np.testing.assert_array_equal(*_both_paths(knn, pos, batch, monkeypatch=monkeypatch))
     shuffled = rng.permutation(batch.size)
     np.testing.assert_array_equal(*_both_paths(knn, pos[shuffled], batch[shuffled], monkeypatch=monkeypatch))
@@ -214,7 +214,7 @@ def test_gpu_coincident_points_keep_the_promise(rng, dim):
     def knn(p, b):
         return jg.knn(p, k, b)
 
-    assert "triton_kernel_call" in jax.jit(knn).lower(pos, batch).as_text()
+    assert _launch.KERNEL_NODE in jax.jit(knn).lower(pos, batch).as_text()
     found = np.asarray(jax.jit(knn)(pos, batch))
     if dim < _knn.DIFFERENCES_BELOW:
         np.testing.assert_array_equal(found, _brute_force(pos, k, batch, False))

@@ -1,8 +1,10 @@
 """The one launcher (`jinsum._lowering._launch`): a kernel that makes TMA descriptors on the device runs with the
-scratch memory the launch provides, in Triton's interpreter here and through jax-triton on a GPU (`pytest -m
+scratch memory the launch provides, in Triton's interpreter here and through XLA's kernel node on a GPU (`pytest -m
 gpu`), and its PTX is redirected to that scratch, or refused with the fix where the launch gave none."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,16 @@ PTX = """.visible .entry k(
 }"""
 
 
+def test_unread_parameters_go_where_the_launch_passes_their_operands():
+    """A launch through XLA's kernel node passes every operand, zeros that an output is aliased to included, so the
+    PTX declares a parameter for each where it is passed (after the inputs); the code still reads its own by name."""
+    ptx = _launch.with_unread_parameters(PTX, 1, 2)
+    declared = re.findall(r"\.param \.u64 \.ptr \.global \.align 1 (\w+)", ptx)
+    assert declared == ["k_param_0", "k_param_unread_0", "k_param_unread_1", "k_param_1", "k_param_2", "k_param_3"]
+    assert ptx.split("{", 1)[1] == PTX.split("{", 1)[1]
+    assert _launch.with_unread_parameters(PTX, 1, 0) is PTX
+
+
 def test_the_ptx_reads_the_launch_s_scratch():
     """Parameters: x, the explicit scratch, then Triton's hidden global and profile scratch. The hidden global
     scratch's reads move to the explicit one; a kernel that reads none is left alone; one that reads it without a
@@ -67,11 +79,11 @@ def test_the_ptx_reads_the_launch_s_scratch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_descriptors_through_jax_triton(rng):
+def test_descriptors_through_the_kernel_node(rng):
     """On a GPU the kernel runs from the launch's scratch (jaxlib alone passes a null pointer: an illegal
     address), in bfloat16 tiles of 64 over an array that is not a multiple of them."""
     x = jnp.asarray(rng.standard_normal((1000, 520)), jnp.bfloat16)
-    y = jax.jit(lambda x: _double(_launch.JAX_TRITON, x, block=64))(x)
+    y = jax.jit(lambda x: _double(_launch.XLA_KERNEL, x, block=64))(x)
     np.testing.assert_array_equal(np.asarray(y, np.float32), 2 * np.asarray(x, np.float32))
 
 
@@ -87,7 +99,7 @@ def test_a_scratch_launch_needs_its_parameter_and_a_name_of_its_own():
     x = jnp.zeros(8)
 
     def launch(kernel, **scratch):
-        return _launch.JAX_TRITON.call(kernel, x, 8, out_shape=jax.ShapeDtypeStruct((8,), x.dtype), grid=(1,),
+        return _launch.XLA_KERNEL.call(kernel, x, 8, out_shape=jax.ShapeDtypeStruct((8,), x.dtype), grid=(1,),
                                        num_warps=1, num_stages=1, name="copy", BLOCK=8, **scratch)
 
     with pytest.raises(ValueError, match=r"_copy_without_scratch is launched with global_scratch but its last "

@@ -1,5 +1,5 @@
 """The CUDA lowering of attention chains: the kernels of the chain's route (`_chain_route`), launched by the one
-launcher (`jinsum._lowering._launch`) through jax-triton, after the work lists the route's schedule holds.
+launcher (`jinsum._lowering._launch`) as XLA kernel nodes, after the work lists the route's schedule holds.
 
 Backward: `D = rowsum(dO * O) - dLSE` in XLA, then `dq` over the rows and `dkdv` over the keys, each followed by a
 `*_sum` kernel that adds up the pieces of long rows (keys). The same launches run in Triton's interpreter on CPU
@@ -35,7 +35,7 @@ def forward(route: ChainRoute, arrays) -> list[jax.Array]:
     if isinstance(found, Fallback):
         _fallback(chain, found)
         return list(_chain_reference.forward(chain, env))
-    return run_forward(found, env, _launch.JAX_TRITON)
+    return run_forward(found, env, _launch.XLA_KERNEL)
 
 
 def backward(route: ChainRoute, arrays) -> list[jax.Array]:
@@ -46,7 +46,7 @@ def backward(route: ChainRoute, arrays) -> list[jax.Array]:
     if isinstance(found, Fallback):
         _fallback(chain, found)
         return list(_chain_reference.backward(chain, env, (env["dO"], env["dLSE"])))
-    return run_backward(found, env, _launch.JAX_TRITON)
+    return run_backward(found, env, _launch.XLA_KERNEL)
 
 
 # --- the launches ---------------------------------------------------------------------------------------------------

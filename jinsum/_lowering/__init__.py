@@ -1,8 +1,8 @@
 """The primitive's lowerings: the XLA one everywhere (`_xla`, the reference), generated Triton kernels on CUDA
-(`_triton`, launched by `_launch` through jax-triton, with compiled kernels kept on disk by `_kernel_cache`). What
-runs for a statement is its `route` (`_route`): a kernel, XLA's lowering, or a split of the statement (deterministic
-mode's rewrite into sorted segment reductions, `jinsum._rules._deterministic`; an epilogue after the statement),
-whose parts are routed again.
+(`_triton`, launched by `_launch` as XLA kernel nodes, compiled through jax-triton with the compiled kernels kept on
+disk by `_kernel_cache`). What runs for a statement is its `route` (`_route`): a kernel, XLA's lowering, or a split of
+the statement (deterministic mode's rewrite into sorted segment reductions, `jinsum._rules._deterministic`; an
+epilogue after the statement), whose parts are routed again.
 
 Enters: a `Spec` and its operands at lowering time. Leaves: XLA operations, or a kernel plan handed to the code
 generator `jinsum.kernels` (plan -> Triton source), whose kernel it launches. Next stage: `jinsum.kernels`.

@@ -1,21 +1,22 @@
 """A persistent cache of compiled kernels: what Triton makes of a kernel, on disk, shared by processes.
 
-A generated kernel reaches the GPU in three steps. In the lowering, jax-triton runs Triton's front end (the Python
-source to TTIR) and Triton's compiler (TTIR -> TTGIR -> LLVM IR -> PTX, the slow part); at its first launch,
-jaxlib assembles the PTX into machine code (ptxas). jax-triton 0.3.1 keeps its compiled kernels in a per-process
-dict and sets `TRITON_CACHE_DIR=""` on import, so every process paid every step again.
+A generated kernel reaches the GPU in three steps. In the lowering, jax-triton's steps run Triton's front end (the
+Python source to TTIR) and Triton's compiler (TTIR -> TTGIR -> LLVM IR -> PTX, the slow part); when XLA compiles the
+executable, it assembles the PTX of the kernel node (`_launch`) into machine code (ptxas). jax-triton 0.3.1 keeps
+its compiled kernels in a per-process dict and sets `TRITON_CACHE_DIR=""` on import, so every process paid every
+step again.
 
-jaxlib's Triton custom call takes PTX and runs ptxas itself (there is no way to hand it a cubin), so the PTX is
-what can persist: `install` wraps jax-triton's one compile function, `compile_ttir_inplace`, with a lookup keyed
-by everything that changes its output (the TTIR text, which holds the source, the constexprs and the argument
-specialisation; Triton's compile options, num_warps and num_stages among them; the GPU's compute capability; the
-Triton, jax-triton and jaxlib versions). For jinsum's own kernels it also keeps the front end's output (the TTIR
-text, `<key>.ttir`), keyed by the generated module, the helpers it imports, the signature, constexprs,
-specialisation, options and versions: a later process parses it instead of running Triton's front end, which
-costs far more (DESIGN.md, "First calls"). The process that runs the front end goes on with the module parsed
-from the stored text too, so every process hands Triton's compiler the same text and the PTX lookup hits. These
-two wrappers, on jax-triton's module, are with the launcher's global-scratch redirect (`_launch`) the places jinsum
-reaches into jax-triton, which offers no hook.
+The kernel node takes PTX and XLA runs ptxas itself, so the PTX is what can persist: `install` wraps jax-triton's
+one compile function, `compile_ttir_inplace`, with a lookup keyed by everything that changes its output (the TTIR
+text, which holds the source, the constexprs and the argument specialisation; Triton's compile options, num_warps
+and num_stages among them; the GPU's compute capability; the Triton, jax-triton and jaxlib versions). For jinsum's
+own kernels it also keeps the front end's output (the TTIR text, `<key>.ttir`), keyed by the generated module, the
+helpers it imports, the signature, constexprs, specialisation, options and versions: a later process parses it
+instead of running Triton's front end, which costs far more (DESIGN.md, "First calls"). The process that runs the
+front end goes on with the module parsed from the stored text too, so every process hands Triton's compiler the same
+text and the PTX lookup hits. These two wrappers, on jax-triton's module, are with the launcher's compile (jax-triton's
+steps without its custom call) and global-scratch redirect (`_launch`) the places jinsum reaches into jax-triton,
+which offers no hook.
 
 Entries are files `<key>.json` (kernel name, shared memory, PTX) and `<key>.ttir` in `$JINSUM_CACHE_DIR/compiled`
 (default `~/.cache/jinsum/kernels/compiled`), each sealed with the SHA-256 of its text as a last line, written to a

@@ -130,7 +130,7 @@ def knn(pos: jax.Array, batch: jax.Array, *, k: int, loop: bool, reference, conf
         return kernel_call(pos, batch, *column_ranges(batch, config.block_m))
 
     pos = jax.lax.stop_gradient(pos)
-    platform = "cuda" if launcher is _launch.JAX_TRITON else "cpu"  # (the interpreter: tests on CPU)
+    platform = "cuda" if launcher is _launch.XLA_KERNEL else "cpu"  # (the interpreter: tests on CPU)
     return jax.lax.platform_dependent(pos, batch, default=reference, **{platform: kernel})
 
 

@@ -2,21 +2,23 @@
 
 `Launcher.call` has jax-triton's signature (`triton_call`: the kernel's array and scalar arguments, then one buffer
 per output; aliased outputs are their input's buffer), with two targets:
-- `JAX_TRITON`: in a lowering, traced arrays, a CUDA custom call (jax-triton, with jinsum's persistent cache of
-  compiled kernels in front of its compiler, `_kernel_cache`);
+- `XLA_KERNEL`: in a lowering, traced arrays: the kernel compiled by jax-triton's steps of Triton's compiler (with
+  jinsum's persistent cache of compiled kernels in front of them, `_kernel_cache`) and launched as XLA's own kernel
+  node (`KERNEL_NODE`), not as jax-triton's custom call: XLA's command buffers (CUDA graphs) capture a kernel node
+  like one of its fusions, where each jax-triton call split them and returned to the host between the pieces
+  (a small training step issued in 0.27 instead of 0.45 ms: DESIGN.md, issue 44);
 - `INTERPRETER`: Triton's interpreter on CPU (tests: needs `TRITON_INTERPRET=1` set before Triton kernels are
   first defined, and torch). NumPy arrays in and out; traced arrays through a host callback. Outputs that the
   kernel must write start as NaN (-7 for integers), so an element it leaves unwritten shows.
 `interpreted()` makes `target()` the interpreter within a block (tests of a kernel path traced for CPU).
 
 Kernels that make TMA descriptors on the device (`tl.make_tensor_descriptor`) need Triton's global scratch memory,
-a hidden last-but-one kernel parameter that jaxlib's Triton custom call passes as a null pointer (jax-triton
-0.3.1, jaxlib 0.11: the kernel dies with an illegal address). Such a kernel takes an explicit last parameter,
-`scratch`, and is launched with `global_scratch=` its bytes per program: the launch adds that operand (programs x
-bytes, uint8), and `redirect_global_scratch` rewrites the kernel's PTX, before jaxlib assembles it, to read the
-scratch pointer from that parameter instead of the hidden one. A kernel whose PTX reads the hidden pointer without
-such a launch is refused when it is compiled, with the fix, instead of crashing on the GPU. (A workaround for
-jaxlib's launch: once jaxlib passes global scratch itself, the redirect goes.)
+a hidden last-but-one kernel parameter. Such a kernel takes an explicit last parameter, `scratch`, and is launched
+with `global_scratch=` its bytes per program: the launch adds that operand (programs x bytes, uint8), and
+`redirect_global_scratch` rewrites the kernel's PTX to read the scratch pointer from that parameter instead of the
+hidden one (which jaxlib's Triton custom call passed as a null pointer; the kernel node passes a byte). A kernel
+whose PTX reads the hidden pointer without such a launch is refused when it is compiled, with the fix, instead of
+crashing on the GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import inspect
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -50,20 +51,91 @@ class Launcher:
     call: Callable
 
 
-def _jax_triton_call(kernel, *args, out_shape, grid, num_warps: int, num_stages: int, name: str,
-                     input_output_aliases: dict[int, int] | None = None, zeroed_outputs: Sequence[int] = (),
-                     global_scratch: int = 0, **constexprs):
+# XLA's own kernel custom call: the kernel's PTX in the backend config, launched as a plain kernel node, which XLA's
+# command buffers (CUDA graphs) capture like its own fusions. Every kernel parameter is a buffer: operands, then
+# results, in order.
+KERNEL_NODE = "__gpu$xla.gpu.ptx"
+# Triton (3.3 on) appends two hidden pointers to every kernel's parameters (global, then profile scratch); a launch
+# passes each a byte of its own.
+HIDDEN_POINTERS = 2
+
+
+def _kernel_node_call(kernel, *args, out_shape, grid, num_warps: int, num_stages: int, name: str,
+                      input_output_aliases: dict[int, int] | None = None, zeroed_outputs: Sequence[int] = (),
+                      global_scratch: int = 0, **constexprs):
+    """The launch as one XLA kernel node (`KERNEL_NODE`). Scalar arguments become constexprs of the compiled kernel
+    (its parameters are buffers only; a shape is static under jit anyway). An output that must start as zeros is
+    aliased to a zeros operand that the kernel does not read: the PTX gets a parameter for it
+    (`with_unread_parameters`), since XLA passes every operand."""
+    del name  # (a profile shows the kernel's own name, its PTX entry's)
     single = not isinstance(out_shape, (list, tuple))
     structs = [out_shape] if single else list(out_shape)
     _register(kernel, bool(global_scratch))
     if global_scratch:  # the kernel's last parameter: its global scratch memory (see the module docstring)
         structs.append(jax.ShapeDtypeStruct((math.prod(grid) * global_scratch,), jnp.uint8))
-    results = jax_triton().triton_call(*args, kernel=kernel, out_shape=structs, grid=grid, num_warps=num_warps,
-                                       num_stages=num_stages, name=name,
-                                       input_output_aliases=input_output_aliases or {},
-                                       zeroed_outputs=tuple(zeroed_outputs), **constexprs)
-    results = list(results)[:len(results) - bool(global_scratch)]
+    scalar = (bool, int, float, np.integer, np.floating)
+    arrays = [a for a in args if not isinstance(a, scalar)]
+    names = kernel.arg_names
+    constants = {names[i]: a.item() if isinstance(a, np.generic) else a for i, a in enumerate(args)
+                 if isinstance(a, scalar)}
+    pointers = {names[i]: _pointer_type(a.dtype) for i, a in enumerate([*args, *structs])
+                if not isinstance(a, scalar)}
+    compiled = _compiled(kernel, tuple(pointers.items()), tuple({**constants, **constexprs}.items()), num_warps,
+                         num_stages)
+    zeros = [jnp.zeros(structs[k].shape, structs[k].dtype) for k in zeroed_outputs]
+    aliases = {**(input_output_aliases or {}), **{len(arrays) + j: k for j, k in enumerate(zeroed_outputs)}}
+    hidden = [jax.ShapeDtypeStruct((1,), jnp.uint8)] * HIDDEN_POINTERS
+    grid = (*((grid,) if isinstance(grid, int) else tuple(grid)), 1, 1)[:3]
+    call = jax.ffi.ffi_call(KERNEL_NODE, [*structs, *hidden], input_output_aliases=aliases or None)
+    results = call(*arrays, *zeros, name=compiled.name, kernel_type="ptx",
+                   kernel_data=with_unread_parameters(compiled.binary, len(arrays), len(zeros)),
+                   grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=32 * num_warps, block_y=1, block_z=1,
+                   shared_mem_bytes=compiled.shared_mem_bytes)
+    results = list(results)[:len(structs) - bool(global_scratch)]
     return results[0] if single else results
+
+
+def _pointer_type(dtype) -> str:
+    """Triton's pointer type for an array of `dtype` (as jax-triton names them)."""
+    return jax_triton().triton_lib.get_triton_type(jax.core.ShapedArray((), dtype))
+
+
+@functools.cache
+def _compiled(kernel, pointers: tuple, constants: tuple, num_warps: int, num_stages: int):
+    """What Triton's compiler makes of `kernel` with these pointer parameters (16-byte aligned, as XLA's buffers
+    are) and constexprs: jax-triton's compile steps, through jinsum's cache of them (`_kernel_cache`): PTX, the
+    entry's name and its shared memory."""
+    triton_lib = jax_triton().triton_lib
+    capability = triton_lib.triton_kernel_call_lib.get_compute_capability(0)
+    backend = triton_lib.get_cuda_backend(0, capability)
+    options = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages, num_ctas=1,
+                                         optimize_epilogue=False, debug=False, enable_fp_fusion=True))
+    signature = {**dict(pointers), **{name: "constexpr" for name, _ in constants}}
+    attrs = {(kernel.arg_names.index(name),): backend.parse_attr("D") for name, _ in pointers}
+    context = triton_lib._triton.ir.context()
+    triton_lib._triton.ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = triton_lib.code_gen.ast_to_ttir(
+        kernel, triton_lib.tc.ASTSource(kernel, constexprs=dict(constants), signature=signature, attrs=attrs),
+        options=options, codegen_fns=backend.get_codegen_implementation(options), context=context,
+        module_map=backend.get_module_map())
+    return triton_lib.compile_ttir_inplace(module, backend, options, capability, "cuda")
+
+
+def with_unread_parameters(ptx: str, position: int, count: int) -> str:
+    """`ptx` with `count` more pointer parameters at `position` of its entry's list, which its code never reads
+    (they take the operands a launch passes without the kernel's asking: zeros that an output is aliased to).
+    PTX reads its parameters by name, so the others are unchanged."""
+    if not count:
+        return ptx
+    entry = re.search(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx, re.S)
+    if entry is None:
+        raise ValueError("jinsum: no .entry in the kernel's PTX")
+    name, body = entry.group(1), entry.group(2)
+    declared = [line.rstrip(",") for line in body.strip().splitlines()]
+    unread = [f"\t.param .u64 .ptr .global .align 1 {name}_param_unread_{k}" for k in range(count)]
+    params = declared[:position] + unread + declared[position:]
+    return ptx[:entry.start(2)] + "\n" + ",\n".join(params) + "\n" + ptx[entry.end(2):]
 
 
 def _interpreter_call(kernel, *args, out_shape, grid, num_warps: int, num_stages: int, name: str,
@@ -104,14 +176,14 @@ def _interpreter_call(kernel, *args, out_shape, grid, num_warps: int, num_stages
     return results[0] if single else results
 
 
-JAX_TRITON = Launcher("jax-triton", jnp, _jax_triton_call)
+XLA_KERNEL = Launcher("xla-kernel-node", jnp, _kernel_node_call)
 INTERPRETER = Launcher("interpreter", np, _interpreter_call)
 
-_TARGET: contextvars.ContextVar[Launcher] = contextvars.ContextVar("jinsum_launch_target", default=JAX_TRITON)
+_TARGET: contextvars.ContextVar[Launcher] = contextvars.ContextVar("jinsum_launch_target", default=XLA_KERNEL)
 
 
 def target() -> Launcher:
-    """Where kernels launched from lowerings run: jax-triton, or the interpreter within `interpreted()`."""
+    """Where kernels launched from lowerings run: XLA kernel nodes, or the interpreter within `interpreted()`."""
     return _TARGET.get()
 
 
@@ -128,7 +200,7 @@ def interpreted():
 
 def available(launcher: Launcher) -> bool:
     """Whether `launcher` can run kernels here (jax-triton imports: the CPU build of jaxlib cannot import it)."""
-    return launcher is not JAX_TRITON or _jax_triton_imports()
+    return launcher is not XLA_KERNEL or _jax_triton_imports()
 
 
 @functools.cache
@@ -153,7 +225,6 @@ def jax_triton():
         os.environ["TRITON_CACHE_DIR"] = previous
     _kernel_cache.install(module.triton_lib)
     _install_scratch_redirect(module.triton_lib)
-    _start_triton_specializer_without_torch()
     return module
 
 
@@ -210,25 +281,6 @@ def _install_scratch_redirect(triton_lib) -> None:
 
     triton_lib.compile_ttir_inplace = compile_with_scratch
     triton_lib._jinsum_scratch_redirect = True
-
-
-def _start_triton_specializer_without_torch() -> None:
-    """Triton's argument specializer imports torch on its first call, once per process, to recognise torch
-    tensors; jax-triton calls it while lowering the first kernel. Where torch is installed, that import costs
-    seconds of the first lowering of every process (DESIGN.md), in processes that never touch torch. So it makes
-    its first call here with torch hidden, unless torch is already imported. Torch tensors handed to Triton
-    kernels later in the same process still specialise, by the path for any object with a `data_ptr`."""
-    if "torch" in sys.modules:
-        return
-    from triton._C.libtriton import native_specialize_impl  # noqa: PLC0415
-    from triton.backends.compiler import BaseBackend  # noqa: PLC0415
-
-    sys.modules["torch"] = None  # `import torch` raises ImportError, which the specializer expects
-    try:
-        native_specialize_impl(BaseBackend, 1, False, True, True)
-    finally:
-        if sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
 
 
 def to_torch(x: np.ndarray):

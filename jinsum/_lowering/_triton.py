@@ -1,4 +1,4 @@
-"""Generated kernels run: a statement's kernel plan (its `route`) launched, on CUDA arrays through jax-triton in the
+"""Generated kernels run: a statement's kernel plan (its `route`) launched, on CUDA arrays as XLA kernel nodes in the
 primitive's CUDA lowering, or in Triton's interpreter on NumPy arrays (`interpret`), which is how CI runs every
 generated kernel without a GPU. Both go through the one launcher (`_launch`) and the same launch sequence (`run`).
 """
@@ -42,7 +42,7 @@ def evaluate(found: Route, arrays) -> jax.Array:
     statement_arrays, captures = split_epilogue(arrays, spec)
     kernel_spec = found.plan.spec
     env = dict(zip(kernel_spec.names, statement_arrays)) | dict(zip(kernel_spec.epilogue_names, captures))
-    return run(found, env, _launch.JAX_TRITON)
+    return run(found, env, _launch.XLA_KERNEL)
 
 
 def run(found: Route, env: dict, launcher: _launch.Launcher):
