@@ -20,7 +20,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from jinsum._lowering._launch import JAX_TRITON
+from jinsum._lowering._launch import XLA_KERNEL
 from jinsum.timing import time_calls
 
 from _harness import (NOTE, SYSTEM, WORKLOAD, Column, Results, command, device_file_name, device_name,  # (benchmarks/)
@@ -71,7 +71,7 @@ def _kernel_matmul(kernel, size: int, tile, **launch):
     grid = ((size // bm) * (size // bn),)
 
     def matmul(a, b):
-        return JAX_TRITON.call(kernel, a, b, size, size, size, out_shape=jax.ShapeDtypeStruct((size, size),
+        return XLA_KERNEL.call(kernel, a, b, size, size, size, out_shape=jax.ShapeDtypeStruct((size, size),
                                                                                              jnp.bfloat16),
                                grid=grid, num_warps=warps, num_stages=stages, name=kernel.__name__, BM=bm, BN=bn,
                                BK=bk, STAGES=stages, GROUP=8, **launch)
