@@ -29,9 +29,9 @@ from jinsum._rules._primitive import apply_epilogue, split_epilogue
 from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, tuned_config
 
 # Below this many terms (the product of every variable's extent: rows x slots x features for an SpMM) a statement
-# runs on XLA's lowering on CUDA too: its fused gathers run inside the step's CUDA graph, while a generated kernel
-# is a custom call launched on its own, and the launch costs more than the kernel saves (the crossover measured by
-# `benchmarks/crossover.py`, DESIGN.md). Derivatives in column order keep their kernel at any size: XLA's
+# runs on XLA's lowering on CUDA too: the launch cost more than the kernel saved (the crossover measured by
+# `benchmarks/crossover.py` when kernels were custom calls outside the step's CUDA graph, DESIGN.md; kernel nodes,
+# which the graph captures, are to be measured again). Derivatives in column order keep their kernel at any size: XLA's
 # scatter adds a hub column's entries atomically one after another, where the kernel sums them in registers.
 # `JINSUM_SMALL_TERMS=0` sends every statement to a kernel (the tests do, to test the kernels).
 SMALL_TERMS = 1 << 24
