@@ -24,8 +24,10 @@ Max aggregation (`SAGEConv(aggr="max")`, `EdgeConv` with linear messages, `jinsu
 Mixed precision (`--dtype bfloat16`): GCN and GraphSAGE with the layers' `dtype=bfloat16` (float32 parameters and
 Adam), jinsum (default and deterministic) and the segment-op layers computing in bfloat16 likewise.
 
-Timing: `jinsum.timing.time_calls` (back-to-back steps, one sync per round, median of rounds) for every system,
-and each jinsum step's device time by kernel. Results go to `--out` as `training_<device>.{md,csv}`.
+Timing: back-to-back steps, one sync per round, median of rounds, for every system: the JAX systems of a workload
+in interleaved rounds (`jinsum.timing.time_interleaved`: the small graphs' steps are the host's, whose speed drifts),
+PyG with `jinsum.timing.time_calls`; and each jinsum step's device time by kernel. Results go to `--out` as
+`training_<device>.{md,csv}`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import os
 import pathlib
 import sys
 import time
+import traceback
+from collections.abc import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
 
@@ -47,13 +51,13 @@ from flax import nnx  # noqa: E402
 import jinsum  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum.datasets import load_planetoid, rmat  # noqa: E402
-from jinsum.timing import kernel_times, time_calls  # noqa: E402
+from jinsum.timing import kernel_times, time_calls, time_interleaved  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from _harness import (  # noqa: E402
-    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio, sync_torch,
-    versions_text, write)
+    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, failure, ratio,
+    sync_torch, versions_text, write)
 from _training import segment_convs, segment_graph, segment_max_convs, train_step  # noqa: E402
 from gcn.main import GCN, BCOOGCNConv  # noqa: E402
 
@@ -92,23 +96,46 @@ def graphs(scale: int, chosen: list[str]):
            jnp.asarray(rng.standard_normal((n, 128)).astype(np.float32)), jnp.asarray(rng.integers(0, 3, n)))
 
 
-def jax_step(model, x, y, graph, calls: int, kernels: bool, deterministic: bool = False) -> dict:
-    """The row's columns of a training step of `model`: ms, and (`kernels`) the device time in a note."""
+def compiled_step(model, x, y, graph, deterministic: bool = False) -> Callable[[], object]:
+    """A training step of `model` compiled (Adam, learning rate 0.01), as a function of no arguments."""
     step, state = train_step(model, 0.01)
     with jinsum.deterministic(deterministic):  # (the mode is read while tracing: the executable keeps it)
         compiled = jax.jit(step).lower(state, x, y, graph).compile()
-    ms = 1e3 * time_calls(lambda: compiled(state, x, y, graph), calls=calls)
-    if not kernels:
-        return {"ms": ms}
-    times = kernel_times(lambda: compiled(state, x, y, graph), calls=10)
-    if not times:  # (no GPU trace)
-        return {"ms": ms}
+    return lambda: compiled(state, x, y, graph)
+
+
+def device_note(run: Callable[[], object]) -> dict:
+    """The device time of `run` and jinsum's kernels' share of it, as a note (nothing without a GPU trace)."""
+    times = kernel_times(run, calls=10)
+    if not times:
+        return {}
     ours = sum(t for name, t in times.items() if name.startswith("jinsum"))
     if BREAKDOWN:
         print(f"    device time by kernel (top {BREAKDOWN} of {len(times)}):")
         for name, t in sorted(times.items(), key=lambda item: -item[1])[:BREAKDOWN]:
             print(f"      {1e3 * t:8.3f} ms  {name[:100]}")
-    return {"ms": ms, "note": f"device {1e3 * sum(times.values()):.3f} ms, of which jinsum kernels {1e3 * ours:.3f}"}
+    return {"note": f"device {1e3 * sum(times.values()):.3f} ms, of which jinsum kernels {1e3 * ours:.3f}"}
+
+
+def time_jax_systems(workload: str, systems: dict[str, tuple[Callable[[], Callable], bool]], calls: int) -> None:
+    """The rows of `systems` (name -> (make its compiled step, note its kernels)): every step compiled first, then
+    all timed together in interleaved rounds (`jinsum.timing.time_interleaved`: small steps are the host's, whose
+    speed drifts); a system that fails is a row with the failure as its note."""
+    ready, failed = {}, {}
+    for system, (make, _) in systems.items():
+        try:
+            ready[system] = make()
+            jax.block_until_ready(ready[system]())  # (a step that fails when it runs fails here, alone)
+        except Exception as error:  # noqa: BLE001 (reported in the results, not fatal)
+            ready.pop(system, None)
+            traceback.print_exc(limit=2)
+            failed[system] = failure(error)
+    seconds = time_interleaved(ready, calls=calls) if ready else {}
+    for system, (_, kernels) in systems.items():
+        if system in failed:
+            RESULTS.record(workload, system, note=failed[system])
+        else:
+            RESULTS.record(workload, system, ms=1e3 * seconds[system], **(device_note(ready[system]) if kernels else {}))
 
 
 def without_column_order(A: jinsum.GroupCOO) -> jinsum.GroupCOO:
@@ -152,9 +179,9 @@ def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str], dtyp
             src, dst, weight = with_loops
             systems["BCOO"] = (BCOOGCNConv, sparse.BCOO((weight, jnp.stack([dst, src], 1)), shape=(nodes, nodes)),
                                False)
-        for system, (conv, graph, kernels, *deterministic) in systems.items():
-            RESULTS.attempt(workload, system, lambda conv=conv, graph=graph, k=kernels, d=deterministic: jax_step(
-                model(conv, x, classes), x, y, graph, calls, k, *d))
+        time_jax_systems(workload, {system: (lambda conv=conv, graph=graph, d=deterministic: compiled_step(
+            model(conv, x, classes), x, y, graph, *d), kernels)
+            for system, (conv, graph, kernels, *deterministic) in systems.items()}, calls)
         if torch is not None:
             RESULTS.attempt(workload, f"PyG {model_name} (CSR adj_t)",
                             lambda m=model_name: pyg_step(m, edge_index, nodes, x, y, classes, calls))
@@ -172,11 +199,10 @@ def run_mixed_precision(name, x, y, calls, models, adjacency, dtype, SegmentGCNC
         workload = f"{model_name} step {dtype}, {name}"
         print(f"\n{workload}")
         ours, theirs = (functools.partial(conv, dtype=dtype) for conv in (jinsum_conv, segment_conv))
-        RESULTS.attempt(workload, "jinsum", lambda: jax_step(model(ours, x, classes), x, y, adjacency, calls, True))
-        RESULTS.attempt(workload, "jinsum, deterministic",
-                        lambda: jax_step(model(ours, x, classes), x, y, adjacency, calls, True, True))
-        RESULTS.attempt(workload, "gathers + segment_sum",
-                        lambda: jax_step(model(theirs, x, classes), x, y, edges, calls, False))
+        time_jax_systems(workload, {
+            "jinsum": (lambda: compiled_step(model(ours, x, classes), x, y, adjacency), True),
+            "jinsum, deterministic": (lambda: compiled_step(model(ours, x, classes), x, y, adjacency, True), True),
+            "gathers + segment_sum": (lambda: compiled_step(model(theirs, x, classes), x, y, edges), False)}, calls)
 
 
 def run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, edges) -> None:
@@ -190,12 +216,12 @@ def run_max_models(name, edge_index, nodes, x, y, calls, models, adjacency, edge
             continue
         workload = f"{model_name} step, {name}"
         print(f"\n{workload}")
-        RESULTS.attempt(workload, "jinsum",
-                        lambda c=jinsum_conv: jax_step(model(c, x, classes), x, y, adjacency, calls, True))
-        RESULTS.attempt(workload, "jinsum, deterministic",
-                        lambda c=jinsum_conv: jax_step(model(c, x, classes), x, y, adjacency, calls, True, True))
-        RESULTS.attempt(workload, "gathers + segment_max",
-                        lambda c=segment_conv: jax_step(model(c, x, classes), x, y, edges, calls, False))
+        time_jax_systems(workload, {
+            "jinsum": (lambda c=jinsum_conv: compiled_step(model(c, x, classes), x, y, adjacency), True),
+            "jinsum, deterministic": (lambda c=jinsum_conv: compiled_step(model(c, x, classes), x, y, adjacency, True),
+                                      True),
+            "gathers + segment_max": (lambda c=segment_conv: compiled_step(model(c, x, classes), x, y, edges), False)},
+            calls)
         if torch is not None:
             for layout in ("CSR adj_t", "edge_index"):
                 RESULTS.attempt(workload, f"PyG {model_name} ({layout})", lambda m=model_name, layout=layout: pyg_step(
@@ -246,8 +272,9 @@ def write_results(out: pathlib.Path, started: float, tag: str = "") -> None:
     for row in rows:
         row["vs_jinsum"] = ratio(row["ms"], baseline(rows, row, lambda r: r["system"] == "jinsum"))
     preamble = (f"{versions_text()}; `{command(__file__)}` ({time.time() - started:.0f} s). ms: median over rounds "
-                "of back-to-back steps (`jinsum.timing.time_calls`); x jinsum: the system's time over jinsum's (above "
-                "1: jinsum is faster).")
+                "of back-to-back steps, a workload's JAX systems in interleaved rounds "
+                "(`jinsum.timing.time_interleaved`); x jinsum: the system's time over jinsum's (above 1: jinsum is "
+                "faster).")
     write(out / f"training{'_' + tag if tag else ''}_{device_file_name()}", f"GNN training steps on {device_name()}",
           [preamble], COLUMNS, rows, csv_fields=[c.key for c in COLUMNS])
 

@@ -2,8 +2,10 @@
 
 A host timer around one call of a jitted function measures dispatch, not the device. `time_calls` warms up
 (compilation, caches), then times `calls` back-to-back calls closed by one synchronisation, divides by `calls`,
-and reports the median over `rounds`. `device_time` reads what the GPU itself spent per call from a profiler
-trace, for workloads so small that back-to-back calls measure the host's dispatch.
+and reports the median over `rounds`. `time_interleaved` does the same for several systems at once, their rounds
+taken in turn, so that a host whose speed drifts during a comparison moves every system alike (small steps are the
+host's dispatch). `device_time` reads what the GPU itself spent per call from a profiler trace, for workloads so
+small that back-to-back calls measure the host's dispatch.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import pathlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 
@@ -33,6 +35,28 @@ def time_calls(fn: Callable, *args, calls: int = 20, rounds: int = 5, warmup: in
         sync(out)
         per_call.append((time.perf_counter() - start) / calls)
     return statistics.median(per_call)
+
+
+def time_interleaved(fns: Mapping[str, Callable[[], object]], *, calls: int = 20, rounds: int = 5, warmup: int = 2,
+                     sync: Callable = jax.block_until_ready) -> dict[str, float]:
+    """Median seconds per call of each of `fns` (functions of no arguments, by name), timed as `time_calls` times
+    one, but round by round: every round times `calls` back-to-back calls of each function, in an order that
+    rotates from round to round. A small step's time is the host's, which drifts by tens of percent over a minute
+    (DESIGN.md, issue 44); measured one after another, two systems would each get their own minute."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            sync(fns[name]())
+    per_call: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = fns[name]()
+            sync(out)
+            per_call[name].append((time.perf_counter() - start) / calls)
+    return {name: statistics.median(times) for name, times in per_call.items()}
 
 
 def device_time(fn: Callable, *args, calls: int = 20, warmup: int = 2,
