@@ -451,6 +451,20 @@ def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
         assert_allclose(interpret(spec, spmm), reference(expression, **spmm), dtype, err_msg=str((c, o)))
 
 
+def test_a_pair_summed_to_one_number_is_not_split_off(rng):
+    """Three factors where the only pairs to contract first sum to a scalar (`X0[a] * X2[I[a,b],c]` over every
+    variable of theirs): no plan writes a 0-d array, so the statement stays whole (a lanes kernel), equal to the
+    reference. (Found by the random statements: the route crashed planning the scalar.)"""
+    expression = "Out[n] = X0[a] * X2[I[a,b],c] * X3[n]"
+    operands = dict(X0=rng.standard_normal(3).astype(np.float32), I=rng.integers(0, 4, (3, 2)).astype(np.int32),
+                    X2=rng.standard_normal((4, 5)).astype(np.float32), X3=rng.standard_normal(6).astype(np.float32),
+                    Out=np.zeros(6, np.float32))
+    spec = _spec(expression, operands)
+    found = route(spec)
+    assert found.kernel and not found.pairwise
+    assert_allclose(interpret(spec, operands), reference(expression, **operands), np.float32)
+
+
 def test_wide_outputs_are_not_cut_into_chunks():
     """A long reduction into an output of many tiles (a grouped product's 16,384 x 14,336 rows) runs unchunked,
     in one program per tile (no float32 atomics); wide tiles take 128 x 256 over 8 warps."""
