@@ -145,12 +145,10 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
     splits = []
     for pair in ((i, j) for i in factors for j in factors if i < j):
         split = _derive.contracted_first(statement, pair, name)
-        if _through_one_index(split[0]):
+        if split is not None and _through_one_index(split[0]):
             split = _derive.contracted_at_index(statement, pair, name)
         splits += [(split, pair), (_derive.contracted_into_rows(statement, pair, name), pair)]
     for (first, rest), pair in ((split, pair) for split, pair in splits if split is not None):
-        if not first.lhs.indices:  # (a pair summed to one number: no plan writes a 0-d array, nor would it pay)
-            continue
         shape = _intermediate_shape(first, spec)
         dtype = np.result_type(*(spec.operand[statement.factors[k].tensor].dtype for k in pair))
         first_spec, rest_spec = _checked_split(spec, first, rest, Operand(name, shape, np.dtype(dtype)))

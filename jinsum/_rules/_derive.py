@@ -198,7 +198,7 @@ def in_pieces(statement: Statement, pieces: str, piece_of: str, piece_rows: str)
     return per_piece, per_row
 
 
-def contracted_first(statement: Statement, pair: tuple[int, int], name: str) -> tuple[Statement, Statement]:
+def contracted_first(statement: Statement, pair: tuple[int, int], name: str) -> tuple[Statement, Statement] | None:
     """A sum of three or more factors with two of them contracted first, as an intermediate `name`.
 
     `Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]` with the pair `(1, 2)` gives `T[g,p,n] += X[Ak[g,p],c]
@@ -206,7 +206,9 @@ def contracted_first(statement: Statement, pair: tuple[int, int], name: str) -> 
     * T[g,p,n]`; with the pair `(0, 1)`, `T[g,p,c] += Av[g,p] * X[Ak[g,p],c]` (element-wise: nothing is summed
     inside the pair) and `Y[Ak[g,p],n] += W[Ai[g],c,n] * T[g,p,c]`. The intermediate is indexed by the pair's
     variables that the left-hand side or another factor read, directly: those inside the statement's index arrays
-    first, in order of first appearance there, then the others in the pair's order.
+    first, in order of first appearance there, then the others in the pair's order. None where the pair's product
+    sums to one number (no variable of the pair is read outside it): an access has one index per dimension, and a
+    0-d intermediate is no statement of the language.
     """
     first, second = (statement.factors[k] for k in pair)
     pair_variables = list(dict.fromkeys((*variables(first), *variables(second))))
@@ -218,6 +220,8 @@ def contracted_first(statement: Statement, pair: tuple[int, int], name: str) -> 
                                    if node is not access for v in node.indices if isinstance(v, Var)))
     kept = sorted((v for v in pair_variables if v in outside),
                   key=lambda v: (structure.index(v) if v in structure else len(structure), pair_variables.index(v)))
+    if not kept:
+        return None
     intermediate = Access(name, tuple(Var(v) for v in kept))
     return (Statement(intermediate, True, (first, second)),
             dataclasses.replace(statement, factors=(*others, intermediate), source=""))
