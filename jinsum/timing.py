@@ -25,23 +25,14 @@ def time_calls(fn: Callable, *args, calls: int = 20, rounds: int = 5, warmup: in
     `sync(output)` waits for the device: `jax.block_until_ready` for JAX; pass e.g.
     `lambda _: torch.cuda.synchronize()` to time another framework the same way.
     """
-    for _ in range(warmup):
-        sync(fn(*args))
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        sync(out)
-        per_call.append((time.perf_counter() - start) / calls)
-    return statistics.median(per_call)
+    return time_interleaved({"": lambda: fn(*args)}, calls=calls, rounds=rounds, warmup=warmup, sync=sync)[""]
 
 
 def time_interleaved(fns: Mapping[str, Callable[[], object]], *, calls: int = 20, rounds: int = 5, warmup: int = 2,
                      sync: Callable = jax.block_until_ready) -> dict[str, float]:
-    """Median seconds per call of each of `fns` (functions of no arguments, by name), timed as `time_calls` times
-    one, but round by round: every round times `calls` back-to-back calls of each function, in an order that
-    rotates from round to round. A small step's time is the host's, which drifts by tens of percent over a minute
+    """Median seconds per call of each of `fns` (functions of no arguments, by name), over `rounds` rounds: each
+    round times `calls` back-to-back calls of each function, closed by one `sync`, in an order that rotates from
+    round to round. A small step's time is the host's, which drifts by tens of percent over a minute
     (DESIGN.md, issue 44); measured one after another, two systems would each get their own minute."""
     names = list(fns)
     for name in names:
