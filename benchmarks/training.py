@@ -38,7 +38,6 @@ import os
 import pathlib
 import sys
 import time
-import traceback
 from collections.abc import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -56,8 +55,8 @@ from jinsum.timing import kernel_times, time_calls, time_interleaved  # noqa: E4
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from _harness import (  # noqa: E402
-    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, failure, ratio,
-    sync_torch, versions_text, write)
+    NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio, sync_torch,
+    versions_text, write)
 from _training import segment_convs, segment_graph, segment_max_convs, train_step  # noqa: E402
 from gcn.main import GCN, BCOOGCNConv  # noqa: E402
 
@@ -118,24 +117,25 @@ def device_note(run: Callable[[], object]) -> dict:
 
 
 def time_jax_systems(workload: str, systems: dict[str, tuple[Callable[[], Callable], bool]], calls: int) -> None:
-    """The rows of `systems` (name -> (make its compiled step, note its kernels)): every step compiled first, then
-    all timed together in interleaved rounds (`jinsum.timing.time_interleaved`: small steps are the host's, whose
-    speed drifts); a system that fails is a row with the failure as its note."""
-    ready, failed = {}, {}
+    """The rows of `systems` (name -> (make its compiled step, note its kernels)): every step compiled and run once
+    first, then all timed together in interleaved rounds (`jinsum.timing.time_interleaved`: small steps are the
+    host's, whose speed drifts); a system that failed is its row's note (`Results.attempt`)."""
+    ready = {}
     for system, (make, _) in systems.items():
         try:
             ready[system] = make()
             jax.block_until_ready(ready[system]())  # (a step that fails when it runs fails here, alone)
-        except Exception as error:  # noqa: BLE001 (reported in the results, not fatal)
-            ready.pop(system, None)
-            traceback.print_exc(limit=2)
-            failed[system] = failure(error)
-    seconds = time_interleaved(ready, calls=calls) if ready else {}
+        except Exception as error:  # noqa: BLE001 (its row reports it)
+            ready[system] = error
+    seconds = time_interleaved({s: run for s, run in ready.items() if not isinstance(run, Exception)}, calls=calls)
+
+    def measured(system: str, kernels: bool) -> dict:
+        if isinstance(ready[system], Exception):
+            raise ready[system]
+        return {"ms": 1e3 * seconds[system], **(device_note(ready[system]) if kernels else {})}
+
     for system, (_, kernels) in systems.items():
-        if system in failed:
-            RESULTS.record(workload, system, note=failed[system])
-        else:
-            RESULTS.record(workload, system, ms=1e3 * seconds[system], **(device_note(ready[system]) if kernels else {}))
+        RESULTS.attempt(workload, system, lambda system=system, kernels=kernels: measured(system, kernels))
 
 
 def without_column_order(A: jinsum.GroupCOO) -> jinsum.GroupCOO:
