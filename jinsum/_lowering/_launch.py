@@ -78,7 +78,8 @@ def _kernel_node_call(kernel, *args, out_shape, grid, num_warps: int, num_stages
     names = kernel.arg_names
     constants = {names[i]: a.item() if isinstance(a, np.generic) else a for i, a in enumerate(args)
                  if isinstance(a, scalar)}
-    pointers = {names[i]: _pointer_type(a.dtype) for i, a in enumerate([*args, *structs])
+    pointer_type = jax_triton().triton_lib.get_triton_type  # (Triton's names: "*bf16", as jax-triton gives them)
+    pointers = {names[i]: pointer_type(jax.core.ShapedArray((), a.dtype)) for i, a in enumerate([*args, *structs])
                 if not isinstance(a, scalar)}
     compiled = _compiled(kernel, tuple(pointers.items()), tuple({**constants, **constexprs}.items()), num_warps,
                          num_stages)
@@ -93,11 +94,6 @@ def _kernel_node_call(kernel, *args, out_shape, grid, num_warps: int, num_stages
                    shared_mem_bytes=compiled.shared_mem_bytes)
     results = list(results)[:len(structs) - bool(global_scratch)]
     return results[0] if single else results
-
-
-def _pointer_type(dtype) -> str:
-    """Triton's pointer type for an array of `dtype` (as jax-triton names them)."""
-    return jax_triton().triton_lib.get_triton_type(jax.core.ShapedArray((), dtype))
 
 
 @functools.cache
