@@ -103,23 +103,27 @@ def compiled_step(model, x, y, graph, deterministic: bool = False) -> Callable[[
     return lambda: compiled(state, x, y, graph)
 
 
-def device_note(run: Callable[[], object]) -> dict:
-    """The device time of `run` and jinsum's kernels' share of it, as a note (nothing without a GPU trace)."""
+def device_note(run: Callable[[], object], ours: bool) -> dict:
+    """The device time of `run` as a note, with jinsum's kernels' share of it where the system is `ours` (nothing
+    without a GPU trace). Wall time minus this is what the host adds to a step."""
     times = kernel_times(run, calls=10)
     if not times:
         return {}
-    ours = sum(t for name, t in times.items() if name.startswith("jinsum"))
     if BREAKDOWN:
         print(f"    device time by kernel (top {BREAKDOWN} of {len(times)}):")
         for name, t in sorted(times.items(), key=lambda item: -item[1])[:BREAKDOWN]:
             print(f"      {1e3 * t:8.3f} ms  {name[:100]}")
-    return {"note": f"device {1e3 * sum(times.values()):.3f} ms, of which jinsum kernels {1e3 * ours:.3f}"}
+    note = f"device {1e3 * sum(times.values()):.3f} ms"
+    if ours:
+        note += f", of which jinsum kernels {1e3 * sum(t for n, t in times.items() if n.startswith('jinsum')):.3f}"
+    return {"note": note}
 
 
 def time_jax_systems(workload: str, systems: dict[str, tuple[Callable[[], Callable], bool]], calls: int) -> None:
-    """The rows of `systems` (name -> (make its compiled step, note its kernels)): every step compiled and run once
-    first, then all timed together in interleaved rounds (`jinsum.timing.time_interleaved`: small steps are the
-    host's, whose speed drifts); a system that failed is its row's note (`Results.attempt`)."""
+    """The rows of `systems` (name -> (make its compiled step, whether it is jinsum's)): every step compiled and run
+    once first, then all timed together in interleaved rounds (`jinsum.timing.time_interleaved`: small steps are the
+    host's, whose speed drifts), then each one's device time noted; a system that failed is its row's note
+    (`Results.attempt`)."""
     ready = {}
     for system, (make, _) in systems.items():
         try:
@@ -132,7 +136,7 @@ def time_jax_systems(workload: str, systems: dict[str, tuple[Callable[[], Callab
     def measured(system: str, kernels: bool) -> dict:
         if isinstance(ready[system], Exception):
             raise ready[system]
-        return {"ms": 1e3 * seconds[system], **(device_note(ready[system]) if kernels else {})}
+        return {"ms": 1e3 * seconds[system], **device_note(ready[system], ours=kernels)}
 
     for system, (_, kernels) in systems.items():
         RESULTS.attempt(workload, system, lambda system=system, kernels=kernels: measured(system, kernels))

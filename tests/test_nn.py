@@ -88,10 +88,11 @@ def _gcn_reference(conv, x, A, add_self_loops, normalize):
 
 @pytest.mark.parametrize("add_self_loops, normalize, weighted", [(True, True, False), (True, True, True),
                                                                  (False, True, True), (True, False, False)])
-def test_gcn_matches_dense(rng, add_self_loops, normalize, weighted):
+@pytest.mark.parametrize("out_features", [4, 8])  # (narrower: x W first; wider: A x first)
+def test_gcn_matches_dense(rng, add_self_loops, normalize, weighted, out_features):
     edge_index, values = _graph(rng, weighted=weighted)
-    conv = _randomize(jnn.GCNConv(F_IN, 4, add_self_loops=add_self_loops, normalize=normalize, rngs=nnx.Rngs(0)),
-                      rng)
+    conv = _randomize(jnn.GCNConv(F_IN, out_features, add_self_loops=add_self_loops, normalize=normalize,
+                                  rngs=nnx.Rngs(0)), rng)
     x = _features(rng, N, F_IN)
     out = _apply(conv, x, jnn.adjacency(edge_index, N, values=values, group_size=4))  # with padding slots
     _close(out, _gcn_reference(conv, x, _dense(edge_index, values), add_self_loops, normalize))

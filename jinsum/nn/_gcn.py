@@ -9,7 +9,7 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.nn._graph import aggregate, expect_adjacency, row_sums
+from jinsum.nn._graph import aggregate, expect_adjacency, row_sums, transform_first
 
 
 def gcn_scale(A: GroupCOO | BlockGroupCOO, dtype, self_loops: float = 1.0) -> jax.Array:
@@ -52,6 +52,8 @@ class GCNConv(nnx.Module):
     segment sum over the stored entries, `D[Ai[g]] += Av[g,p]`) and `h = (x W) * deg^-1/2`, the output is
     `deg^-1/2 * (A @ h + h)`, where `A @ h` is one SpMM, `C[Ai[g],n] += Av[g,p] * h[Ak[g,p],n]`. An existing
     self loop of weight `w` therefore counts `w + 1` (PyG's `add_remaining_self_loops` would replace it).
+    The propagation commutes with `W`, so it runs on the narrower side: `(A x) W` where `in_features <
+    out_features` (`transform_first`).
     Nodes of degree <= 0 (e.g. no self loops and no in-edges) get `deg^-1/2 = 0`, as in PyG. With `improved`,
     the self loops weigh 2 (`A + 2I`).
 
@@ -89,8 +91,16 @@ class GCNConv(nnx.Module):
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
         """`x` `(N, in_features)`, `A` a `GroupCOO` or `BlockGroupCOO` `(N, N)` -> `(N, out_features)`."""
         expect_adjacency("GCNConv", A, x, (GroupCOO, BlockGroupCOO), self.linear.in_features)
-        h = self.linear(x)
         bias = None if self.bias is None else self.bias[...]
+        if transform_first(A, self.linear.in_features, self.linear.out_features):
+            return self._propagate(A, self.linear(x), bias)
+        # The propagation is linear and acts on rows, so it commutes with `W`: it runs on the narrower side.
+        dtype = self.linear.dtype or jnp.result_type(x, self.linear.kernel[...])
+        out = self.linear(self._propagate(A, x.astype(dtype), None))
+        return out if bias is None else out + bias.astype(out.dtype)
+
+    def _propagate(self, A: GroupCOO | BlockGroupCOO, h: jax.Array, bias: jax.Array | None) -> jax.Array:
+        """`D^-1/2 (A + I) D^-1/2 h (+ bias)`, or without the normalisation `(A + I) h (+ bias)`."""
         if self.normalize:  # (degrees summed in float32 at least: a hub's degree is not exact in bfloat16)
             scale = gcn_scale(A, jnp.promote_types(h.dtype, jnp.float32), self.self_loops)
             return gcn_propagate(A, h, scale, self.self_loops, bias)

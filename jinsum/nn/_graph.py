@@ -101,6 +101,21 @@ def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
     return jinsum.einsum("ik,kn->in", A.astype(h.dtype), h)
 
 
+def transform_first(A, in_features: int, out_features: int) -> bool:
+    """Whether a linear layer's `A (x W)` costs fewer multiply-adds than `(A x) W`: `N_src F_in F_out + nnz F_out`
+    against `nnz F_in + N_dst F_in F_out`. On a square graph that is the narrower width: a GCN's first layer (128 ->
+    256) aggregates its 128 input features, and as nothing differentiates the input its backward runs no SpMM. On a
+    sampled bipartite layer, with many more sources than destinations, transforming every source first is many
+    times the work, and its backward is an atomic scatter into all the sources (DESIGN.md, "Order a mean's product
+    by multiply-adds")."""
+    n_dst, n_src = A.shape[:2]
+    if n_dst == n_src:
+        return out_features < in_features
+    nnz = A.nnz * (A.block_shape[0] * A.block_shape[1] if isinstance(A, BlockGroupCOO) else 1)
+    transform_first = n_src * in_features * out_features + nnz * out_features
+    return transform_first < nnz * in_features + n_dst * in_features * out_features
+
+
 def aggregate_extreme(A: GroupCOO, h: jax.Array, reduction: str = "max", *, weighted: bool = False,
                       empty: float | None = 0.0, out: jax.Array | None = None) -> jax.Array:
     """The largest (`"max"`) or smallest (`"min"`) of the rows of `h` over each row's stored entries, times the

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.nn._aggregation import AGGREGATIONS, multi_aggregate
-from jinsum.nn._graph import aggregate, expect_adjacency, node_features, row_sums
+from jinsum.nn._graph import aggregate, expect_adjacency, node_features, row_sums, transform_first
 
 
 
@@ -87,7 +87,7 @@ class SAGEConv(nnx.Module):
             if self.aggrs == ("mean",):
                 deg = row_sums(A, jnp.promote_types(x.dtype, jnp.float32))[:, None]
                 scale = (1 / jnp.where(deg != 0, deg, 1)).astype(x.dtype)
-            if _transform_first(A, self.lin_neighbors.in_features, self.lin_neighbors.out_features):
+            if transform_first(A, self.lin_neighbors.in_features, self.lin_neighbors.out_features):
                 out = aggregate(A, self.lin_neighbors(neighbors)) * scale
             else:
                 out = self.lin_neighbors(aggregate(A, neighbors) * scale)
@@ -98,15 +98,3 @@ class SAGEConv(nnx.Module):
             out = out / jnp.maximum(jnp.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out
 
-
-def _transform_first(A, in_features: int, out_features: int) -> bool:
-    """Whether `A (x W)` costs fewer multiply-adds than `(A x) W`: `N_src F_in F_out + nnz F_out` against
-    `nnz F_in + N_dst F_in F_out`. On a square graph that is the narrower width. On a sampled bipartite layer,
-    with many more sources than destinations, transforming every source first is many times the work, and its
-    backward is an atomic scatter into all the sources (DESIGN.md, "Order a mean's product by multiply-adds")."""
-    n_dst, n_src = A.shape[:2]
-    if n_dst == n_src:
-        return out_features < in_features
-    nnz = A.nnz * (A.block_shape[0] * A.block_shape[1] if isinstance(A, BlockGroupCOO) else 1)
-    transform_first = n_src * in_features * out_features + nnz * out_features
-    return transform_first < nnz * in_features + n_dst * in_features * out_features
