@@ -138,7 +138,7 @@ def _without_self_loops(edge_index):
 
 
 @pytest.mark.parametrize("layer", ["GCNConv improved", "SGConv K=3", "APPNP", "GraphConv add", "GraphConv mean",
-                                   "GraphConv max"])
+                                   "GraphConv max", "GraphConv mean wide"])  # (wide: aggregates before W_2)
 def test_propagation_layers(layer, rng):
     edge_index = _without_self_loops(_edges(rng))
     weights = rng.uniform(0.5, 2.0, edge_index.shape[1])
@@ -157,9 +157,9 @@ def test_propagation_layers(layer, rng):
         elif layer == "APPNP":
             theirs, ours = pyg.APPNP(K=4, alpha=0.2).double(), jnn.APPNP(K=4, alpha=0.2)
         else:
-            aggr = layer.split()[1]
-            theirs = pyg.GraphConv(F_IN, F_OUT, aggr=aggr).double()
-            ours = jnn.GraphConv(F_IN, F_OUT, aggr=aggr, **f64)
+            aggr, out = layer.split()[1], 2 * F_IN if layer.endswith("wide") else F_OUT
+            theirs = pyg.GraphConv(F_IN, out, aggr=aggr).double()
+            ours = jnn.GraphConv(F_IN, out, aggr=aggr, **f64)
             _copy_linear(ours.lin_rel, theirs.lin_rel)
             _copy_linear(ours.lin_root, theirs.lin_root)
         _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jnn.adjacency(edge_index, N, values=weights),

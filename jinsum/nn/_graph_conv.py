@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jinsum.formats import GroupCOO
-from jinsum.nn._graph import aggregate, aggregate_extreme, expect_adjacency, node_features, row_sums
+from jinsum.nn._graph import (aggregate, aggregate_extreme, expect_adjacency, node_features, row_sums,
+                              transform_first)
 
 AGGREGATIONS = ("add", "mean", "max")
 
@@ -41,10 +42,15 @@ class GraphConv(nnx.Module):
         expect_adjacency("GraphConv", A, x, in_features=self.lin_root.in_features, sources=x_src,
                          source_features=self.lin_rel.in_features)
         if self.aggr == "max":
-            messages = aggregate_extreme(A, x_src, "max", weighted=True)
-        else:
-            messages = aggregate(A, x_src)
-            if self.aggr == "mean":
-                count = row_sums(A.with_values((A.Av != 0).astype(x.dtype)))[:, None]
-                messages = messages / jnp.maximum(count, 1)
-        return self.lin_rel(messages) + self.lin_root(x)
+            return self.lin_rel(aggregate_extreme(A, x_src, "max", weighted=True)) + self.lin_root(x)
+        # A sum or a mean commutes with `W_2`: it runs on the narrower side (the bias after it).
+        first = transform_first(A, self.lin_rel.in_features, self.lin_rel.out_features)
+        kernel = self.lin_rel.kernel[...]
+        messages = aggregate(A, x_src @ kernel if first else x_src.astype(jnp.result_type(x_src, kernel)))
+        if self.aggr == "mean":
+            count = row_sums(A.with_values((A.Av != 0).astype(x.dtype)))[:, None]
+            messages = messages / jnp.maximum(count, 1).astype(messages.dtype)
+        out = messages if first else messages @ kernel
+        if self.lin_rel.bias is not None:
+            out = out + self.lin_rel.bias[...]
+        return out + self.lin_root(x)
