@@ -59,9 +59,12 @@ def segment_convs():
 
         def __call__(self, x, graph):  # graph: segment_graph(..., self_loops=True)
             src, dst, weight = graph
-            h = self.linear(x)
-            return jax.ops.segment_sum(weight[:, None].astype(h.dtype) * h[src], dst, num_segments=x.shape[0],
-                                       indices_are_sorted=True) + self.bias[...].astype(h.dtype)
+            first = self.linear.out_features < x.shape[1]  # (on the narrower side of W, as jinsum's layer does)
+            h = self.linear(x) if first else x.astype(self.linear.dtype or x.dtype)
+            h = jax.ops.segment_sum(weight[:, None].astype(h.dtype) * h[src], dst, num_segments=x.shape[0],
+                                    indices_are_sorted=True)
+            h = h if first else self.linear(h)
+            return h + self.bias[...].astype(h.dtype)
 
     class SegmentSAGEConv(nnx.Module):
         def __init__(self, in_features, out_features, *, dtype=None, rngs):

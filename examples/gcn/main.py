@@ -39,7 +39,8 @@ PAPER_ACCURACY = {"cora": 0.815, "citeseer": 0.703}
 
 
 class BCOOGCNConv(nnx.Module):
-    """The jax.experimental.sparse baseline of `GCNConv`: `Â (x W) + b`, with `Â` the normalised BCOO adjacency.
+    """The jax.experimental.sparse baseline of `GCNConv`: `Â (x W) + b`, with `Â` the normalised BCOO adjacency
+    (`(Â x) W + b` where `W` widens, as `GCNConv` orders it).
 
     Its parameters have the names, shapes and initialisers of `jinsum.nn.GCNConv`'s, so that equal seeds give
     equal initial models.
@@ -50,7 +51,9 @@ class BCOOGCNConv(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,)))
 
     def __call__(self, x: jax.Array, A_hat: sparse.BCOO) -> jax.Array:
-        return A_hat @ self.linear(x) + self.bias[...]
+        if self.linear.out_features < self.linear.in_features:
+            return A_hat @ self.linear(x) + self.bias[...]
+        return self.linear(A_hat @ x) + self.bias[...]
 
 
 class GCN(nnx.Module):
