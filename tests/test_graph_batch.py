@@ -11,6 +11,7 @@ from flax import nnx
 
 import jinsum.graphs as jg
 import jinsum.nn as jnn
+from jinsum.graphs._batch import COLUMN_ORDER_DEGREE
 from jinsum.testing import CountingJit
 
 F = 3
@@ -129,6 +130,22 @@ def test_budget_from_the_dataset(rng):
     assert all(b.x.shape == batches[0].x.shape for b in batches)
 
 
+def test_the_column_order_is_built_where_the_dataset_has_hubs(rng):
+    """The loader measures the most edges into or out of one node (`max_degree`); a batch's adjacency sorts its
+    edges for the column order only above `COLUMN_ORDER_DEGREE`, or where the degree is not known."""
+    hub = COLUMN_ORDER_DEGREE + 1
+    star = dict(x=np.zeros((hub + 1, F)), edge_index=np.stack([np.arange(1, hub + 1), np.zeros(hub, int)]), y=0.0)
+    small = _graphs(rng, [5, 3])
+    degrees = [max(np.bincount(e, minlength=1).max() for e in g["edge_index"]) for g in small]
+    for graphs, degree in ((small, max(degrees)), (small + [star], hub)):
+        loader = jg.GraphLoader(graphs, 3, budget=jg.GraphBudget(nodes=64, edges=128, graphs=3))
+        assert loader.budget.max_degree == degree == jg.GraphBudget.for_dataset(graphs, 3).max_degree
+        (batch,) = _batches(loader)
+        assert (batch.adjacency().transposed is not None) == (degree > COLUMN_ORDER_DEGREE)
+    (batch,) = _batches(jg.GraphLoader(small, 3, budget=jg.GraphBudget(64, 128, 3, max_degree=None)))
+    assert batch.budget.max_degree is not None  # (the loader measured it)
+
+
 def test_a_graph_over_budget_is_an_error(rng):
     graphs = _graphs(rng, [2, 9, 3])
     with pytest.raises(ValueError, match=r"graph 1 has 9 nodes, more than the budget of 8 nodes"):
@@ -200,12 +217,13 @@ def test_adjacency_and_edge_features_follow_each_edge(rng):
     for g in graphs:
         np.add.at(expected, (g["edge_index"][1] + offset, g["edge_index"][0] + offset), g["edge_attr"][:, 0])
         offset += g["x"].shape[0]
-    A = batch.adjacency(batch.edge_attr[:, 0])
-    assert A.transposed is not None and batch.adjacency(with_transpose=False).transposed is None
-    np.testing.assert_allclose(A.todense(), expected, rtol=1e-6, atol=1e-6)
-    ct = rng.standard_normal((10, 2)).astype(np.float32)  # the gradient runs over the column order
-    (grad,) = jax.vjp(lambda x: A @ x, jnp.zeros((10, 2)))[1](jnp.asarray(ct))
-    np.testing.assert_allclose(grad, expected.T @ ct, rtol=1e-5, atol=1e-5)
+    ct = rng.standard_normal((10, 2)).astype(np.float32)
+    for with_transpose in (True, False, None):  # (None: no column order, the dataset's degrees are small)
+        A = batch.adjacency(batch.edge_attr[:, 0], with_transpose=with_transpose)
+        assert (A.transposed is not None) == bool(with_transpose)
+        np.testing.assert_allclose(A.todense(), expected, rtol=1e-6, atol=1e-6)
+        (grad,) = jax.vjp(lambda x, A=A: A @ x, jnp.zeros((10, 2)))[1](jnp.asarray(ct))  # (over the column order)
+        np.testing.assert_allclose(grad, expected.T @ ct, rtol=1e-5, atol=1e-5)
     loops = np.where(np.diag(expected) == 0, 1.0, 0.0)
     np.testing.assert_allclose(batch.adjacency(batch.edge_attr[:, 0], self_loops=True).todense(),
                                expected + np.diag(loops), rtol=1e-6, atol=1e-6)  # (padding nodes too: harmless)

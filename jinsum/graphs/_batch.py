@@ -29,20 +29,33 @@ from jinsum.formats._convert import check_int
 from jinsum.graphs._adjacency import adjacency
 
 
+# A batch's adjacency carries its column order (a sort of the batch's edges on the device, every step) only where
+# some node of the dataset has more edges than this. The order lets a transpose (the gradient with respect to node
+# features) sum a hub's entries in registers instead of adding them atomically one after another; without hubs
+# the atomic addition costs little and the sort and the transpose's index are the step's overhead (DESIGN.md,
+# "Molecule batches without the column order").
+COLUMN_ORDER_DEGREE = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class GraphBudget:
-    """The fixed sizes of every padded batch: `graphs` graphs, `nodes` nodes and `edges` edges at most.
+    """The fixed sizes of every padded batch: `graphs` graphs, `nodes` nodes and `edges` edges at most; and
+    `max_degree`, the most edges into or out of one node of any graph, where known (None: not known).
 
-    Choose them from a dataset with `GraphBudget.for_dataset`, or give them yourself.
+    Choose them from a dataset with `GraphBudget.for_dataset`, or give them yourself (`GraphLoader` measures
+    `max_degree` where the budget leaves it None).
     """
 
     nodes: int
     edges: int
     graphs: int
+    max_degree: int | None = None
 
     def __post_init__(self):
         for name in ("nodes", "edges", "graphs"):
             check_int("jinsum.graphs.GraphBudget", name, getattr(self, name), minimum=1 if name == "graphs" else 0)
+        if self.max_degree is not None:
+            check_int("jinsum.graphs.GraphBudget", "max_degree", self.max_degree, minimum=0)
 
     @classmethod
     def for_dataset(cls, graphs: Sequence, batch_size: int, *, deviations: float = 3.0,
@@ -61,7 +74,7 @@ class GraphBudget:
         for name, counts in (("nodes", data.node_counts), ("edges", data.edge_counts)):
             spread = batch_size * counts.mean() + deviations * math.sqrt(batch_size) * counts.std()
             budget[name] = multiple * math.ceil(max(spread, counts.max(initial=0), 1) / multiple)
-        return cls(budget["nodes"], budget["edges"], batch_size)
+        return cls(budget["nodes"], budget["edges"], batch_size, data.max_degree())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,15 +121,20 @@ class GraphBatch:
         return jnp.where(graph < self.budget.graphs, self.edge_index + offset, -1)
 
     def adjacency(self, values=None, *, self_loops: bool = False, group_size: int | None = None,
-                  with_transpose: bool = True) -> GroupCOO:
+                  with_transpose: bool | None = None) -> GroupCOO:
         """The block-diagonal `(N, N)` adjacency of the batch, `A[dst, src] = value`, built on the device.
 
         The loader keeps each graph's edges in destination order, so the batch's edges are a CSR index already:
         `GroupCOO.from_csr` cuts them into groups without a sort, and sorts once for the column order (with
-        `with_transpose`, which the gradients with respect to node features read). `values`: `(E,)` edge weights
-        in the batch's edge order (that of `edge_attr`), default ones. `self_loops=True` (PyG's remaining self
-        loops) goes through `jinsum.graphs.adjacency(self.edges(), N, capacity=E, self_loops=True)` instead.
+        `with_transpose`, which the gradients with respect to node features read; by default only where the
+        budget's `max_degree` is unknown or above `COLUMN_ORDER_DEGREE`). `values`: `(E,)` edge weights in the
+        batch's edge order (that of `edge_attr`), default ones. `self_loops=True` (PyG's remaining self loops) goes
+        through `jinsum.graphs.adjacency(self.edges(), N, capacity=E, self_loops=True)` instead (with its column
+        order).
         """
+        if with_transpose is None:
+            degree = self.budget.max_degree
+            with_transpose = degree is None or degree > COLUMN_ORDER_DEGREE
         if self_loops:
             return adjacency(self.edges(), self.budget.nodes, values=values, group_size=group_size,
                              self_loops=True, capacity=self.budget.edges)
@@ -172,6 +190,8 @@ class GraphLoader:
         self.batch_size = check_int("jinsum.graphs.GraphLoader", "batch_size", batch_size, minimum=1)
         self.data = _FlatGraphs.of(graphs)
         self.budget = GraphBudget.for_dataset(self.data, batch_size) if budget is None else budget
+        if self.budget.max_degree is None:
+            self.budget = dataclasses.replace(self.budget, max_degree=self.data.max_degree())
         if self.budget.graphs < self.batch_size:
             raise ValueError(f"jinsum.graphs.GraphLoader: the budget holds {self.budget.graphs} graphs, fewer than "
                              f"batch_size = {self.batch_size}")
@@ -305,6 +325,12 @@ class _FlatGraphs:
                    None if attrs[0] is None else with_zero_row(attrs),
                    None if ys[0] is None else with_zero_row([_numpy(y).reshape(1, *_numpy(ys[0]).shape) for y in ys]),
                    np.array([x.shape[0] for x in xs]), np.array([e.shape[1] for e in edges]))
+
+    def max_degree(self) -> int:
+        """The most edges into or out of one node of any graph (on the host: before the dataset moves)."""
+        offsets = np.repeat(np.cumsum(self.node_counts) - self.node_counts, self.edge_counts)
+        ends = np.asarray(self.edge_index)[:, :-1] + offsets  # (every graph's nodes numbered apart; no padding)
+        return int(max((np.bincount(e).max(initial=0) for e in ends), default=0))
 
 jax.tree_util.register_dataclass(
     _FlatGraphs, data_fields=["x", "edge_index", "edge_attr", "y", "node_counts", "edge_counts"], meta_fields=[])
