@@ -30,9 +30,9 @@ from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_p
 
 # Below this many terms (the product of every variable's extent: rows x slots x features for an SpMM) a statement
 # runs on XLA's lowering on CUDA too: the launch cost more than the kernel saved (the crossover measured by
-# `benchmarks/crossover.py` when kernels were custom calls outside the step's CUDA graph, DESIGN.md; kernel nodes,
-# which the graph captures, are to be measured again). Derivatives in column order keep their kernel at any size: XLA's
-# scatter adds a hub column's entries atomically one after another, where the kernel sums them in registers.
+# `benchmarks/crossover.py`, DESIGN.md; again with kernels as nodes of the step's CUDA graph, where it held).
+# Derivatives in column order keep their kernel at any size: XLA's scatter adds a hub column's entries atomically
+# one after another, where the kernel sums them in registers.
 # `JINSUM_SMALL_TERMS=0` sends every statement to a kernel (the tests do, to test the kernels).
 SMALL_TERMS = 1 << 24
 # How much cheaper a term of a Tensor Core (dot) plan is than one of a lanes plan, to order the ways of splitting a
