@@ -129,11 +129,11 @@ def test_sage_matches_dense(rng, out_features):
 def test_sage_bipartite_order(rng, n_src, f_in, f_out, transform_first):
     """On a bipartite layer the order follows the multiply-adds, not the widths: with many more sources than
     destinations (a sampled layer) the mean aggregates first even when `x W_l` is narrower; both orders agree."""
-    from jinsum.nn._sage import _transform_first  # noqa: PLC0415
+    from jinsum.nn._graph import transform_first as order  # noqa: PLC0415
     n_dst = 5
     neighbors = rng.integers(-1, n_src, (n_dst, 4))  # a fixed-fanout table, -1 padding
     A = jinsum.GroupCOO.from_neighbors(neighbors, num_sources=n_src)
-    assert _transform_first(A, f_in, f_out) is transform_first
+    assert order(A, f_in, f_out) is transform_first
     conv = _randomize(jnn.SAGEConv((f_in, f_in), f_out, rngs=nnx.Rngs(0)), rng)
     x_src, x_dst = _features(rng, n_src, f_in), _features(rng, n_dst, f_in)
     dense = np.zeros((n_dst, n_src))

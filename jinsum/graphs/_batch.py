@@ -332,6 +332,7 @@ class _FlatGraphs:
         ends = np.asarray(self.edge_index)[:, :-1] + offsets  # (every graph's nodes numbered apart; no padding)
         return int(max((np.bincount(e).max(initial=0) for e in ends), default=0))
 
+
 jax.tree_util.register_dataclass(
     _FlatGraphs, data_fields=["x", "edge_index", "edge_attr", "y", "node_counts", "edge_counts"], meta_fields=[])
 

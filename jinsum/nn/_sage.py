@@ -13,7 +13,6 @@ from jinsum.nn._aggregation import AGGREGATIONS, multi_aggregate
 from jinsum.nn._graph import aggregate, expect_adjacency, node_features, row_sums, transform_first
 
 
-
 class SAGEConv(nnx.Module):
     """`out_i = W_l aggr_{j -> i} x_j + W_r x_i + b`, optionally L2-normalised (PyG's `SAGEConv`).
 
@@ -97,4 +96,3 @@ class SAGEConv(nnx.Module):
         if self.normalize:
             out = out / jnp.maximum(jnp.linalg.norm(out, axis=-1, keepdims=True), 1e-12)
         return out
-
