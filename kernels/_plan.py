@@ -118,7 +118,7 @@ class KernelConfig:
     # dense transform): one kernel whose first matrix's tile is multiplied by the other factors (here `Av`, a value
     # per row and summed slot) before `tl.dot`, the rows of groups tiled and added into the left-hand side
     # atomically. Off by default: the route splits such statements in two, `(A X) W` or `A (X W)`, which is
-    # measured (`_lowering._route.contracted_first`); `autotune` tries it.
+    # measured (`_lowering._route.contracted_first`); `autotune` tries it. Never in deterministic mode.
     fused: bool = False
 
 
@@ -568,7 +568,7 @@ def _dot_roles(spec: Spec, fused: bool = False) -> DotRoles | None:
     statement = spec.statement
     if any(spec.operand[f.tensor].dtype == np.float64 for f in statement.factors):
         return None
-    several = fused and len(statement.factors) > 2
+    several = fused and len(statement.factors) > 2 and not spec.deterministic  # (its rows are added atomically)
     if not (len(statement.factors) == 2 or several):
         return None
     if statement.reduction != "sum" or spec.winners:  # (tl.dot only adds)

@@ -479,7 +479,8 @@ def test_fused_config_runs_three_factors_as_one_dot_kernel(dtype, rng):
             assert found.plan.template == "dot" and len(found.plan.dot.scales) == 1, expression
             assert_allclose(interpret(spec, operands, config), reference(expression, **operands), dtype,
                             err_msg=expression)
-        assert route(spec).pairwise, expression  # (the default: two statements)
+        assert route(spec).pairwise, expression  # (the default: two statements; in deterministic mode always)
+        assert route(dataclasses.replace(spec, deterministic=True), config=KernelConfig(fused=True)).pairwise
         tried = _autotune.candidate_configs(spec)  # (the default first, then fused tiles)
         assert tried[0] == KernelConfig() and all(c.fused for c in tried[1:]) and len(tried) > 1
     transpose = _spec("dX[Ak[g,p],c] += Av[g,p] * dH[Ai[g],o] * W[c,o]",
