@@ -457,8 +457,9 @@ def test_fused_config_runs_three_factors_as_one_dot_kernel(dtype, rng):
     """With `KernelConfig(fused=True)` an SpMM by a dense weight is one Tensor Core kernel: a tile of groups
     gathers each slot's rows, scaled by the slot's values, times the weight's tile (`A X W` with no intermediate),
     added atomically into the groups' rows (hub rows span several groups); so are its weight gradient (a gathered
-    reduction along the groups) and the experts' product with the combine weights. The input gradient, whose
-    values belong to the slot it writes, is split as by default. Equal to the reference, in small tiles too."""
+    reduction along the groups), and the experts' product with the combine weights and its weight gradient (a
+    segmented write, a row per expert). The input gradient, whose values belong to the slot it writes, is split as
+    by default. Equal to the reference, in small tiles too."""
     T, G, P, R = 37, 23, 16, 20  # (16 slots: the experts' product tiles them)
     Ai = np.sort(rng.integers(0, R, G)).astype(np.int32)
     Ai[:6] = Ai[0]  # (a hub: six groups of one row, in more than one tile of the small tiles)
@@ -469,7 +470,9 @@ def test_fused_config_runs_three_factors_as_one_dot_kernel(dtype, rng):
              ("dW[c,o] += Av[g,p] * X[Ak[g,p],c] * dH[Ai[g],o]",
               dict(Av=values(G, P), X=values(T, 16), dH=values(R, 32), dW=np.zeros((16, 32), dtype))),
              ("Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]",
-              dict(Av=values(G, P), X=values(T, 16), W=values(R, 16, 32), Y=np.zeros((T, 32), dtype)))]
+              dict(Av=values(G, P), X=values(T, 16), W=values(R, 16, 32), Y=np.zeros((T, 32), dtype))),
+             ("dW[Ai[g],c,n] += Av[g,p] * X[Ak[g,p],c] * dY[Ak[g,p],n]",  # (a segmented write: a row per expert)
+              dict(Av=values(G, P), X=values(T, 16), dY=values(T, 32), dW=np.zeros((R, 16, 32), dtype)))]
     for expression, operands in cases:
         operands = dict(operands, Ai=Ai, Ak=Ak)
         spec = _spec(expression, operands)
