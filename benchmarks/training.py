@@ -12,7 +12,8 @@ graph of the same size (no hubs) and PubMed (the real graph, shipped; random fea
 - jinsum's `GCNConv` / `SAGEConv` on `jinsum.nn.adjacency` (which carries the entries in column order, so the
   gradient with respect to node features is an owned-row SpMM), and the same without the column order (that
   gradient adds every edge's product atomically); both again in deterministic mode (`jinsum.deterministic`: no
-  atomics; without the column order the gradient sorts the edges by column in every step);
+  atomics; without the column order the gradient sorts the edges by column in every step); GCN also on its
+  normalised adjacency computed once on the host (`jinsum.nn.gcn_norm`, as PyG's `cached=True`);
 - the same models on gathers and a sorted `jax.ops.segment_sum` (`_training.segment_convs`), and GCN on a
   `jax.experimental.sparse` BCOO;
 - PyG's `GCNConv` / `SAGEConv` (where torch_geometric is installed) on a CSR `adj_t` (`torch.sparse_csr_tensor`),
@@ -175,8 +176,11 @@ def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str], dtyp
         systems = {"jinsum": (jinsum_conv, adjacency, True),
                    "jinsum, no column order (atomic transpose)": (jinsum_conv, unordered, True),
                    "jinsum, deterministic": (jinsum_conv, adjacency, True, True),
-                   "jinsum, deterministic, no column order (sorted scatter)": (jinsum_conv, unordered, True, True),
-                   "gathers + segment_sum": (segment_conv, segment_edges, False)}
+                   "jinsum, deterministic, no column order (sorted scatter)": (jinsum_conv, unordered, True, True)}
+        if model_name == "GCN":  # (the normalisation summed once on the host, as plain JAX's and PyG's cached=True)
+            systems["jinsum, gcn_norm once"] = (functools.partial(jnn.GCNConv, normalize=False, add_self_loops=False),
+                                                jnn.gcn_norm(edge_index, nodes), True)
+        systems["gathers + segment_sum"] = (segment_conv, segment_edges, False)
         if model_name == "GCN":
             from jax.experimental import sparse  # noqa: PLC0415
 

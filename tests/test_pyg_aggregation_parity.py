@@ -166,6 +166,24 @@ def test_propagation_layers(layer, rng):
                  edge_index, weights)
 
 
+@pytest.mark.parametrize("improved", [False, True])
+def test_gcn_on_its_normalisation_computed_once_equals_pyg(improved, rng):
+    """`gcn_norm` once, then `GCNConv(normalize=False, add_self_loops=False)`: PyG's `GCNConv`, whose
+    normalisation keeps a stored self loop's weight (`_edges` has one on node 3) and gives nodes 0 and 1 (no
+    in-edges) their self loop alone."""
+    edge_index = _edges(rng)
+    weights = rng.uniform(0.5, 2.0, edge_index.shape[1])
+    with jax.enable_x64(True):
+        torch.manual_seed(0)
+        theirs = pyg.GCNConv(F_IN, F_OUT, improved=improved).double()
+        ours = jnn.GCNConv(F_IN, F_OUT, normalize=False, add_self_loops=False, param_dtype=jnp.float64,
+                           rngs=nnx.Rngs(0))
+        _copy_linear(ours.linear, theirs.lin)
+        ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
+        A_hat = jnn.gcn_norm(edge_index, N, values=weights, improved=improved)
+        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, A_hat, edge_index, weights)
+
+
 @pytest.mark.parametrize("aggr", ["mean", "add"])
 @pytest.mark.parametrize("num_bases, num_blocks, relations", [(None, None, 2), (2, None, 3), (None, 2, 3),
                                                               (None, None, 40)])

@@ -5,7 +5,8 @@ data and embedding bags, all built into `jinsum.formats` (PyG's `data/` and `loa
     for batch in jinsum.graphs.GraphLoader(molecules, batch_size=128, shuffle=True):
         A = batch.adjacency()                                   # padded to one budget: one compile
 
-Adjacencies: `adjacency` (on the host, or inside `jit` with a `capacity`; bipartite with `(N_src, N_dst)`), the
+Adjacencies: `adjacency` (on the host, or inside `jit` with a `capacity`; bipartite with `(N_src, N_dst)`),
+`gcn_norm` (GCN's normalised adjacency of a static graph, computed once: PyG's `gcn_norm` / `cached=True`), the
 edges one by one (`edge_list` -> `EdgeList`, `edge_adjacency` with edge features in its values), typed edges
 (`relational_graph` -> `RelationalGraph`, `relational_adjacency`). Many small graphs: `GraphLoader` (padded
 mini-batches of a fixed `GraphBudget`, each a `GraphBatch` whose adjacency is built on the device) or `batch_graphs`
@@ -16,6 +17,7 @@ are `jinsum.sampling`'s.
 """
 
 from jinsum.graphs._adjacency import adjacency as adjacency
+from jinsum.graphs._adjacency import gcn_norm as gcn_norm
 from jinsum.graphs._bags import Bags as Bags
 from jinsum.graphs._bags import bags as bags
 from jinsum.graphs._batch import GraphBatch as GraphBatch

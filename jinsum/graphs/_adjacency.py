@@ -59,6 +59,31 @@ def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, grou
     return A.with_transpose()
 
 
+
+def gcn_norm(edge_index, num_nodes: int, *, values=None, improved: bool = False, add_self_loops: bool = True,
+             group_size: int | None = None) -> GroupCOO:
+    """GCN's normalised adjacency `D^-1/2 (A + I) D^-1/2` of a static graph, computed once on the host (PyG's
+    `gcn_norm`, as its `GCNConv(cached=True)` keeps it): `GCNConv(..., normalize=False, add_self_loops=False)` on
+    it runs one SpMM a layer and sums no degrees in the step. Self loops as PyG adds them: weight 1 (2 with
+    `improved`) for every node whose own loop is absent or weighs 0, an existing one kept; `D` the weighted
+    in-degree of `A + I`, nodes of degree 0 scaled by 0. `jinsum.nn.GCNConv` normalises on its own otherwise, and
+    counts an existing self loop of weight `w` as `w + 1`.
+
+    Example:
+      >>> A_hat = jinsum.graphs.gcn_norm(edge_index, N)                          # once
+      >>> conv = jinsum.nn.GCNConv(16, 32, normalize=False, add_self_loops=False, rngs=nnx.Rngs(0))
+      >>> y = conv(x, A_hat)                                                      # PyG's GCNConv(16, 32)(x, edge_index)
+    """
+    where = "jinsum.graphs.gcn_norm"
+    num_nodes = check_int(where, "num_nodes", num_nodes)
+    A = GroupCOO.from_edge_index(edge_index, values, num_nodes=num_nodes, group_size=group_size)
+    csr = A.to_scipy().astype(np.float64)
+    if add_self_loops:
+        csr = csr + sp.diags((csr.diagonal() == 0) * (2.0 if improved else 1.0))
+    degree = np.asarray(csr.sum(axis=1)).ravel()
+    scale = sp.diags(np.where(degree > 0, 1 / np.sqrt(np.where(degree > 0, degree, 1)), 0))
+    return GroupCOO.from_scipy((scale @ csr @ scale).astype(A.dtype), group_size=group_size).with_transpose()
+
 def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: bool, capacity: int) -> GroupCOO:
     """`adjacency` inside `jit`: the device builder, with PyG's remaining self loops as more edges (a node's own
     nonzero self loop kept, a weight-1 loop added where it has none; edges of weight 0 dropped)."""

@@ -26,10 +26,10 @@ Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, Transf
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
 partition of an `edge_adjacency` (the edges one by one, their features in its values).
 
-The graph data the layers read (`adjacency`, `edge_list` / `EdgeList`, `edge_adjacency`, `relational_graph` /
-`RelationalGraph` / `relational_adjacency`, `GraphLoader` / `GraphBatch` / `GraphBudget`, `batch_graphs`, `knn` /
-`knn_graph` / `radius` / `radius_graph`, `bags` / `Bags`) is `jinsum.graphs`', which needs no Flax; it is
-re-exported here.
+The graph data the layers read (`adjacency`, `gcn_norm`, `edge_list` / `EdgeList`, `edge_adjacency`,
+`relational_graph` / `RelationalGraph` / `relational_adjacency`, `GraphLoader` / `GraphBatch` / `GraphBudget`,
+`batch_graphs`, `knn` / `knn_graph` / `radius` / `radius_graph`, `bags` / `Bags`) is `jinsum.graphs`', which needs
+no Flax; it is re-exported here.
 """
 
 from jinsum.graphs import Bags as Bags
@@ -43,6 +43,7 @@ from jinsum.graphs import bags as bags
 from jinsum.graphs import batch_graphs as batch_graphs
 from jinsum.graphs import edge_adjacency as edge_adjacency
 from jinsum.graphs import edge_list as edge_list
+from jinsum.graphs import gcn_norm as gcn_norm
 from jinsum.graphs import knn as knn
 from jinsum.graphs import knn_graph as knn_graph
 from jinsum.graphs import radius as radius

@@ -104,7 +104,7 @@ class GCNConv(nnx.Module):
         if self.normalize:  # (degrees summed in float32 at least: a hub's degree is not exact in bfloat16)
             scale = gcn_scale(A, jnp.promote_types(h.dtype, jnp.float32), self.self_loops)
             return gcn_propagate(A, h, scale, self.self_loops, bias)
-        out = aggregate(A, h) + self.self_loops * h
+        out = aggregate(A, h) + self.self_loops * h if self.self_loops else aggregate(A, h)
         return out if bias is None else out + bias.astype(out.dtype)
 
 
