@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jinsum
 from jinsum import _autotune
@@ -490,6 +492,45 @@ def test_fused_config_runs_three_factors_as_one_dot_kernel(dtype, rng):
                       dict(Av=values(G, P), dH=values(R, 48), W=values(32, 48), dX=np.zeros((T, 32), dtype),
                            Ai=Ai, Ak=Ak))
     assert route(transpose, config=KernelConfig(fused=True)).pairwise
+
+
+# Products of three factors a fused dot plan may take, with their operands' shapes from (G, P, T, R, c, o): an SpMM
+# by a weight into the rows of groups or into the groups themselves (a plain left-hand side, written once), its
+# weight gradient, and the experts' product with its combine weights and that product's weight gradient.
+FUSED_FAMILY = [
+    ("H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]", lambda G, P, T, R, c, o: dict(
+        Av=(G, P), X=(T, c), W=(c, o), H=(R, o))),
+    ("H[g,o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]", lambda G, P, T, R, c, o: dict(Av=(G, P), X=(T, c), W=(c, o),
+                                                                                 H=(G, o))),
+    ("dW[c,o] += Av[g,p] * X[Ak[g,p],c] * dH[Ai[g],o]", lambda G, P, T, R, c, o: dict(
+        Av=(G, P), X=(T, c), dH=(R, o), dW=(c, o))),
+    ("Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]", lambda G, P, T, R, c, o: dict(
+        Av=(G, P), X=(T, c), W=(R, c, o), Y=(T, o))),
+    ("dW[Ai[g],c,n] += Av[g,p] * X[Ak[g,p],c] * dY[Ak[g,p],n]", lambda G, P, T, R, c, o: dict(
+        Av=(G, P), X=(T, c), dY=(T, o), dW=(R, c, o)))]
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_fused_config_on_random_shapes_matches_reference(seed):
+    """Random shapes (a group, a slot, widths not multiples of the tiles, rows with no group), dtypes and tiles
+    under `KernelConfig(fused=True)`: whatever the route takes (the fused plan where its sides reach 16, else the
+    split or a lanes kernel), the result equals the reference."""
+    rng = np.random.default_rng(seed)
+    expression, shapes = FUSED_FAMILY[int(rng.integers(len(FUSED_FAMILY)))]
+    G, P, T, R = (int(rng.integers(1, 40)), int(rng.choice([1, 3, 16, 17])), int(rng.integers(1, 50)),
+                  int(rng.integers(1, 12)))
+    c, o = (int(rng.choice([16, 24, 33, 64])) for _ in range(2))
+    dtype = np.dtype(rng.choice([np.float32, np.float16]))
+    operands = {name: (rng.standard_normal(shape) / 4).astype(dtype) for name, shape in shapes(G, P, T, R, c, o).items()}
+    lhs = expression.split("[")[0]
+    operands[lhs] = np.zeros(operands[lhs].shape, dtype)
+    operands["Ak"] = rng.integers(0, T, (G, P)).astype(np.int32)
+    if "Ai" in expression:
+        operands["Ai"] = np.sort(rng.integers(0, R, G)).astype(np.int32)
+    spec = _spec(expression, operands)
+    config = dataclasses.replace(STRESS if rng.random() < 0.5 else KernelConfig(), fused=True)
+    assert_allclose(interpret(spec, operands, config), reference(expression, **operands), dtype, err_msg=expression)
 
 
 def test_a_pair_summed_to_one_number_is_not_split_off(rng):
