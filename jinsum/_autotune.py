@@ -17,24 +17,18 @@ from jinsum.timing import time_calls
 
 def candidate_configs(spec: Spec) -> list[KernelConfig]:
     """The configurations `autotune` tries for `spec` by default (the plan's default first). On GPUs with TMA,
-    dot plans also try their tiles read through descriptors; statements of three or more factors that a fused dot
-    plan takes (`KernelConfig.fused`) try it in a few tiles beside the split they run by default."""
+    dot plans also try their tiles read through descriptors."""
     plan = make_plan(spec)
     if getattr(plan, "template", None) == "dot":
         tiles = [(0, 0, 0, ""), (128, 4, 2, "rows"), (256, 8, 3, "rows"), (128, 4, 2, "owned"), (256, 8, 1, "split"),
                  (128, 4, 1, "split")]
         return [KernelConfig(block_n=bn, num_warps=w, num_stages=s, schedule=schedule, descriptors=tma)
                 for tma in (False, True)[:1 + has_tma()] for bn, w, s, schedule in tiles]
-    lanes = [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, schedule=schedule)
-             for b, win, w, s, schedule in [(0, 0, 0, 0, ""), (0, 4, 0, 1, "split"), (0, 8, 0, 1, "split"),
-                                            (0, 16, 0, 1, "split"), (0, 4, 0, 1, "owned"), (0, 1, 0, 2, "rows"),
-                                            (64, 4, 1, 1, "split"), (0, 16, 0, 1, "tile"), (32, 16, 4, 1, "tile"),
-                                            (0, 8, 0, 1, "tile")]]
-    if getattr(make_plan(spec, KernelConfig(fused=True)), "template", None) != "dot":
-        return lanes
-    return [KernelConfig()] + [KernelConfig(fused=True, block_m=bm, block_n=bn, num_warps=w, num_stages=s)
-                               for bm, bn, w, s in [(0, 0, 0, 0), (32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 4, 3),
-                                                    (128, 128, 8, 3)]]
+    return [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, schedule=schedule)
+            for b, win, w, s, schedule in [(0, 0, 0, 0, ""), (0, 4, 0, 1, "split"), (0, 8, 0, 1, "split"),
+                                           (0, 16, 0, 1, "split"), (0, 4, 0, 1, "owned"), (0, 1, 0, 2, "rows"),
+                                           (64, 4, 1, 1, "split"), (0, 16, 0, 1, "tile"), (32, 16, 4, 1, "tile"),
+                                           (0, 8, 0, 1, "tile")]]
 
 
 def autotune(expression: str, /, *, configs: Sequence[KernelConfig] | None = None, calls: int = 10,

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import numpy as np
 
@@ -114,12 +113,6 @@ class KernelConfig:
     # (`kernels._source.described`), rather than by pointers: asynchronous copies into shared memory that Triton
     # pipelines and feeds to wgmma. Off by default (slower on SparseLinear's 32 x 32 blocks); `autotune` tries it.
     descriptors: bool = False
-    # Dot plans of three or more factors (`H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]`, an aggregation and its
-    # dense transform): one kernel whose first matrix's tile is multiplied by the other factors (here `Av`, a value
-    # per row and summed slot) before `tl.dot`, the rows of groups tiled and added into the left-hand side
-    # atomically. Off by default: the route splits such statements in two, `(A X) W` or `A (X W)`, which is
-    # measured (`_lowering._route.contracted_first`); `autotune` tries it. Never in deterministic mode.
-    fused: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +124,6 @@ class DotRoles:
     m: str
     n: str
     k: str
-    scales: tuple[int, ...] = ()  # factors that multiply `a`'s tile elementwise (`KernelConfig.fused`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +356,7 @@ def canonical(spec: Spec) -> Spec:
 def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan | Fallback:
     """The kernel plan for `spec`, or a `Fallback` saying why it stays on XLA."""
     statement = spec.statement
-    dot = _dot_roles(spec, config.fused)
+    dot = _dot_roles(spec)
     lanes = None if dot else _lane_variable(spec)
     rows = None if dot else _row_variable(spec, lanes)
     narrow = not dot and _lanes_block(spec, lanes, config) <= TILE_LANES
@@ -561,15 +553,10 @@ def _row_variable(spec: Spec, lanes: str) -> str | None:
     return last.name
 
 
-def _dot_roles(spec: Spec, fused: bool = False) -> DotRoles | None:
-    """`a[m,k] x b[k,n] -> out[m,n]` if the statement has that shape with sides >= 16, else None. With `fused`, a
-    statement of three or more factors too, where every factor beside `a` and `b` reads only variables that `a`
-    reads (`KernelConfig.fused`): those scale `a`'s tile."""
+def _dot_roles(spec: Spec) -> DotRoles | None:
+    """`a[m,k] x b[k,n] -> out[m,n]` if the statement has that shape with sides >= 16, else None."""
     statement = spec.statement
-    if any(spec.operand[f.tensor].dtype == np.float64 for f in statement.factors):
-        return None
-    several = fused and len(statement.factors) > 2 and not spec.deterministic  # (its rows are added atomically)
-    if not (len(statement.factors) == 2 or several):
+    if len(statement.factors) != 2 or any(spec.operand[f.tensor].dtype == np.float64 for f in statement.factors):
         return None
     if statement.reduction != "sum" or spec.winners:  # (tl.dot only adds)
         return None
@@ -582,21 +569,18 @@ def _dot_roles(spec: Spec, fused: bool = False) -> DotRoles | None:
 
     # Tile variables address the output directly, or (a scatter, written atomically) through an index array of an
     # output that has no sorted one (`dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]`, a grouped product's input
-    # gradient: a tile of one group's rows, each added to its token's row; or, fused, a tile of groups whose rows
-    # repeat). A factor's row (column) variable may reach it through an index array: its rows are gathered
-    # (`H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]`, a tile of one group's rows), if no index array of the other
-    # factor holds it. The contraction `k` addresses both factors directly; failing that, either through an index
-    # array: the tiles are gathered along k (the weight gradient `dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]`, a
-    # reduction over each group's rows).
+    # gradient: a tile of one group's rows, each added to its token's row). A factor's row (column) variable may
+    # reach it through an index array: its rows are gathered (`H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]`, a tile of
+    # one group's rows), if no index array of the other factor holds it. The contraction `k` addresses both factors
+    # directly; failing that, either through an index array: the tiles are gathered along k (the weight gradient
+    # `dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]`, a reduction over each group's rows).
     inside_indices = {v.name for access in statement.accesses for node in walk(access) if node is not access
                       for v in node.indices if isinstance(v, Var)}
     through_lhs = {v for node in walk(statement.lhs) if node is not statement.lhs for v in reached(node)}
     out = direct(statement.lhs) - through_lhs
-    if (spec.lhs_sorted_index is None or several) and statement.accumulate:
+    if spec.lhs_sorted_index is None and statement.accumulate:
         out |= through_lhs
-    positions = range(len(statement.factors))
-    for a, b in itertools.permutations(positions, 2):
-        scales = tuple(f for f in positions if f not in (a, b))
+    for a, b in ((0, 1), (1, 0)):
         da = direct(statement.factors[a]) - inside_indices
         db = direct(statement.factors[b]) - inside_indices
         ms = sorted((reached(statement.factors[a]) & out) - reached(statement.factors[b]),
@@ -610,17 +594,11 @@ def _dot_roles(spec: Spec, fused: bool = False) -> DotRoles | None:
             for m in ms:
                 for n in ns:
                     for k in ks:
-                        if min(spec.extent[m], spec.extent[n], spec.extent[k]) < 16:
-                            continue
-                        # A scale is a function of a's variables: one that reads another would have the product
-                        # done again for each of its values (the slot p of a transpose `dX[Ak[g,p],c] += Av[g,p] *
-                        # dH[Ai[g],o] * W[c,o]`, whose product dH W^T does not depend on p).
-                        if any(not reached(statement.factors[f]) <= reached(statement.factors[a]) for f in scales):
-                            continue
-                        if spec.lhs_sorted_index is None and not several and _lhs_position(
-                                statement, n) < _lhs_position(statement, m):  # tile rows along the output's rows:
-                            return DotRoles(b, a, n, m, k)  # contiguous atomics
-                        return DotRoles(a, b, m, n, k, scales)
+                        if min(spec.extent[m], spec.extent[n], spec.extent[k]) >= 16:
+                            if spec.lhs_sorted_index is None and _lhs_position(statement, n) < _lhs_position(
+                                    statement, m):  # the tile's rows along the output's: contiguous atomics
+                                return DotRoles(b, a, n, m, k)
+                            return DotRoles(a, b, m, n, k)
     return None
 
 

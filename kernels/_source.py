@@ -673,12 +673,8 @@ class _Writer:
     def _accumulate(self) -> None:
         plan = self.plan
         if plan.template == "dot":
-            factors = self.spec.statement.factors
-            a = self.loaded[self._key(factors[plan.dot.a], "a")]
-            b = self.loaded[self._key(factors[plan.dot.b], "b")]
-            if plan.dot.scales:  # (multiplied in float32, then in the product's type again)
-                scales = " * ".join(self.loaded[self._key(factors[f], "scale")] for f in plan.dot.scales)
-                a = f"({a} * {scales}).to({self._value_type('a')})"
+            a = self.loaded[self._key(self.spec.statement.factors[plan.dot.a], "a")]
+            b = self.loaded[self._key(self.spec.statement.factors[plan.dot.b], "b")]
             if self._value_type("a") == "tl.float32":  # 16-bit operands always use Tensor Cores
                 precision = "tf32" if self.spec.allow_tf32 else PRECISE_FLOAT32
                 self.emit(f"acc = tl.dot({a}, {b}, acc, input_precision=\"{precision}\")")
@@ -723,11 +719,10 @@ class _Writer:
     # --- accesses ---------------------------------------------------------------------------------------------
 
     def _role(self, factor: int) -> str:
-        """How tile variables broadcast in a factor's address: the dot operands `a` and `b` (and the factors that
-        scale `a`'s tile, broadcast like it), or the lanes."""
+        """How tile variables broadcast in a factor's address: the dot operands `a` and `b`, or the lanes."""
         plan = self.plan
         if plan.template == "dot":
-            return "a" if factor == plan.dot.a else "b" if factor == plan.dot.b else "scale"
+            return "a" if factor == plan.dot.a else "b"
         return "lanes"
 
     def _tile_axis(self, role: str, var: str) -> str:
@@ -735,7 +730,7 @@ class _Writer:
         plan = self.plan
         if plan.template == "dot":
             dot = plan.dot
-            rows = {"a": (dot.m, dot.k), "scale": (dot.m, dot.k), "b": (dot.k, dot.n), "out": (dot.m, dot.n)}[role]
+            rows = {"a": (dot.m, dot.k), "b": (dot.k, dot.n), "out": (dot.m, dot.n)}[role]
             return f"v_{var}[:, None]" if var == rows[0] else f"v_{var}[None, :]"
         written = [v for v in plan.tile_vars if v in self.spec.loop_variables]
         if plan.rows is None or (role == "out" and len(written) == 1):

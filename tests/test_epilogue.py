@@ -261,27 +261,3 @@ def test_reads_at_the_positions_are_broadcasts_and_their_gradients_sums():
     shifted, captured = _elementwise.trace(lambda c, row, n: c + ramp[3 - n] + ramp[row % 4], "epilogue", "test", 2)
     out = _elementwise.on_grid(shifted, captured, jnp.zeros((6, 4)))  # (gathers at indices computed on the host)
     np.testing.assert_array_equal(out, np.arange(4.0)[::-1][None, :] + (np.arange(6) % 4)[:, None])
-
-
-@pytest.mark.skipif(ON_GPU, reason="the interpreter runs where no GPU is")
-def test_a_fused_layer_with_owned_rows_applies_the_epilogue_in_its_one_kernel(rng):
-    """`KernelConfig(fused=True)` on an aggregation whose groups are its rows (a plain left-hand side `H[g,o]`, as a
-    fixed-fanout table's): gather, scale, transform by `W` and the epilogue (here bias, row scale, tanh, residual)
-    in one kernel that stores each row once; into the rows of groups (`H[Ai[g],o]`, added atomically) it runs
-    after."""
-    pytest.importorskip("torch")
-    G, P, T, c, o = 21, 3, 30, 32, 40
-    values = lambda *shape: (rng.standard_normal(shape) / 4).astype(np.float32)  # noqa: E731 (tanh in range)
-    operands = dict(Av=values(G, P), Ak=rng.integers(0, T, (G, P)).astype(np.int32), X=values(T, c), W=values(c, o),
-                    H=np.zeros((G, o), np.float32))
-    expression = "H[g,o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]"
-    expected, captured = _epilogue(operands, expression)
-    spec, arrays = _spec(expression, operands, _bound(captured), given_lhs=False)
-    fused = KernelConfig(fused=True)
-    plan = make_plan(spec, fused)
-    assert plan.template == "dot" and plan.dot.scales and plan.fuses_epilogue and "atomic" not in generate(plan)
-    assert_allclose(interpret(spec, arrays, fused), expected(reference(expression, **operands)), np.float32)
-    rows = dict(operands, Ai=np.sort(rng.integers(0, 8, G)).astype(np.int32), H=np.zeros((8, o), np.float32))
-    expression = "H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]"
-    spec, _ = _spec(expression, rows, _bound(_epilogue(rows, expression)[1]))
-    assert not make_plan(spec, fused).fuses_epilogue

@@ -111,31 +111,6 @@ def test_large_group_spmm_with_hub_rows(rng):
     assert_allclose(out, dense @ operands["B"], np.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_aggregation_and_transform_with_its_gradients(dtype, rng):
-    """`KernelConfig(fused=True)`: an SpMM by a dense weight in one Tensor Core kernel (groups tiled, a hub row's
-    groups added atomically), forward and gradients (the weight's fused too, the input's split), bfloat16
-    included (which the interpreter cannot check), against float64 on a power-law graph."""
-    from jinsum.kernels import KernelConfig, forced_config  # noqa: PLC0415
-    rows = np.minimum(rng.zipf(1.5, 20_000), 1500) - 1
-    cols = rng.integers(0, 2000, 20_000)
-    csr = sp.csr_matrix((rng.standard_normal(20_000), (rows, cols)), shape=(1500, 2000))
-    A = jinsum.GroupCOO.from_scipy(csr.astype(np.float32)).astype(dtype)
-    X = jnp.asarray(rng.standard_normal((2000, 96)), dtype)
-    W = jnp.asarray(rng.standard_normal((96, 160)) / 10, dtype)
-    dH = rng.standard_normal((1500, 160))
-    def loss(X, W):
-        out = jinsum.einsum("H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]", A=A, X=X, W=W,
-                            H=jax.ShapeDtypeStruct((1500, 160), dtype))
-        return jnp.sum(out.astype(jnp.float32) * dH), out
-    with forced_config(KernelConfig(fused=True)):
-        (_, out), (dX, dW) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(X, W)
-    dense, x, w = csr.toarray(), np.asarray(X, np.float64), np.asarray(W, np.float64)
-    assert_allclose(out, dense @ x @ w, dtype)
-    assert_allclose(dX, dense.T @ dH @ w.T, dtype)
-    assert_allclose(dW, (dense @ x).T @ dH, dtype)
-
-
 @pytest.mark.parametrize("features", [8, 40, 256])
 def test_spmm_gradient_over_the_column_order_with_hub_columns(rng, features):
     """dB = A^T dC over the entries in column order (narrow: tiles; wide: segmented rows split across programs)

@@ -9,11 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import jinsum
-from jinsum import _autotune
 from jinsum._frontend import _einsum
 from jinsum._rules import _primitive
 from jinsum._lowering._route import route
@@ -452,85 +449,6 @@ def test_three_factors_contract_a_tensor_core_pair_first(dtype, rng):
         assert tuple(str(s.statement) for s in found.pairwise) == statements, (c, o)
         assert found.pairwise[0].lhs.shape == shape
         assert_allclose(interpret(spec, spmm), reference(expression, **spmm), dtype, err_msg=str((c, o)))
-
-
-@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float16)], ids=str)
-def test_fused_config_runs_three_factors_as_one_dot_kernel(dtype, rng):
-    """With `KernelConfig(fused=True)` an SpMM by a dense weight is one Tensor Core kernel: a tile of groups
-    gathers each slot's rows, scaled by the slot's values, times the weight's tile (`A X W` with no intermediate),
-    added atomically into the groups' rows (hub rows span several groups); so are its weight gradient (a gathered
-    reduction along the groups), and the experts' product with the combine weights and its weight gradient (a
-    segmented write, a row per expert). The input gradient, whose values belong to the slot it writes, is split as
-    by default. Equal to the reference, in small tiles too."""
-    T, G, P, R = 37, 23, 16, 20  # (16 slots: the experts' product tiles them)
-    Ai = np.sort(rng.integers(0, R, G)).astype(np.int32)
-    Ai[:6] = Ai[0]  # (a hub: six groups of one row, in more than one tile of the small tiles)
-    Ak = rng.integers(0, T, (G, P)).astype(np.int32)
-    values = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
-    cases = [("H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]",
-              dict(Av=values(G, P), X=values(T, 32), W=values(32, 48), H=np.zeros((R, 48), dtype))),
-             ("dW[c,o] += Av[g,p] * X[Ak[g,p],c] * dH[Ai[g],o]",
-              dict(Av=values(G, P), X=values(T, 16), dH=values(R, 32), dW=np.zeros((16, 32), dtype))),
-             ("Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]",
-              dict(Av=values(G, P), X=values(T, 16), W=values(R, 16, 32), Y=np.zeros((T, 32), dtype))),
-             ("dW[Ai[g],c,n] += Av[g,p] * X[Ak[g,p],c] * dY[Ak[g,p],n]",  # (a segmented write: a row per expert)
-              dict(Av=values(G, P), X=values(T, 16), dY=values(T, 32), dW=np.zeros((R, 16, 32), dtype)))]
-    for expression, operands in cases:
-        operands = dict(operands, Ai=Ai, Ak=Ak)
-        spec = _spec(expression, operands)
-        for config in (KernelConfig(fused=True), dataclasses.replace(STRESS, fused=True)):
-            found = route(spec, config=config)
-            assert found.kernel and not found.pairwise, expression
-            assert found.plan.template == "dot" and len(found.plan.dot.scales) == 1, expression
-            assert_allclose(interpret(spec, operands, config), reference(expression, **operands), dtype,
-                            err_msg=expression)
-        assert route(spec).pairwise, expression  # (the default: two statements; in deterministic mode always)
-        assert route(dataclasses.replace(spec, deterministic=True), config=KernelConfig(fused=True)).pairwise
-        tried = _autotune.candidate_configs(spec)  # (the default first, then fused tiles)
-        assert tried[0] == KernelConfig() and all(c.fused for c in tried[1:]) and len(tried) > 1
-    transpose = _spec("dX[Ak[g,p],c] += Av[g,p] * dH[Ai[g],o] * W[c,o]",
-                      dict(Av=values(G, P), dH=values(R, 48), W=values(32, 48), dX=np.zeros((T, 32), dtype),
-                           Ai=Ai, Ak=Ak))
-    assert route(transpose, config=KernelConfig(fused=True)).pairwise
-
-
-# Products of three factors a fused dot plan may take, with their operands' shapes from (G, P, T, R, c, o): an SpMM
-# by a weight into the rows of groups or into the groups themselves (a plain left-hand side, written once), its
-# weight gradient, and the experts' product with its combine weights and that product's weight gradient.
-FUSED_FAMILY = [
-    ("H[Ai[g],o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]", lambda G, P, T, R, c, o: dict(
-        Av=(G, P), X=(T, c), W=(c, o), H=(R, o))),
-    ("H[g,o] += Av[g,p] * X[Ak[g,p],c] * W[c,o]", lambda G, P, T, R, c, o: dict(Av=(G, P), X=(T, c), W=(c, o),
-                                                                                 H=(G, o))),
-    ("dW[c,o] += Av[g,p] * X[Ak[g,p],c] * dH[Ai[g],o]", lambda G, P, T, R, c, o: dict(
-        Av=(G, P), X=(T, c), dH=(R, o), dW=(c, o))),
-    ("Y[Ak[g,p],n] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,n]", lambda G, P, T, R, c, o: dict(
-        Av=(G, P), X=(T, c), W=(R, c, o), Y=(T, o))),
-    ("dW[Ai[g],c,n] += Av[g,p] * X[Ak[g,p],c] * dY[Ak[g,p],n]", lambda G, P, T, R, c, o: dict(
-        Av=(G, P), X=(T, c), dY=(T, o), dW=(R, c, o)))]
-
-
-@settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1))
-def test_fused_config_on_random_shapes_matches_reference(seed):
-    """Random shapes (a group, a slot, widths not multiples of the tiles, rows with no group), dtypes and tiles
-    under `KernelConfig(fused=True)`: whatever the route takes (the fused plan where its sides reach 16, else the
-    split or a lanes kernel), the result equals the reference."""
-    rng = np.random.default_rng(seed)
-    expression, shapes = FUSED_FAMILY[int(rng.integers(len(FUSED_FAMILY)))]
-    G, P, T, R = (int(rng.integers(1, 40)), int(rng.choice([1, 3, 16, 17])), int(rng.integers(1, 50)),
-                  int(rng.integers(1, 12)))
-    c, o = (int(rng.choice([16, 24, 33, 64])) for _ in range(2))
-    dtype = np.dtype(rng.choice([np.float32, np.float16]))
-    operands = {name: (rng.standard_normal(shape) / 4).astype(dtype) for name, shape in shapes(G, P, T, R, c, o).items()}
-    lhs = expression.split("[")[0]
-    operands[lhs] = np.zeros(operands[lhs].shape, dtype)
-    operands["Ak"] = rng.integers(0, T, (G, P)).astype(np.int32)
-    if "Ai" in expression:
-        operands["Ai"] = np.sort(rng.integers(0, R, G)).astype(np.int32)
-    spec = _spec(expression, operands)
-    config = dataclasses.replace(STRESS if rng.random() < 0.5 else KernelConfig(), fused=True)
-    assert_allclose(interpret(spec, operands, config), reference(expression, **operands), dtype, err_msg=expression)
 
 
 def test_a_pair_summed_to_one_number_is_not_split_off(rng):
