@@ -10,7 +10,8 @@ from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.nn._aggregation import AGGREGATIONS, multi_aggregate
-from jinsum.nn._graph import aggregate, expect_adjacency, node_features, row_sums, transform_first
+from jinsum.nn._graph import (aggregate, expect_adjacency, node_features, row_sums, transform_first,
+                              with_scaled_values)
 
 
 class SAGEConv(nnx.Module):
@@ -82,14 +83,19 @@ class SAGEConv(nnx.Module):
         if not linear:
             out = self.lin_neighbors(multi_aggregate(A, neighbors, self.aggrs))
         else:
-            scale = 1
+            propagate = functools.partial(aggregate, A)
             if self.aggrs == ("mean",):
-                deg = row_sums(A, jnp.promote_types(x.dtype, jnp.float32))[:, None]
-                scale = (1 / jnp.where(deg != 0, deg, 1)).astype(x.dtype)
+                deg = row_sums(A, jnp.promote_types(x.dtype, jnp.float32))
+                inverse = 1 / jnp.where(deg != 0, deg, 1)
+                if isinstance(A, GroupCOO):  # (the mean in the stored values: no pass over the SpMM's output)
+                    propagate = functools.partial(aggregate, with_scaled_values(A, rows=inverse))
+                else:
+                    def propagate(h):
+                        return aggregate(A, h) * inverse[:, None].astype(h.dtype)
             if transform_first(A, self.lin_neighbors.in_features, self.lin_neighbors.out_features):
-                out = aggregate(A, self.lin_neighbors(neighbors)) * scale
+                out = propagate(self.lin_neighbors(neighbors))
             else:
-                out = self.lin_neighbors(aggregate(A, neighbors) * scale)
+                out = self.lin_neighbors(propagate(neighbors))
         if self.lin_root is not None:
             out = out + self.lin_root(x)
         out = out if self.bias is None else out + self.bias[...].astype(out.dtype)
