@@ -75,24 +75,6 @@ def test_adjacency_sums_duplicates_and_adds_missing_self_loops(rng):
     _close(looped.todense(), expected)
 
 
-def test_scaled_values_are_the_diagonal_products_and_keep_padding_zero(rng):
-    """`diag(r) A diag(c)` as stored values (GCN's and the mean's normalisation): equal to the dense product in
-    float32, group padding still 0 (its slots' rows and columns point anywhere), and the column order kept."""
-    from jinsum.nn._graph import with_scaled_values  # noqa: PLC0415 (the layers' helper)
-
-    edge_index, values = _graph(rng, weighted=True)
-    A = jnn.adjacency(edge_index, N, values=values, group_size=4)
-    assert (np.asarray(A.Av) == 0).any()  # (padding slots present)
-    rows, columns = rng.uniform(0.5, 2.0, N), rng.uniform(0.5, 2.0, N)
-    for r, c in ((rows, None), (None, columns), (rows, columns)):
-        scaled = with_scaled_values(A, None if r is None else jnp.asarray(r), None if c is None else jnp.asarray(c))
-        expected = _dense(edge_index, values)
-        expected = (expected if r is None else r[:, None] * expected) * (1 if c is None else c[None, :])
-        _close(scaled.todense(), expected, rtol=1e-6, atol=0)
-        assert (np.asarray(scaled.Av)[np.asarray(A.Av) == 0] == 0).all()
-        assert scaled.transposed is A.transposed
-
-
 # --- GCN -------------------------------------------------------------------------------------------------------
 
 def _gcn_reference(conv, x, A, add_self_loops, normalize):

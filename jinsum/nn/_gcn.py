@@ -9,7 +9,7 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.nn._graph import aggregate, expect_adjacency, row_sums, transform_first, with_scaled_values
+from jinsum.nn._graph import aggregate, expect_adjacency, row_sums, transform_first
 
 
 def gcn_scale(A: GroupCOO | BlockGroupCOO, dtype, self_loops: float = 1.0) -> jax.Array:
@@ -25,24 +25,23 @@ def gcn_propagate(A: GroupCOO | BlockGroupCOO, h: jax.Array, scale: jax.Array, s
     """`D^-1/2 (A + self_loops I) D^-1/2 h (+ bias)` with `scale = gcn_scale(A, ..., self_loops)`: one SpMM; the
     self loops and the normalisation never rebuild the adjacency.
 
-    On a `GroupCOO` the normalisation goes into the stored values, `Av[g,p] * S[Ai[g]] * S[Ak[g,p]]` (one product
-    per entry, where scaling the features before and after the SpMM costs two passes over `(N, F)`, forward and
-    backward), and the SpMM's epilogue adds the self loops and the bias: `C[Ai[g],n] += Av'[g,p] * h[Ak[g,p],n]`
-    with `epilogue(c, i, n) = c + self_loops * S[i]^2 * h[i,n] + b[n]`, so on a GPU (outside differentiation) the
-    kernel stores the layer's output. The statement stays the plain SpMM (`with_values` keeps the column order),
-    whose transpose is the same kernel."""
+    On a `GroupCOO` the SpMM's epilogue adds the self loops, scales and adds the bias: `C[Ai[g],n] += Av[g,p] *
+    H[Ak[g,p],n]` with `epilogue(c, i, n) = S[i] * (c + self_loops * H[i,n]) + b[n]` for `H = S h`, so on a GPU
+    (outside differentiation) the kernel stores the layer's output, with no pass over `(N, F)` after it. The
+    statement stays the plain SpMM, whose transpose over the column order is the same kernel. (Scaling inside
+    the statement, `Av[g,p] * S[Ai[g]] * S[Ak[g,p]] * H[Ak[g,p],n]`, would save the pass before it too, but its
+    transpose lists the two scales in the other order: a second kernel to compile.)"""
+    h = h * scale.astype(h.dtype)  # (a float32 scale of bfloat16 features: the SpMM reads bfloat16)
     if not isinstance(A, GroupCOO):
-        h = h * scale.astype(h.dtype)  # (a float32 scale of bfloat16 features: the SpMM reads bfloat16)
         out = (aggregate(A, h) + self_loops * h) * scale
         return (out if bias is None else out + bias).astype(h.dtype)
-    h, s = jnp.asarray(h), scale[:, 0]
-    loops = self_loops * s * s
+    s = scale[:, 0]
 
     def epilogue(c, row, n):
-        out = c + loops[row] * h[row, n] if self_loops else c
+        out = s[row] * (c + self_loops * h[row, n])
         return out if bias is None else out + bias[n]
 
-    return jinsum.einsum("C[Ai[g],n] += Av[g,p] * H[Ak[g,p],n]", A=with_scaled_values(A, s, s).astype(h.dtype), H=h,
+    return jinsum.einsum("C[Ai[g],n] += Av[g,p] * H[Ak[g,p],n]", A=A.astype(h.dtype), H=h,
                          C=jax.ShapeDtypeStruct(h.shape, h.dtype), epilogue=epilogue)
 
 
@@ -50,10 +49,9 @@ class GCNConv(nnx.Module):
     """`out = D^-1/2 (A + I) D^-1/2 x W + b`, with `D` the (weighted) degree of `A + I`.
 
     The self loops and the normalisation never rebuild the adjacency: with `deg = rowsum(A) + 1` (a sorted
-    segment sum over the stored entries, `D[Ai[g]] += Av[g,p]`) and `S = deg^-1/2`, the output is
-    `S A S h + S^2 h` for `h = x W`, where `S A S` scales the stored values and `(S A S) @ h` is one SpMM, `C[Ai[g],n]
-    += Av'[g,p] * h[Ak[g,p],n]` (`gcn_propagate`). An existing self loop of weight `w` therefore counts `w + 1`
-    (PyG's `add_remaining_self_loops` would replace it).
+    segment sum over the stored entries, `D[Ai[g]] += Av[g,p]`) and `h = (x W) * deg^-1/2`, the output is
+    `deg^-1/2 * (A @ h + h)`, where `A @ h` is one SpMM, `C[Ai[g],n] += Av[g,p] * h[Ak[g,p],n]`. An existing
+    self loop of weight `w` therefore counts `w + 1` (PyG's `add_remaining_self_loops` would replace it).
     The propagation commutes with `W`, so it runs on the narrower side: `(A x) W` where `in_features <
     out_features` (`transform_first`).
     Nodes of degree <= 0 (e.g. no self loops and no in-edges) get `deg^-1/2 = 0`, as in PyG. With `improved`,

@@ -90,18 +90,6 @@ def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
     return jinsum.einsum(f"D[Ai[g]{dense}] += Av[g,p{dense}]", D=zeros, A=A)
 
 
-def with_scaled_values(A: GroupCOO, rows: jax.Array | None = None, columns: jax.Array | None = None) -> GroupCOO:
-    """`diag(rows) A diag(columns)` as `A`'s stored values: one product per entry, where scaling an SpMM's input or
-    output costs a pass over `(N, F)`, forward and backward (a mean's `1 / deg`, GCN's `deg^-1/2` on both sides).
-    `rows` `(M,)`, `columns` `(K,)`; the column order is kept (`with_values`)."""
-    values = A.Av  # (padding slots hold 0 whatever their row or column: a clipped gather leaves them 0)
-    if rows is not None:
-        values = values * jnp.take(rows, A.Ai, mode="clip")[:, None]
-    if columns is not None:
-        values = values * jnp.take(columns, A.Ak, mode="clip")
-    return A.with_values(values)
-
-
 def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
     """`A @ h` (SpMM over the stored entries), with `A`'s values in `h`'s dtype: `(M, F)` from `h` `(K, F)`.
 

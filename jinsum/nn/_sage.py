@@ -10,8 +10,7 @@ from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.nn._aggregation import AGGREGATIONS, multi_aggregate
-from jinsum.nn._graph import (aggregate, expect_adjacency, node_features, row_sums, transform_first,
-                              with_scaled_values)
+from jinsum.nn._graph import aggregate, expect_adjacency, node_features, row_sums, transform_first
 
 
 class SAGEConv(nnx.Module):
@@ -83,19 +82,14 @@ class SAGEConv(nnx.Module):
         if not linear:
             out = self.lin_neighbors(multi_aggregate(A, neighbors, self.aggrs))
         else:
-            propagate = functools.partial(aggregate, A)
+            scale = 1
             if self.aggrs == ("mean",):
-                deg = row_sums(A, jnp.promote_types(x.dtype, jnp.float32))
-                inverse = 1 / jnp.where(deg != 0, deg, 1)
-                if isinstance(A, GroupCOO):  # (the mean in the stored values: no pass over the SpMM's output)
-                    propagate = functools.partial(aggregate, with_scaled_values(A, rows=inverse))
-                else:
-                    def propagate(h):
-                        return aggregate(A, h) * inverse[:, None].astype(h.dtype)
+                deg = row_sums(A, jnp.promote_types(x.dtype, jnp.float32))[:, None]
+                scale = (1 / jnp.where(deg != 0, deg, 1)).astype(x.dtype)
             if transform_first(A, self.lin_neighbors.in_features, self.lin_neighbors.out_features):
-                out = propagate(self.lin_neighbors(neighbors))
+                out = aggregate(A, self.lin_neighbors(neighbors)) * scale
             else:
-                out = self.lin_neighbors(propagate(neighbors))
+                out = self.lin_neighbors(aggregate(A, neighbors) * scale)
         if self.lin_root is not None:
             out = out + self.lin_root(x)
         out = out if self.bias is None else out + self.bias[...].astype(out.dtype)
