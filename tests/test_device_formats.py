@@ -199,22 +199,6 @@ def test_from_neighbors_is_the_fixed_fanout_table(rng):
     assert np.isneginf(np.asarray(out[3])).all()
 
 
-def test_from_neighbors_checks_a_given_column_order(rng):
-    neighbors = jnp.asarray([[2, -1], [0, 2], [1, 0]])
-    good = jnp.asarray([2, 5, 4, 0, 3, 1])  # sources 0, 0, 1, 2, 2, then the padding slot 1
-    A = jinsum.GroupCOO.from_neighbors(neighbors, num_sources=3, column_order=good)
-    np.testing.assert_array_equal(np.asarray(A.transposed.perm),
-                                  np.asarray(jinsum.GroupCOO.from_neighbors(neighbors, num_sources=3).transposed.perm))
-    with pytest.raises(ValueError, match=r"column_order must be an integer array \(6,\)"):
-        jinsum.GroupCOO.from_neighbors(neighbors, num_sources=3, column_order=jnp.arange(5))
-    unstable = jnp.asarray([5, 2, 4, 0, 3, 1])
-    checked = checkify.checkify(lambda order: jinsum.GroupCOO.from_neighbors(neighbors, num_sources=3,
-                                                                             column_order=order).transposed.perm)
-    with jinsum.check_indices(True):
-        assert checked(good)[0].get() is None
-        assert "column_order is not the table's slots sorted by source" in checked(unstable)[0].get()
-
-
 def test_with_transpose_under_jit_equals_host(rng):
     A = jinsum.GroupCOO.from_edge_index(_edges(rng, 25, 25, 90), num_nodes=25)
     host = A.with_transpose().transposed

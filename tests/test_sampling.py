@@ -8,8 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import jinsum
 from jinsum.sampling import CSRGraph, hop_sizes, sample_neighbors
@@ -185,44 +183,6 @@ def test_outer_sources_in_graph_ids_equal_the_gathered_sample(replace, rng):
     probe = jnp.asarray(rng.normal(size=(4, 4)))
     grads = [jax.grad(lambda x, f=f: (f(x) * probe).sum())(x) for f in (graph_reading, local_reading)]
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-12, atol=1e-12)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 12), st.integers(1, 5), st.integers(1, 30),
-       st.booleans(), st.booleans())
-def test_the_relabelling_sort_gives_the_column_order(seed, n, k, num_nodes, unique, padded):
-    """The neighbor table's column order taken from `_relabel`'s sort (no second sort) is exactly the stable sort of
-    its slots by local id, padding last: frontier nodes with and without copies in the table, repeated neighbors,
-    repeated and padding frontier nodes, padding slots."""
-    from jinsum.sampling._neighbors import _relabel  # noqa: PLC0415 (the sampler's step, tested alone)
-
-    rng = np.random.default_rng(seed)
-    if unique:
-        nodes = rng.permutation(num_nodes)[:n]
-        nodes = np.concatenate([nodes, np.full(n - len(nodes), -1)])
-    else:
-        nodes = rng.integers(0, num_nodes, n)
-    if padded:
-        nodes[rng.integers(0, n)] = -1
-    neighbors = rng.integers(-1, num_nodes, (n, k))
-    next_nodes, local, order = _relabel(jnp.asarray(nodes, jnp.int32), jnp.asarray(neighbors, jnp.int32))
-    local = np.asarray(local).reshape(-1)
-    key = np.where(local >= 0, local, next_nodes.shape[0])
-    np.testing.assert_array_equal(np.asarray(order), np.argsort(key, kind="stable"))
-
-
-def test_the_tables_column_order_equals_the_sorted_one(rng):
-    """A sample's inner tables built from the relabelling's order equal those `from_neighbors` sorts itself, and
-    their gradients run over it."""
-    edges, num_nodes = _graph(rng)
-    graph = CSRGraph.from_edge_index(edges, num_nodes)
-    sample = jax.jit(lambda s, key: sample_neighbors(graph, s, (4, 3), key, with_transpose=True))(
-        jnp.arange(6), jax.random.key(1))
-    for A in sample.adjacencies:
-        local = jnp.where(A.Av != 0, A.Ak, -1)
-        sorted_ = jinsum.GroupCOO.from_neighbors(local, num_sources=A.shape[1]).transposed
-        for got, expected in zip(A.transposed, sorted_):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
 def test_seeds_out_of_range_raise_eagerly_and_are_padding_under_jit(rng):

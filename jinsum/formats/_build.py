@@ -168,7 +168,7 @@ def groups_from_rows(xp, rows, cols, data, *, num_rows: int, group_size: int, nu
 
 
 def transposed_from_slots(xp, Ai, Ak, active, *, num_columns: int, group_size: int | None, num_groups: int | None,
-                          index_dtype, perm=None):
+                          index_dtype):
     """A format's active slots in column order, and grouped as its transpose.
 
     Args:
@@ -177,8 +177,6 @@ def transposed_from_slots(xp, Ai, Ak, active, *, num_columns: int, group_size: i
       num_columns: ``K``.
       group_size: ``Q``, the transpose's group size; None on the host picks `default_group_size` of the columns.
       num_groups: ``H``, the transpose's groups; None on the host takes exactly those needed.
-      perm: on the device, the column order where the caller already has it (every slot: the active ones by
-        column, stably, then the others, as the sort here would give them): no sort.
 
     Returns:
       ``(perm, starts, columns, rows, slots)`` as a `TransposedIndex` holds them. On the host ``perm`` lists the
@@ -186,8 +184,7 @@ def transposed_from_slots(xp, Ai, Ak, active, *, num_columns: int, group_size: i
     """
     p = Ak.shape[1]
     key = xp.where(active, Ak.reshape(-1), num_columns)
-    if perm is None:
-        perm = host_argsort(key, num_columns + 1) if xp is np else _argsort(key)
+    perm = host_argsort(key, num_columns + 1) if xp is np else _argsort(key)
     key = key[perm]
     counts = row_lengths(xp, key, num_columns)
     starts = xp.concatenate([xp.zeros(1, counts.dtype), xp.cumsum(counts)])
@@ -282,11 +279,10 @@ def device_groups(rows, cols, values, *, shape: tuple[int, int], capacity: int, 
     return Ai, Ak, Av, active, distinct, out_of_range
 
 
-def device_transposed(Ai, Ak, active, *, num_columns: int, index_dtype, perm=None):
+def device_transposed(Ai, Ak, active, *, num_columns: int, index_dtype):
     """`transposed_from_slots` with static sizes: every slot may be active, so the transpose's groups are bounded
     by `group_bound` of all ``G * P`` slots over ``num_columns`` rows."""
     slots = Ak.size
     group_size = capacity_group_size(slots, num_columns)
     return transposed_from_slots(jnp, Ai, Ak, active, num_columns=num_columns, group_size=group_size,
-                                 num_groups=group_bound(slots, num_columns, group_size), index_dtype=index_dtype,
-                                 perm=perm)
+                                 num_groups=group_bound(slots, num_columns, group_size), index_dtype=index_dtype)

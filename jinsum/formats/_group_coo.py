@@ -91,25 +91,6 @@ def _check_edge_values(where: str, values, num_edges: int) -> None:
         )
 
 
-def _checked_column_order(where: str, order, Ak, valid):
-    """A neighbor table's column order given by the caller (`GroupCOO.from_neighbors`): its shape now, and under
-    `jinsum.check_indices` that it is the stable sort (the pairs (source, slot) strictly increasing, padding slots
-    after every valid one)."""
-    order = as_jax_array(order)
-    if order.shape != (Ak.size,) or not jnp.issubdtype(order.dtype, jnp.integer):
-        raise ValueError(f"{where}: column_order must be an integer array ({Ak.size},) of the table's flat slots, got "
-                         f"{order.dtype}{list(order.shape)}")
-    order = order.astype(jnp.int32)
-    if _config.check_indices.value:
-        inside = (order >= 0) & (order < Ak.size)
-        slot = jnp.clip(order, 0, Ak.size - 1)
-        key = jnp.where(valid.reshape(-1), Ak.reshape(-1), jnp.iinfo(jnp.int32).max)[slot]
-        increasing = (key[1:] > key[:-1]) | ((key[1:] == key[:-1]) & (slot[1:] > slot[:-1]))
-        checkify.check(jnp.all(inside) & jnp.all(increasing), f"{where}: column_order is not the table's slots "
-                       "sorted by source (stably, padding slots last)")
-    return order
-
-
 @jax.tree_util.register_pytree_node_class
 class GroupCOO(GroupedFormat):
     """A sparse ``M x K`` matrix (optionally with trailing dense dimensions) stored as groups.
@@ -362,7 +343,7 @@ class GroupCOO(GroupedFormat):
 
     @classmethod
     def from_neighbors(cls, neighbors, values=None, *, num_sources: int, dtype=None,
-                       with_transpose: bool = True, column_order=None) -> GroupCOO:
+                       with_transpose: bool = True) -> GroupCOO:
         """The ``n x num_sources`` matrix of a fixed-fanout neighbor table, traceable (no sort for the forward).
 
         Row ``i`` holds the ``k`` sampled neighbors ``neighbors[i]`` (a negative entry is padding: a row with fewer
@@ -378,10 +359,6 @@ class GroupCOO(GroupedFormat):
           with_transpose: build the entries in column order, so the gradient with respect to the sources runs
             without atomics (deterministic mode needs it to avoid a sort per call); a small table's backward is
             about as fast adding atomically.
-          column_order: int ``(n * k,)``, where the caller already has it (a sampler's relabelling sorts its
-            candidates by node): the flat slots ``i * k + j`` of the valid neighbors sorted by source, stably, then
-            the padding slots; the column order is then built without a sort. Under `jinsum.check_indices` an
-            order that is not one is a `checkify` error.
         """
         where = f"{_FMT}.from_neighbors"
         num_sources = check_int(where, "num_sources", num_sources)
@@ -405,10 +382,8 @@ class GroupCOO(GroupedFormat):
         Av = jnp.where(expand, values, 0).astype(dtype)
         transposed = None
         if with_transpose:
-            if column_order is not None:
-                column_order = _checked_column_order(where, column_order, Ak, valid)
             transposed = TransposedIndex(*device_transposed(Ai, Ak, valid.reshape(-1), num_columns=num_sources,
-                                                            index_dtype=index, perm=column_order))
+                                                            index_dtype=index))
         shape = (neighbors.shape[0], num_sources, *values.shape[2:])
         return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=shape, nnz=Ak.size, transposed=transposed,
                                   overflow=jnp.zeros((), bool))

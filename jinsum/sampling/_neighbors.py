@@ -139,9 +139,8 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
         if hop == len(fanouts) - 1 and outer_sources == "graph":
             tables.append(GroupCOO.from_neighbors(neighbors, num_sources=graph.num_nodes, with_transpose=transpose))
             break
-        next_nodes, local, order = _relabel(nodes, neighbors)
-        tables.append(GroupCOO.from_neighbors(local, num_sources=next_nodes.shape[0], with_transpose=transpose,
-                                              column_order=order))
+        next_nodes, local = _relabel(nodes, neighbors)
+        tables.append(GroupCOO.from_neighbors(local, num_sources=next_nodes.shape[0], with_transpose=transpose))
         nodes = next_nodes
     sizes = tuple(a.shape[1] for a in reversed(tables)) + (seeds.shape[0],)
     return NeighborSample(nodes, tuple(reversed(tables)), sizes, outer_sources)
@@ -188,13 +187,11 @@ def _floyd(degree, uniform):
 
 
 def _relabel(nodes, neighbors):
-    """The next hop's nodes (``nodes`` first, then each new neighbor once, in order of first appearance by id), the
-    neighbor table in their local ids (-1 for padding), and the table's column order (its flat slots sorted by
-    local id, stably, then the padding slots: `GroupCOO.from_neighbors`' ``column_order``).
+    """The next hop's nodes (``nodes`` first, then each new neighbor once, in order of first appearance by id) and
+    the neighbor table in their local ids (-1 for padding).
 
     One stable sort of the ``n (1 + k)`` candidates by node id: a node's first copy is its local id's owner;
-    ``nodes`` keep their positions, new nodes are numbered after them. The same sort gives the column order
-    without another: a node's copies are one run, in slot order, and the runs only move as whole blocks.
+    ``nodes`` keep their positions, new nodes are numbered after them.
     """
     n, k = neighbors.shape
     size = n * (1 + k)
@@ -216,23 +213,4 @@ def _relabel(nodes, neighbors):
     local = jnp.full(size, -1, jnp.int32).at[sorted_position].set(jnp.where(real, run_local[run], -1))
     next_nodes = jnp.full(size, -1, jnp.int32).at[:n].set(nodes)
     next_nodes = next_nodes.at[jnp.where(is_new, n + new_rank, size)].set(node_key, mode="drop")
-    return next_nodes, local[n:].reshape(n, k), _column_order(n, sorted_position, real, first, run, run_local)
-
-
-def _column_order(n: int, sorted_position, real, first, run, run_local):
-    """The table slots (candidates ``n`` on) in column order, from `_relabel`'s sort: a slot's place is its local
-    id's start (a cumulative count over local ids) plus its rank among the run's table copies (the run's frontier
-    copies, positions below ``n``, sort first); the padding slots follow, in slot order."""
-    size = sorted_position.shape[0]
-    index = jnp.arange(size, dtype=jnp.int32)
-    table = sorted_position >= n
-    entry = real & table
-    column = run_local[run]
-    counts = jnp.zeros(size, jnp.int32).at[jnp.where(entry, column, size)].add(1, mode="drop")
-    column_start = jnp.cumsum(counts) - counts
-    run_start = jnp.zeros(size, jnp.int32).at[jnp.where(first, run, size)].set(index, mode="drop")
-    frontier = jnp.zeros(size, jnp.int32).at[jnp.where(real & ~table, run, size)].add(1, mode="drop")
-    place = column_start[column] + index - run_start[run] - frontier[run]
-    padding = table & ~real
-    place = jnp.where(entry, place, jnp.sum(entry) + jnp.cumsum(padding) - 1)
-    return jnp.zeros(size - n, jnp.int32).at[jnp.where(table, place, size)].set(sorted_position - n, mode="drop")
+    return next_nodes, local[n:].reshape(n, k)
