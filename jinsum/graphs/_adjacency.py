@@ -84,6 +84,7 @@ def gcn_norm(edge_index, num_nodes: int, *, values=None, improved: bool = False,
     scale = sp.diags(np.where(degree > 0, 1 / np.sqrt(np.where(degree > 0, degree, 1)), 0))
     return GroupCOO.from_scipy((scale @ csr @ scale).astype(A.dtype), group_size=group_size).with_transpose()
 
+
 def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: bool, capacity: int) -> GroupCOO:
     """`adjacency` inside `jit`: the device builder, with PyG's remaining self loops as more edges (a node's own
     nonzero self loop kept, a weight-1 loop added where it has none; edges of weight 0 dropped)."""

@@ -55,7 +55,9 @@ class GCNConv(nnx.Module):
     The propagation commutes with `W`, so it runs on the narrower side: `(A x) W` where `in_features <
     out_features` (`transform_first`).
     Nodes of degree <= 0 (e.g. no self loops and no in-edges) get `deg^-1/2 = 0`, as in PyG. With `improved`,
-    the self loops weigh 2 (`A + 2I`).
+    the self loops weigh 2 (`A + 2I`). On a static graph the normalisation can be computed once instead
+    (`jinsum.graphs.gcn_norm`, with `normalize=False, add_self_loops=False`: PyG's `cached=True`), which leaves
+    one SpMM a layer and no degree sums in the step.
 
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`.
 
