@@ -59,7 +59,6 @@ def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, grou
     return A.with_transpose()
 
 
-
 def gcn_norm(edge_index, num_nodes: int, *, values=None, improved: bool = False, add_self_loops: bool = True,
              group_size: int | None = None) -> GroupCOO:
     """GCN's normalised adjacency `D^-1/2 (A + I) D^-1/2` of a static graph, computed once on the host (PyG's
