@@ -199,6 +199,45 @@ def test_from_neighbors_is_the_fixed_fanout_table(rng):
     assert np.isneginf(np.asarray(out[3])).all()
 
 
+def _padding_columns(A, stored):
+    """Where `A`'s padding slots point, as the builders place them: each at its group's first stored column, every
+    slot of a group with none stored at column ``g mod K``."""
+    Ak, stored = np.asarray(A.Ak), np.asarray(stored)
+    first = np.take_along_axis(Ak, stored.argmax(axis=1)[:, None], axis=1)[:, 0]
+    fill = np.where(stored.any(axis=1), first, np.arange(Ak.shape[0]) % A.shape[1])
+    return np.where(stored, Ak, fill[:, None])
+
+
+def test_padding_is_spread_over_columns(rng):
+    """Padding never all points at one column, whose row would take every zero a gradient adds through `Ak`,
+    atomically, one after another: the fanout table's padding and a CSR's padded groups and spare groups (the
+    positions past ``indptr[M]``) each point at their group's first column, or spread by group where the group
+    has none; the products are unchanged."""
+    neighbors = rng.integers(-1, 40, (30, 5))
+    neighbors[3], neighbors[7, :3] = -1, -1  # an empty row; a row whose stored slots come after padding
+    A = jax.jit(lambda n: jinsum.GroupCOO.from_neighbors(n, num_sources=40, with_transpose=False))(neighbors)
+    np.testing.assert_array_equal(np.asarray(A.Ak), _padding_columns(A, neighbors >= 0))
+    assert np.asarray(A.Ak)[3, 0] == 3 and (np.asarray(A.Ak)[7, :3] == neighbors[7, 3]).all()
+
+    lengths = rng.integers(0, 6, 12)
+    lengths[4] = 0
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    indices = rng.integers(0, 9, int(indptr[-1]) + 17)  # 17 positions past the last row: spare groups
+    indices[2] = -1  # a padding entry inside a row
+    B = jax.jit(lambda p, i: jinsum.GroupCOO.from_csr(p, i, num_columns=9, group_size=2, with_transpose=False))(
+        indptr, indices)
+    stored = np.asarray(B.Av) != 0
+    assert (~stored.any(axis=1)).sum() > 1  # spare groups, which now sit at distinct columns
+    np.testing.assert_array_equal(np.asarray(B.Ak), _padding_columns(B, stored))
+    expected = np.zeros((12, 9))
+    for row in range(12):
+        for position in range(indptr[row], indptr[row + 1]):
+            if indices[position] >= 0:
+                expected[row, indices[position]] += 1
+    np.testing.assert_allclose(np.asarray(B.todense()), expected)
+    x, cotangent = rng.normal(size=(9, 3)), rng.normal(size=(12, 3))
+    grad = jax.grad(lambda x: jnp.vdot(B @ x, cotangent))(x)
+    np.testing.assert_allclose(np.asarray(grad), expected.T @ cotangent, rtol=1e-10)
 def test_with_transpose_under_jit_equals_host(rng):
     A = jinsum.GroupCOO.from_edge_index(_edges(rng, 25, 25, 90), num_nodes=25)
     host = A.with_transpose().transposed

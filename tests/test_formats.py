@@ -73,7 +73,7 @@ def expected_groups(indptr, indices, data, group_size):
             stop = min(start + group_size, indptr[row + 1])
             pad = group_size - (stop - start)
             Ai.append(row)
-            Ak.append(list(indices[start:stop]) + [0] * pad)
+            Ak.append(list(indices[start:stop]) + [indices[start]] * pad)  # (padding at the group's first column)
             Av.append(np.concatenate([np.asarray(data[start:stop], np.float64), np.zeros((pad, *trailing))]))
     return (
         np.array(Ai, np.int64),
@@ -395,7 +395,8 @@ def test_transposed_index_is_the_csc_order_of_the_nonzero_entries(entries, group
     grouped = GroupCOO(T.columns, T.rows, np.where(slots >= 0, np.asarray(A.Av).reshape(-1)[slots], 0),
                        (shape[1], shape[0]))
     np.testing.assert_allclose(grouped.to_scipy().toarray(), expected.T.toarray())
-    assert np.all(np.diff(np.asarray(T.columns)) >= 0) and np.all(np.asarray(T.rows)[slots < 0] == 0)
+    rows = np.asarray(T.rows)  # (a padding slot reads its group's first row)
+    assert np.all(np.diff(np.asarray(T.columns)) >= 0) and np.all(rows == np.where(slots < 0, rows[:, :1], rows))
     np.testing.assert_allclose(values, expected.data)
 
 
@@ -594,7 +595,7 @@ def expected_block_groups(dense, stored, block_shape, group_size):
             blocks = [padded[br * bm : (br + 1) * bm, c * bk : (c + 1) * bk] for c in chunk]
             blocks += [np.zeros((bm, bk))] * (group_size - len(chunk))
             Ai.append(br)
-            Ak.append(chunk + [0] * (group_size - len(chunk)))
+            Ak.append(chunk + chunk[:1] * (group_size - len(chunk)))  # (padding at the group's first column)
             Av.append(np.stack(blocks, axis=-1))
     return (
         np.array(Ai, np.int64),
@@ -662,7 +663,7 @@ def test_block_edge_blocks_and_bcoo_matmul():
     B = BlockGroupCOO.from_dense(x, block_shape=(2, 3), group_size=2)
     assert repr(B) == "BlockGroupCOO(float64[5, 7], blocks=2 x 3, nnz=3 blocks, groups=3 x 2)"
     np.testing.assert_array_equal(np.asarray(B.Ai), [0, 1, 2])
-    np.testing.assert_array_equal(np.asarray(B.Ak), [[0, 0], [1, 0], [2, 0]])
+    np.testing.assert_array_equal(np.asarray(B.Ak), [[0, 0], [1, 1], [2, 2]])  # (padding: the group's first)
     np.testing.assert_array_equal(to_f64(B.Av[2, :, :, 0]), [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     # The element BCOO has out-of-bounds coordinates for the overhang, which BCOO treats as padding.
     v = jnp.arange(7.0)
@@ -676,7 +677,7 @@ def test_block_from_bsr_uses_its_blocks():
     bsr = sp.bsr_matrix((blocks, np.array([2, 0, 1]), np.array([0, 2, 3])), shape=(4, 6))
     B = BlockGroupCOO.from_scipy(bsr, block_shape=(2, 2), group_size=2)
     assert B.nnz == 3
-    np.testing.assert_array_equal(np.asarray(B.Ak), [[0, 2], [1, 0]])
+    np.testing.assert_array_equal(np.asarray(B.Ak), [[0, 2], [1, 1]])
     check_block_groups(B, bsr.toarray(), {(0, 2), (0, 0), (1, 1)})
     # Another block shape goes through the element entries (BSR stores the zeros inside its blocks as entries).
     C = BlockGroupCOO.from_scipy(bsr, block_shape=(1, 3))

@@ -153,8 +153,8 @@ def test_routed_linear_is_a_grouped_product_and_a_combine(x64, rng):
 
 def test_padding_slots_read_no_row_under_jit(x64, rng):
     """Inside `jit` a slot of value 0 (group padding) reads no token row: its product is 0, and the input's
-    gradient adds nothing for it (its column is -1, not padding's column 0). Outside `jit`, where indices are
-    checked on the host, padding keeps column 0 (any product: its value is 0); the layer's results agree."""
+    gradient adds nothing for it (its column is -1, not a stored entry's). Outside `jit`, where indices are
+    checked on the host, padding keeps its column (any product: its value is 0); the layer's results agree."""
     T, E, C, N = 9, 4, 3, 5
     x, w = jnp.asarray(rng.standard_normal((T, C))), jnp.asarray(rng.standard_normal((E, C, N)))
     A = route_tokens(distinct_logits(rng, T, E), 2, group_size=4).combine
@@ -170,7 +170,7 @@ def test_padding_slots_read_no_row_under_jit(x64, rng):
 
 
 def test_check_indices_reports_nothing_on_a_routing(x64, rng):
-    """Under `jinsum.check_indices` (checkify inside jit) padding keeps column 0, which is in range: a valid
+    """Under `jinsum.check_indices` (checkify inside jit) padding keeps its column, which is in range: a valid
     routing reports no error, forward or backward, and gives the same results."""
     T, E, C, N = 9, 4, 3, 5
     x, w = jnp.asarray(rng.standard_normal((T, C))), jnp.asarray(rng.standard_normal((E, C, N)))

@@ -115,7 +115,7 @@ def test_an_omitted_left_hand_side_starts_at_the_identity(rng):
 
 
 def test_a_format_reduces_over_its_entries_only(rng):
-    """Group padding (column 0, value 0) and explicit zeros take no part: with negative products, a padded 0 would
+    """Group padding (value 0) and explicit zeros take no part: with negative products, a padded 0 would
     otherwise win every row's maximum."""
     dense = np.where(rng.random((M, K)) < 0.3, rng.uniform(0.5, 2, (M, K)), 0)
     dense[3] = 0  # an empty row

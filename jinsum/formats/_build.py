@@ -9,8 +9,9 @@ functions here with `xp` set to `numpy` or `jax.numpy`, so the two paths cannot 
   `TransposedIndex` that makes backward passes atomic-free).
 
 On the device the number of groups is a bound, :func:`group_bound`, that no input of the capacity exceeds; the
-groups past the real ones are padding: the last row's id (so `Ai` stays sorted and in range), column 0, value 0.
-Padding never changes a product, a maximum (zero-valued slots are bound out of range), or a gradient.
+groups past the real ones are padding: the last row's id (so `Ai` stays sorted and in range), value 0, and columns
+spread over the matrix (`spread_padding`). Padding never changes a product, a maximum (zero-valued slots are bound
+out of range), or a gradient.
 """
 
 from __future__ import annotations
@@ -138,19 +139,22 @@ def group_slots(xp, rows, *, num_rows: int, group_size: int, num_groups: int):
     return xp.where(rows < num_rows, slot, num_groups * group_size), first_group, groups
 
 
-def groups_from_rows(xp, rows, cols, data, *, num_rows: int, group_size: int, num_groups: int, dtype, index_dtype):
+def groups_from_rows(xp, rows, cols, data, *, num_rows: int, group_size: int, num_groups: int, dtype, index_dtype,
+                     num_columns: int | None = None):
     """Groups of entries sorted by row.
 
     Entry ``j`` of row ``r`` goes to slot ``first_group[r] * P + j``: a row's entries fill its groups in the order
-    given, and its last group is padded with column 0 and value 0.
+    given, and its last group is padded with value 0 at the columns `spread_padding` gives.
 
     Args:
       xp: `numpy` (host) or `jax.numpy` (traceable).
       rows: int ``(n,)``, non-decreasing; an entry of row ``num_rows`` (which sorts last) is dropped.
-      cols: int ``(n,)`` columns; data: ``(n, *trailing)`` values.
+      cols: int ``(n,)`` columns (-1: a padding entry, placed like padding); data: ``(n, *trailing)`` values.
       num_rows: ``M``; group_size: ``P``.
       num_groups: ``G``: exactly the groups needed on the host, `group_bound` on the device (the groups past the
         real ones are padding of the last non-empty row).
+      num_columns: ``K``, which groups of padding only spread their columns over; None leaves them at column 0
+        (an index whose padding is only read, as a transpose's rows are).
       dtype, index_dtype: of the values and of the index arrays.
 
     Returns:
@@ -158,13 +162,30 @@ def groups_from_rows(xp, rows, cols, data, *, num_rows: int, group_size: int, nu
     """
     p = group_size
     slot, first_group, groups = group_slots(xp, rows, num_rows=num_rows, group_size=p, num_groups=num_groups)
-    Ak = _scatter(xp, xp.zeros(num_groups * p, index_dtype), slot, cols)
+    filled = _scatter(xp, xp.zeros(num_groups * p, index_dtype), slot, cols + 1).reshape(num_groups, p)  # 0: padding
+    Ak = spread_padding(xp, filled - 1, filled > 0, 1 if num_columns is None else num_columns)
     Av = _scatter(xp, xp.zeros((num_groups * p, *data.shape[1:]), dtype), slot, data)
     # Each row's id at its first group, then a running maximum: the row of every group (padding groups after the
     # last real one take the last non-empty row's id).
     ids = xp.arange(num_rows, dtype=index_dtype)
     Ai = _scatter(xp, xp.zeros(num_groups, index_dtype), xp.where(groups > 0, first_group, num_groups), ids)
-    return _cummax(xp, Ai), Ak.reshape(num_groups, p), Av.reshape(num_groups, p, *data.shape[1:]), slot
+    return _cummax(xp, Ai), Ak, Av.reshape(num_groups, p, *data.shape[1:]), slot
+
+
+def spread_padding(xp, Ak, stored, num_columns: int):
+    """``Ak`` ``(G, P)`` with each padding slot (``~stored``) at its group's first stored column, and every slot of
+    a group with none stored at column ``g mod num_columns``.
+
+    Padding's value is 0, so any column in range gives the same products; where it points decides what it costs.
+    At one shared column every zero that a gradient adds through ``Ak`` atomically queues on that one row (H200,
+    4,224 x 300 fp32 with 770 padding groups: the gradient 15 against 8 us; a table with 37,000 padded slots 0.40
+    ms against 0.02). A group's own first column is a row the group reads anyway and adds to already.
+    """
+    first = xp.argmax(stored, axis=1)
+    own = xp.take_along_axis(Ak, first[:, None], axis=1)[:, 0]
+    spare = (xp.arange(Ak.shape[0]) % max(num_columns, 1)).astype(Ak.dtype)
+    fill = xp.where(stored.any(axis=1), own, spare)
+    return xp.where(stored, Ak, fill[:, None])
 
 
 def transposed_from_slots(xp, Ai, Ak, active, *, num_columns: int, group_size: int | None, num_groups: int | None,
@@ -274,7 +295,8 @@ def device_groups(rows, cols, values, *, shape: tuple[int, int], capacity: int, 
     rows, cols, values, distinct, out_of_range = unique_entries(rows, cols, values, shape=shape, capacity=capacity)
     num_groups = group_bound(capacity, shape[0], group_size)
     Ai, Ak, Av, slot = groups_from_rows(jnp, rows, cols, values, num_rows=shape[0], group_size=group_size,
-                                        num_groups=num_groups, dtype=dtype, index_dtype=index_dtype)
+                                        num_groups=num_groups, dtype=dtype, index_dtype=index_dtype,
+                                        num_columns=shape[1])
     active = jnp.zeros(num_groups * group_size, bool).at[slot].set(True, mode="drop")
     return Ai, Ak, Av, active, distinct, out_of_range
 

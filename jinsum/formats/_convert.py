@@ -384,8 +384,8 @@ def groups_from_csr(indptr, indices, data, group_size: int, dtype, num_cols: int
     """Groups of a canonical CSR, exactly as many as its rows need: every converter ends here, in the builder the
     device path shares (`jinsum.formats._build.groups_from_rows`).
 
-    A row with ``L`` entries becomes ``ceil(L / P)`` consecutive groups; its last group is padded with column 0
-    and value 0.
+    A row with ``L`` entries becomes ``ceil(L / P)`` consecutive groups; its last group is padded with value 0 at
+    its first entry's column.
 
     Args:
       indptr: ``(M + 1,)``; indices: ``(nnz,)`` columns; data: ``(nnz, *trailing)``.
@@ -404,7 +404,7 @@ def groups_from_csr(indptr, indices, data, group_size: int, dtype, num_cols: int
                      lengths)
     Ai, Ak, Av, _ = groups_from_rows(np, rows, np.asarray(indices), np.asarray(data), num_rows=num_rows,
                                      group_size=group_size, num_groups=num_groups, dtype=dtype,
-                                     index_dtype=index_dtype(num_rows, num_cols))
+                                     index_dtype=index_dtype(num_rows, num_cols), num_columns=num_cols)
     return Ai, Ak, Av
 
 

@@ -13,7 +13,7 @@ from jax.experimental import sparse as jsparse
 from jinsum.formats._base import GroupedFormat
 from jinsum import _config
 from jinsum.formats._build import (capacity_group_size, device_groups, device_transposed, group_bound,
-                                   groups_from_rows, rows_of_positions, transposed_from_slots)
+                                   groups_from_rows, rows_of_positions, spread_padding, transposed_from_slots)
 from jinsum.formats._convert import (
     as_jax_array,
     check_edge_index,
@@ -98,7 +98,7 @@ class GroupCOO(GroupedFormat):
     The nonzeros of each row are cut into groups of ``P`` consecutive entries (in increasing column order);
     group ``g`` belongs to row ``Ai[g]``, and its slot ``p`` holds column ``Ak[g, p]`` with value
     ``Av[g, p]``. A row with ``L`` nonzeros has ``ceil(L / P)`` consecutive groups, empty rows have none, and a
-    row's last group is padded to ``P`` with column 0 and value 0. The matrix is therefore::
+    row's last group is padded to ``P`` with value 0 (at the group's first column). The matrix is therefore::
 
         A[m, k] = sum over (g, p) with Ai[g] == m and Ak[g, p] == k of Av[g, p]
 
@@ -377,7 +377,7 @@ class GroupCOO(GroupedFormat):
             checkify.check(jnp.all(neighbors < num_sources), f"{where}: neighbors holds a source id past "
                            f"num_sources = {num_sources}; negative ids mark padding")
         Ai = jnp.arange(neighbors.shape[0], dtype=index)
-        Ak = jnp.where(valid, neighbors, 0).astype(index)
+        Ak = spread_padding(jnp, jnp.where(valid, neighbors, 0).astype(index), valid, num_sources)
         expand = valid.reshape(valid.shape + (1,) * (values.ndim - 2))
         Av = jnp.where(expand, values, 0).astype(dtype)
         transposed = None
@@ -433,9 +433,9 @@ class GroupCOO(GroupedFormat):
         valid = (rows >= 0) & (indices >= 0) & (indices < num_columns)
         expand = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
         Ai, Ak, Av, slot = groups_from_rows(
-            jnp, jnp.maximum(rows, 0), jnp.where(valid, indices, 0), jnp.where(expand, values, 0).astype(dtype),
+            jnp, jnp.maximum(rows, 0), jnp.where(valid, indices, -1), jnp.where(expand, values, 0).astype(dtype),
             num_rows=num_rows, group_size=group_size, num_groups=group_bound(length, num_rows, group_size),
-            dtype=dtype, index_dtype=index)
+            dtype=dtype, index_dtype=index, num_columns=num_columns)
         transposed = None
         if with_transpose:
             active = jnp.zeros(Ak.size, bool).at[slot].set(valid, mode="drop")
@@ -454,7 +454,7 @@ class GroupCOO(GroupedFormat):
     def to_bcoo(self) -> jsparse.BCOO:
         """A ``BCOO`` holding every one of the ``G * P`` slots, padding included.
 
-        Padding slots are zero-valued entries at column 0, so the matrix is equal, but the BCOO is not
+        Padding slots are zero-valued entries (at columns that hold entries), so the matrix is equal, but the BCOO is not
         duplicate-free (``unique_indices=False``) and ``nse = G * P``. Keeping every slot makes this traceable;
         call ``.sum_duplicates()`` on the result to compact it outside ``jit``.
         """

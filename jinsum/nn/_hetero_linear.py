@@ -116,7 +116,7 @@ class HeteroLinear(nnx.Module):
         # `Y[Ak[g,p],o] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,o]` as MoE runs it: the rows' products in grouped order
         # (a Tensor Core plan on GPUs), then each into its row. A row has one slot: under `jit` the slots are stored
         # into their rows (padding, column -1, nowhere), not added (atomically, into float32, cast after: H200,
-        # 262,144 rows of 256, 0.31 ms of a 0.72 ms forward); elsewhere padding keeps column 0 and is added with
+        # 262,144 rows of 256, 0.31 ms of a 0.72 ms forward); elsewhere padding keeps its column and is added with
         # its value, 0. Rows of no type (out of range) stay 0.
         products = gathered_product(A, x.astype(dtype), weight.astype(dtype), epilogue=epilogue)
         out = jax.ShapeDtypeStruct((x.shape[0], self.out_features), dtype)
