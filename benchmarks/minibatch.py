@@ -12,8 +12,7 @@ neighbourhood and runs forward, backward and the update. Systems, every one time
   sampled bipartite `GroupCOO`s (fixed-fanout tables);
 - plain JAX: the identical on-device sampler, then gathers + a sorted `jax.ops.segment_sum` per layer;
   each in two readings of the sample: PyG's (`x[node_ids]` gathered for the first layer) and "in place"
-  (`outer_sources="graph"`: the first layer reads the feature table through the graph's ids; the inner layer's
-  adjacency in column order, `with_transpose=(False, True)`);
+  (`outer_sources="graph"`: the first layer reads the feature table through the graph's ids);
 - PyG (where torch_geometric and CUDA torch are present): a vectorised NumPy sampler on the host (with
   replacement, the cheapest one to write) and PyG's `SAGEConv` on the sampled `edge_index`.
 jinsum also runs `--steps-per-call K` steps in one call (`sampled_step(steps=K)`, a `lax.scan`: one dispatch for K
@@ -24,7 +23,8 @@ device at as many steps a call; with `--processes N`, the same again as N proces
 script (`jax.distributed`, one GPU visible to each), each dispatching its own device.
 Also timed: `GroupCOO.from_edge_index(..., capacity=E)` from E random edges on the device, with its column order
 (`--build-edges`, 1M by default), against a plain `jnp.argsort` of the same edges. Results go to `--out` as
-`minibatch_<device>.{md,csv}`; each jitted step's compile count is checked (one).
+`minibatch_<device>.{md,csv}` (`minibatch_<N>x_<device>` on N devices); each jitted step's compile count is checked
+(one).
 """
 
 from __future__ import annotations
@@ -125,10 +125,12 @@ def build_times(num_edges: int, num_nodes: int, calls: int):
         sync=lambda _: None) * 1e3}, note="today's converter, for scale")
 
 
-def write_results(out: pathlib.Path, started: float) -> None:
+def write_results(out: pathlib.Path, started: float, devices: int) -> None:
     preamble = (f"{versions_text()}; `{command(__file__)}` ({time.time() - started:.0f} s). ms: median over rounds of "
                 "back-to-back calls (`jinsum.timing.time_calls`), each step on a new batch.")
-    write(out / f"minibatch_{device_file_name()}", f"Mini-batch training and device-built formats on {device_name()}",
+    count = f"{devices}x_" if devices > 1 else ""  # (a run on several devices keeps its own file beside one device's)
+    write(out / f"minibatch_{count}{device_file_name()}",
+          f"Mini-batch training and device-built formats on {device_name()}",
           [preamble], COLUMNS, RESULTS.rows, csv_fields=[c.key for c in COLUMNS])
 
 
@@ -254,11 +256,9 @@ def main() -> None:
     x, y = jnp.asarray(features), jnp.asarray(labels)
     batches = [jnp.asarray(s) for s in seed_batches]
 
-    # Each system in both readings of the sample: PyG's (the first layer gathers `x[node_ids]`, every backward
-    # scatters atomically) and the fast one (the first layer reads the feature table in place, the inner layers
-    # carry their column order). Plain JAX gets the identical sampler and ignores the column order (XLA drops it).
-    inner = (False,) + (True,) * (len(FANOUTS) - 1)
-    readings = {"PyG reading": dict(), "in place": dict(outer_sources="graph", with_transpose=inner)}
+    # Each system in both readings of the sample: PyG's (the first layer gathers `x[node_ids]`) and the fast one
+    # (the first layer reads the feature table in place). Every backward adds into its sources atomically.
+    readings = {"PyG reading": dict(), "in place": dict(outer_sources="graph")}
     if args.coordinator:  # a child of --processes: the data-parallel rows, reported by process 0 to the parent
         for system, runs in time_passes(data_parallel_steps(graph, x, y, order, args.batch,
                                                             args.steps_per_call, readings["in place"]),
@@ -312,7 +312,7 @@ def main() -> None:
                 lambda: pyg_step_time(indptr, indices, features, labels, seed_batches, args.calls))
     if "build" not in args.skip:
         build_times(args.build_edges, nodes, args.calls)
-    write_results(args.out, started)
+    write_results(args.out, started, max(len(jax.devices()), args.processes))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ Each step draws a batch of seed nodes from a shuffled epoch, samples their two-h
 - jinsum: `jinsum.sampling.sample_neighbors` inside the jitted step (static shapes: one compile for every batch),
   `jinsum.nn.SAGEConv((x_src, x_dst), A)` on the sampled bipartite `GroupCOO`s. The outermost adjacency maps the
   graph's own node ids (`outer_sources="graph"`), so the first layer reads the feature table in place instead of a
-  gathered `(n_L, F)` copy; the inner layer's adjacency carries its column order (`with_transpose`), so its
-  backward sums over columns instead of scattering atomically into hub rows;
+  gathered `(n_L, F)` copy;
 - plain JAX: the same on-device sampler, then gathers + a sorted `jax.ops.segment_sum` per layer;
 - PyG (where torch_geometric is installed): a vectorised NumPy sampler on the host, PyG's `SAGEConv` on the
   sampled `edge_index`, on CUDA when torch has it.
@@ -384,8 +383,7 @@ def main(argv=None) -> None:
     print(f"constant guess: {np.bincount(labels[test_nodes]).max() / test_nodes.size:.3f} test accuracy")
 
     rows = []
-    # The first layer reads the feature table in place, inner layers get their column order (module docstring).
-    sampling = dict(outer_sources="graph", with_transpose=(False,) + (True,) * (len(fanouts) - 1))
+    sampling = dict(outer_sources="graph")  # (the first layer reads the feature table in place: module docstring)
     # Several processes (one per GPU, each dispatching its own): only the data-parallel run, over all their devices.
     runs = [] if processes > 1 else [("jinsum SAGEConv", JinsumSAGE, None), ("plain JAX segment_sum", SegmentSAGE, None)]
     devices = jax.devices()[: args.devices or len(jax.devices())]

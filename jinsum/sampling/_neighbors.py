@@ -100,11 +100,10 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
       replace: sample with replacement (a neighbor may repeat; its entries then count as often as drawn).
       with_transpose: give the adjacencies their entries in column order (`GroupCOO.from_neighbors`: one sort per
         layer, then a backward without atomics); one bool for every layer, or one per layer, outermost first.
-        The backward of an inner layer scatters into its sources, many of them hubs; XLA's atomic scatter
-        serialises on them, and costs far more than the sort and the column-ordered sum (DESIGN.md, "Atomic
-        scatters serialise on hubs"). The outermost layer's sources are the input features, whose gradient nobody
-        asks for: ``(False, True)`` for two layers. Deterministic mode wants every layer that is differentiated
-        through in column order (no sort per call).
+        A sampled layer's backward adds into its sources atomically for less than the sort and the ordered sum
+        cost (the table's padding spread over its rows; DESIGN.md), so the default leaves it out. Deterministic mode
+        wants every layer that is differentiated through in column order (no sort per call); the outermost
+        layer's sources are the input features, whose gradient nobody asks for: ``(False, True)`` for two.
       outer_sources: ``"sample"`` (the default, PyG's reading): the outermost adjacency maps the sample's ``n_L``
         nodes, whose features a model gathers as ``x[node_ids]``. ``"graph"``: it maps the graph's own node ids
         (``(n_{L-1}, num_nodes)``), so the first layer reads the whole feature table in place
