@@ -71,8 +71,9 @@ class BlockGroupCOO(GroupedFormat):
         A[Ai[g] * bm + m, Ak[g, p] * bk + k] += Av[g, m, k, p]
 
     A block row with ``L`` stored blocks has ``ceil(L / P)`` consecutive groups, in increasing block column
-    order; the last is padded with all-zero blocks (at the group's first block column). ``M`` and ``K`` need not be multiples
-    of ``bm`` and ``bk``: edge blocks overhang the logical shape and are zero beyond it (exports crop them).
+    order; the last is padded with all-zero blocks (at the group's first block column). ``M`` and ``K`` need not
+    be multiples of ``bm`` and ``bk``: edge blocks overhang the logical shape and are zero beyond it (exports crop
+    them).
 
     Attributes:
       Ai: int ``(G,)`` block row of each group, sorted non-decreasing.
