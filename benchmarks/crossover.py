@@ -57,6 +57,7 @@ def main() -> None:
             for name, lowering in (("triton", "1"), ("xla", "0")):
                 os.environ["JINSUM_TRITON"] = lowering  # read when the statement is lowered: compiled here
                 os.environ["JINSUM_SMALL_TERMS"] = "0"  # a kernel for every size in the Triton column
+                jax.clear_caches()  # (JAX caches a jaxpr's lowering: else both columns run the first's route)
                 compiled = jax.jit(chained).lower(A, x, cotangent).compile()
                 steps[name] = lambda compiled=compiled: compiled(A, x, cotangent)
             wall = time_interleaved(steps, calls=args.calls)
