@@ -210,9 +210,9 @@ def _padding_columns(A, stored):
 
 def test_padding_is_spread_over_columns(rng):
     """Padding never all points at one column, whose row would take every zero a gradient adds through `Ak`,
-    atomically, one after another: the fanout table's padding and a CSR's padded groups and spare groups (the
-    positions past ``indptr[M]``) each point at their group's first column, or spread by group where the group
-    has none; the products are unchanged."""
+    atomically, one after another: the fanout table's padding, a CSR's padded groups and spare groups (the
+    positions past ``indptr[M]``) and the device builder's (edges into a capacity) each point at their group's
+    first column, or spread by group where the group has none; the products are unchanged."""
     neighbors = rng.integers(-1, 40, (30, 5))
     neighbors[3], neighbors[7, :3] = -1, -1  # an empty row; a row whose stored slots come after padding
     A = jax.jit(lambda n: jinsum.GroupCOO.from_neighbors(n, num_sources=40, with_transpose=False))(neighbors)
@@ -238,6 +238,12 @@ def test_padding_is_spread_over_columns(rng):
     x, cotangent = rng.normal(size=(9, 3)), rng.normal(size=(12, 3))
     grad = jax.grad(lambda x: jnp.vdot(B @ x, cotangent))(x)
     np.testing.assert_allclose(np.asarray(grad), expected.T @ cotangent, rtol=1e-10)
+
+    edges = _edges(rng, 9, 12, 30, hubs=True, duplicates=True)
+    edges[:, -6:] = -1  # padding edges
+    C = jax.jit(lambda e: jinsum.GroupCOO.from_edge_index(e, num_nodes=(9, 12), capacity=40, group_size=4))(edges)
+    np.testing.assert_array_equal(np.asarray(C.Ak), _padding_columns(C, np.asarray(C.Av) != 0))
+    np.testing.assert_allclose(np.asarray(C.todense()), _reference(edges, np.ones(30), (12, 9)))
 def test_with_transpose_under_jit_equals_host(rng):
     A = jinsum.GroupCOO.from_edge_index(_edges(rng, 25, 25, 90), num_nodes=25)
     host = A.with_transpose().transposed
