@@ -158,7 +158,8 @@ def groups_from_rows(xp, rows, cols, data, *, num_rows: int, group_size: int, nu
       dtype, index_dtype: of the values and of the index arrays.
 
     Returns:
-      ``Ai (G,)``, ``Ak (G, P)``, ``Av (G, P, *trailing)``, and each entry's flat slot (``G * P``: dropped).
+      ``Ai (G,)``, ``Ak (G, P)``, ``Av (G, P, *trailing)``, and bool ``(G * P,)``: the slots that hold an entry
+      (not padding, nor a column of -1).
     """
     p = group_size
     slot, first_group, groups = group_slots(xp, rows, num_rows=num_rows, group_size=p, num_groups=num_groups)
@@ -169,7 +170,7 @@ def groups_from_rows(xp, rows, cols, data, *, num_rows: int, group_size: int, nu
     # last real one take the last non-empty row's id).
     ids = xp.arange(num_rows, dtype=index_dtype)
     Ai = _scatter(xp, xp.zeros(num_groups, index_dtype), xp.where(groups > 0, first_group, num_groups), ids)
-    return _cummax(xp, Ai), Ak, Av.reshape(num_groups, p, *data.shape[1:]), slot
+    return _cummax(xp, Ai), Ak, Av.reshape(num_groups, p, *data.shape[1:]), (filled > 0).reshape(-1)
 
 
 def spread_padding(xp, Ak, stored, num_columns: int):
@@ -294,10 +295,9 @@ def device_groups(rows, cols, values, *, shape: tuple[int, int], capacity: int, 
     hold an entry (``(G * P,)``)."""
     rows, cols, values, distinct, out_of_range = unique_entries(rows, cols, values, shape=shape, capacity=capacity)
     num_groups = group_bound(capacity, shape[0], group_size)
-    Ai, Ak, Av, slot = groups_from_rows(jnp, rows, cols, values, num_rows=shape[0], group_size=group_size,
-                                        num_groups=num_groups, dtype=dtype, index_dtype=index_dtype,
-                                        num_columns=shape[1])
-    active = jnp.zeros(num_groups * group_size, bool).at[slot].set(True, mode="drop")
+    Ai, Ak, Av, active = groups_from_rows(jnp, rows, cols, values, num_rows=shape[0], group_size=group_size,
+                                          num_groups=num_groups, dtype=dtype, index_dtype=index_dtype,
+                                          num_columns=shape[1])
     return Ai, Ak, Av, active, distinct, out_of_range
 
 

@@ -432,13 +432,12 @@ class GroupCOO(GroupedFormat):
         # in row M, which `groups_from_rows` drops.
         valid = (rows >= 0) & (indices >= 0) & (indices < num_columns)
         expand = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
-        Ai, Ak, Av, slot = groups_from_rows(
+        Ai, Ak, Av, active = groups_from_rows(
             jnp, jnp.maximum(rows, 0), jnp.where(valid, indices, -1), jnp.where(expand, values, 0).astype(dtype),
             num_rows=num_rows, group_size=group_size, num_groups=group_bound(length, num_rows, group_size),
             dtype=dtype, index_dtype=index, num_columns=num_columns)
         transposed = None
-        if with_transpose:
-            active = jnp.zeros(Ak.size, bool).at[slot].set(valid, mode="drop")
+        if with_transpose:  # (`active`: the slots of valid entries, whose columns were not -1)
             transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=num_columns,
                                                             index_dtype=index))
         shape = (num_rows, num_columns, *values.shape[1:])
