@@ -32,17 +32,18 @@ def candidate_configs(spec: Spec) -> list[KernelConfig]:
 
 
 def autotune(expression: str, /, *, configs: Sequence[KernelConfig] | None = None, calls: int = 10,
-             sorted_indices: Collection[str] = (), allow_tf32: bool = False, **named) -> KernelConfig:
+             sorted_indices: Collection[str] = (), allow_tf32: bool | None = None, **named) -> KernelConfig:
     """Times the generated kernel for this call under each configuration and stores the fastest.
 
-    Takes `einsum`'s arguments (the operands must live on a CUDA GPU). Returns the chosen configuration; from
-    now on (also in later processes) the CUDA lowering of the same statement, shapes and dtypes uses it.
+    Takes `einsum`'s arguments, with the same defaults (the operands must live on a CUDA GPU). Returns the chosen
+    configuration; from now on (also in later processes) the CUDA lowering of the same statement, shapes, dtypes
+    and flags uses it: `allow_tf32` is part of that key, so tune with the precision the calls run at (None follows
+    `jax.default_matmul_precision`, as `einsum` does).
     """
     statement, arrays, flags = _einsum.prepare(expression, named, sorted_indices=sorted_indices,
                                                allow_tf32=allow_tf32)
     spec = _primitive.make_spec(statement, arrays, **flags)
-    if jax.devices()[0].platform != "gpu":
-        raise RuntimeError("jinsum.autotune times generated Triton kernels: it needs a CUDA GPU")
+    _require_gpu()
     args = [arrays[n] for n in spec.arguments]  # (a format's column order too, where it carries one)
     timings = {}
     for config in configs or candidate_configs(spec):
@@ -52,3 +53,8 @@ def autotune(expression: str, /, *, configs: Sequence[KernelConfig] | None = Non
     best = min(timings, key=timings.get)
     store_tuned_config(spec, best)
     return best
+
+
+def _require_gpu() -> None:
+    if jax.devices()[0].platform != "gpu":
+        raise RuntimeError("jinsum.autotune times generated Triton kernels: it needs a CUDA GPU")

@@ -1,7 +1,7 @@
 """First calls: the persistent cache of compiled kernels (`jinsum._lowering._kernel_cache`) with a fake compiler (keys,
 hits, corrupt entries, the size bound, the off switch, two processes writing at once), the autotune table under
-concurrent writers and corruption, and Triton started without torch. (A GPU test in test_gpu.py checks that a
-second process loads the first one's kernels through jax-triton.)"""
+concurrent writers and corruption and the key `einsum` looks it up under, and Triton started without torch. (A GPU
+test in test_gpu.py checks that a second process loads the first one's kernels through jax-triton.)"""
 
 import concurrent.futures
 import dataclasses
@@ -11,9 +11,12 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jinsum
 from jinsum._lowering import _kernel_cache
 
 
@@ -327,3 +330,23 @@ def test_the_front_end_of_a_generated_kernel_is_parsed_in_a_later_process(tmp_pa
     done = subprocess.run([sys.executable, "-c", "import test_kernel_cache as t; t.check_front_end_cache()"],
                           cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_autotune_stores_its_config_where_einsum_looks_it_up(tmp_path, monkeypatch):
+    """`jinsum.autotune` with `einsum`'s defaults tunes the call `einsum` makes: the stored configuration is the one
+    the lowering of that call finds (tuning once stored it under `tf32=False` while `einsum` at the default
+    precision looked it up under `tf32=True`, so it was never used)."""
+    from jinsum import _autotune  # noqa: PLC0415
+    from jinsum.kernels import KernelConfig, _tuned, tuned_config  # noqa: PLC0415
+
+    monkeypatch.setenv("JINSUM_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setattr(_autotune, "_require_gpu", lambda: None)  # (timed on the CPU: this test is about the key)
+    _tuned._stored.cache_clear()
+    expression = "C[i,j] += A[i,k] * B[k,j]"
+    operands = dict(A=jnp.ones((8, 4), jnp.float32), B=jnp.ones((4, 8), jnp.float32))
+    chosen = KernelConfig(block=16)
+    assert jinsum.autotune(expression, configs=[chosen], calls=1, **operands) == chosen
+    (spec,) = [e.params["spec"] for e in jax.make_jaxpr(lambda: jinsum.einsum(expression, **operands))().eqns
+               if e.primitive is jinsum.jinsum_p]
+    assert tuned_config(spec) == chosen
+    _tuned._stored.cache_clear()
