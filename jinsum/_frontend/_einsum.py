@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Mapping
 
 import jax
@@ -88,7 +89,8 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
         raise TypeError("jinsum: the indirect notation takes operands by name, e.g. einsum(expr, C=C, B=B); got "
                         f"{len(operands)} positional operand(s)")
     statement, arrays, flags = prepare(expression, named, sorted_indices=sorted_indices, allow_tf32=allow_tf32)
-    if epilogue is not None:
+    if epilogue is not None and arrays[statement.lhs.tensor].size:  # (an empty result has no element to apply it
+        # to, and a capture sized by it, a bias per group of no groups, no element for the tracer to read)
         traced, captured = _elementwise.trace(epilogue, "epilogue", "jinsum.einsum", len(statement.lhs.indices))
         flags["epilogue"] = traced
         arrays.update(zip(epilogue_names(len(captured)), captured))
@@ -155,7 +157,7 @@ def _entry_columns(A: GroupCOO | BlockGroupCOO) -> jax.Array:
     """`A.Ak` with -1 (addressing nothing) at the slots whose values are all zero: group padding, and explicit zeros,
     which the formats' converters drop anyway."""
     values = jnp.moveaxis(A.Av, -1, 1) if isinstance(A, BlockGroupCOO) else A.Av  # (G, P, ...): a slot's values
-    nonzero = (values != 0).reshape(*A.Ak.shape, -1).any(axis=-1)
+    nonzero = (values != 0).reshape(*A.Ak.shape, math.prod(values.shape[2:])).any(axis=-1)
     return jnp.where(nonzero, A.Ak, -1).astype(A.Ak.dtype)
 
 

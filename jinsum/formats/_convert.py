@@ -129,8 +129,10 @@ def check_block_shape(fmt: str, block_shape) -> tuple[int, int]:
 
 
 def check_int(fmt: str, name: str, value, minimum: int = 0) -> int:
-    """``value`` as a Python int, at least ``minimum``."""
+    """``value`` as a Python int, at least ``minimum`` (a bool is not an int here)."""
     try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
         value = operator.index(value)
     except TypeError:
         raise TypeError(f"{fmt}: {name} must be an int, got {value!r}") from None

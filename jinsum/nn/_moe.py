@@ -21,6 +21,7 @@ recomputes the down projection outside Tensor Cores. A mixture of single matrice
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -93,7 +94,7 @@ def slot_columns(A: GroupCOO) -> jax.Array | None:
 
 def _nonzero(values: jax.Array) -> jax.Array:
     """`(G, P)`: whether each entry's value (of any trailing shape) is nonzero."""
-    return (values != 0).reshape(*values.shape[:2], -1).any(axis=-1)
+    return (values != 0).reshape(*values.shape[:2], math.prod(values.shape[2:])).any(axis=-1)
 
 
 def combined(A: GroupCOO, rows: jax.Array, start) -> jax.Array:

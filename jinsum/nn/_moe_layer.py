@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jinsum.formats._convert import check_int
 from jinsum.nn._expert_parallel import devices_along, expert_parallel_mlp
 from jinsum.nn._moe import ACTIVATIONS, routed_mlp
 from jinsum.nn._routing import check_routing, route_tokens
@@ -78,6 +79,8 @@ class MoE(nnx.Module):
         where = "MoE"
         if activation not in ACTIVATIONS:
             raise ValueError(f"{where}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        in_features = check_int(where, "in_features", in_features, minimum=1)
+        hidden_features = check_int(where, "hidden_features", hidden_features, minimum=1)
         check_routing(where, num_experts, top_k, capacity_factor)
         self.in_features, self.hidden_features = in_features, hidden_features
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation

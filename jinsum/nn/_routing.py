@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jinsum.formats import GroupCOO
+from jinsum.formats._convert import check_int
 
 
 class Routing(NamedTuple):
@@ -35,8 +36,8 @@ class Routing(NamedTuple):
       experts: int32 `(tokens, k)`, each token's `k` distinct experts, most probable first.
       weights: `(tokens, k)`, their combine weights; 0 where capacity dropped the pair.
       balance_loss: Switch's load balancing loss, `E * sum_e f_e * P_e` (see `route_tokens`); `k` when the load
-        and the probabilities are uniform.
-      z_loss: ST-MoE's router z-loss, `mean_t logsumexp(logits_t)^2`.
+        and the probabilities are uniform, 0 for no tokens.
+      z_loss: ST-MoE's router z-loss, `mean_t logsumexp(logits_t)^2`; 0 for no tokens.
       dropped: int32 scalar, the (token, expert) pairs left out by the capacity (0 without one).
     """
 
@@ -74,8 +75,10 @@ def check_logits(where: str, logits) -> jax.Array:
     return logits
 
 
-def check_routing(where: str, num_experts: int, top_k, capacity_factor) -> None:
-    """That `top_k` is an int in `[1, num_experts]` and `capacity_factor` None or positive, else a `ValueError`."""
+def check_routing(where: str, num_experts, top_k, capacity_factor) -> None:
+    """That `num_experts` is a positive int, `top_k` an int in `[1, num_experts]` and `capacity_factor` None or
+    positive, else a `TypeError` or `ValueError` naming the argument."""
+    check_int(where, "num_experts", num_experts, minimum=1)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"{where}: top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
     if capacity_factor is not None and not capacity_factor > 0:
@@ -99,9 +102,11 @@ def select_experts(logits: jax.Array, top_k: int, norm_topk: bool):
     else:
         weights = jnp.take_along_axis(probabilities, experts, axis=-1)
     selected = jax.nn.one_hot(experts, logits.shape[-1], dtype=jnp.int32).sum(axis=1)  # (T, E), 0 or 1
-    fraction = selected.mean(axis=0).astype(logits.dtype)  # f_e: sums to k
-    squared_lse = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    return experts, weights, selected, (fraction, probabilities.mean(axis=0), squared_lse)
+    # Means over the tokens, each 0 where there are none (an empty shard, a last batch: no load to balance).
+    tokens = max(logits.shape[0], 1)
+    fraction = selected.sum(axis=0).astype(logits.dtype) / tokens  # f_e: sums to k
+    squared_lse = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2) / tokens
+    return experts, weights, selected, (fraction, probabilities.sum(axis=0) / tokens, squared_lse)
 
 
 def routing_losses(fraction: jax.Array, mean_probability: jax.Array, squared_lse: jax.Array):
@@ -175,6 +180,8 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
     edge_index = jnp.stack([tokens.reshape(-1), experts.reshape(-1)])
     if group_size is None:
         group_size = routed_group_size(capacity, num_experts)
+    else:
+        group_size = check_int("route_tokens", "group_size (or None for automatic)", group_size, minimum=1)
     combine = GroupCOO.from_edge_index(edge_index, weights.reshape(-1), num_nodes=(num_tokens, num_experts),
                                        capacity=capacity, group_size=group_size)
     return Routing(combine, experts, weights, balance_loss, z_loss, dropped)
