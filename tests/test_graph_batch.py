@@ -154,7 +154,7 @@ def test_a_graph_over_budget_is_an_error(rng):
         jg.GraphLoader(graphs, 2, budget=jg.GraphBudget(nodes=100, edges=10, graphs=2))
     with pytest.raises(ValueError, match=r"holds 2 graphs, fewer than batch_size = 3"):
         jg.GraphLoader(graphs, 3, budget=jg.GraphBudget(nodes=100, edges=100, graphs=2))
-    with pytest.raises(ValueError, match=r"graph 1's edge_index .* over its own 2 nodes"):
+    with pytest.raises(ValueError, match=r"graph 1's edge_index holds node ids in \[0, 2\], outside its own 2 nodes"):
         jg.GraphLoader([graphs[0], dict(x=np.ones((2, F)), edge_index=np.array([[0], [2]]))], 2)
     with pytest.raises(ValueError, match="some graphs have y and some do not"):
         jg.GraphLoader([graphs[0], dict(x=np.ones((2, F)), edge_index=np.zeros((2, 0), int))], 2)

@@ -277,6 +277,12 @@ class GroupCOO(GroupedFormat):
         if capacity is not None:
             return cls._from_edges_on_device(where, edge_index, values, (num_dst, num_src),
                                              check_int(where, "capacity", capacity), group_size, dtype)
+        return cls._from_edges_on_host(where, edge_index, values, (num_dst, num_src), group_size, dtype)
+
+    @classmethod
+    def _from_edges_on_host(cls, where, edge_index, values, shape, group_size, dtype) -> GroupCOO:
+        """`from_edge_index` without a capacity, its errors from `where` (the function the user called)."""
+        num_dst, num_src = shape
         edge_index = host_array(where, edge_index)
         check_edge_index(where, edge_index)
         bounds = np.array([[num_src], [num_dst]])

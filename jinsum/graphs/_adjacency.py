@@ -51,7 +51,9 @@ def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, grou
         return _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops, capacity)
     if isinstance(num_nodes, tuple):
         return _bipartite_adjacency(edge_index, num_nodes, values, group_size, self_loops)
-    A = GroupCOO.from_edge_index(edge_index, values, num_nodes=num_nodes, group_size=group_size)
+    where = "jinsum.graphs.adjacency"
+    num_nodes = check_int(where, "num_nodes", num_nodes)
+    A = GroupCOO._from_edges_on_host(where, edge_index, values, (num_nodes, num_nodes), group_size, None)
     if self_loops:
         csr = A.to_scipy()
         missing = (csr.diagonal() == 0).astype(csr.dtype)
@@ -75,13 +77,18 @@ def gcn_norm(edge_index, num_nodes: int, *, values=None, improved: bool = False,
     """
     where = "jinsum.graphs.gcn_norm"
     num_nodes = check_int(where, "num_nodes", num_nodes)
-    A = GroupCOO.from_edge_index(edge_index, values, num_nodes=num_nodes, group_size=group_size)
+    if values is not None and np.ndim(values) != 1:
+        raise ValueError(f"{where}: values must be edge weights of shape (E,), got shape {np.shape(values)}")
+    A = GroupCOO._from_edges_on_host(where, edge_index, values, (num_nodes, num_nodes), group_size, None)
     csr = A.to_scipy().astype(np.float64)
     if add_self_loops:
         csr = csr + sp.diags((csr.diagonal() == 0) * (2.0 if improved else 1.0))
     degree = np.asarray(csr.sum(axis=1)).ravel()
-    scale = sp.diags(np.where(degree > 0, 1 / np.sqrt(np.where(degree > 0, degree, 1)), 0))
-    return GroupCOO.from_scipy((scale @ csr @ scale).astype(A.dtype), group_size=group_size).with_transpose()
+    with np.errstate(divide="ignore", invalid="ignore"):  # PyG's deg^-1/2 with inf -> 0; NaN and negative stay NaN
+        scale = np.where(degree == 0, 0.0, degree ** -0.5)
+    csr = csr.tocoo()
+    normalised = sp.csr_matrix((scale[csr.row] * csr.data * scale[csr.col], (csr.row, csr.col)), shape=csr.shape)
+    return GroupCOO.from_scipy(normalised.astype(A.dtype), group_size=group_size).with_transpose()
 
 
 def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: bool, capacity: int) -> GroupCOO:

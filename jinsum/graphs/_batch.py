@@ -260,17 +260,21 @@ def batch_graphs(edge_indices: Sequence, num_nodes: Sequence[int], *, group_size
     """
     if len(edge_indices) != len(num_nodes):
         raise ValueError(f"batch_graphs: got {len(edge_indices)} edge indices but {len(num_nodes)} node counts")
+    num_nodes = np.array([check_int("batch_graphs", f"num_nodes[{k}]", n) for k, n in enumerate(num_nodes)],
+                         np.int64)
     offsets = np.concatenate([[0], np.cumsum(num_nodes)]).astype(np.int64)
     edges = []
     for k, (edge_index, n) in enumerate(zip(edge_indices, num_nodes)):
         edge_index = np.asarray(edge_index)
-        if edge_index.ndim != 2 or edge_index.shape[0] != 2:
-            raise ValueError(f"batch_graphs: graph {k}'s edge index must have shape (2, E), got {edge_index.shape}")
+        if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not (
+                np.issubdtype(edge_index.dtype, np.integer) or edge_index.size == 0):
+            raise ValueError(f"batch_graphs: graph {k}'s edge index must be an integer array of shape (2, E), got "
+                             f"{edge_index.dtype}{list(edge_index.shape)}")
         if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= n):
             raise ValueError(f"batch_graphs: graph {k} has {n} nodes but its edge index holds node "
                              f"{edge_index.max() if edge_index.max() >= n else edge_index.min()}")
-        edges.append(edge_index + offsets[k])
-    batch = np.repeat(np.arange(len(num_nodes), dtype=np.int32), np.asarray(num_nodes))
+        edges.append(edge_index.astype(np.int64) + offsets[k])
+    batch = np.repeat(np.arange(len(num_nodes), dtype=np.int32), num_nodes)
     edge_index = np.concatenate(edges, axis=1) if edges else np.zeros((2, 0), np.int64)
     return adjacency(edge_index, int(offsets[-1]), group_size=group_size), jnp.asarray(batch)
 
@@ -305,15 +309,24 @@ class _FlatGraphs:
             if x.ndim != 2 or x.shape[1:] != features:
                 raise ValueError(f"jinsum.graphs: graph {k}'s node features have shape {x.shape}, expected (n, F) with "
                                  "the F of graph 0")
-            if edge_index.ndim != 2 or edge_index.shape[0] != 2 or (
-                    edge_index.size and (edge_index.min() < 0 or edge_index.max() >= x.shape[0])):
-                raise ValueError(f"jinsum.graphs: graph {k}'s edge_index (shape {edge_index.shape}) must be (2, e) "
-                                 f"over its own {x.shape[0]} nodes")
+            if edge_index.ndim != 2 or edge_index.shape[0] != 2 or not (
+                    np.issubdtype(edge_index.dtype, np.integer) or edge_index.size == 0):
+                raise ValueError(f"jinsum.graphs: graph {k}'s edge_index must be an integer array of shape (2, e), "
+                                 f"got {edge_index.dtype}{list(edge_index.shape)}")
+            if edge_index.size and (edge_index.min() < 0 or edge_index.max() >= x.shape[0]):
+                raise ValueError(f"jinsum.graphs: graph {k}'s edge_index holds node ids in [{edge_index.min()}, "
+                                 f"{edge_index.max()}], outside its own {x.shape[0]} nodes")
             order = np.lexsort(edge_index)  # by destination (the last key), then source: a batch is a CSR index
             xs.append(x)
             edges.append(edge_index[:, order].astype(np.int32))
             attr = _field(graph, "edge_attr")
-            attrs.append(None if attr is None else _numpy(attr)[order])
+            if attr is not None:
+                attr = _numpy(attr)
+                if attr.ndim < 1 or attr.shape[0] != edge_index.shape[1]:
+                    raise ValueError(f"jinsum.graphs: graph {k}'s edge_attr has shape {attr.shape}, expected one row "
+                                     f"per edge: ({edge_index.shape[1]}, ...) for its {edge_index.shape[1]} edges")
+                attr = attr[order]
+            attrs.append(attr)
             ys.append(_field(graph, "y"))
         for name, values in (("edge_attr", attrs), ("y", ys)):
             if any(v is None for v in values) and any(v is not None for v in values):
