@@ -318,8 +318,12 @@ def _attention_case(rng, case, dtype=np.float64):
     allowed = ((docs[b_, i_] == docs[b_, j_]) & (i_ >= j_) & (i_ - j_ <= windows[h_] + shift[b_])
                & (i_ % 11 != 5))
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        allowed = (d[b, q_idx] == d[b, kv_idx]) & (q_idx - kv_idx <= w[h] + sh[b]) & (q_idx % 11 != 5)
+    d0 = d[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):  # (reading b and h only where the mask is built per batch element, head)
+        same = (d[b, q_idx] == d[b, kv_idx]) if per_batch else (d0[q_idx] == d0[kv_idx])
+        window = (w[h] if per_head else int(windows[0])) + (sh[b] if per_batch else 0)
+        allowed = same & (q_idx - kv_idx <= window) & (q_idx % 11 != 5)
         return allowed & (q_idx >= kv_idx) if causal_in_mask else allowed
 
     mask = built(mask_mod, L, S, case.get("block", 16), batch=B if per_batch else None,
@@ -516,10 +520,12 @@ def test_mismatches_are_refused_clearly(rng):
     L = 32
     per_batch = built(lambda b, h, i, j: i >= j + b, L, L, 16, batch=2)
     q, k, v = qkv(rng, L, L, heads=4, batch=3)
-    with pytest.raises(ValueError, match="built for batch=2, but q has a batch of 3; build it with batch=3"):
+    with pytest.raises(ValueError, match=r"one mask per batch element for a batch of 2 .* but got q of shape "
+                                         r"\(3, 32, 4, 8\); pass q, k and v with a leading batch axis of 2"):
         jinsum.attention(q, k, v, per_batch)
     per_head = built(lambda b, h, i, j: i >= j + h, L, L, 16, heads=2)
-    with pytest.raises(ValueError, match="built for heads=2, but q has 4 heads; build it with heads=4"):
+    with pytest.raises(ValueError, match=r"built for heads=2, but got q of shape \(32, 4, 8\) .*with 4 heads; "
+                                         "build it with heads=4"):
         jinsum.attention(q[0], k[0], v[0], per_head)
     causal = built(lambda b, h, i, j: i >= j, L, L, 16)
     with pytest.raises(ValueError, match="k's heads must divide q's"):

@@ -239,16 +239,24 @@ def _lay_out(mask: BlockMask, q, k, v, key_padding_mask, score_mod):
     to whole blocks. Returns them and the function that lays the results back out as `(..., L, H, ...)`."""
     (length, keys), (bm, bk), (lb, sb) = mask.shape, mask.block, mask.grid
     pattern = _Blocks(mask.Ai, mask.Ak, mask.flags, mask.shape, mask.block)
+    _check_mask_reads(mask, q)
     if not mask.laid_out:
         return q, k, v, key_padding_mask, score_mod, pattern, _identity
     batched = q.ndim == 4
     size, heads, kv_heads = (q.shape[0] if batched else 1), q.shape[-2], k.shape[-2]
-    if mask.batch is not None and mask.batch != size or mask.batch is None and size > 1:
-        raise ValueError(f"jinsum.attention: the block mask was built for batch={mask.batch}, but q has a batch of "
-                         f"{size}; build it with batch={size}")
+    given = f"q of shape {tuple(q.shape)}" + ("" if batched else " (no batch axis: a batch of 1)")
+    if mask.batch is not None and mask.batch != size:
+        raise ValueError(f"jinsum.attention: the block mask holds one mask per batch element for a batch of "
+                         f"{mask.batch} (jinsum.block_mask's batch=, or (B, L) document ids in "
+                         f"jinsum.nn.sequence_mask), but got {given}; pass q, k and v with a leading batch axis of "
+                         f"{mask.batch}, or build the mask for a batch of {size}")
+    if mask.batch is None and size > 1:
+        raise ValueError(f"jinsum.attention: the block mask holds one mask per head (heads={mask.heads}) for a "
+                         f"single batch element, but got {given}; build it with jinsum.block_mask(..., batch={size}, "
+                         f"heads={mask.heads})")
     if mask.heads is not None and mask.heads != heads:
-        raise ValueError(f"jinsum.attention: the block mask was built for heads={mask.heads}, but q has {heads} "
-                         f"heads; build it with heads={heads}")
+        raise ValueError(f"jinsum.attention: the block mask was built for heads={mask.heads}, but got {given} with "
+                         f"{heads} heads; build it with heads={heads}")
     rows, cols = lb * bm, sb * bk
     pad = lambda x, n: jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     q, k, v = (x if batched else x[None] for x in (q, k, v))
@@ -284,6 +292,20 @@ def _lay_out(mask: BlockMask, q, k, v, key_padding_mask, score_mod):
     return q, k, v, key_padding_mask, score_mod, pattern, outer
 
 
+def _check_mask_reads(mask: BlockMask, q) -> None:
+    """A block mask built once for every batch element (head) whose `mask_mod` reads `b` (`h`) would give every
+    batch element (head) the blocks of element 0 (head 0): refused where there is more than one."""
+    size, heads = q.shape[0] if q.ndim == 4 else 1, q.shape[-2]
+    for argument, built, count, what, keyword in (("b", mask.batch, size, "batch element", "batch"),
+                                                  ("h", mask.heads, heads, "head", "heads")):
+        if argument in mask.reads and built is None and count > 1:
+            raise ValueError(f"jinsum.attention: the block mask's mask_mod {mask.mask_mod.name} reads {argument} (the "
+                             f"{what}), but the mask was built with {keyword}=None, one mask for every {what}, and "
+                             f"q of shape {tuple(q.shape)} has {count} {what}s: each would get the blocks of "
+                             f"{what} 0; build it with jinsum.block_mask(..., {keyword}={count}), or leave "
+                             f"{argument} out of mask_mod")
+
+
 def _in_layout(score_mod, rows: int, cols: int, by_batch: bool, heads: int | None):
     """`score_mod` seeing each batch element's (head's) own coordinates in a laid-out sequence."""
     def laid_out(s, b, h, q_idx, kv_idx):
@@ -307,6 +329,10 @@ def _check_arguments(q, k, v, pattern, dropout, self_loops) -> None:
     if ndim not in (3, 4) or np.ndim(k) != ndim or np.ndim(v) != ndim:
         raise ValueError(f"jinsum.attention: expected q (L, H, D), k (S, H, D), v (S, H, E), or all with a leading "
                          f"batch axis; got {shapes}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise TypeError(f"jinsum.attention: {name} must be float16, bfloat16, float32 or float64, got "
+                            f"{jnp.result_type(x)}{list(np.shape(x))}; cast it, e.g. {name}.astype(jnp.bfloat16)")
     q_shape, k_shape, v_shape = np.shape(q), np.shape(k), np.shape(v)
     if k_shape[:-3] != q_shape[:-3] or v_shape[:-3] != q_shape[:-3]:
         raise ValueError(f"jinsum.attention: q, k and v must have the same batch size; got {shapes}")

@@ -48,22 +48,25 @@ class BlockMask:
       captures: the arrays `mask_mod` closes over (document ids, lengths), kernel operands.
       shape: `(L, S)`; block: `(bm, bk)`; batch, heads: what the mask depends on (None: the same for all).
       mask_mod: the traced `mask_mod`, in the coordinates of the laid-out sequence (`Elementwise`).
+      reads: which of `b` and `h` the user's `mask_mod` depends on (`jinsum.attention` refuses a mask that reads one
+        it was not built per, for inputs where it takes more than one value).
     """
 
-    __slots__ = ("Ai", "Ak", "flags", "overflow", "captures", "shape", "block", "batch", "heads", "mask_mod")
+    __slots__ = ("Ai", "Ak", "flags", "overflow", "captures", "shape", "block", "batch", "heads", "mask_mod", "reads")
 
-    def __init__(self, Ai, Ak, flags, overflow, captures, *, shape, block, batch, heads, mask_mod):
+    def __init__(self, Ai, Ak, flags, overflow, captures, *, shape, block, batch, heads, mask_mod, reads):
         self.Ai, self.Ak, self.flags, self.overflow, self.captures = Ai, Ak, flags, overflow, tuple(captures)
         self.shape, self.block, self.batch, self.heads, self.mask_mod = shape, block, batch, heads, mask_mod
+        self.reads = reads
 
     def tree_flatten(self):
         return ((self.Ai, self.Ak, self.flags, self.overflow, self.captures),
-                (self.shape, self.block, self.batch, self.heads, self.mask_mod))
+                (self.shape, self.block, self.batch, self.heads, self.mask_mod, self.reads))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        shape, block, batch, heads, mask_mod = aux
-        return cls(*children, shape=shape, block=block, batch=batch, heads=heads, mask_mod=mask_mod)
+        shape, block, batch, heads, mask_mod, reads = aux
+        return cls(*children, shape=shape, block=block, batch=batch, heads=heads, mask_mod=mask_mod, reads=reads)
 
     @property
     def capacity(self) -> int:
@@ -103,9 +106,12 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
       L, S: queries and keys.
       block: `bm` (square blocks) or `(bm, bk)`; 128 suits the kernels.
       batch: the batch size, if the mask depends on `b` (one mask per batch element); None: one mask for every
-        batch element, so `mask_mod` must not depend on `b`.
+        batch element, so `mask_mod` must not depend on `b` (`jinsum.attention` refuses such a mask for a batch
+        of more than one: the blocks of element 0 would serve all).
       heads: the number of query heads, if the mask depends on `h` (one mask per head); None: one mask for every
-        head, so `mask_mod` must not depend on `h`. A mask per head of a batched `q` needs `batch` too. A mask
+        head, so `mask_mod` must not depend on `h` (refused likewise for more than one head; dependence is read
+        off the traced function: `w[h]` counts even where `w` is the same for every head). A mask per head of a
+        batched `q` needs `batch` too. A mask
         per batch element or head carries the causal rule itself (`q_idx >= kv_idx` in `mask_mod`).
       capacity: slots for attending blocks; defaults to every block (never overflows). A tighter one makes
         the kernels' grids smaller (a causal mask needs about half). If more blocks attend than it holds, those
@@ -126,7 +132,8 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
 
 
 def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, batch: int | None = None,
-          heads: int | None = None, capacity: int | None = None, classify: Callable | None = None) -> BlockMask:
+          heads: int | None = None, capacity: int | None = None, classify: Callable | None = None,
+          where: str = "jinsum.block_mask") -> BlockMask:
     """The one builder of block masks: `block_mask`'s, with the classification given or not.
 
     `classify(grid)`, given `grid = (nb, nh, lb, sb)`, returns the flags `(nb * nh * lb, sb)` (any integer dtype:
@@ -135,27 +142,28 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
     pass over the elements. A block it calls full must be full (the kernels evaluate nothing there: positions
     past `L`, `S` included, so an edge block is never full); one it calls partial may attend nowhere (the kernels
     evaluate `mask_mod` there), at the cost of a slot. Without it every element of every block is evaluated.
+    `where` names the function the user called, in errors.
     """
     bm, bk = (block, block) if isinstance(block, int) else tuple(block)
     for name, value in (("L", L), ("S", S), ("block", bm), ("block", bk)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"jinsum.block_mask: {name} must be a positive int, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
     for name, value in (("batch", batch), ("heads", heads)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"jinsum.block_mask: {name} must be None or a positive int, got {value!r}")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{where}: {name} must be None or a positive int, got {value!r}")
     lb, sb = -(-L // bm), -(-S // bk)
     nb, nh = batch or 1, heads or 1
     rows = nb * nh * lb
     capacity = rows * sb if capacity is None else capacity
-    if not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"jinsum.block_mask: capacity must be a positive int, got {capacity!r}")
-    user, captured = _elementwise.trace(mask_mod, "mask_mod", "jinsum.block_mask")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        raise ValueError(f"{where}: capacity must be a positive int, got {capacity!r}")
+    user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
     if classify is None:
         flags = _every_element(user, captured, (L, S), (bm, bk), (nb, nh, lb, sb))
     else:
         flags = jnp.asarray(classify((nb, nh, lb, sb)))
         if flags.shape != (rows, sb):
-            raise ValueError(f"jinsum.block_mask: classify must return flags of shape {(rows, sb)}, got {flags.shape}")
+            raise ValueError(f"{where}: classify must return flags of shape {(rows, sb)}, got {flags.shape}")
     flags = flags.astype(jnp.int8).reshape(rows * sb)
 
     # The attending blocks in row-major order, packed into `capacity` slots: block e goes to slot
@@ -166,20 +174,20 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
     position = jnp.full(capacity, rows * sb - 1, jnp.int32).at[slot].set(
         jnp.arange(rows * sb, dtype=jnp.int32), mode="drop")
     if is_concrete(count) and count[-1] > capacity:
-        raise ValueError(f"jinsum.block_mask: {int(count[-1])} blocks attend but capacity = {capacity} holds only "
+        raise ValueError(f"{where}: {int(count[-1])} blocks attend but capacity = {capacity} holds only "
                          f"{capacity}; pass capacity >= {int(count[-1])} (or None for every block)")
     used = jnp.arange(capacity) < count[-1]
     overflow = count[-1] > capacity
     if _config.check_indices.value:
-        checkify.check(~overflow, f"jinsum.block_mask: more attending blocks than capacity = {capacity}; those "
+        checkify.check(~overflow, f"{where}: more attending blocks than capacity = {capacity}; those "
                        "past it were dropped (raise the capacity)")
     Ai = position // sb
     Ak = jnp.where(used, position % sb, 0)[:, None]
     kept = jnp.where(used, flags[position], 0)[:, None]
     laid_out = _laid_out(mask_mod, (L, S), (bm, bk), (lb, sb), batch, heads)
-    traced, _ = _elementwise.trace(laid_out, "mask_mod", "jinsum.block_mask")
+    traced, _ = _elementwise.trace(laid_out, "mask_mod", where)
     return BlockMask(Ai, Ak, kept, overflow, captured, shape=(L, S), block=(bm, bk), batch=batch, heads=heads,
-                     mask_mod=traced)
+                     mask_mod=traced, reads=_elementwise.arguments_read(user) & {"b", "h"})
 
 
 def _every_element(user, captured, shape, block, grid) -> jax.Array:

@@ -221,17 +221,46 @@ def trace(fn: Callable, kind: str, where: str = "jinsum.attention",
     return Elementwise(kind, name, text, specs, fn, value, kernel or value, wide), captured
 
 
+def arguments_read(traced: Elementwise) -> frozenset[str]:
+    """The scalar arguments (`"b"`, `"h"`, ...) that the function's result depends on, through its equations:
+    an argument it never uses, or uses only for values the result does not depend on, is not read. (Structural:
+    `h * 0` reads `h`.)"""
+    jaxpr, count = traced.value.jaxpr, len(traced.captures)
+    names = arguments_of(traced.kind, len(jaxpr.invars) - count - 1)
+    depends = {var: {name} for var, name in zip(jaxpr.invars[count:], names)}
+
+    def of(atoms):
+        return set().union(*(depends.get(a, set()) for a in atoms if not hasattr(a, "val")))
+
+    for eqn in jaxpr.eqns:  # (a call's results depend on all its operands: conservative)
+        for var in eqn.outvars:
+            depends[var] = of(eqn.invars)
+    return frozenset(of(jaxpr.outvars))
+
+
 def _trace_value(fn, kind: str, name: str, where: str, score_dtype, arguments: tuple[str, ...]):
     """`(*captures, *arguments) -> output` as a closed jaxpr whose score (or value) is `score_dtype`, and the
     captures."""
     scalars = [jax.ShapeDtypeStruct((), score_dtype if a in ("score", "value") else jnp.int32) for a in arguments]
+    wrong = []  # (what a function returned of the wrong kind: reported below, not as a signature error)
+
+    def output(*a):
+        out = fn(*a)
+        if not _returns_right_kind(out, kind):
+            wrong.append(f"{jnp.result_type(out)}{list(jnp.shape(out))}")
+            return jnp.zeros((), jnp.bool_ if kind == "mask_mod" else score_dtype)
+        return jnp.asarray(out, None if kind == "mask_mod" else score_dtype)
+
     try:
-        closed = jax.make_jaxpr(lambda *a: _checked_output(fn(*a), kind, name, where, score_dtype))(*scalars)
+        closed = jax.make_jaxpr(output)(*scalars)
     except TypeError as error:
         hint = ("; it indexes a NumPy array with a traced position: close over jnp.asarray(...) instead"
                 if isinstance(error, jax.errors.TracerArrayConversionError) else "")
         raise TypeError(f"{where}: {kind} {name} must take ({', '.join(arguments)}) scalars and return "
                         f"{_RETURNS[kind]}{hint}: {error}") from error
+    if wrong:
+        raise TypeError(f"{where}: {kind} {name} must return {_RETURNS[kind]} per call"
+                        f"{' (True: attend)' if kind == 'mask_mod' else ''}, got {wrong[0]}")
     # Constants that are concrete scalars are compiled in; every other one is a capture.
     inline = [not isinstance(c, jax.core.Tracer) and np.shape(c) == () for c in closed.consts]
     captured = tuple(jnp.asarray(c) for c, keep in zip(closed.consts, inline) if not keep)
@@ -366,14 +395,10 @@ def _x64() -> bool:
     return jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
 
 
-def _checked_output(out, kind: str, name: str, where: str, score_dtype):
+def _returns_right_kind(out, kind: str) -> bool:
+    """A mask_mod returns one boolean; the others one floating-point number."""
+    if jnp.shape(out) != ():
+        return False
     if kind == "mask_mod":
-        if jnp.shape(out) != () or jnp.result_type(out) != jnp.bool_:
-            raise TypeError(f"{where}: mask_mod {name} must return one boolean per call (True: attend), got "
-                            f"{jnp.result_type(out)}{list(jnp.shape(out))}")
-        return jnp.asarray(out)
-    if jnp.shape(out) != () or not jnp.issubdtype(jnp.result_type(out), jnp.floating):
-        what = "score" if kind == "score_mod" else "value"
-        raise TypeError(f"{where}: {kind} {name} must return one floating-point {what} per call, got "
-                        f"{jnp.result_type(out)}{list(jnp.shape(out))}")
-    return jnp.asarray(out, score_dtype)
+        return jnp.result_type(out) == jnp.bool_
+    return jnp.issubdtype(jnp.result_type(out), jnp.floating)

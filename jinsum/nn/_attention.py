@@ -132,12 +132,15 @@ def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = N
     Example:
       >>> mask = jinsum.nn.sequence_mask(4096, 128, document_ids=doc, causal=True, window=1024)
     """
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise ValueError(f"sequence_mask: window must be None or a positive int, got {window!r}")
+    where = "jinsum.nn.sequence_mask"
+    for name, value in (("length", length), ("block", block), *((("window", window),) if window is not None else ())):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: {name} must be a positive int{' or None' if name == 'window' else ''}, got "
+                             f"{value!r}")
     docs = None if document_ids is None else jnp.asarray(document_ids)
     if docs is not None and (docs.ndim not in (1, 2) or docs.shape[-1] != length
                              or not jnp.issubdtype(docs.dtype, jnp.integer)):
-        raise ValueError(f"sequence_mask: document_ids must be integers of shape ({length},) or (B, {length}), got "
+        raise ValueError(f"{where}: document_ids must be integers of shape ({length},) or (B, {length}), got "
                          f"{docs.dtype}{list(docs.shape)}")
     per_batch = docs is not None and docs.ndim == 2
 
@@ -159,7 +162,7 @@ def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = N
     batch = docs.shape[0] if per_batch else None
     classify = lambda grid: _sequence_flags(length, block, docs, causal, window)  # noqa: E731
     return _block_mask.build(mask_mod, length, length, block, batch=batch, capacity=capacity * (batch or 1),
-                             classify=classify)
+                             classify=classify, where=where)
 
 
 def _sequence_flags(length: int, block: int, docs: jax.Array | None, causal: bool, window: int | None) -> jax.Array:
