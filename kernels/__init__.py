@@ -3,7 +3,9 @@
 Shipped inside the package as `jinsum.kernels`. What runs is decided by the routes (`jinsum._lowering._route` for
 statements, `jinsum._attention._chain_route` for chains), and every kernel is launched by one launcher
 (`jinsum._lowering._launch`: jax-triton, or Triton's interpreter for tests); the `@triton.jit` helpers every
-generated kernel imports are in `helpers`. Reads only the notation (`jinsum._lang`).
+generated kernel imports are in `helpers`. On sm_90, kernels that have one take the Hopper form of the tile core:
+warp-specialised Gluon programs (`hopper`, the building blocks; `_chain_hopper`, the attention forward written over
+them). Reads only the notation (`jinsum._lang`).
 
 Hand-written kernels sit beside the generator: `knn_kernel` (`_knn`, the k nearest neighbours of `jinsum.nn.knn`,
 launched through `jinsum._lowering._knn`), imported on first use since it imports Triton, which is optional.
@@ -12,14 +14,15 @@ launched through `jinsum._lowering._knn`), imported on first use since it import
 from jinsum.kernels._cache import cache_dir as cache_dir
 from jinsum.kernels._chain_plan import ChainConfig as ChainConfig
 from jinsum.kernels._chain_plan import ChainPlan as ChainPlan
+from jinsum.kernels._chain_plan import chain_inputs as chain_inputs
+from jinsum.kernels._chain_plan import chain_outputs as chain_outputs
+from jinsum.kernels._chain_plan import chain_sizes as chain_sizes
+from jinsum.kernels._chain_plan import hopper_fallback as hopper_fallback
 from jinsum.kernels._chain_plan import make_chain_plan as make_chain_plan
-from jinsum.kernels._chain_source import chain_inputs as chain_inputs
+from jinsum.kernels._chain_plan import scratch_shapes as scratch_shapes
 from jinsum.kernels._chain_source import chain_kernel_name as chain_kernel_name
-from jinsum.kernels._chain_source import chain_outputs as chain_outputs
 from jinsum.kernels._chain_source import chain_scratch as chain_scratch
-from jinsum.kernels._chain_source import chain_sizes as chain_sizes
 from jinsum.kernels._chain_source import generate_chain as generate_chain
-from jinsum.kernels._chain_source import scratch_shapes as scratch_shapes
 from jinsum.kernels._cache import load_kernel as load_kernel
 from jinsum.kernels._plan import DotRoles as DotRoles
 from jinsum.kernels._plan import Fallback as Fallback
@@ -35,6 +38,7 @@ from jinsum.kernels._source import kernel_scratch as kernel_scratch
 from jinsum.kernels._tuned import chain_config as chain_config
 from jinsum.kernels._tuned import forced_config as forced_config
 from jinsum.kernels._tuned import has_tma as has_tma
+from jinsum.kernels._tuned import is_hopper as is_hopper
 from jinsum.kernels._tuned import store_tuned_config as store_tuned_config
 from jinsum.kernels._tuned import tuned_config as tuned_config
 

@@ -30,9 +30,13 @@ import math
 
 import numpy as np
 
+from jinsum._lang._ast import Var
 from jinsum._lang._chain import Chain
 from jinsum.kernels._plan import INT32_LIMIT, Fallback, _pow2
 
+# The softmax runs in base 2 (FlashAttention's habit: exp2 is the hardware's instruction): scores, running
+# maxima and partial results are in units of log2(e); the stored log-sum-exp is natural.
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 KINDS = ("forward", "combine", "dq", "dq_sum", "dkdv", "dkdv_sum")
 SUMS = ("combine", "dq_sum", "dkdv_sum")  # kernels over the long segments only, merging their pieces
 # Widest head and value sizes a program keeps in registers.
@@ -53,6 +57,9 @@ class ChainConfig:
     # where their layout allows, rather than by pointers: asynchronous copies into shared memory that Triton
     # pipelines and feeds to wgmma.
     descriptors: bool = False
+    # The forward in the Hopper form of the tile core where the chain has one (`hopper_fallback`): warp-specialised
+    # Gluon programs for sm_90 (`chain_config` sets it there; `jinsum.kernels._chain_hopper`).
+    hopper: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +157,59 @@ class ChainPlan:
         return programs, self.grid_size
 
 
+# --- the kernels' operands (every form of a kernel takes the same) -------------------------------------------
+
+def chain_inputs(plan: ChainPlan) -> tuple[str, ...]:
+    """The kernel's array inputs, in order (its outputs, `chain_outputs`, follow)."""
+    chain, kind = plan.chain, plan.kind
+    pattern = ("Av", "seed", "Q", "K", "V") + (("KM",) if chain.key_mask is not None else ()) \
+        + (("flags",) if plan.template == "dot" else ()) + chain.mask_captures + chain.score_captures
+    return {"forward": ("Ak", *pattern, "items"),
+            "combine": ("O", "LSE", "combine", "part_m", "part_l", "part_acc"),
+            "dq": ("Ak", *pattern, "items", "LSE", "Drow", "dO"),
+            "dq_sum": ("dQ", "combine", "part_dq"),
+            "dkdv": (*pattern, "perm", "key_rows", "items", "LSE", "Drow", "dO"),
+            "dkdv_sum": ("dK", "dV", "combine", "part_dk", "part_dv")}[kind]
+
+
+def chain_sizes(plan: ChainPlan) -> dict[str, int]:
+    """The sizes a main kernel takes as runtime arguments, after its inputs: the numbers of rows and keys (bounds
+    of the range checks) and of stored entries (dropout's counters). A pattern of another size with the same
+    heads and widths runs the same compiled kernels; strides and tiles stay in the source (and the Hopper form
+    keeps the sizes there too: its descriptors' shapes)."""
+    chain = plan.chain
+    if plan.kind in SUMS or plan.config.hopper:
+        return {}
+    return {"rows": int(chain.rows), "keys": int(chain.keys), "entries": int(chain.entries)}
+
+
+def chain_outputs(plan: ChainPlan) -> tuple[str, ...]:
+    """The kernel's outputs, in order. The kernel that computes dQ also adds the gradients of the arrays
+    `score_mod` captures (`dSC0`, ... in float32, zeroed by the launcher) at each read's index."""
+    captures = tuple(f"d{n}" for n in plan.chain.differentiable[3:]) if plan.computes_dq else ()
+    dq = ("dQ",) if plan.kind == "dkdv" and plan.dq_in_dkdv else ()
+    return {"forward": ("O", "LSE", "part_m", "part_l", "part_acc"), "combine": ("O", "LSE"),
+            "dq": ("dQ", "part_dq", *captures), "dq_sum": ("dQ",),
+            "dkdv": ("dK", "dV", "part_dk", "part_dv", *dq, *captures), "dkdv_sum": ("dK", "dV")}[plan.kind]
+
+
+def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
+    """Shapes of the launcher's arrays that are not the chain's operands: work lists and partial results (one slot
+    per piece of a long segment and grid assignment, along the kernel's own axis)."""
+    chain = plan.chain
+    head, value = chain.operand["Q"].shape[-1], chain.operand["V"].shape[-1]
+    if plan.template == "dot":
+        rows, cols = chain.block
+    else:
+        rows = cols = chain.output.extent[chain.roles.head]
+    slots = (plan.parts, plan.grid_size)
+    batch = chain.operand["KM"].shape[:-2] if chain.key_mask is not None and plan.template == "dot" else ()
+    return {"items": (plan.items, 5), "combine": (plan.split_segments, 3), "flags": (*batch, chain.entries),
+            "perm": (chain.entries,), "part_m": (*slots, rows), "part_l": (*slots, rows),
+            "part_acc": (*slots, rows, value), "part_dq": (*slots, rows, head), "part_dk": (*slots, cols, head),
+            "part_dv": (*slots, cols, value)}
+
+
 def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()) -> ChainPlan | Fallback:
     """The plan of one of the chain's kernels, or a `Fallback` saying why the chain stays unfused."""
     if kind not in KINDS:
@@ -179,7 +239,14 @@ def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()
             return Fallback(f"{heads} heads of {head_dim} / {value_dim} exceed the fused kernels' registers")
         plan = ChainPlan(chain, kind, "lanes", _pow2(head_dim, 1, MAX_WIDTH), _pow2(value_dim, 1, MAX_WIDTH),
                          _pow2(heads, 1, 1 << 10), config)
-    plan = dataclasses.replace(plan, config=default_chain_config(plan))
+    hopper = config.hopper and kind == "forward"
+    plan = dataclasses.replace(plan, config=default_chain_config(dataclasses.replace(
+        plan, config=dataclasses.replace(config, hopper=False))))
+    if hopper and hopper_fallback(plan) is None:
+        width = 128 if block[1] % 128 == 0 else 64
+        plan = dataclasses.replace(plan, config=dataclasses.replace(
+            plan.config, hopper=True, block_m=HOPPER_ROWS, block_k=width, num_warps=4,
+            num_stages=_hopper_stages(head_dim, width)))
     if plan.grid_size > 65535:
         return Fallback(f"{plan.grid_size} (batch x head) programs exceed CUDA's 65535 along the grid's axis 1")
     if plan.items > INT32_LIMIT:
@@ -226,3 +293,56 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
         changes["num_stages"] = config.num_stages or 1
         changes["block_m"] = changes["block_k"] = 1
     return dataclasses.replace(config, **changes)
+
+
+# --- the Hopper form ----------------------------------------------------------------------------------------------
+
+HOPPER_ROWS = 128  # query rows per program: two consumer warpgroups of 64 (`jinsum.kernels.hopper`)
+# Head sizes the Hopper form takes. At 128 it ran the forward 1.2-2.1x faster than the Triton form on an H200; at 64
+# 0.82-0.85x (its 64-row consumer tiles leave the Tensor Cores idle there: DESIGN.md, "The Hopper form").
+HOPPER_HEADS = (128,)
+HOPPER_DTYPES = ("float16", "bfloat16")
+
+
+def hopper_fallback(plan: ChainPlan) -> str | None:
+    """Why the kernel of `plan` has no Hopper form (a sentence), or None: it has one."""
+    chain = plan.chain
+    if plan.kind != "forward" or plan.template != "dot":
+        return f"the Hopper form covers the forward of block patterns, not a {plan.template} {plan.kind} kernel"
+    head, value, dtype = chain.operand["Q"].shape[-1], chain.operand["V"].shape[-1], chain.operand["Q"].dtype
+    if dtype.name not in HOPPER_DTYPES or {chain.operand[n].dtype for n in ("K", "V")} != {dtype}:
+        return f"{dtype} attention (the Hopper form takes float16 and bfloat16)"
+    if head != value or head not in HOPPER_HEADS:
+        return f"heads of {head} and values of {value} (the Hopper form takes equal sizes of {HOPPER_HEADS})"
+    bm, bk = chain.block
+    if bm % HOPPER_ROWS or bk % 64:
+        return f"blocks of {bm} x {bk} (the Hopper form takes multiples of {HOPPER_ROWS} x 64)"
+    for what, present in (("dropout", chain.dropout), ("a key padding mask", chain.key_mask is not None),
+                          ("a mask per element", len(chain.mask.indices) > 2)):
+        if present:
+            return f"{what} (not in the Hopper form)"
+    if any(tiled_dims(chain, name) is None for name in ("Q", "K", "V", "O", "LSE")):
+        return "operands laid out otherwise than (batch, block, offset, heads, features)"
+    return None
+
+
+def tiled_dims(chain: Chain, name: str) -> tuple[int, int] | None:
+    """`(block dimension, offset dimension)` of the chain's tensor `name` if its access is `[*batch, block index,
+    offset, heads..., feature]` (`LSE`: without the feature), else None: the rows of a block row (column) of one
+    batch element and head are then one strided view, as a TMA descriptor reads them."""
+    r = chain.roles
+    access = chain.accesses()[name]
+    query = name in ("Q", "O", "LSE")
+    heads = [r.head] + ([r.head_group] if query and r.head_group else [])
+    feature = [] if name == "LSE" else [r.contract if name in ("Q", "K") else r.feature]
+    block = "Ai[g]" if query else "Ak[g,p]"
+    expected = [*r.batch, block, r.query_offset if query else r.key_offset, *heads, *feature]
+    if [i.name if isinstance(i, Var) else str(i) for i in access.indices] != expected:
+        return None
+    return len(r.batch), len(r.batch) + 1
+
+
+def _hopper_stages(head: int, width: int) -> int:
+    """Stages of key and value tiles: as many as fit beside the two query tiles in 200 KiB (of 227), 2 to 4."""
+    stage = 2 * width * head * 2
+    return max(2, min(4, (200 * 1024 - 2 * 64 * head * 2) // stage))

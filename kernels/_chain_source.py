@@ -18,66 +18,15 @@ import functools
 import numpy as np
 
 from jinsum._lang import Access, Var
-from jinsum.kernels._chain_plan import SUMS, ChainPlan
+from jinsum.kernels._chain_hopper import generate_hopper_chain, hopper_scratch
+from jinsum.kernels._chain_plan import (LN2, LOG2E, SUMS, ChainPlan, chain_inputs, chain_outputs, chain_sizes,
+                                        scratch_shapes)
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._plan import INT32_LIMIT, PRECISE_FLOAT32
 from jinsum.kernels._source import DESCRIPTOR_BYTES, offset
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'
-# The softmax runs in base 2 (FlashAttention's habit: exp2 is the hardware's instruction): scores, running
-# maxima and partial results are in units of log2(e); the stored log-sum-exp is natural.
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
-
-
-def chain_inputs(plan: ChainPlan) -> tuple[str, ...]:
-    """The kernel's array inputs, in order (its outputs, `chain_outputs`, follow)."""
-    chain, kind = plan.chain, plan.kind
-    pattern = ("Av", "seed", "Q", "K", "V") + (("KM",) if chain.key_mask is not None else ()) \
-        + (("flags",) if plan.template == "dot" else ()) + chain.mask_captures + chain.score_captures
-    return {"forward": ("Ak", *pattern, "items"),
-            "combine": ("O", "LSE", "combine", "part_m", "part_l", "part_acc"),
-            "dq": ("Ak", *pattern, "items", "LSE", "Drow", "dO"),
-            "dq_sum": ("dQ", "combine", "part_dq"),
-            "dkdv": (*pattern, "perm", "key_rows", "items", "LSE", "Drow", "dO"),
-            "dkdv_sum": ("dK", "dV", "combine", "part_dk", "part_dv")}[kind]
-
-
-def chain_sizes(plan: ChainPlan) -> dict[str, int]:
-    """The sizes a main kernel takes as runtime arguments, after its inputs: the numbers of rows and keys (bounds
-    of the range checks) and of stored entries (dropout's counters). A pattern of another size with the same
-    heads and widths runs the same compiled kernels; strides and tiles stay in the source."""
-    chain = plan.chain
-    if plan.kind in SUMS:
-        return {}
-    return {"rows": int(chain.rows), "keys": int(chain.keys), "entries": int(chain.entries)}
-
-
-def chain_outputs(plan: ChainPlan) -> tuple[str, ...]:
-    """The kernel's outputs, in order. The kernel that computes dQ also adds the gradients of the arrays
-    `score_mod` captures (`dSC0`, ... in float32, zeroed by the launcher) at each read's index."""
-    captures = tuple(f"d{n}" for n in plan.chain.differentiable[3:]) if plan.computes_dq else ()
-    dq = ("dQ",) if plan.kind == "dkdv" and plan.dq_in_dkdv else ()
-    return {"forward": ("O", "LSE", "part_m", "part_l", "part_acc"), "combine": ("O", "LSE"),
-            "dq": ("dQ", "part_dq", *captures), "dq_sum": ("dQ",),
-            "dkdv": ("dK", "dV", "part_dk", "part_dv", *dq, *captures), "dkdv_sum": ("dK", "dV")}[plan.kind]
-
-
-def scratch_shapes(plan: ChainPlan) -> dict[str, tuple[int, ...]]:
-    """Shapes of the launcher's arrays that are not the chain's operands: work lists and partial results (one slot
-    per piece of a long segment and grid assignment, along the kernel's own axis)."""
-    chain = plan.chain
-    head, value = chain.operand["Q"].shape[-1], chain.operand["V"].shape[-1]
-    if plan.template == "dot":
-        rows, cols = chain.block
-    else:
-        rows = cols = chain.output.extent[chain.roles.head]
-    slots = (plan.parts, plan.grid_size)
-    batch = chain.operand["KM"].shape[:-2] if chain.key_mask is not None and plan.template == "dot" else ()
-    return {"items": (plan.items, 5), "combine": (plan.split_segments, 3), "flags": (*batch, chain.entries),
-            "perm": (chain.entries,), "part_m": (*slots, rows), "part_l": (*slots, rows),
-            "part_acc": (*slots, rows, value), "part_dq": (*slots, rows, head), "part_dk": (*slots, cols, head),
-            "part_dv": (*slots, cols, value)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,19 +82,22 @@ def _times(position: str, stride: int) -> str:
 
 def chain_kernel_name(plan: ChainPlan) -> str:
     """What a profile shows (kernels with descriptors have their own name: their launch differs)."""
+    if plan.config.hopper:
+        return f"jinsum_attention_{plan.kind}_hopper"
     return f"jinsum_attention_{plan.kind}" + ("_tma" if described(plan) else "")
 
 
 def chain_scratch(plan: ChainPlan) -> int:
     """Global scratch bytes a program of the kernel needs (its TMA descriptors), for the launcher."""
-    return DESCRIPTOR_BYTES * len(described(plan))
+    return hopper_scratch(plan) if plan.config.hopper else DESCRIPTOR_BYTES * len(described(plan))
 
 
 @functools.lru_cache(maxsize=512)
 def generate_chain(plan: ChainPlan) -> str:
-    """The Python source of a module defining the kernel `jinsum_attention_<kind>` for one kernel of a chain
-    (cached: the lowering validates a plan by generating it, then launches it)."""
-    return _Writer(plan).module()
+    """The Python source of a module defining the kernel `chain_kernel_name(plan)` for one kernel of a chain, in
+    Triton or, in the Hopper form, Gluon (cached: the lowering validates a plan by generating it, then launches
+    it)."""
+    return generate_hopper_chain(plan) if plan.config.hopper else _Writer(plan).module()
 
 
 @dataclasses.dataclass(frozen=True)

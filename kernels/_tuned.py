@@ -39,16 +39,28 @@ def forced_config(config: KernelConfig | ChainConfig):
 
 def chain_config() -> ChainConfig:
     """The configuration attention chains are lowered with: a forced one, else the defaults, which read tiles
-    through TMA descriptors on GPUs that have TMA (Hopper and later)."""
+    through TMA descriptors on GPUs that have TMA (Hopper and later) and take the Hopper form of the tile core on
+    sm_90 (its wgmma is Hopper's alone)."""
     forced = _OVERRIDE.get()
-    return forced if isinstance(forced, ChainConfig) else ChainConfig(descriptors=has_tma())
+    return forced if isinstance(forced, ChainConfig) else ChainConfig(descriptors=has_tma(), hopper=is_hopper())
 
 
 @functools.lru_cache(maxsize=1)
 def has_tma() -> bool:
     """Whether the default device is a GPU with TMA (Hopper and later)."""
-    devices = jax.devices()
-    return devices[0].platform == "gpu" and float(getattr(devices[0], "compute_capability", 0)) >= 9
+    return _capability() >= 9
+
+
+@functools.lru_cache(maxsize=1)
+def is_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: H100, H200), which runs the Gluon forms."""
+    return _capability() == 9
+
+
+def _capability() -> float:
+    """The default device's CUDA compute capability, 0 for other devices."""
+    device = jax.devices()[0]
+    return float(getattr(device, "compute_capability", 0)) if device.platform == "gpu" else 0.0
 
 
 def tuned_config(spec: Spec) -> KernelConfig | None:

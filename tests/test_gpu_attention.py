@@ -177,3 +177,43 @@ def test_block_mask_per_batch_and_sliding_window_on_gpu(rng):
     w = np.exp(s - s.max(-1, keepdims=True))
     expected = np.einsum("bhls,bshe->blhe", w / w.sum(-1, keepdims=True), wide[2])
     assert_allclose(out, expected, jnp.bfloat16)
+
+
+# --- the Hopper form of the forward (sm_90: Gluon, warp-specialised) --------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("length,heads,kv_heads,dim,batch", [(1000, 8, 2, 128, None), (384, 4, 4, 128, 2),
+                                                             (2500, 4, 1, 128, None)],
+                         ids=["gqa-odd", "mha-batch", "mqa-long"])
+def test_hopper_forward_against_float64(length, heads, kv_heads, dim, batch, dtype, rng):
+    """On sm_90 the forward runs in the Hopper form (asserted by its kernel's name in the lowered program): causal
+    documents, a query position that attends to nothing (its output 0, its log-sum-exp inf), lengths off the
+    block, grouped and multi-query heads, a batch; against a float64 reference."""
+    from jinsum.kernels import is_hopper  # noqa: PLC0415
+
+    if not is_hopper():
+        pytest.skip("the Hopper form runs on sm_90 only")
+    lead = () if batch is None else (batch,)
+    doc = _documents(rng, length, 4)
+    q = jnp.asarray(rng.standard_normal((*lead, length, heads, dim)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((*lead, length, kv_heads, dim)), dtype) for _ in range(2))
+    mask = jinsum.block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j) & (i != 5), length, length, 128)
+    attend = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, mask, return_lse=True))
+    assert "jinsum_attention_forward_hopper" in attend.lower(q, k, v).as_text()
+    out, lse = attend(q, k, v)
+    d = np.asarray(doc)
+    i, j = np.meshgrid(np.arange(length), np.arange(length), indexing="ij")
+    allowed = (d[:, None] == d[None, :]) & (i >= j) & (i != 5)
+    wide = [np.asarray(x, np.float64).reshape(-1, length, *x.shape[-2:]) for x in (q, k, v)]
+    group = heads // kv_heads
+    keys, values = (np.repeat(x, group, axis=2) for x in wide[1:])
+    s = np.einsum("blhd,bshd->bhls", wide[0], keys) / np.sqrt(dim)
+    s = np.where(allowed, s, -np.inf)
+    top = np.where(allowed.any(-1)[:, None], s.max(-1, keepdims=True), 0)
+    w = np.exp(s - top)
+    total = w.sum(-1, keepdims=True)
+    expected = np.einsum("bhls,bshe->blhe", w / np.where(total > 0, total, 1), values).reshape(out.shape)
+    expected_lse = np.moveaxis(np.where(total[..., 0] > 0, np.log(total[..., 0]) + top[..., 0], np.inf), 1, 2)
+    assert_allclose(out, expected, dtype)
+    assert not np.asarray(out, np.float32)[..., 5, :, :].any()
+    np.testing.assert_allclose(np.asarray(lse).reshape(expected_lse.shape), expected_lse, rtol=2e-3, atol=2e-3)

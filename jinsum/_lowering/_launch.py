@@ -3,10 +3,13 @@
 `Launcher.call` has jax-triton's signature (`triton_call`: the kernel's array and scalar arguments, then one buffer
 per output; aliased outputs are their input's buffer), with two targets:
 - `XLA_KERNEL`: in a lowering, traced arrays: the kernel compiled by jax-triton's steps of Triton's compiler (with
-  jinsum's persistent cache of compiled kernels in front of them, `_kernel_cache`) and launched as XLA's own kernel
-  node (`KERNEL_NODE`), not as jax-triton's custom call: XLA's command buffers (CUDA graphs) capture a kernel node
-  like one of its fusions, where each jax-triton call split them and returned to the host between the pieces
-  (a small training step issued in 0.27 instead of 0.45 ms: DESIGN.md, issue 44);
+  jinsum's persistent cache of compiled kernels in front of them, `_kernel_cache`), or, for a Gluon kernel (the
+  Hopper form, `jinsum.kernels.hopper`), by Triton's own compiler (its front end writes TTGIR, past jax-triton's
+  TTIR steps), and launched as XLA's own kernel node (`KERNEL_NODE`), not as jax-triton's custom call: XLA's
+  command buffers (CUDA graphs) capture a kernel node like one of its fusions, where each jax-triton call split them
+  and returned to the host between the pieces (a small training step issued in 0.27 instead of 0.45 ms: DESIGN.md,
+  issue 44). A Gluon kernel's warp-specialised partitions add warps to the launch's: the node gets the compiled
+  kernel's count;
 - `INTERPRETER`: Triton's interpreter on CPU (tests: needs `TRITON_INTERPRET=1` set before Triton kernels are
   first defined, and torch). NumPy arrays in and out; traced arrays through a host callback. Outputs that the
   kernel must write start as NaN (-7 for integers), so an element it leaves unwritten shows.
@@ -81,8 +84,9 @@ def _kernel_node_call(kernel, *args, out_shape, grid, num_warps: int, num_stages
     pointer_type = jax_triton().triton_lib.get_triton_type  # (Triton's names: "*bf16", as jax-triton gives them)
     pointers = {names[i]: pointer_type(jax.core.ShapedArray((), a.dtype)) for i, a in enumerate([*args, *structs])
                 if not isinstance(a, scalar)}
-    compiled = _compiled(kernel, tuple(pointers.items()), tuple({**constants, **constexprs}.items()), num_warps,
-                         num_stages)
+    compile_ = _compiled_gluon if is_gluon(kernel) else _compiled
+    compiled = compile_(kernel, tuple(pointers.items()), tuple({**constants, **constexprs}.items()), num_warps,
+                        num_stages)
     zeros = [jnp.zeros(structs[k].shape, structs[k].dtype) for k in zeroed_outputs]
     aliases = {**(input_output_aliases or {}), **{len(arrays) + j: k for j, k in enumerate(zeroed_outputs)}}
     hidden = [jax.ShapeDtypeStruct((1,), jnp.uint8)] * HIDDEN_POINTERS
@@ -90,7 +94,7 @@ def _kernel_node_call(kernel, *args, out_shape, grid, num_warps: int, num_stages
     call = jax.ffi.ffi_call(KERNEL_NODE, [*structs, *hidden], input_output_aliases=aliases or None)
     results = call(*arrays, *zeros, name=compiled.name, kernel_type="ptx",
                    kernel_data=with_unread_parameters(compiled.binary, len(arrays), len(zeros)),
-                   grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=32 * num_warps, block_y=1, block_z=1,
+                   grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=32 * compiled.num_warps, block_y=1, block_z=1,
                    shared_mem_bytes=compiled.shared_mem_bytes)
     results = list(results)[:len(structs) - bool(global_scratch)]
     return results[0] if single else results
@@ -115,7 +119,43 @@ def _compiled(kernel, pointers: tuple, constants: tuple, num_warps: int, num_sta
         kernel, triton_lib.tc.ASTSource(kernel, constexprs=dict(constants), signature=signature, attrs=attrs),
         options=options, codegen_fns=backend.get_codegen_implementation(options), context=context,
         module_map=backend.get_module_map())
-    return triton_lib.compile_ttir_inplace(module, backend, options, capability, "cuda")
+    result = triton_lib.compile_ttir_inplace(module, backend, options, capability, "cuda")
+    return Compiled(result.binary, result.name, result.shared_mem_bytes, num_warps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A kernel as the kernel node launches it: its PTX, entry name, dynamic shared memory and warps (a Gluon
+    kernel's warp-specialised partitions add warps to those it was launched with)."""
+
+    binary: str
+    name: str
+    shared_mem_bytes: int
+    num_warps: int
+
+
+def is_gluon(kernel) -> bool:
+    """A kernel written in Gluon (`triton.experimental.gluon`), which Triton's own compiler compiles."""
+    return getattr(kernel, "is_gluon", lambda: False)()
+
+
+@functools.cache
+def _compiled_gluon(kernel, pointers: tuple, constants: tuple, num_warps: int, num_stages: int) -> Compiled:
+    """A Gluon kernel compiled by Triton's compiler (which caches on disk), for this GPU: jax-triton's compile
+    steps start from TTIR, which Gluon skips (its front end writes TTGIR)."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+
+    del num_stages  # (a Gluon kernel's pipeline is written out)
+    capability = int(round(10 * float(jax.devices()[0].compute_capability)))
+    names = kernel.arg_names
+    signature = {**dict(pointers), **{name: "constexpr" for name, _ in constants}}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name, _ in pointers}  # (XLA's buffers: aligned)
+    source = GluonASTSource(kernel, signature=signature, constexprs=dict(constants), attrs=attrs)
+    result = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+    binary = redirect_global_scratch(result.asm["ptx"], _LAUNCHED[kernel.__name__])
+    return Compiled(binary, result.metadata.name, result.metadata.shared, result.metadata.num_warps)
 
 
 def with_unread_parameters(ptx: str, position: int, count: int) -> str:
