@@ -145,11 +145,12 @@ class _Writer:
                 positions.append(f"v_{var}" if var is not None and var in (*r.batch, r.head, r.head_group) else "0")
             count = shape[block_dim] * shape[offset_dim]
             stride = int(np.prod(shape[offset_dim + 1:], dtype=np.int64))
-            box = 64 if name in ("Q", "O") else self.plan.block_k
+            rows = 64 if name in ("Q", "O") else self.plan.block_k
+            width = 64 if name == "O" else self.head  # (the output is stored a 64-column box at a time)
             body += [f"{'if' if k == 0 else 'elif'} name == {name!r}:",
-                     f"    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([{box}, {self.head}], dtype)",
+                     f"    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([{rows}, {self.head}], dtype)",
                      f"    return tma.make_tensor_descriptor({self.pointer(name)} + {offset(shape, positions)}, "
-                     f"shape=[{count}, {self.head}], strides=[{stride}, 1], block_shape=[{box}, {self.head}], "
+                     f"shape=[{count}, {self.head}], strides=[{stride}, 1], block_shape=[{rows}, {width}], "
                      "layout=layout)"]
         return ["@gluon.jit", "def chain_descriptor(name: gl.constexpr, context):",
                 '    """The TMA descriptor of tensor `name` for this program."""'] + ["    " + b for b in body]

@@ -248,11 +248,15 @@ def columns_of(tile):
 
 @gluon.jit
 def store_rows(acc, l_i, q_tile, o_desc, o_row):
-    """`acc / l` (0 where nothing attends) into the output's rows `[o_row, + 64)` through shared memory and TMA."""
+    """`acc / l` (0 where nothing attends) into the output's rows `[o_row, + 64)` through shared memory and TMA
+    (`o_desc`: boxes of 64 x 64)."""
     o_layout: gl.constexpr = acc.type.layout
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
     q_tile.store(out.to(q_tile.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [o_row, 0], q_tile)
+    # One copy a 64-column box (`o_desc`'s): a copy of several boxes is split over the partition's warps, of which
+    # only the first ran the descriptor's acquire fence.
+    for i in gl.static_range(acc.shape[1] // 64):
+        tma.async_copy_shared_to_global(o_desc, [o_row, 64 * i], q_tile.slice(64 * i, 64, dim=1))
     tma.store_wait(0)
