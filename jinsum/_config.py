@@ -9,7 +9,18 @@ makes the next call trace again instead of reusing an executable built under the
 
 from __future__ import annotations
 
+import numpy as np
 from jax._src import config as _jax_config
+
+
+def _bool_only(switch: str):
+    """A validator refusing what is not a bool: JAX's `bool_state` takes any value for its truth, so that
+    `check_indices('false')` would turn the checks on and `deterministic(2)` pass for True."""
+    def validate(value) -> None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{switch} takes a bool (True or False), got {value!r}")
+    return validate
+
 
 deterministic = _jax_config.bool_state(
     name="jinsum_deterministic",
@@ -19,6 +30,7 @@ deterministic = _jax_config.bool_state(
          "their entries by target first (a stable sort, so equal targets add in the entries' order).",
     include_in_jit_key=True,
     include_in_trace_context=True,
+    validator=_bool_only("jinsum.deterministic"),
 )
 
 check_indices = _jax_config.bool_state(
@@ -29,6 +41,7 @@ check_indices = _jax_config.bool_state(
          "error, naming the array, the position and the bound. Off: out-of-range reads give 0, writes are dropped.",
     include_in_jit_key=True,
     include_in_trace_context=True,
+    validator=_bool_only("jinsum.check_indices"),
 )
 
 

@@ -523,7 +523,7 @@ def test_group_coo_validation(kwargs, error, match):
         (
             lambda: GroupCOO.from_scipy(sp.eye(3), dtype=np.int32),
             ValueError,
-            r"dtype must be a floating dtype .* got int32",
+            r"from_scipy: dtype must be a floating dtype .* got int32",
         ),
         (
             lambda: GroupCOO.from_dense(np.ones(3)),

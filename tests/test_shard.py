@@ -466,7 +466,7 @@ def test_errors_name_the_problem(rng):
         jinsum.shard.partition(A, DEVICES)
     with pytest.raises(ValueError, match="chunks=2 cuts the halo exchange"):
         jinsum.shard.partition(A, mesh(), exchange="all_gather", chunks=2)
-    with pytest.raises(ValueError, match="chunks must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="chunks must be an int >= 1, got 0"):
         jinsum.shard.partition(A, mesh(), chunks=0)
     P = jinsum.shard.partition(A, mesh(max(2, len(DEVICES))))  # (on one device the layout is the matrix's own)
     with pytest.raises(ValueError, match=r"laid out by the partition.*shard_rows"):

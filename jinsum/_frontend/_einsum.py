@@ -15,6 +15,7 @@ from jinsum._rules import _primitive
 from jinsum._lang import (Access, ExpressionError, Statement, Var, _elementwise, check_operand_names,
                           epilogue_names, parse, tensor_names, walk)
 from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.formats._convert import block_grid
 
 SPARSE_FORMATS = (GroupCOO, BlockGroupCOO)
 # What an omitted left-hand side starts from: each reduction's identity (so rows that no term reaches keep it).
@@ -71,9 +72,10 @@ def einsum(expression: str, /, *operands, sorted_indices: Collection[str] = (), 
         an operand the expression names but the call does not pass, one passed that the expression does not name
         (a typo would otherwise drop an array silently), and a format passed where the expression reads an array.
       ValueError: a concrete index array holds an out-of-range index. Under `jit`, indices cannot be checked: an
-        out-of-range read gives 0 and an out-of-range write is dropped. Also a format whose `overflow` flag is
-        concrete and set (built for a capacity under `jit` and returned, entries dropped); inside `jit` the flag
-        is traced and not read.
+        out-of-range read gives 0 and an out-of-range write is dropped. A format operand is checked by its shape,
+        traced or not: its rows (columns) must fit the dimension its `Ai` (`Ak`) address. Also a format whose
+        `overflow` flag is concrete and set (built for a capacity under `jit` and returned, entries dropped);
+        inside `jit` the flag is traced and not read.
     """
     if not isinstance(expression, str):
         raise TypeError(f"jinsum: the expression must be a string, got {type(expression).__name__}")
@@ -104,7 +106,7 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
     Returns `(statement, arrays, flags)` ready for `_primitive.bind(statement, arrays, **flags)`.
     """
     statement = parse(expression)
-    arrays, checked, row_indices, orders = _expand_formats(named, entries_only=statement.reduction != "sum")
+    arrays, extents, row_indices, orders = _expand_formats(named, entries_only=statement.reduction != "sum")
     _check_operand_names(statement, named, arrays)
     lhs = statement.lhs.tensor
     fill = lhs not in arrays or isinstance(arrays[lhs], jax.ShapeDtypeStruct)
@@ -114,7 +116,7 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
         arrays[lhs] = jnp.full(arrays[lhs].shape, IDENTITIES[statement.reduction], arrays[lhs].dtype)
     zero_lhs = fill and statement.reduction == "sum"
     arrays = {name: jnp.asarray(value) for name, value in arrays.items()}
-    _check_index_values(statement, arrays, skip=checked)
+    _check_index_values(statement, arrays, extents)
     _check_sorted(sorted_indices, arrays)
     # A format's entries in column order serve the derivatives (one format's: the primitive takes one order).
     return statement, arrays, dict(sorted_indices=frozenset(sorted_indices) | row_indices,
@@ -122,15 +124,16 @@ def prepare(expression: str, named: Mapping, *, sorted_indices: Collection[str] 
                                    zero_lhs=zero_lhs, column_order=orders[0] if len(orders) == 1 else None)
 
 
-def _expand_formats(named: Mapping, entries_only: bool = False) -> tuple[dict, set[str], set[str], list]:
+def _expand_formats(named: Mapping, entries_only: bool = False) -> tuple[dict, dict, set[str], list]:
     """Replaces each format operand `A` by `Ai`, `Ak`, `Av` (and `A_columns`, `A_rows`, `A_slots` where it carries
     its entries in column order). With `entries_only` (a `max=` / `min=`), `Ak` is -1 at slots whose value is zero,
     so that group padding takes no part in the reduction.
 
-    Returns the arrays, the names whose values the format constructor already validated, the names of row
-    index arrays (sorted by the format's definition) and the column orders of the formats that carry one.
+    Returns the arrays, the extents of the formats' index arrays (`{"Ai": (M, "A= ...", "rows"), ...}`: their values
+    lie below it, which the format's constructor checked), the names of row index arrays (sorted by the format's
+    definition) and the column orders of the formats that carry one.
     """
-    arrays, checked, rows, orders = {}, set(), set(), []
+    arrays, extents, rows, orders = {}, {}, set(), []
     for name, value in named.items():
         if not isinstance(value, SPARSE_FORMATS):
             arrays[name] = value
@@ -143,14 +146,17 @@ def _expand_formats(named: Mapping, entries_only: bool = False) -> tuple[dict, s
             raise TypeError(f"jinsum: format operand {name}= expands to {sorted(parts)}, which clashes with the "
                             f"operand(s) {clash}; rename one of them")
         arrays.update(parts)
-        checked.update((name + "i", name + "k"))
+        grid = value.shape[:2] if isinstance(value, GroupCOO) else block_grid(value.shape, value.block_shape)
+        units = ("rows", "columns") if isinstance(value, GroupCOO) else ("block rows", "block columns")
+        what = f"{name}= (a {type(value).__name__} of shape {value.shape})"
+        extents.update({name + "i": (grid[0], what, units[0]), name + "k": (grid[1], what, units[1])})
         rows.add(name + "i")
         if getattr(value, "transposed", None) is not None:
             order, entries = _format_rewrite.column_order(value, name)
             if not set(entries) & set(named):  # (names the user took: the derivatives do without the order)
                 arrays.update(entries)
                 orders.append(order)
-    return arrays, checked, rows, orders
+    return arrays, extents, rows, orders
 
 
 def _entry_columns(A: GroupCOO | BlockGroupCOO) -> jax.Array:
@@ -209,17 +215,29 @@ def _zeros_lhs(statement: Statement, arrays: Mapping) -> jax.Array:
     return jnp.zeros([extents[i.name] for i in lhs.indices], dtype)
 
 
-def _check_index_values(statement: Statement, arrays: Mapping[str, jax.Array], skip: set[str]) -> None:
-    """On concrete index arrays, that every index is in range of the dimension it addresses."""
+def _check_index_values(statement: Statement, arrays: Mapping[str, jax.Array], extents: Mapping[str, tuple]) -> None:
+    """On concrete index arrays, that every index is in range of the dimension it addresses; for a format's index
+    arrays (`extents`), whose values its constructor checked against its own shape, traced or not, that the dimension
+    holds the format's extent: a larger format would read past a dense operand (0) or write past the result (dropped),
+    where `A @ B` and NumPy subscripts refuse mismatched shapes."""
     for access in statement.accesses:
         for node in walk(access):
             for dim, index in enumerate(node.indices):
-                if not isinstance(index, Access) or index.tensor in skip:
-                    continue
-                values = arrays.get(index.tensor)
-                if values is None or isinstance(values, jax.core.Tracer) or node.tensor not in arrays:
+                if not isinstance(index, Access) or node.tensor not in arrays:
                     continue
                 bound = np.shape(arrays[node.tensor])[dim] if dim < np.ndim(arrays[node.tensor]) else None
+                if index.tensor in extents:
+                    extent, what, units = extents[index.tensor]
+                    if bound is not None and extent > bound:
+                        raise ValueError(
+                            f"jinsum: {what} has {extent} {units}, addressed by {index.tensor} in {node}, but "
+                            f"dimension {dim} of {node.tensor} (shape {np.shape(arrays[node.tensor])}) has only "
+                            f"{bound}; pass {node.tensor} with at least {extent} along that dimension, or a format "
+                            "whose shape matches")
+                    continue
+                values = arrays.get(index.tensor)
+                if values is None or isinstance(values, jax.core.Tracer):
+                    continue
                 values = np.asarray(values)
                 if bound is None or not np.issubdtype(values.dtype, np.integer) or values.size == 0:
                     continue  # the checker reports rank and dtype errors with a caret

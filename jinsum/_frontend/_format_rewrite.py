@@ -36,6 +36,9 @@ def numpy_einsum(subscripts: str, operands, *, allow_tf32: bool):
         raise NotImplementedError(f"jinsum: {subscripts!r} multiplies {len(sparse)} sparse operands; products of "
                                   "sparse operands are not supported yet (densify all but one with .todense())")
     [s] = sparse
+    if not output:
+        raise NotImplementedError(f"jinsum: {subscripts!r} has a scalar output, which is not supported with a sparse "
+                                  "operand; keep an index in the output and sum the result")
     A = operands[s]
     sizes = _letter_sizes(subscripts, inputs, operands)
     rows, cols, *dense = inputs[s]
@@ -125,9 +128,17 @@ def _split_subscripts(subscripts: str, count: int) -> tuple[list[str], str]:
         raise ValueError(f"jinsum: {subscripts!r} names {len(inputs)} operand(s) but {count} were given")
     if not all(s.isalpha() for s in inputs + ([output] if output else [])):
         raise ValueError(f"jinsum: {subscripts!r}: subscripts must be letters")
+    letters = "".join(inputs)
     if not arrow:  # NumPy's implicit output: the letters that occur once, in alphabetical order
-        letters = "".join(inputs)
         output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    missing = [c for c in output if c not in letters]
+    if missing:
+        raise ValueError(f"jinsum: {subscripts!r}: output index {missing[0]!r} appears in no operand's subscripts; "
+                         "every output index must name an axis of an operand")
+    repeated = [c for c in output if output.count(c) > 1]
+    if repeated:
+        raise ValueError(f"jinsum: {subscripts!r}: output index {repeated[0]!r} appears more than once in the output "
+                         "(as in NumPy, an output names each index once)")
     return inputs, output
 
 

@@ -188,7 +188,7 @@ class BlockGroupCOO(GroupedFormat):
         """
         block_shape = check_block_shape(_FMT, block_shape)
         indptr, indices, blocks = blocks_from_scipy(_FMT, mat, block_shape)
-        dtype = value_dtype(_FMT, blocks.dtype, dtype)
+        dtype = value_dtype(f"{_FMT}.from_scipy", blocks.dtype, dtype)
         return cls._from_blocks(mat.shape, block_shape, indptr, indices, blocks, group_size, dtype)
 
     @classmethod
@@ -255,7 +255,8 @@ class BlockGroupCOO(GroupedFormat):
             raise ValueError(f"{_FMT}.from_dense: expected a 2-D array (M, K), got shape {np.shape(x)}")
         block_shape, shape = check_block_shape(_FMT, block_shape), np.shape(x)
         blocks = blocks_from_csr(*csr_from_dense(_FMT, x), shape, block_shape)
-        return cls._from_blocks(shape, block_shape, *blocks, group_size, value_dtype(_FMT, blocks[2].dtype, dtype))
+        dtype = value_dtype(f"{_FMT}.from_dense", blocks[2].dtype, dtype)
+        return cls._from_blocks(shape, block_shape, *blocks, group_size, dtype)
 
     @classmethod
     def from_bcoo(cls, mat, *, block_shape, group_size: int | None = None, dtype=None) -> BlockGroupCOO:
@@ -271,7 +272,8 @@ class BlockGroupCOO(GroupedFormat):
                 f"{mat.shape} with n_dense={mat.n_dense}; use GroupCOO.from_bcoo for dense dimensions"
             )
         blocks = blocks_from_csr(*csr, shape, block_shape)
-        return cls._from_blocks(shape, block_shape, *blocks, group_size, value_dtype(_FMT, blocks[2].dtype, dtype))
+        dtype = value_dtype(f"{_FMT}.from_bcoo", blocks[2].dtype, dtype)
+        return cls._from_blocks(shape, block_shape, *blocks, group_size, dtype)
 
     # -- export ------------------------------------------------------------------------------------------
 

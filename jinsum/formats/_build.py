@@ -49,6 +49,10 @@ def default_group_size(row_lengths) -> int:
             f"default_group_size: row_lengths must be a 1-D integer array (stored entries per row), got "
             f"{lengths.dtype}{list(lengths.shape)}; pass e.g. np.diff(csr.indptr)"
         )
+    negative = np.flatnonzero(lengths < 0)
+    if negative.size:
+        raise ValueError(f"default_group_size: row_lengths must be >= 0 (stored entries per row), got "
+                         f"row_lengths[{negative[0]}] = {lengths[negative[0]]}")
     lengths = lengths.astype(np.int64)
     nnz = int(lengths.sum())
     if nnz == 0:
@@ -135,7 +139,8 @@ def group_slots(xp, rows, *, num_rows: int, group_size: int, num_groups: int):
     if xp is np and num_groups * group_size + rows.shape[0] < np.iinfo(np.int32).max:
         shift = shift.astype(np.int32)  # (half the bytes of every pass over the entries on the host)
     positions = xp.arange(rows.shape[0], dtype=shift.dtype)
-    slot = shift[xp.minimum(rows, max(num_rows - 1, 0))] + positions
+    # (Without rows every entry is of row `num_rows`, dropped: there is no shift to read.)
+    slot = shift[xp.minimum(rows, num_rows - 1)] + positions if num_rows else positions
     return xp.where(rows < num_rows, slot, num_groups * group_size), first_group, groups
 
 
@@ -182,6 +187,8 @@ def spread_padding(xp, Ak, stored, num_columns: int):
     4,224 x 300 fp32 with 770 padding groups: the gradient 15 against 8 us; a table with 37,000 padded slots 0.40
     ms against 0.02). A group's own first column is a row the group reads anyway and adds to already.
     """
+    if Ak.shape[1] == 0:  # groups of no slots (a fixed-fanout table of fanout 0): nothing to place
+        return Ak
     first = xp.argmax(stored, axis=1)
     own = xp.take_along_axis(Ak, first[:, None], axis=1)[:, 0]
     spare = (xp.arange(Ak.shape[0]) % max(num_columns, 1)).astype(Ak.dtype)

@@ -43,8 +43,12 @@ def value_dtype(fmt: str, source_dtype, dtype) -> np.dtype:
     """The value dtype of a converted matrix.
 
     ``dtype`` when given (it must be floating); else the source's dtype when that is floating; else float32,
-    so that integer or boolean adjacency matrices convert without ceremony.
+    so that integer or boolean adjacency matrices convert without ceremony. Complex values are refused: a cast
+    would drop their imaginary parts.
     """
+    if jnp.issubdtype(np.dtype(source_dtype), jnp.complexfloating):
+        raise TypeError(f"{fmt}: complex values are not supported, got {np.dtype(source_dtype)} (a cast to a real "
+                        "dtype would drop the imaginary parts); convert the real and imaginary parts separately")
     if dtype is not None:
         dtype = np.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):

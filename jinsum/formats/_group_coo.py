@@ -91,6 +91,33 @@ def _check_edge_values(where: str, values, num_edges: int) -> None:
         )
 
 
+def _check_csr(where: str, indptr, indices, num_columns: int, host) -> None:
+    """`from_csr`'s index values: ``indptr`` non-decreasing within ``[0, len(indices)]`` and ``indices`` below
+    ``num_columns`` (negative ones are padding). Concrete arrays (``host``: both as NumPy arrays, read before the
+    conversion to JAX could narrow int64, else None) raise a ValueError naming the first bad position; traced ones
+    are `checkify` checks under `jinsum.check_indices` (without it, a column past ``num_columns`` is left out and a
+    bad ``indptr`` gives rows of the positions its running count reaches)."""
+    length = indices.shape[0]
+    if host is not None:
+        host_indptr, host_indices = host
+        for bad, problem in ((np.flatnonzero(host_indptr[1:] < host_indptr[:-1]) + 1, "below the one before it"),
+                             (np.flatnonzero((host_indptr < 0) | (host_indptr > length)),
+                              f"outside [0, len(indices) = {length}]")):
+            if bad.size:
+                raise ValueError(f"{where}: indptr[{bad[0]}] = {host_indptr[bad[0]]} is {problem}: indptr must be "
+                                 f"non-decreasing row starts in [0, {length}], got {host_indptr.tolist()[:8]}"
+                                 f"{'...' if host_indptr.size > 8 else ''}")
+        bad = np.flatnonzero(host_indices >= num_columns)
+        if bad.size:
+            raise ValueError(f"{where}: indices[{bad[0]}] = {host_indices[bad[0]]} is out of range: expected a column "
+                             f"< num_columns = {num_columns}, or a negative one (padding)")
+    elif _config.check_indices.value:
+        checkify.check(jnp.all(indptr[1:] >= indptr[:-1]) & (indptr[0] >= 0) & (indptr[-1] <= length),
+                       f"{where}: indptr must be non-decreasing row starts in [0, len(indices) = {length}]")
+        checkify.check(jnp.all(indices < num_columns), f"{where}: indices holds a column past num_columns = "
+                       f"{num_columns}; negative ones mark padding")
+
+
 @jax.tree_util.register_pytree_node_class
 class GroupCOO(GroupedFormat):
     """A sparse ``M x K`` matrix (optionally with trailing dense dimensions) stored as groups.
@@ -211,7 +238,8 @@ class GroupCOO(GroupedFormat):
         matrix's dtype when floating, else float32.
         """
         indptr, indices, data = csr_from_scipy(_FMT, mat)
-        return cls._from_csr(mat.shape, indptr, indices, data, group_size, value_dtype(_FMT, data.dtype, dtype))
+        dtype = value_dtype(f"{_FMT}.from_scipy", data.dtype, dtype)
+        return cls._from_csr(mat.shape, indptr, indices, data, group_size, dtype)
 
     @classmethod
     def from_dense(cls, x, *, group_size: int | None = None, dtype=None) -> GroupCOO:
@@ -220,7 +248,8 @@ class GroupCOO(GroupedFormat):
         Entry ``(m, k)`` is stored iff ``x[m, k]`` is nonzero (anywhere in its dense dimensions).
         """
         indptr, indices, data = csr_from_dense(_FMT, x)
-        return cls._from_csr(np.shape(x), indptr, indices, data, group_size, value_dtype(_FMT, data.dtype, dtype))
+        dtype = value_dtype(f"{_FMT}.from_dense", data.dtype, dtype)
+        return cls._from_csr(np.shape(x), indptr, indices, data, group_size, dtype)
 
     @classmethod
     def from_bcoo(cls, mat, *, group_size: int | None = None, dtype=None) -> GroupCOO:
@@ -230,7 +259,8 @@ class GroupCOO(GroupedFormat):
         out-of-bounds padding entries are dropped.
         """
         shape, indptr, indices, data = csr_from_bcoo(_FMT, mat)
-        return cls._from_csr(shape, indptr, indices, data, group_size, value_dtype(_FMT, data.dtype, dtype))
+        dtype = value_dtype(f"{_FMT}.from_bcoo", data.dtype, dtype)
+        return cls._from_csr(shape, indptr, indices, data, group_size, dtype)
 
     @classmethod
     def from_edge_index(
@@ -272,8 +302,10 @@ class GroupCOO(GroupedFormat):
           ...     return A @ x, A.overflow
         """
         where = f"{_FMT}.from_edge_index"
-        num_src, num_dst = (num_nodes, num_nodes) if not isinstance(num_nodes, tuple) else num_nodes
-        num_src, num_dst = check_int(where, "num_nodes", num_src), check_int(where, "num_nodes", num_dst)
+        pair = tuple(num_nodes) if isinstance(num_nodes, (tuple, list)) else (num_nodes, num_nodes)
+        if len(pair) != 2:
+            raise ValueError(f"{where}: num_nodes must be an int or a pair (N_src, N_dst), got {num_nodes!r}")
+        num_src, num_dst = (check_int(where, "num_nodes", n) for n in pair)
         if capacity is not None:
             return cls._from_edges_on_device(where, edge_index, values, (num_dst, num_src),
                                              check_int(where, "capacity", capacity), group_size, dtype)
@@ -299,7 +331,7 @@ class GroupCOO(GroupedFormat):
         _check_edge_values(where, values, num_edges)
         shape = (num_dst, num_src, *values.shape[1:])
         indptr, indices, data = csr_from_coo(edge_index[1], edge_index[0], values, shape[:2])
-        return cls._from_csr(shape, indptr, indices, data, group_size, value_dtype(_FMT, values.dtype, dtype))
+        return cls._from_csr(shape, indptr, indices, data, group_size, value_dtype(where, values.dtype, dtype))
 
     @classmethod
     def _from_edges_on_device(cls, where, edge_index, values, shape, capacity, group_size, dtype, *,
@@ -322,7 +354,7 @@ class GroupCOO(GroupedFormat):
         num_edges = edge_index.shape[1]
         values = jnp.ones(num_edges, jnp.float32) if values is None else as_jax_array(values)
         _check_edge_values(where, values, num_edges)
-        dtype = value_dtype(_FMT, values.dtype, dtype)
+        dtype = value_dtype(where, values.dtype, dtype)
         group_size = (capacity_group_size(capacity, shape[0]) if group_size is None
                       else check_int(where, "group_size", group_size, minimum=1))
         index = index_dtype(*shape)
@@ -358,7 +390,9 @@ class GroupCOO(GroupedFormat):
         carries its entries in column order (``with_transpose``: one sort, on the device), and ``overflow`` False.
 
         Args:
-          neighbors: int ``(n, k)``, source node ids, negative for padding.
+          neighbors: int ``(n, k)``, source node ids, negative for padding; ``k = 0`` gives rows without entries.
+            An id past ``num_sources`` is a ``ValueError`` naming it with concrete ``neighbors``; traced, that entry
+            is left out, and under ``jinsum.check_indices`` it is a `checkify` error.
           values: ``(n, k)`` or ``(n, k, *dense_shape)``; defaults to ones.
           num_sources: the number of source nodes (columns).
           dtype: defaults to the dtype of ``values`` when floating, else float32.
@@ -368,15 +402,21 @@ class GroupCOO(GroupedFormat):
         """
         where = f"{_FMT}.from_neighbors"
         num_sources = check_int(where, "num_sources", num_sources)
+        host = np.asarray(neighbors) if is_concrete(neighbors) else None  # (before a conversion narrows int64)
         neighbors = as_jax_array(neighbors)
         if neighbors.ndim != 2 or not jnp.issubdtype(neighbors.dtype, jnp.integer):
             raise ValueError(f"{where}: neighbors must be an integer array (rows, k) of source ids (negative: "
                              f"padding), got {neighbors.dtype}{list(neighbors.shape)}")
+        bad = np.argwhere(host >= num_sources) if host is not None else ()
+        if len(bad):  # eagerly a source past num_sources is an error, not a dropped entry (traced: checkify below)
+            i, j = bad[0]
+            raise ValueError(f"{where}: neighbors[{i}, {j}] = {host[i, j]} is out of range: expected a source id < "
+                             f"num_sources = {num_sources}, or a negative one (padding)")
         values = jnp.ones(neighbors.shape, jnp.float32) if values is None else as_jax_array(values)
         if values.shape[:2] != neighbors.shape:
             raise ValueError(f"{where}: values must have shape {neighbors.shape} + dense_shape to match neighbors, "
                              f"got {values.shape}")
-        dtype = value_dtype(_FMT, values.dtype, dtype)
+        dtype = value_dtype(where, values.dtype, dtype)
         index = index_dtype(neighbors.shape[0], num_sources)
         valid = (neighbors >= 0) & (neighbors < num_sources)
         if _config.check_indices.value:
@@ -405,8 +445,12 @@ class GroupCOO(GroupedFormat):
         (``with_transpose``: one sort, on the device), and ``overflow`` False.
 
         Args:
-          indptr: int ``(M + 1,)``, non-decreasing; positions outside ``[indptr[0], indptr[M])`` are left out.
-          indices: int ``(L,)`` columns; a negative one is padding (a slot of value 0 in its row).
+          indptr: int ``(M + 1,)``, non-decreasing, in ``[0, L]``; positions outside ``[indptr[0], indptr[M])`` are
+            left out.
+          indices: int ``(L,)`` columns; a negative one is padding (a slot of value 0 in its row). Concrete
+            ``indptr`` and ``indices`` that break these rules, or hold a column past ``num_columns``, are a
+            ``ValueError`` naming the position; traced, a column past ``num_columns`` is left out, and under
+            ``jinsum.check_indices`` either is a `checkify` error.
           values: ``(L,)`` or ``(L, *dense_shape)``; defaults to ones.
           num_columns: ``K``.
           group_size: defaults to the capacity's rule for ``L`` entries over ``M`` rows (`capacity_group_size`).
@@ -418,21 +462,20 @@ class GroupCOO(GroupedFormat):
         """
         where = f"{_FMT}.from_csr"
         num_columns = check_int(where, "num_columns", num_columns)
+        host = (np.asarray(indptr), np.asarray(indices)) if is_concrete(indptr) and is_concrete(indices) else None
         indptr, indices = as_jax_array(indptr), as_jax_array(indices)
         for name, x, expected in (("indptr", indptr, "(M + 1,) of row starts"),
                                   ("indices", indices, "(L,) of columns")):
             if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer) or (name == "indptr" and x.size == 0):
                 raise ValueError(f"{where}: {name} must be an integer array {expected}, got {x.dtype}{list(x.shape)}")
         num_rows, length = indptr.shape[0] - 1, indices.shape[0]
+        _check_csr(where, indptr, indices, num_columns, host)
         values = jnp.ones(length, jnp.float32) if values is None else as_jax_array(values)
         _check_edge_values(where, values, length)
-        dtype = value_dtype(_FMT, values.dtype, dtype)
+        dtype = value_dtype(where, values.dtype, dtype)
         group_size = (capacity_group_size(length, num_rows) if group_size is None
                       else check_int(where, "group_size", group_size, minimum=1))
         index = index_dtype(num_rows, num_columns, length)
-        if _config.check_indices.value:
-            checkify.check(jnp.all(indices < num_columns), f"{where}: indices holds a column past num_columns = "
-                           f"{num_columns}; negative ones mark padding")
         rows = rows_of_positions(indptr, length, index)
         # Positions before indptr[0] stay in row 0 as padding (rows must not decrease); those from indptr[M] on are
         # in row M, which `groups_from_rows` drops.

@@ -77,7 +77,7 @@ def expert_parallel_mlp(x: jax.Array, logits: jax.Array, top_k: int, w_up: jax.A
     devices = devices_along(where, mesh, axis)
     logits = check_logits(where, logits)
     num_tokens, num_experts = logits.shape
-    check_routing(where, num_experts, top_k, capacity_factor)
+    top_k = check_routing(where, num_experts, top_k, capacity_factor)
     if x.ndim != 2 or x.shape[0] != num_tokens:
         raise ValueError(f"{where}: expected x of shape (tokens, features) with tokens = {num_tokens} (the logits' "
                          f"rows), got {tuple(x.shape)}")

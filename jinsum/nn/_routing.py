@@ -75,15 +75,18 @@ def check_logits(where: str, logits) -> jax.Array:
     return logits
 
 
-def check_routing(where: str, num_experts, top_k, capacity_factor) -> None:
-    """That `num_experts` is a positive int, `top_k` an int in `[1, num_experts]` and `capacity_factor` None or
-    positive, else a `TypeError` or `ValueError` naming the argument."""
+def check_routing(where: str, num_experts, top_k, capacity_factor) -> int:
+    """That `num_experts` is a positive int, `top_k` an int in `[1, num_experts]` (any integer, NumPy's too) and
+    `capacity_factor` None or positive, else a `TypeError` or `ValueError` naming the argument. Returns `top_k` as a
+    Python int."""
     check_int(where, "num_experts", num_experts, minimum=1)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"{where}: top_k must be an int in [1, num_experts = {num_experts}], got {top_k!r}")
+    top_k = check_int(where, "top_k", top_k, minimum=1)
+    if top_k > num_experts:
+        raise ValueError(f"{where}: top_k must be an int in [1, num_experts = {num_experts}], got {top_k}")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"{where}: capacity_factor must be positive (or None: nothing dropped), got "
                          f"{capacity_factor!r}")
+    return top_k
 
 
 def select_experts(logits: jax.Array, top_k: int, norm_topk: bool):
@@ -158,7 +161,7 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
     """
     logits = check_logits("route_tokens", logits)
     num_tokens, num_experts = logits.shape
-    check_routing("route_tokens", num_experts, top_k, capacity_factor)
+    top_k = check_routing("route_tokens", num_experts, top_k, capacity_factor)
     experts, weights, selected, statistics = select_experts(logits, top_k, norm_topk)
     balance_loss, z_loss = routing_losses(*statistics)
 

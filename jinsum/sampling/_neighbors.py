@@ -64,18 +64,25 @@ class NeighborSample:
         ``adjacencies[0]`` is ``(n_{L-1}, num_nodes)``.
       sizes: the static row counts ``(n_L, ..., n_1, B)``: layer ``i`` maps ``sizes[i]`` rows to ``sizes[i + 1]``
         (``sizes[0]`` is ``num_nodes`` with ``outer_sources="graph"``).
+      num_nodes: the sampled graph's nodes, the rows of the feature table that :meth:`inputs` reads.
       outer_sources: how the outermost adjacency reads its sources (see :func:`sample_neighbors`).
     """
 
     node_ids: jax.Array
     adjacencies: tuple[GroupCOO, ...]
     sizes: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    num_nodes: int = dataclasses.field(metadata={"static": True})
     outer_sources: str = dataclasses.field(default="sample", metadata={"static": True})
 
     def inputs(self, x) -> tuple[jax.Array, jax.Array]:
-        """The outermost layer's ``(x_src, x_dst)`` from the graph's feature table ``x`` ``(num_nodes, F)``:
+        """The outermost layer's ``(x_src, x_dst)`` from the graph's feature table ``x`` ``(num_nodes, ...)``:
         ``x[node_ids]`` and its first ``n_{L-1}`` rows, or, with ``outer_sources="graph"``, ``x`` itself and
-        ``x[node_ids]``. Padding rows read node 0; no adjacency gives them a nonzero value."""
+        ``x[node_ids]``. Padding rows read node 0; no adjacency gives them a nonzero value. A table of another
+        number of rows is a ``ValueError`` (a gather past its end would read its last row instead)."""
+        if jnp.ndim(x) < 1 or jnp.shape(x)[0] != self.num_nodes:
+            raise ValueError(f"NeighborSample.inputs: x must be the graph's feature table, one row per node "
+                             f"(num_nodes = {self.num_nodes}, ...), got shape {tuple(jnp.shape(x))}")
+        x = jnp.asarray(x)
         rows = x[jnp.maximum(self.node_ids, 0)]
         if self.outer_sources == "graph":
             return x, rows
@@ -95,8 +102,9 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
       seeds: int ``(B,)`` node ids; -1 (any negative id) marks a padding seed (a short last batch). A seed past
         the graph's nodes is an error when ``seeds`` is concrete; traced (inside ``jit``, which cannot raise), it
         becomes a padding seed, as a negative one does.
-      fanouts: the neighbors per node at each hop, ``(k_1, ..., k_L)``.
-      key: a `jax.random` key.
+      fanouts: the neighbors per node at each hop, ``(k_1, ..., k_L)``, a sequence of ints ``>= 0`` (a hop of 0
+        adds no neighbors: its adjacency has no entries).
+      key: a `jax.random` key (``jax.random.key(seed)``, or a legacy ``jax.random.PRNGKey(seed)``).
       replace: sample with replacement (a neighbor may repeat; its entries then count as often as drawn).
       with_transpose: give the adjacencies their entries in column order (`GroupCOO.from_neighbors`: one sort per
         layer, then a backward without atomics); one bool for every layer, or one per layer, outermost first.
@@ -113,12 +121,21 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
     Returns:
       A :class:`NeighborSample`.
     """
-    fanouts = tuple(check_int("sample_neighbors", "fanout", k, minimum=1) for k in fanouts)
+    where = "sample_neighbors"
+    if not isinstance(graph, CSRGraph):
+        raise TypeError(f"{where}: graph must be a CSRGraph (CSRGraph.from_edge_index(edge_index, num_nodes)), got "
+                        f"{type(graph).__name__}")
+    fanouts = check_fanouts(where, fanouts)
     if outer_sources not in ("sample", "graph"):
-        raise ValueError(f'sample_neighbors: outer_sources must be "sample" or "graph", got {outer_sources!r}')
-    transposes = (with_transpose,) * len(fanouts) if isinstance(with_transpose, bool) else tuple(with_transpose)
-    if len(transposes) != len(fanouts) or not all(isinstance(t, bool) for t in transposes):
-        raise ValueError(f"sample_neighbors: with_transpose must be a bool or one bool per layer ({len(fanouts)}, "
+        raise ValueError(f'{where}: outer_sources must be "sample" or "graph", got {outer_sources!r}')
+    key_dtype = getattr(key, "dtype", None)
+    if key_dtype is None or not (jax.dtypes.issubdtype(key_dtype, jax.dtypes.prng_key) or key_dtype == np.uint32):
+        raise TypeError(f"{where}: key must be a jax.random key (jax.random.key(seed)), got {key!r}")
+    transposes = ((bool(with_transpose),) * len(fanouts) if isinstance(with_transpose, (bool, np.bool_)) else
+                  tuple(with_transpose) if isinstance(with_transpose, Sequence) else None)
+    if transposes is None or len(transposes) != len(fanouts) or not all(isinstance(t, (bool, np.bool_))
+                                                                         for t in transposes):
+        raise ValueError(f"{where}: with_transpose must be a bool or one bool per layer ({len(fanouts)}, "
                          f"outermost first), got {with_transpose!r}")
     seeds = jnp.asarray(seeds)
     if seeds.ndim != 1 or not jnp.issubdtype(seeds.dtype, jnp.integer):
@@ -142,12 +159,22 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
         tables.append(GroupCOO.from_neighbors(local, num_sources=next_nodes.shape[0], with_transpose=transpose))
         nodes = next_nodes
     sizes = tuple(a.shape[1] for a in reversed(tables)) + (seeds.shape[0],)
-    return NeighborSample(nodes, tuple(reversed(tables)), sizes, outer_sources)
+    return NeighborSample(nodes, tuple(reversed(tables)), sizes, graph.num_nodes, outer_sources)
+
+
+def check_fanouts(where: str, fanouts) -> tuple[int, ...]:
+    """``fanouts`` as a tuple of Python ints ``>= 0``, one per hop, else a ``TypeError`` or ``ValueError`` from
+    ``where``."""
+    if np.ndim(fanouts) != 1:
+        raise TypeError(f"{where}: fanouts must be a sequence of ints, the neighbors per node at each hop (e.g. "
+                        f"(10, 5)), got {fanouts!r}")
+    return tuple(check_int(where, "fanout", k) for k in fanouts)
 
 
 def hop_sizes(batch_size: int, fanouts) -> tuple[int, ...]:
     """The static row counts of a sample, seeds first: ``(B, B (1 + k_1), ...)``."""
-    sizes = [batch_size]
+    fanouts = check_fanouts("hop_sizes", fanouts)
+    sizes = [check_int("hop_sizes", "batch_size", batch_size)]
     for k in fanouts:
         sizes.append(sizes[-1] * (1 + k))
     return tuple(sizes)
@@ -155,6 +182,8 @@ def hop_sizes(batch_size: int, fanouts) -> tuple[int, ...]:
 
 def _draw(graph: CSRGraph, nodes, fanout: int, key, replace: bool):
     """``(n, fanout)`` sampled in-neighbors of ``nodes`` (original ids; -1 where a node has fewer, or is padding)."""
+    if graph.indices.shape[0] == 0:  # a graph without edges (or nodes): every slot is padding
+        return jnp.full((nodes.shape[0], fanout), -1, jnp.int32)
     real = nodes >= 0
     start = graph.indptr[jnp.maximum(nodes, 0)]
     degree = jnp.where(real, graph.indptr[jnp.maximum(nodes, 0) + 1] - start, 0)
@@ -165,8 +194,8 @@ def _draw(graph: CSRGraph, nodes, fanout: int, key, replace: bool):
     else:
         position = _floyd(degree, uniform)
         present = position < degree[:, None]
-    picked = graph.indices[jnp.clip(start[:, None] + position, 0, max(graph.indices.shape[0] - 1, 0))]
-    return jnp.where(present & (graph.indices.shape[0] > 0), picked, -1)
+    picked = graph.indices[jnp.clip(start[:, None] + position, 0, graph.indices.shape[0] - 1)]
+    return jnp.where(present, picked, -1)
 
 
 def _floyd(degree, uniform):

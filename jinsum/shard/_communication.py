@@ -50,6 +50,9 @@ def communication(fn, *args) -> dict[str, int]:
     Example:
       >>> jinsum.shard.communication(jax.grad(loss), params, x, P)   # {'ppermute': 2097152}
     """
+    if not callable(fn):
+        raise TypeError(f"jinsum.shard.communication: fn must be callable (called as fn(*args)), got "
+                        f"{type(fn).__name__}")
     totals: Counter = Counter()
 
     def walk(jaxpr, axis_sizes):

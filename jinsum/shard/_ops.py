@@ -25,6 +25,15 @@ from jinsum.shard._send import send_rows
 KINDS = ("rows", "columns", "replicated")
 
 
+def _check_partitioned(where: str, A, single: str | None = None) -> None:
+    """That `A` is a `Partitioned`, else a `TypeError` from `where` (the function the user called), naming what
+    does the same on one device (`single`), if anything."""
+    if not isinstance(A, Partitioned):
+        instead = f"; for a {type(A).__name__} on one device use {single}" if single else ""
+        raise TypeError(f"{where}: expected a jinsum.shard.Partitioned (jinsum.shard.partition(A, mesh)), got "
+                        f"{type(A).__name__}{instead}")
+
+
 def _exchange(A: Partitioned, send: jax.Array, x: jax.Array, piece: int) -> tuple[jax.Array, jax.Array]:
     """The rows of `x` (this device's rows) that this device's remote matrix `piece` reads, received from the
     others, and `x` for the next piece to gather its rows from (`send_rows`: in reverse mode every piece's
@@ -76,6 +85,10 @@ def per_part(fn: Callable, A: Partitioned, *, rows: Sequence[jax.Array] = (),
     Returns:
       A row-sharded `(D * R, ...)` array, or, if `fn` returned formats, `A` with their values.
     """
+    if not callable(fn):
+        raise TypeError(f"jinsum.shard.per_part: fn must be callable (fn(part, *arrays, out=None)), got "
+                        f"{type(fn).__name__}")
+    _check_partitioned("jinsum.shard.per_part", A)
     for name, group in (("rows", rows), ("columns", columns)):
         for x in group:
             if x.ndim < 1 or x.shape[0] != A.padded_rows:
@@ -131,15 +144,20 @@ def spmm(part: GroupCOO | BlockGroupCOO, x: jax.Array, out: jax.Array | None = N
 
 
 def matmul(A: Partitioned, x: jax.Array) -> jax.Array:
-    """`A @ x` for row-sharded `x` `(D * R, F)`: `(D * R, F)`, row-sharded on the same split."""
-    if x.ndim != 2:
-        raise ValueError(f"jinsum.shard.matmul: expected x of shape (rows, F), got {tuple(x.shape)}; use "
+    """`A @ x` for row-sharded `x` `(D * R, F)`: `(D * R, F)`, row-sharded on the same split. Integer and boolean
+    `x` join the product in its type, as in `A @ x` on one device."""
+    _check_partitioned("jinsum.shard.matmul", A, "A @ x")
+    if jnp.ndim(x) != 2:
+        raise ValueError(f"jinsum.shard.matmul: expected x of shape (rows, F), got {tuple(jnp.shape(x))}; use "
                          "jinsum.shard.einsum for more axes")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        x = jnp.asarray(x).astype(jnp.result_type(A.dtype, jnp.result_type(x)))
     return per_part(spmm, A, columns=(x,))
 
 
 def row_sums(A: Partitioned, dtype=None) -> jax.Array:
     """`A.sum(axis=1)` laid out by the partition: `(D * R,)` (no exchange)."""
+    _check_partitioned("jinsum.shard.row_sums", A, "jinsum.einsum('ik->i', A)")
     if A.dense_shape:
         raise ValueError(f"jinsum.shard.row_sums: expected scalar entries, got dense_shape {A.dense_shape}")
     dtype = dtype or A.dtype
@@ -161,6 +179,9 @@ def einsum(subscripts: str, *operands):
       >>> y = jinsum.shard.einsum("ik,kn->in", P, x)               # P @ x
       >>> scores = jinsum.shard.einsum("ik,in,kn->ik", P, q, k)    # q_i . k_k at P's entries
     """
+    if not isinstance(subscripts, str):
+        raise TypeError(f"jinsum.shard.einsum: subscripts must be a string of NumPy subscripts (e.g. 'ik,kn->in'), "
+                        f"got {type(subscripts).__name__}")
     inputs_text, _, output = subscripts.replace(" ", "").partition("->")
     inputs = inputs_text.split(",")
     if len(inputs) != len(operands):
@@ -225,6 +246,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, A: Partitioned, *, self_
     so no two share a mask. Other keyword arguments go to `jinsum.attention` (`scale`,
     `score_mod`, ...; not `causal` or `key_padding_mask`, which read global indices).
     """
+    _check_partitioned("jinsum.shard.attention", A, "jinsum.attention")
     if {"causal", "key_padding_mask"} & set(options):
         raise NotImplementedError("jinsum.shard.attention: causal and key_padding_mask read global key indices; "
                                   "not supported on a partitioned pattern")

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.formats._build import host_argsort, transposed_from_slots
-from jinsum.formats._convert import default_group_size, groups_from_csr, host_array
+from jinsum.formats._convert import check_int, check_not_overflowed, default_group_size, groups_from_csr, host_array
 from jinsum.formats._group_coo import TransposedIndex
 
 EXCHANGES = ("auto", "halo", "all_gather")
@@ -211,9 +211,12 @@ class Partitioned:
         """The same structure with new stacked values of the local and remote parts, `(D, *part.Av.shape)` (the
         remote ones a tuple, one per piece; a `GroupCOO`'s dense dimensions may change: the scores of an SDDMM, per
         head); like the formats' `with_values`, it drops the entries in column order."""
+        remote_values = tuple(remote_values)
+        if len(remote_values) != len(self.remote):
+            raise ValueError(f"Partitioned.with_values: expected one values array per remote matrix (one per piece of "
+                             f"the exchange: {len(self.remote)}), got {len(remote_values)}")
         shape = (*self.shape[:2], *local_values.shape[3:]) if self.format is GroupCOO else self.shape
-        remote = tuple(_with_stacked_values(part, values)
-                       for part, values in zip(self.remote, remote_values, strict=True))
+        remote = tuple(_with_stacked_values(part, values) for part, values in zip(self.remote, remote_values))
         return Partitioned(_with_stacked_values(self.local, local_values), remote, self.send, self.mesh, self.axis,
                            shape, self.layout, self.plan)
 
@@ -298,7 +301,7 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
       >>> P = jinsum.shard.partition(jinsum.nn.adjacency(edge_index, N), mesh)
       >>> y = P.unshard_rows(P @ P.shard_rows(x))        # == A @ x
     """
-    _check_arguments(A, split, exchange, chunks)
+    chunks = _check_arguments(A, split, exchange, chunks)
     axis = _mesh_axis(mesh, axis)
     parts = mesh.shape[axis]
     entries = _entries(A)
@@ -314,10 +317,12 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
 
 # -- the arguments -------------------------------------------------------------------------------------------------
 
-def _check_arguments(A, split: str, exchange: str, chunks: int) -> None:
+def _check_arguments(A, split: str, exchange: str, chunks) -> int:
+    """`partition`'s arguments, before any work; returns `chunks` as a Python int."""
     where = "jinsum.shard.partition"
     if not isinstance(A, (GroupCOO, BlockGroupCOO)):
         raise TypeError(f"{where}: expected a jinsum.GroupCOO or BlockGroupCOO, got {A!r}")
+    check_not_overflowed(where, A)  # (its parts would carry no flag: products over them would miss the entries)
     if A.shape[0] != A.shape[1]:
         raise ValueError(f"{where}: expected a square matrix (rows and columns the same nodes, split alike), got "
                          f"shape {A.shape}")
@@ -328,11 +333,11 @@ def _check_arguments(A, split: str, exchange: str, chunks: int) -> None:
         raise ValueError(f"{where}: exchange must be one of {EXCHANGES}, got {exchange!r}")
     if split not in SPLITS:
         raise ValueError(f"{where}: split must be one of {SPLITS}, got {split!r}")
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"{where}: chunks must be a positive int, got {chunks!r}")
+    chunks = check_int(where, "chunks", chunks, minimum=1)
     if chunks > 1 and exchange == "all_gather":
         raise ValueError(f"{where}: chunks={chunks} cuts the halo exchange's rows; the all_gather exchange moves "
                          "whole blocks. Use exchange='halo' (or 'auto'), or chunks=1")
+    return chunks
 
 
 def _mesh_axis(mesh, axis) -> str:
