@@ -424,14 +424,14 @@ def test_layer_argument_errors(rng):
         jnn.block_sparse_attention(q, q, q, A)
     with pytest.raises(ValueError, match=r"rel\[1\] = 5 is out of range"):
         jnn.relational_graph([0, 1], [1, 0], [0, 5], 3, 2)
-    with pytest.raises(ValueError, match=r"multiple of a positive block"):
+    with pytest.raises(ValueError, match=r"block_pattern: seq_len must be a multiple of block"):
         jnn.block_pattern(30, 8)
     for conv in (jnn.GCNConv(F_IN, 3, rngs=rngs), jnn.SAGEConv(F_IN, 3, rngs=rngs), jnn.GATConv(F_IN, 3, rngs=rngs)):
         name = type(conv).__name__
         with pytest.raises(ValueError, match=rf"{name}: expected node features of shape \(N, {F_IN}\) \(the "
                                              rf"layer's in_features\), got \({N}, {F_IN + 1}\)"):
             conv(_features(rng, N, F_IN + 1), A)
-    with pytest.raises(ValueError, match=r"GATConv: heads and out_features must be >= 1, got heads=0"):
+    with pytest.raises(ValueError, match=r"GATConv: heads must be an int >= 1, got 0"):
         jnn.GATConv(F_IN, 3, heads=0, rngs=rngs)
 
 

@@ -47,13 +47,19 @@ def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, grou
       >>> A = jinsum.graphs.adjacency(np.array([[0, 1, 1], [1, 2, 0]]), num_nodes=3)
       >>> A.todense()   # A[1, 0], A[2, 1], A[0, 1] are 1
     """
+    where = "jinsum.graphs.adjacency"
+    if isinstance(num_nodes, tuple):
+        if len(num_nodes) != 2:
+            raise ValueError(f"{where}: num_nodes must be an int N or a pair (N_src, N_dst), got {num_nodes!r}")
+        num_nodes = tuple(check_int(where, f"num_nodes[{i}]", n) for i, n in enumerate(num_nodes))
+        if self_loops:
+            raise ValueError(f"{where}: a bipartite graph (num_nodes={num_nodes}) has no self loops")
+    else:
+        num_nodes = check_int(where, "num_nodes", num_nodes)
     if capacity is not None:
         return _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops, capacity)
-    if isinstance(num_nodes, tuple):
-        return _bipartite_adjacency(edge_index, num_nodes, values, group_size, self_loops)
-    where = "jinsum.graphs.adjacency"
-    num_nodes = check_int(where, "num_nodes", num_nodes)
-    A = GroupCOO._from_edges_on_host(where, edge_index, values, (num_nodes, num_nodes), group_size, None)
+    shape = num_nodes[::-1] if isinstance(num_nodes, tuple) else (num_nodes, num_nodes)  # (N_dst, N_src)
+    A = GroupCOO._from_edges_on_host(where, edge_index, values, shape, group_size, None)
     if self_loops:
         csr = A.to_scipy()
         missing = (csr.diagonal() == 0).astype(csr.dtype)
@@ -97,12 +103,13 @@ def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: 
     if not self_loops:
         return GroupCOO.from_edge_index(edge_index, values, num_nodes=num_nodes, capacity=capacity,
                                         group_size=group_size)
-    if isinstance(num_nodes, tuple):
-        raise ValueError(f"jinsum.graphs.adjacency: a bipartite graph (num_nodes={num_nodes}) has no self loops")
     where = "jinsum.graphs.adjacency"
-    num_nodes, capacity = check_int(where, "num_nodes", num_nodes), check_int(where, "capacity", capacity)
+    capacity = check_int(where, "capacity", capacity)
     check_edge_index(where, edge_index)
     edge_index = jnp.asarray(edge_index)
+    if values is not None and jnp.shape(values) != edge_index.shape[1:]:
+        raise ValueError(f"{where}: values must have shape (E,) with E = {edge_index.shape[1]} edges (one weight per "
+                         f"edge, with self_loops), got {jnp.shape(values)}")
     weights = jnp.ones(edge_index.shape[1], jnp.float32) if values is None else jnp.asarray(values)
     src, dst = edge_index
     kept = (weights != 0) & (src >= 0) & (dst >= 0)
@@ -116,17 +123,3 @@ def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: 
     return GroupCOO._from_edges_on_device(where, edges, weights, (num_nodes, num_nodes), capacity + num_nodes,
                                           group_size, None, self_loops=num_nodes)
 
-
-def _bipartite_adjacency(edge_index, num_nodes: tuple[int, int], values, group_size, self_loops) -> GroupCOO:
-    """`(N_dst, N_src)` adjacency of a bipartite graph: `A[dst, src] = weight`, duplicate edges summed."""
-    if self_loops:
-        raise ValueError(f"jinsum.graphs.adjacency: a bipartite graph (num_nodes={num_nodes}) has no self loops")
-    num_src, num_dst = num_nodes
-    edge_index = np.asarray(edge_index)
-    bounds = np.array([[num_src], [num_dst]])
-    if edge_index.ndim != 2 or edge_index.shape[0] != 2 or ((edge_index < 0) | (edge_index >= bounds)).any():
-        raise ValueError(f"jinsum.graphs.adjacency: expected an edge index (2, E) of sources < {num_src} and "
-                         f"destinations < {num_dst}, got shape {edge_index.shape}")
-    weights = np.ones(edge_index.shape[1], np.float32) if values is None else np.asarray(values)
-    csr = sp.coo_matrix((weights, (edge_index[1], edge_index[0])), shape=(num_dst, num_src)).tocsr()
-    return GroupCOO.from_scipy(csr, group_size=group_size).with_transpose()

@@ -159,14 +159,14 @@ def _check_offsets(where: str, offsets, length: int, include_last_offset: bool) 
         raise ValueError(f"{where}: flat indices (L,) need offsets (B,), the start of each bag in them; or pass "
                          "indices of shape (B, P), one bag per row")
     offsets = as_jax_array(offsets)
-    least = 2 if include_last_offset else 1
+    least = 1 if include_last_offset else 0  # (B = 0 bags: an empty batch)
     if offsets.ndim != 1 or not jnp.issubdtype(offsets.dtype, jnp.integer) or offsets.shape[0] < least:
         expected = "(B + 1,) with include_last_offset" if include_last_offset else "(B,)"
         raise ValueError(f"{where}: offsets must be an integer array {expected}, the start of each bag in the flat "
                          f"indices, got {offsets.dtype}{list(offsets.shape)}")
     if not isinstance(offsets, jax.core.Tracer):
         values = np.asarray(offsets)
-        if values[0] != 0 or (np.diff(values) < 0).any() or values[-1] > length:
+        if values.size and (values[0] != 0 or (np.diff(values) < 0).any() or values[-1] > length):
             raise ValueError(f"{where}: offsets must start at 0 and not decrease, up to len(indices) = {length}, got "
                              f"{values.tolist() if values.size <= 10 else f'{values[:10].tolist()} ...'}")
     return offsets

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
@@ -68,7 +69,12 @@ class GraphBudget:
         `multiple`; the same for edges. A batch that would pass a budget closes early and the graph opens the next
         one (`GraphLoader`): no graph is dropped, and no batch changes shape.
         """
-        batch_size = check_int("GraphBudget.for_dataset", "batch_size", batch_size, minimum=1)
+        where = "jinsum.graphs.GraphBudget.for_dataset"
+        batch_size = check_int(where, "batch_size", batch_size, minimum=1)
+        multiple = check_int(where, "multiple", multiple, minimum=1)
+        if not (isinstance(deviations, numbers.Real) and 0 <= deviations < math.inf):
+            raise ValueError(f"{where}: deviations must be a finite number >= 0 (of standard deviations above the "
+                             f"mean), got {deviations!r}")
         data = _FlatGraphs.of(graphs)
         budget = {}
         for name, counts in (("nodes", data.node_counts), ("edges", data.edge_counts)):
@@ -327,7 +333,13 @@ class _FlatGraphs:
                                      f"per edge: ({edge_index.shape[1]}, ...) for its {edge_index.shape[1]} edges")
                 attr = attr[order]
             attrs.append(attr)
-            ys.append(_field(graph, "y"))
+            y = _field(graph, "y")
+            if y is not None:
+                y = _numpy(y)
+                if ys and ys[0] is not None and y.shape != ys[0].shape:
+                    raise ValueError(f"jinsum.graphs: graph {k}'s y has shape {y.shape}, expected {ys[0].shape} as "
+                                     "graph 0's (every graph's target has one shape)")
+            ys.append(y)
         for name, values in (("edge_attr", attrs), ("y", ys)):
             if any(v is None for v in values) and any(v is not None for v in values):
                 raise ValueError(f"jinsum.graphs: some graphs have {name} and some do not")
@@ -336,7 +348,7 @@ class _FlatGraphs:
 
         return cls(with_zero_row(xs), np.concatenate([*edges, np.full((2, 1), -1, np.int32)], axis=1),
                    None if attrs[0] is None else with_zero_row(attrs),
-                   None if ys[0] is None else with_zero_row([_numpy(y).reshape(1, *_numpy(ys[0]).shape) for y in ys]),
+                   None if ys[0] is None else with_zero_row([y[None] for y in ys]),
                    np.array([x.shape[0] for x in xs]), np.array([e.shape[1] for e in edges]))
 
     def max_degree(self) -> int:

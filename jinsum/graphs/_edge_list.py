@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum.formats import GroupCOO
-from jinsum.formats._convert import check_edge_index, default_group_size, groups_from_csr
+from jinsum.formats._convert import check_edge_index, check_group_size, check_int, groups_from_csr, host_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,11 +44,19 @@ def edge_list(edge_index, num_nodes: int) -> EdgeList:
       >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=N)
       >>> y = jinsum.nn.GINEConv(mlp)(x, edges, edge_attr)       # edge_attr (E, F) in edge_index's order
     """
-    edge_index = np.asarray(edge_index)
-    check_edge_index("jinsum.graphs.edge_list", edge_index, num_nodes)
+    src, dst, order, num_nodes = _sorted_edges("jinsum.graphs.edge_list", edge_index, num_nodes)
+    return EdgeList(jnp.asarray(src), jnp.asarray(dst), jnp.asarray(order), num_nodes)
+
+
+def _sorted_edges(where: str, edge_index, num_nodes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """`(src, dst, order, num_nodes)` on the host after the checks: the edges sorted by destination, stably (int32
+    `(E,)` each), `order` the position of each in the caller's edge index."""
+    num_nodes = check_int(where, "num_nodes", num_nodes)
+    edge_index = host_array(where, edge_index)
+    check_edge_index(where, edge_index, num_nodes)
     order = np.argsort(edge_index[1], kind="stable")
     src, dst = edge_index[:, order].astype(np.int32)
-    return EdgeList(jnp.asarray(src), jnp.asarray(dst), jnp.asarray(order.astype(np.int32)), int(num_nodes))
+    return src, dst, order.astype(np.int32), num_nodes
 
 
 def edge_adjacency(edge_index, num_nodes: int, edge_attr=None, *, group_size: int | None = None) -> GroupCOO:
@@ -64,19 +72,19 @@ def edge_adjacency(edge_index, num_nodes: int, edge_attr=None, *, group_size: in
       >>> P = jinsum.shard.partition(A, mesh)
       >>> y = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=F, rngs=rngs)(P.shard_rows(x), P)
     """
-    edges = edge_list(edge_index, num_nodes)  # (checks the index; sorted by destination, stably)
-    order, src, dst = (np.asarray(a) for a in (edges.order, edges.src, edges.dst))
+    where = "jinsum.graphs.edge_adjacency"
+    src, dst, order, num_nodes = _sorted_edges(where, edge_index, num_nodes)
     if edge_attr is None:
         features = np.zeros((order.size, 0), np.float32)
     else:
         features = np.asarray(edge_attr)
         if features.ndim != 2 or features.shape[0] != order.size or not np.issubdtype(features.dtype, np.floating):
-            raise ValueError(f"jinsum.graphs.edge_adjacency: expected floating edge features (E, D) = "
+            raise ValueError(f"{where}: expected floating edge features (E, D) = "
                              f"({order.size}, D), got {features.dtype}{list(features.shape)}")
         features = features[order]
     values = np.concatenate([np.ones((order.size, 1), features.dtype), features], axis=1)
     lengths = np.bincount(dst, minlength=num_nodes)
     indptr = np.concatenate([[0], np.cumsum(lengths)])
-    group_size = default_group_size(lengths) if group_size is None else group_size
+    group_size = check_group_size(where, group_size, lengths)
     Ai, Ak, Av = groups_from_csr(indptr, src, values, group_size, values.dtype, num_nodes)
     return GroupCOO(Ai, Ak, Av, (num_nodes, num_nodes, values.shape[1]), nnz=order.size)

@@ -11,10 +11,9 @@ table is already a format: `GroupCOO.from_neighbors(knn(...))` needs no sort.
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jinsum._lowering import _knn
 from jinsum.formats._convert import check_int
@@ -124,8 +123,11 @@ def _scan_tiles(pos: jax.Array, batch: jax.Array, loop: bool, block_size: int, s
             else:  # one product (full precision: TF32 would reorder close neighbours)
                 d = s_i[:, None] + s_j[None, :] - 2 * jnp.matmul(x_i, x_j.T, precision=jax.lax.Precision.HIGHEST)
             same = (b_i[:, None] == b_j[None, :]) & (b_i[:, None] >= 0)
-            if not loop:
-                same &= i[:, None] != j[None, :]
+            itself = i[:, None] == j[None, :]
+            if loop:  # (a point is at distance 0 from itself: a NaN point too, and without the product's rounding)
+                d = jnp.where(itself, 0, d)
+            else:
+                same &= ~itself
             return step(carry, jnp.where(same, jnp.maximum(d, 0), jnp.inf), j), None
 
         return jax.lax.scan(columns, start(size), tiles)[0]
@@ -183,10 +185,7 @@ def radius(pos, r, batch=None, max_num_neighbors: int = 32, loop: bool = False, 
     width = check_int(where, "max_num_neighbors", max_num_neighbors, minimum=1)
     block_size = check_int(where, "block_size", block_size, minimum=1)
     pos, batch = _points(where, pos, batch)
-    if isinstance(r, numbers.Real) and not r >= 0:
-        raise ValueError(f"{where}: r must be a radius >= 0, got {r}")
-    if jnp.ndim(r) != 0:
-        raise ValueError(f"{where}: r must be a scalar radius, got shape {jnp.shape(r)}")
+    _check_radius(where, r)
     n = pos.shape[0]
     if n == 0:
         return jnp.zeros((0, width), jnp.int32), jnp.zeros(0, jnp.int32)
@@ -205,6 +204,18 @@ def radius(pos, r, batch=None, max_num_neighbors: int = 32, loop: bool = False, 
 
     first, count = _scan_tiles(pos, batch, loop, block_size, start, first_within)
     return jnp.where(first != beyond, first, -1), count
+
+
+def _check_radius(where: str, r) -> None:
+    """`r` a real scalar, and `>= 0` where concrete (a NumPy or JAX scalar too: it is squared, so a negative one
+    would act as its absolute value)."""
+    value = r if isinstance(r, jax.core.Tracer) else np.asarray(r)
+    if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
+        raise TypeError(f"{where}: r must be a real number (the radius), got {r!r}")
+    if value.ndim != 0:
+        raise ValueError(f"{where}: r must be a scalar radius, got shape {value.shape}")
+    if not isinstance(value, jax.core.Tracer) and not value >= 0:
+        raise ValueError(f"{where}: r must be a radius >= 0, got {value}")
 
 
 def radius_graph(pos, r, batch=None, loop: bool = False, max_num_neighbors: int = 32, *,

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jinsum.formats import GroupCOO
-from jinsum.formats._convert import as_jax_array, host_array
+from jinsum.formats._convert import as_jax_array, check_int, host_array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,8 @@ def relational_graph(src, dst, rel, num_nodes: int, num_relations: int) -> Relat
       >>> g = jinsum.graphs.relational_graph(src, dst, rel, num_nodes=N, num_relations=R)
     """
     where = "jinsum.graphs.relational_graph"
+    num_nodes = check_int(where, "num_nodes", num_nodes)
+    num_relations = check_int(where, "num_relations", num_relations, minimum=1)
     arrays = {"src": host_array(where, src), "dst": host_array(where, dst), "rel": host_array(where, rel)}
     for name, values in arrays.items():
         bound = num_relations if name == "rel" else num_nodes

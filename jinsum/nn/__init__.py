@@ -22,6 +22,8 @@ mixture of experts: `route_tokens` builds the routing on the device, `routed_mlp
 experts as statements over it, `expert_parallel_mlp` with the experts split over a mesh axis). Recommendation:
 `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by `bags`;
 `embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
+The graph layers, the pools, the aggregations and `embedding_bag` take integer features (counts, one-hot codes),
+cast to float as `nnx.Linear` casts them; zero nodes or edges give the empty result or the self loops alone.
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
 `relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
 partition of an `edge_adjacency` (the edges one by one, their features in its values).

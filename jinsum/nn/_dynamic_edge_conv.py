@@ -14,7 +14,7 @@ from jinsum.formats import GroupCOO
 from jinsum.formats._convert import check_int
 from jinsum.graphs import knn
 from jinsum.nn._edge_conv import edge_messages, largest_message
-from jinsum.nn._graph import row_sums
+from jinsum.nn._graph import floating_features, row_sums
 
 AGGREGATIONS = ("max", "mean", "sum", "add")
 
@@ -56,7 +56,8 @@ class DynamicEdgeConv(nnx.Module):
 
     def __call__(self, x: jax.Array, batch: jax.Array | None = None) -> jax.Array:
         """`x` `(N, F)` (the first layer's: positions), `batch` `(N,)` each point's batch element (negative: a
-        padding point; None: one element) -> `(N, F')`."""
+        padding point; None: one element) -> `(N, F')`. Integer features are cast to the default float."""
+        x = floating_features(x)
         if x.ndim != 2:
             raise ValueError(f"jinsum.nn.DynamicEdgeConv: expected node features (N, F), got shape {tuple(x.shape)}")
         neighbors = knn(jax.lax.stop_gradient(x), self.k, batch, loop=True)

@@ -10,7 +10,8 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import GroupCOO
-from jinsum.nn._graph import aggregate_extreme, expect_adjacency
+from jinsum.nn._graph import aggregate_extreme, expect_adjacency, floating_features
+from jinsum.nn._sizes import layer_sizes
 from jinsum.shard import Partitioned, per_part
 
 
@@ -47,14 +48,18 @@ class EdgeConv(nnx.Module):
           param_dtype: dtype of the default layer's parameters.
           rngs: initialises the default layer.
         """
-        self.in_features, self.out_features = in_features, out_features
-        self.nn = nn if nn is not None else nnx.Linear(2 * in_features, out_features, use_bias=use_bias,
+        self.in_features, self.out_features = layer_sizes("EdgeConv", in_features=in_features,
+                                                          out_features=out_features)
+        if nn is not None and not callable(nn):
+            raise TypeError(f"EdgeConv: nn must be callable (a module such as nnx.Sequential), got {type(nn).__name__}")
+        self.nn = nn if nn is not None else nnx.Linear(2 * self.in_features, self.out_features, use_bias=use_bias,
                                                        param_dtype=param_dtype, rngs=rngs)
         self.linear = nn is None
 
     def __call__(self, x: jax.Array, A: GroupCOO) -> jax.Array:
         """`x` `(N, in_features)`, `A` a `GroupCOO` `(N, N)` -> `(N, out_features)`."""
         expect_adjacency("EdgeConv", A, x, in_features=self.in_features)
+        x = floating_features(x, *((self.nn.kernel[...],) if self.linear else ()))  # (integer features)
         if self.linear:
             kernel = self.nn.kernel[...]
             center, neighbor = kernel[: self.in_features], kernel[self.in_features:]

@@ -12,6 +12,7 @@ running sums of one, shifted by the largest score seen, merged piece by piece (a
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -35,7 +36,7 @@ class Edges(NamedTuple):
     def gather(self, table: jax.Array, at: str = "src") -> jax.Array:
         """`table[src]` (or `table[dst]`): one row per edge, `(E, *table.shape[1:])`."""
         index = self.src if at == "src" else self.dst
-        flat = table.reshape(table.shape[0], -1)
+        flat = table.reshape(table.shape[0], math.prod(table.shape[1:]))  # (not -1: a size-0 table has no width)
         rows = jinsum.einsum("M[e,n] = T[I[e],n]", M=jax.ShapeDtypeStruct((index.shape[0], flat.shape[1]), flat.dtype),
                              T=flat, I=index)
         return rows.reshape(index.shape[0], *table.shape[1:])
@@ -44,9 +45,9 @@ class Edges(NamedTuple):
         """`out[dst[e]] += messages[e]` over the edges (`valid` ones), a sorted segment sum: `(num_nodes, ...)`."""
         if self.valid is not None:
             messages = jnp.where(self.valid.reshape(-1, *[1] * (messages.ndim - 1)), messages, 0)
-        flat = messages.reshape(messages.shape[0], -1)
+        flat = messages.reshape(messages.shape[0], math.prod(messages.shape[1:]))
         target = (jax.ShapeDtypeStruct((self.num_nodes, flat.shape[1]), flat.dtype) if out is None
-                  else out.reshape(self.num_nodes, -1))
+                  else out.reshape(self.num_nodes, flat.shape[1]))
         summed = jinsum.einsum("C[D[e],n] += M[e,n]", C=target, D=self.dst, M=flat, sorted_indices=("D",))
         return summed.reshape(self.num_nodes, *messages.shape[1:])
 
@@ -63,9 +64,32 @@ def edges_of(layer: str, graph, edge_attr=None) -> Edges:
     if edge_attr is not None:
         raise ValueError(f"{layer}: an edge_adjacency carries its edge features in its values; pass no edge_attr")
     G, P = graph.Ak.shape
-    values = graph.Av.reshape(G * P, -1)
+    values = graph.Av.reshape(G * P, math.prod(graph.dense_shape))
     return Edges(graph.Ak.reshape(-1), jnp.repeat(graph.Ai, P, total_repeat_length=G * P),
                  values[:, 1:] if values.shape[1] > 1 else None, values[:, 0] != 0, graph.shape[0])
+
+
+def expect_edges(layer: str, x, graph, edge_attr, in_features: int | None, edge_dim: int | None) -> None:
+    """Raises a clear error unless `x` is node features `(N, in_features)` (any width where None) and `graph` an
+    `EdgeList` over its `N` nodes with `edge_attr` `(E, edge_dim)`, given exactly when `edge_dim` is, or an
+    `edge_adjacency` (or its partition) over the rows of `x` whose edges carry `edge_dim` (or 0) features."""
+    if jnp.ndim(x) != 2 or in_features is not None and jnp.shape(x)[1] != in_features:
+        expected = "(N, F)" if in_features is None else f"(N, {in_features}) (the layer's in_features)"
+        raise ValueError(f"{layer}: expected node features x of shape {expected}, got {jnp.shape(x)}")
+    if not isinstance(graph, EdgeList):
+        return expect_edge_adjacency(layer, graph, x, edge_dim or 0)
+    if graph.num_nodes != x.shape[0]:
+        raise ValueError(f"{layer}: expected x (N, F) over the {graph.num_nodes} nodes of the edge list, got "
+                         f"{tuple(x.shape)}")
+    if edge_dim is None:
+        if edge_attr is not None:
+            raise ValueError(f"{layer}: got edge_attr, but the layer was built without edge_dim (pass edge_dim=D "
+                             "to the constructor for edge features of width D)")
+        return
+    edges = graph.src.shape[0]
+    if edge_attr is None or jnp.shape(edge_attr) != (edges, edge_dim):
+        raise ValueError(f"{layer}: expected edge_attr of shape (E, edge_dim) = ({edges}, {edge_dim}), one row per "
+                         f"edge of the edge index, got {None if edge_attr is None else jnp.shape(edge_attr)}")
 
 
 def is_edge_adjacency(graph) -> bool:
@@ -151,14 +175,14 @@ def feature_sums(edges: Edges, *, drop_self_loops: bool, out: jax.Array | None =
     return edges.sum_into(jnp.concatenate([kept, edges.attr * kept], axis=1), out)
 
 
-def feature_sums_over(graph, edge_attr=None) -> jax.Array:
+def feature_sums_over(layer: str, graph, edge_attr=None) -> jax.Array:
     """`feature_sums` (self loops left out) over an `EdgeList` and its features, an `edge_adjacency`, or a partition
     of one (summed over each device's two parts; the first, local, is the one whose sources are the device's own
-    nodes)."""
+    nodes), for `layer`."""
     if isinstance(graph, jinsum.shard.Partitioned):
         return jinsum.shard.per_part(
-            lambda part, out=None: feature_sums(edges_of("", part), drop_self_loops=out is None, out=out), graph)
-    return feature_sums(edges_of("", graph, edge_attr), drop_self_loops=True)
+            lambda part, out=None: feature_sums(edges_of(layer, part), drop_self_loops=out is None, out=out), graph)
+    return feature_sums(edges_of(layer, graph, edge_attr), drop_self_loops=True)
 
 
 def mean_features(sums: jax.Array) -> jax.Array:

@@ -35,7 +35,8 @@ from flax.nnx.nn.linear import default_embed_init
 
 from jinsum.graphs import Bags, bags
 from jinsum.graphs._bags import check_padding_idx
-from jinsum.nn._graph import aggregate, aggregate_extreme, row_sums
+from jinsum.nn._graph import aggregate, aggregate_extreme, floating_features, row_sums
+from jinsum.nn._sizes import layer_sizes
 
 _MODES = ("sum", "mean", "max")
 
@@ -54,7 +55,8 @@ def embedding_bag(table: jax.Array, bags: Bags, mode: str = "mean") -> jax.Array
 
     Args:
       table: `(num_embeddings, F)`; for bags built with `unique=True`, the rows they read, `bags.take(table)`
-        `(U, F)`, so that a gradient with respect to it holds the touched rows only.
+        `(U, F)`, so that a gradient with respect to it holds the touched rows only. An integer table is cast to
+        the default float, as the graph layers cast integer features.
       bags: from `jinsum.graphs.bags`.
       mode: "sum" (weighted by the per-sample weights, if any), "mean" (over the bag's lookups that are not
         padding) or "max" (elementwise; the gradient goes to each element's first maximal lookup). A bag without
@@ -62,7 +64,7 @@ def embedding_bag(table: jax.Array, bags: Bags, mode: str = "mean") -> jax.Array
     """
     where = "jinsum.nn.embedding_bag"
     _check_mode(where, mode, bags.weighted)
-    table = jnp.asarray(table)
+    table = floating_features(table)
     columns = bags.matrix.shape[1]
     if table.ndim != 2 or table.shape[0] != columns:
         read = (f"the U = {columns} rows that bags built with unique=True read (pass bags.take(table))"
@@ -109,6 +111,7 @@ class EmbeddingBag(nnx.Module):
           rngs: initialises the table.
         """
         _check_mode("EmbeddingBag", mode, False)
+        num_embeddings, features = layer_sizes("EmbeddingBag", num_embeddings=num_embeddings, features=features)
         table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
         if padding_idx is not None:
             padding_idx = check_padding_idx("EmbeddingBag", padding_idx, num_embeddings)

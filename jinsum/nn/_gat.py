@@ -13,9 +13,10 @@ import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.graphs import EdgeList
 from jinsum.nn._dropout import dropout_seed
-from jinsum.nn._edges import (SoftmaxSums, attend, edges_of, expect_edge_adjacency, feature_sums_over,
-                              is_edge_adjacency, mean_features)
+from jinsum.nn._edges import (SoftmaxSums, attend, edges_of, expect_edges, feature_sums_over, is_edge_adjacency,
+                              mean_features)
 from jinsum.nn._graph import expect_adjacency, node_features
+from jinsum.nn._sizes import feature_pair, layer_sizes
 from jinsum.shard import Partitioned, per_part
 
 
@@ -77,12 +78,14 @@ class GATConv(nnx.Module):
           param_dtype: dtype of the parameters.
           rngs: initialises the parameters and seeds the dropout.
         """
-        if heads < 1 or out_features < 1:
-            raise ValueError(f"GATConv: heads and out_features must be >= 1, got heads={heads}, "
-                             f"out_features={out_features}")
+        out_features, heads = layer_sizes("GATConv", out_features=out_features, heads=heads)
+        in_src, in_dst = feature_pair("GATConv", in_features)
+        if edge_dim is not None:
+            (edge_dim,) = layer_sizes("GATConv", edge_dim=edge_dim)
+        if not 0 <= dropout < 1:
+            raise ValueError(f"GATConv: dropout must be in [0, 1), got {dropout}")
         self.heads, self.out_features, self.concat = heads, out_features, concat
         self.negative_slope, self.add_self_loops = negative_slope, add_self_loops
-        in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, None)
         linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.linear = linear(in_src, heads * out_features)
         # A bipartite layer transforms the destinations by their own weight (PyG's lin_dst; lin_src is `linear`).
@@ -129,7 +132,7 @@ class GATConv(nnx.Module):
         return self._finish(out)
 
     def _finish(self, out: jax.Array) -> jax.Array:
-        out = out.reshape(out.shape[0], -1) if self.concat else out.mean(axis=1)
+        out = out.reshape(out.shape[0], self.heads * self.out_features) if self.concat else out.mean(axis=1)
         return out if self.bias is None else out + self.bias[...].astype(out.dtype)
 
     def _edge_by_edge(self, x, edges, edge_attr, return_attention_weights: bool):
@@ -138,17 +141,11 @@ class GATConv(nnx.Module):
         if self.lin_dst is not None or isinstance(x, (tuple, list)):
             raise ValueError("GATConv: edges one by one are of one node set: expected x (N, F) and a layer with one "
                              "in_features")
-        if isinstance(edges, EdgeList):
-            if edges.num_nodes != x.shape[0]:
-                raise ValueError(f"GATConv: expected x (N, F) over the {edges.num_nodes} nodes of the edge list, got "
-                                 f"{tuple(x.shape)}")
-            if (edge_attr is None) != (self.lin_edge is None):
-                raise ValueError("GATConv: pass edge_attr exactly when the layer was built with edge_dim")
-        else:
-            expect_edge_adjacency("GATConv", edges, x, 0 if self.lin_edge is None else self.lin_edge.in_features)
-            if return_attention_weights:
-                raise NotImplementedError("GATConv: attention weights come in the edge index's order from an EdgeList "
-                                          "(jinsum.nn.edge_list), not from an edge_adjacency")
+        expect_edges("GATConv", x, edges, edge_attr, self.linear.in_features,
+                     None if self.lin_edge is None else self.lin_edge.in_features)
+        if return_attention_weights and not isinstance(edges, EdgeList):
+            raise NotImplementedError("GATConv: attention weights come in the edge index's order from an EdgeList "
+                                      "(jinsum.nn.edge_list), not from an edge_adjacency")
         if self.dropout.rate > 0 and not self.dropout.deterministic:
             raise NotImplementedError("GATConv: attention dropout runs in the fused path (pass the adjacency, "
                                       "a GroupCOO); on edges one by one, set dropout=0 or call .eval()")
@@ -160,7 +157,7 @@ class GATConv(nnx.Module):
         params = () if self.lin_edge is None else (self.att_edge[...].astype(h.dtype), *edge_layer[1:])
 
         def edge_score(features, att_edge, *edge_state):
-            projected = nnx.merge(edge_layer[0], *edge_state)(features).reshape(-1, H, C)
+            projected = nnx.merge(edge_layer[0], *edge_state)(features).reshape(features.shape[0], H, C)
             return jnp.einsum("ehf,hf->eh", projected, att_edge)
 
         def scores_of(view, s_src, s_dst, params, local: bool):
@@ -176,7 +173,7 @@ class GATConv(nnx.Module):
         if self.add_self_loops:
             own = s_src + s_dst
             if params:
-                own = own + edge_score(mean_features(feature_sums_over(edges, edge_attr)), *params)
+                own = own + edge_score(mean_features(feature_sums_over("GATConv", edges, edge_attr)), *params)
             own = jax.nn.leaky_relu(own, self.negative_slope)
             initial = tuple(SoftmaxSums.own(own, h))
 

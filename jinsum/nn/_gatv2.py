@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jinsum.graphs import EdgeList
-from jinsum.nn._edges import (SoftmaxSums, attend, edges_of, expect_edge_adjacency, feature_sums_over,
-                              mean_features)
+from jinsum.nn._edges import SoftmaxSums, attend, edges_of, expect_edges, feature_sums_over, mean_features
+from jinsum.nn._sizes import layer_sizes
 from jinsum.shard import Partitioned, per_part
 
 
@@ -37,9 +36,10 @@ class GATv2Conv(nnx.Module):
                  negative_slope: float = 0.2, add_self_loops: bool = True, edge_dim: int | None = None,
                  share_weights: bool = False, use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates `lin_l`, `lin_r` (the same layer with `share_weights`), `att`, `lin_edge` and `bias`."""
-        if heads < 1 or out_features < 1:
-            raise ValueError(f"GATv2Conv: heads and out_features must be >= 1, got heads={heads}, "
-                             f"out_features={out_features}")
+        in_features, out_features, heads = layer_sizes("GATv2Conv", in_features=in_features,
+                                                       out_features=out_features, heads=heads)
+        if edge_dim is not None:
+            (edge_dim,) = layer_sizes("GATv2Conv", edge_dim=edge_dim)
         self.heads, self.out_features, self.concat = heads, out_features, concat
         self.negative_slope, self.add_self_loops = negative_slope, add_self_loops
         width = heads * out_features
@@ -55,15 +55,8 @@ class GATv2Conv(nnx.Module):
         """`x` `(N, in_features)`; `edges` an `EdgeList` (with `edge_attr` `(E, edge_dim)` if the layer has
         `edge_dim`), or an `edge_adjacency` carrying the features (or its partition) -> see the class."""
         H, C = self.att.shape
-        width = 0 if self.lin_edge is None else self.lin_edge.in_features
-        if isinstance(edges, EdgeList):
-            if edges.num_nodes != x.shape[0]:
-                raise ValueError(f"GATv2Conv: expected x (N, F) over the {edges.num_nodes} nodes of the edge list, got "
-                                 f"{tuple(x.shape)}")
-            if (edge_attr is None) != (self.lin_edge is None):
-                raise ValueError("GATv2Conv: pass edge_attr exactly when the layer was built with edge_dim")
-        else:
-            expect_edge_adjacency("GATv2Conv", edges, x, width)
+        expect_edges("GATv2Conv", x, edges, edge_attr, self.lin_l.in_features,
+                     None if self.lin_edge is None else self.lin_edge.in_features)
         n = x.shape[0]
         left, right = self.lin_l(x).reshape(n, H, C), self.lin_r(x).reshape(n, H, C)
         lin_edge = () if self.lin_edge is None else nnx.split(self.lin_edge)
@@ -71,7 +64,8 @@ class GATv2Conv(nnx.Module):
         if self.add_self_loops:  # (stored self loops are replaced by one per node)
             own = left + right
             if self.lin_edge is not None:
-                own = own + self.lin_edge(mean_features(feature_sums_over(edges, edge_attr))).reshape(n, H, C)
+                means = mean_features(feature_sums_over("GATv2Conv", edges, edge_attr))
+                own = own + self.lin_edge(means).reshape(n, H, C)
             initial = tuple(SoftmaxSums.own(self._score(own, self.att[...]), left))
 
         def attend_part(part, right, *rest, out=None):
@@ -79,7 +73,7 @@ class GATv2Conv(nnx.Module):
             view = edges_of("GATv2Conv", part, edge_attr)
             pairs = view.gather(left) + view.gather(right, at="dst")
             if edge_state:
-                pairs = pairs + nnx.merge(lin_edge[0], *edge_state)(view.attr).reshape(-1, H, C)
+                pairs = pairs + nnx.merge(lin_edge[0], *edge_state)(view.attr).reshape(view.attr.shape[0], H, C)
             scores = self._score(pairs, att)
             if self.add_self_loops and out is None:  # (the local part, or the whole graph: sources are own nodes)
                 scores = jnp.where((view.src == view.dst)[:, None], -jnp.inf, scores)

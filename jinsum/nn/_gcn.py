@@ -9,15 +9,17 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.nn._graph import aggregate, expect_adjacency, row_sums, transform_first
+from jinsum.nn._graph import aggregate, expect_adjacency, floating_features, row_sums, transform_first
+from jinsum.nn._sizes import layer_sizes
 
 
 def gcn_scale(A: GroupCOO | BlockGroupCOO, dtype, self_loops: float = 1.0) -> jax.Array:
     """`deg^-1/2` as a column `(N, 1)`, with `deg = rowsum(A) + self_loops` (a sorted segment sum over the stored
-    entries); 0 where the degree is <= 0, as in PyG."""
+    entries), by PyG's rule: 0 where the degree is 0 (its inf -> 0), NaN where it is negative or NaN (a NaN edge
+    weight), so that the rows reading such a node are NaN, as in PyG and `jinsum.graphs.gcn_norm`."""
     deg = row_sums(A, dtype) + self_loops
     # Isolated nodes have degree 0: scale them by 0 rather than inf; the inner where keeps the gradient finite.
-    return jnp.where(deg > 0, jax.lax.rsqrt(jnp.where(deg > 0, deg, 1)), 0)[:, None]
+    return jnp.where(deg == 0, 0, jax.lax.rsqrt(jnp.where(deg == 0, 1, deg)))[:, None]
 
 
 def gcn_propagate(A: GroupCOO | BlockGroupCOO, h: jax.Array, scale: jax.Array, self_loops: float = 1.0,
@@ -54,10 +56,11 @@ class GCNConv(nnx.Module):
     self loop of weight `w` therefore counts `w + 1` (PyG's `add_remaining_self_loops` would replace it).
     The propagation commutes with `W`, so it runs on the narrower side: `(A x) W` where `in_features <
     out_features` (`transform_first`).
-    Nodes of degree <= 0 (e.g. no self loops and no in-edges) get `deg^-1/2 = 0`, as in PyG. With `improved`,
-    the self loops weigh 2 (`A + 2I`). On a static graph the normalisation can be computed once instead
-    (`jinsum.graphs.gcn_norm`, with `normalize=False, add_self_loops=False`: PyG's `cached=True`), which leaves
-    one SpMM a layer and no degree sums in the step.
+    Nodes of degree 0 (e.g. no self loops and no in-edges) get `deg^-1/2 = 0`, and a negative or NaN degree (a NaN
+    edge weight) gives NaN to the rows that read the node, as in PyG. With `improved`, the self loops weigh 2
+    (`A + 2I`). On a static graph the normalisation can be computed once instead (`jinsum.graphs.gcn_norm`, with
+    `normalize=False, add_self_loops=False`: PyG's `cached=True`), which leaves one SpMM a layer and no degree
+    sums in the step.
 
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`.
 
@@ -84,6 +87,7 @@ class GCNConv(nnx.Module):
           param_dtype: dtype of the parameters.
           rngs: initialises the weight.
         """
+        in_features, out_features = layer_sizes("GCNConv", in_features=in_features, out_features=out_features)
         self.linear = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                  rngs=rngs)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
@@ -121,14 +125,15 @@ class SGConv(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, K: int = 1, add_self_loops: bool = True,
                  use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        if K < 0:
-            raise ValueError(f"SGConv: K must be >= 0 propagations, got {K}")
+        in_features, out_features = layer_sizes("SGConv", in_features=in_features, out_features=out_features)
+        (K,) = layer_sizes("SGConv", 0, K=K)
         self.K, self.self_loops = K, 1.0 if add_self_loops else 0.0
         self.linear = nnx.Linear(in_features, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
         """`x` `(N, in_features)`, `A` `(N, N)` -> `(N, out_features)`."""
         expect_adjacency("SGConv", A, x, (GroupCOO, BlockGroupCOO), self.linear.in_features)
+        x = floating_features(x, self.linear.kernel[...])
         scale = gcn_scale(A, x.dtype, self.self_loops)
         for _ in range(self.K):
             x = gcn_propagate(A, x, scale, self.self_loops)
@@ -144,13 +149,15 @@ class APPNP(nnx.Module):
     """
 
     def __init__(self, K: int, alpha: float, *, add_self_loops: bool = True):
-        if K < 0 or not 0 <= alpha <= 1:
-            raise ValueError(f"APPNP: K must be >= 0 and alpha in [0, 1], got K={K}, alpha={alpha}")
+        (K,) = layer_sizes("APPNP", 0, K=K)
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"APPNP: alpha must be in [0, 1], got {alpha}")
         self.K, self.alpha, self.self_loops = K, alpha, 1.0 if add_self_loops else 0.0
 
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
         """`x` `(N, F)`, `A` `(N, N)` -> `(N, F)`."""
         expect_adjacency("APPNP", A, x, (GroupCOO, BlockGroupCOO))
+        x = floating_features(x)
         scale = gcn_scale(A, x.dtype, self.self_loops)
         h = x
         for _ in range(self.K):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.nn._graph import aggregate, expect_adjacency
+from jinsum.nn._graph import aggregate, expect_adjacency, floating_features
 
 
 class GINConv(nnx.Module):
@@ -31,6 +31,9 @@ class GINConv(nnx.Module):
           train_eps: make `eps` a learned `nnx.Param`; otherwise it is a constant.
           param_dtype: dtype of `eps` when it is learned.
         """
+        if not callable(mlp):
+            raise TypeError(f"GINConv: mlp must be callable (a module such as nnx.Sequential), got "
+                            f"{type(mlp).__name__}")
         self.mlp = mlp
         self.eps = nnx.Param(jnp.asarray(eps, param_dtype)) if train_eps else eps
 
@@ -38,4 +41,5 @@ class GINConv(nnx.Module):
         """`x` `(N, F)`, `A` a `GroupCOO` or `BlockGroupCOO` `(N, N)` -> `mlp(...)` of `(N, F)`."""
         expect_adjacency("GINConv", A, x, (GroupCOO, BlockGroupCOO))
         eps = self.eps[...] if isinstance(self.eps, nnx.Param) else self.eps
+        x = floating_features(x, eps)  # (integer features: as (1 + eps) x promotes them)
         return self.mlp((1 + eps) * x + aggregate(A, x))

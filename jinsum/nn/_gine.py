@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jinsum.graphs import EdgeList
-from jinsum.nn._edges import edges_of, expect_edge_adjacency
+from jinsum.nn._edges import edges_of, expect_edges
+from jinsum.nn._graph import floating_features
+from jinsum.nn._sizes import layer_sizes
 from jinsum.shard import Partitioned, per_part
 
 
@@ -35,9 +36,14 @@ class GINEConv(nnx.Module):
                  in_features: int | None = None, param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         """Wraps `mlp`, creates `eps` and, with `edge_dim`, the edge features' projection `lin` (`edge_dim ->
         in_features`, with bias; needs `in_features` and `rngs`)."""
+        if not callable(mlp):
+            raise TypeError(f"GINEConv: mlp must be callable (a module such as nnx.Sequential), got "
+                            f"{type(mlp).__name__}")
         if edge_dim is not None and (in_features is None or rngs is None):
             raise ValueError("GINEConv: edge_dim needs in_features (the node features' width, which the edge "
                              "features are projected to) and rngs")
+        if edge_dim is not None:
+            edge_dim, in_features = layer_sizes("GINEConv", edge_dim=edge_dim, in_features=in_features)
         self.mlp = mlp
         self.eps = nnx.Param(jnp.asarray(eps, param_dtype)) if train_eps else eps
         self.lin = (nnx.Linear(edge_dim, in_features, param_dtype=param_dtype, rngs=rngs) if edge_dim is not None
@@ -46,14 +52,13 @@ class GINEConv(nnx.Module):
     def __call__(self, x: jax.Array, edges, edge_attr: jax.Array | None = None) -> jax.Array:
         """`x` `(N, F)`; `edges` an `EdgeList` with `edge_attr` `(E, edge_dim or F)`, or an `edge_adjacency` (or its
         partition) -> `mlp(...)` of `(N, F)`."""
-        width = x.shape[1] if self.lin is None else self.lin.in_features
-        if isinstance(edges, EdgeList):
-            if edge_attr is None or edges.num_nodes != x.shape[0] or edge_attr.shape != (edges.src.shape[0], width):
-                raise ValueError(f"GINEConv: expected node features (N, F) over the {edges.num_nodes} nodes of the "
-                                 f"edge list and edge features ({edges.src.shape[0]}, {width}), got {tuple(x.shape)} "
-                                 f"and {None if edge_attr is None else tuple(edge_attr.shape)}")
+        if self.lin is None:  # (edge features of the nodes' width)
+            in_features, edge_dim = None, jnp.shape(x)[-1] if jnp.ndim(x) else None
         else:
-            expect_edge_adjacency("GINEConv", edges, x, width)
+            in_features, edge_dim = self.lin.out_features, self.lin.in_features
+        expect_edges("GINEConv", x, edges, edge_attr, in_features, edge_dim)
+        eps = self.eps[...] if isinstance(self.eps, nnx.Param) else self.eps
+        x = floating_features(x, eps, *(() if self.lin is None else (self.lin.kernel[...],)))
         lin = () if self.lin is None else nnx.split(self.lin)
 
         def summed(part, x_src, *lin_state, out=None):
@@ -65,5 +70,4 @@ class GINEConv(nnx.Module):
             messages = per_part(summed, edges, columns=(x,), replicated=lin[1:])
         else:
             messages = summed(edges, x, *lin[1:])
-        eps = self.eps[...] if isinstance(self.eps, nnx.Param) else self.eps
         return self.mlp((1 + eps) * x + messages)

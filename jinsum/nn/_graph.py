@@ -34,9 +34,10 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
     if isinstance(A, Partitioned) and A.format in formats:
         return _expect_partitioned(layer, A, x, in_features, bipartite)
     for name, features, width in (("", x, in_features), ("source " if bipartite else "", sources, source_features)):
-        if features is not None and width is not None and (features.ndim != 2 or features.shape[1] != width):
-            raise ValueError(f"{layer}: expected {name}node features of shape (N, {width}) (the layer's "
-                             f"in_features), got {tuple(features.shape)}")
+        if features is not None and (features.ndim != 2 or width is not None and features.shape[1] != width):
+            expected = "(N, F)" if width is None else f"(N, {width}) (the layer's in_features)"
+            raise ValueError(f"{layer}: expected {name}node features of shape {expected}, got "
+                             f"{tuple(features.shape)}")
     if not isinstance(A, formats):
         names = " or ".join(f"jinsum.{f.__name__}" for f in formats)
         got = (f"an array {jnp.dtype(A.dtype).name}{list(A.shape)}" if isinstance(A, (jax.Array, np.ndarray))
@@ -53,6 +54,17 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
         raise ValueError(
             f"{layer}: expected a square (N, N) adjacency with scalar entries over the N = {x.shape[0]} rows of the "
             f"node features {tuple(x.shape)}, got {A!r}; build it with jinsum.nn.adjacency(edge_index, N)")
+
+
+def floating_features(x, *like) -> jax.Array:
+    """`x` as it is where floating; integer (or boolean) features (counts, one-hot codes) cast to the float type of
+    JAX's promotion with `like`, a layer's parameters (as `nnx.Linear` promotes them), or without, the default
+    float. The layers take integer node features as PyG's and `nnx.Linear` do, and cast them before any sparse
+    product (whose values must be floating)."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x
+    return x.astype(jnp.result_type(x.dtype, *(like or (float,))))
 
 
 def _expect_partitioned(layer: str, A: Partitioned, x, in_features: int | None, bipartite: bool) -> None:

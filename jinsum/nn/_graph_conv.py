@@ -7,8 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jinsum.formats import GroupCOO
-from jinsum.nn._graph import (aggregate, aggregate_extreme, expect_adjacency, node_features, row_sums,
-                              transform_first)
+from jinsum.nn._graph import (aggregate, aggregate_extreme, expect_adjacency, floating_features, node_features,
+                              row_sums, transform_first)
+from jinsum.nn._sizes import feature_pair, layer_sizes
 
 AGGREGATIONS = ("add", "mean", "max")
 
@@ -32,7 +33,9 @@ class GraphConv(nnx.Module):
         if aggr not in AGGREGATIONS:
             raise ValueError(f"GraphConv: aggr must be one of {AGGREGATIONS}, got {aggr!r}")
         self.aggr = aggr
-        in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, in_features)
+        in_src, in_dst = feature_pair("GraphConv", in_features)
+        in_dst = in_src if in_dst is None else in_dst
+        (out_features,) = layer_sizes("GraphConv", out_features=out_features)
         self.lin_rel = nnx.Linear(in_src, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
         self.lin_root = nnx.Linear(in_dst, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
 
@@ -41,11 +44,12 @@ class GraphConv(nnx.Module):
         x_src, x = node_features("GraphConv", x)
         expect_adjacency("GraphConv", A, x, in_features=self.lin_root.in_features, sources=x_src,
                          source_features=self.lin_rel.in_features)
+        kernel = self.lin_rel.kernel[...]
+        x_src, x = floating_features(x_src, kernel), floating_features(x, kernel)  # (integer features)
         if self.aggr == "max":
             return self.lin_rel(aggregate_extreme(A, x_src, "max", weighted=True)) + self.lin_root(x)
         # A sum or a mean commutes with `W_2`: it runs on the narrower side (the bias after it).
         first = transform_first(A, self.lin_rel.in_features, self.lin_rel.out_features)
-        kernel = self.lin_rel.kernel[...]
         messages = aggregate(A, x_src @ kernel if first else x_src.astype(jnp.result_type(x_src, kernel)))
         if self.aggr == "mean":
             count = row_sums(A.with_values((A.Av != 0).astype(x.dtype)))[:, None]

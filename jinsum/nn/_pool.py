@@ -12,17 +12,20 @@ import numpy as np
 from flax import nnx
 
 import jinsum
+from jinsum.nn._graph import floating_features
 
 
 def global_add_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
     """Per graph, the sum of its nodes' rows: `P[b[i],n] += X[i,n]`, a sorted segment reduction (`batch` sorted,
     as `batch_graphs` and `GraphBatch.node_graph` make it; `num_graphs` marks a padding node, left out).
-    `(num_graphs, F)` from `x` `(N, F)`."""
+    `(num_graphs, F)` from `x` `(N, F)` (integer features cast to the default float)."""
+    x, batch = _checked("jinsum.nn.global_add_pool", x, batch, num_graphs)
     return _pool("+=", x, batch, num_graphs)[:-1]
 
 
 def global_mean_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
     """Per graph, the mean of its nodes' rows (0 for a graph without nodes): the sum over the node count."""
+    x, batch = _checked("jinsum.nn.global_mean_pool", x, batch, num_graphs)
     counts = _pool("+=", jnp.ones((x.shape[0], 1), x.dtype), batch, num_graphs)
     return (_pool("+=", x, batch, num_graphs) / jnp.maximum(counts, 1))[:-1]
 
@@ -30,6 +33,7 @@ def global_mean_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Arr
 def global_max_pool(x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
     """Per graph, the elementwise maximum of its nodes' rows: `P[b[i],n] max= X[i,n]` (0 for a graph without
     nodes, as PyG); the gradient goes to each element's first maximal node."""
+    x, batch = _checked("jinsum.nn.global_max_pool", x, batch, num_graphs)
     out = _pool("max=", x, batch, num_graphs)[:-1]
     return jnp.where(out == -jnp.inf, 0, out)
 
@@ -55,31 +59,42 @@ class AttentionalAggregation(nnx.Module):
 
     def __call__(self, x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
         """`x` `(N, F)`, `batch` `(N,)` sorted -> `(num_graphs, F')`."""
+        x, batch = _checked("AttentionalAggregation", x, batch, num_graphs)
         gate = self.gate_nn(x)
         x = x if self.nn is None else self.nn(x)
         if gate.ndim != 2 or gate.shape[0] != x.shape[0] or gate.shape[1] not in (1, x.shape[1]):
             raise ValueError(f"AttentionalAggregation: gate_nn must give (N, 1) or (N, {x.shape[1]}), got "
                              f"{tuple(gate.shape)}")
-        batch = jnp.asarray(batch)
         largest = jax.lax.stop_gradient(_pool("max=", gate, batch, num_graphs))  # (PyG's detached shift)
         weight = jnp.exp(gate - largest[batch])
         weight = weight / (_pool("+=", weight, batch, num_graphs)[batch] + 1e-16)
         return _pool("+=", weight * x, batch, num_graphs)[:-1]
 
 
-def _pool(op: str, x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
-    """`P[b[i],n] op X[i,n]` over `num_graphs + 1` rows: the last one collects the padding nodes."""
+def _checked(where: str, x, batch, num_graphs: int) -> tuple[jax.Array, jax.Array]:
+    """`(x, batch)` of a pool after its checks: node features `(N, F)` (integer ones cast to the default float) and
+    a sorted integer graph id per node `(N,)`, in `[0, num_graphs]` where concrete."""
+    x = floating_features(x)
     if x.ndim != 2 or jnp.shape(batch) != (x.shape[0],):
-        raise ValueError(f"global pooling: expected node features (N, F) and a batch vector (N,), got "
+        raise ValueError(f"{where}: expected node features (N, F) and a batch vector (N,), got "
                          f"{tuple(x.shape)} and {tuple(jnp.shape(batch))}")
+    if not jnp.issubdtype(jnp.result_type(batch), jnp.integer):
+        raise ValueError(f"{where}: batch must be an integer array (N,), each node's graph id, got "
+                         f"{jnp.result_type(batch)}{list(jnp.shape(batch))}")
     if not isinstance(num_graphs, (int, np.integer)) or num_graphs < 0:
-        raise TypeError(f"global pooling: num_graphs must be a Python int (the output's static size), got "
-                        f"{num_graphs!r}")
-    if not isinstance(batch, jax.core.Tracer):
-        batch = np.asarray(batch)
-        if (np.diff(batch) < 0).any() or (batch.size and (batch.min() < 0 or batch.max() > num_graphs)):
-            raise ValueError(f"global pooling: batch must be sorted, graph by graph (as batch_graphs numbers the "
-                             f"nodes), with graph ids in [0, num_graphs = {num_graphs}) and num_graphs for "
-                             f"padding nodes; got ids from {batch.min()} to {batch.max()}")
+        raise TypeError(f"{where}: num_graphs must be a Python int (the output's static size), got {num_graphs!r}")
+    if isinstance(batch, jax.core.Tracer):
+        return x, batch
+    batch = np.asarray(batch)
+    if (np.diff(batch) < 0).any() or (batch.size and (batch.min() < 0 or batch.max() > num_graphs)):
+        raise ValueError(f"{where}: batch must be sorted, graph by graph (as batch_graphs numbers the nodes), with "
+                         f"graph ids in [0, num_graphs = {num_graphs}) and num_graphs for padding nodes; got ids "
+                         f"from {batch.min()} to {batch.max()}")
+    return x, jnp.asarray(batch)
+
+
+def _pool(op: str, x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
+    """`P[b[i],n] op X[i,n]` over `num_graphs + 1` rows (`_checked` arguments): the last one collects the padding
+    nodes."""
     pooled = jax.ShapeDtypeStruct((int(num_graphs) + 1, x.shape[1]), x.dtype)
     return jinsum.einsum(f"P[b[i],n] {op} X[i,n]", P=pooled, b=batch, X=x, sorted_indices=("b",))

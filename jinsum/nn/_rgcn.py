@@ -10,6 +10,7 @@ import jinsum
 from jinsum.graphs import RelationalGraph
 from jinsum.nn._hetero_linear import rows_by_type
 from jinsum.nn._moe import combined
+from jinsum.nn._sizes import layer_sizes
 from jinsum.shard import Partitioned, per_part
 
 
@@ -56,7 +57,13 @@ class RGCNConv(nnx.Module):
         """
         if aggr not in ("mean", "add"):
             raise ValueError(f"RGCNConv: aggr must be 'mean' or 'add', got {aggr!r}")
-        self.num_relations, self.aggr = num_relations, aggr
+        in_features, out_features, num_relations = layer_sizes(
+            "RGCNConv", in_features=in_features, out_features=out_features, num_relations=num_relations)
+        if num_bases is not None:
+            (num_bases,) = layer_sizes("RGCNConv", num_bases=num_bases)
+        if num_blocks is not None:
+            (num_blocks,) = layer_sizes("RGCNConv", num_blocks=num_blocks)
+        self.in_features, self.num_relations, self.aggr = in_features, num_relations, aggr
         # Fan-in is the input features (axis -2) of every relation or basis weight.
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         if num_bases is not None and num_blocks is not None:
@@ -83,6 +90,9 @@ class RGCNConv(nnx.Module):
     def __call__(self, x: jax.Array, graph: RelationalGraph | Partitioned) -> jax.Array:
         """`x` `(N, in_features)`, `graph` a `RelationalGraph` -> `(N, out_features)`; or, on several devices, `x`
         laid out by `graph`, a partitioned `relational_adjacency`."""
+        if jnp.ndim(x) != 2 or jnp.shape(x)[1] != self.in_features:
+            raise ValueError(f"RGCNConv: expected node features x of shape (N, {self.in_features}) (the layer's "
+                             f"in_features), got {jnp.shape(x)}")
         if isinstance(graph, Partitioned):
             out = self._partitioned(x, graph)
         else:
@@ -131,9 +141,10 @@ class RGCNConv(nnx.Module):
         dtype = jnp.result_type(x, weight)
         if self.num_blocks is None:
             return jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype)), dtype
-        blocks = x.astype(dtype).reshape(x.shape[0], self.num_blocks, -1)  # each block by its block of the weight
+        # each block by its block of the weight (sizes spelt out: -1 is ambiguous for 0 nodes)
+        blocks = x.astype(dtype).reshape(x.shape[0], self.num_blocks, weight.shape[2])
         H = jnp.einsum("nbc,rbcf->nrbf", blocks, weight.astype(dtype))
-        return H.reshape(x.shape[0], self.num_relations, -1), dtype
+        return H.reshape(x.shape[0], self.num_relations, self.num_blocks * weight.shape[3]), dtype
 
     def _partitioned(self, x: jax.Array, A: Partitioned) -> jax.Array:
         """The messages over a partitioned `relational_adjacency` (`A[dst, src, rel]` = edges of the type): the

@@ -10,7 +10,9 @@ from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.nn._aggregation import AGGREGATIONS, multi_aggregate
-from jinsum.nn._graph import aggregate, expect_adjacency, node_features, row_sums, transform_first
+from jinsum.nn._graph import (aggregate, expect_adjacency, floating_features, node_features, row_sums,
+                              transform_first)
+from jinsum.nn._sizes import feature_pair, layer_sizes
 
 
 class SAGEConv(nnx.Module):
@@ -59,7 +61,9 @@ class SAGEConv(nnx.Module):
         if not aggrs or any(a not in AGGREGATIONS for a in aggrs):
             raise ValueError(f"SAGEConv: aggr must be one of {AGGREGATIONS} or a list of them, got {aggr!r}")
         self.aggrs, self.normalize = tuple(aggrs), normalize
-        in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, in_features)
+        in_src, in_dst = feature_pair("SAGEConv", in_features)
+        in_dst = in_src if in_dst is None else in_dst
+        (out_features,) = layer_sizes("SAGEConv", out_features=out_features)
         self.in_features = (in_src, in_dst)
         linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.dtype = dtype
@@ -78,6 +82,9 @@ class SAGEConv(nnx.Module):
                          source_features=self.in_features[0])
         if self.dtype is not None:
             x_src, x = x_src.astype(self.dtype), x.astype(self.dtype)
+        else:  # (integer features: the sparse products take the dtype the layer's linear maps promote them to)
+            kernel = self.lin_neighbors.kernel[...]
+            x_src, x = floating_features(x_src, kernel), floating_features(x, kernel)
         neighbors = x_src if self.project is None else jax.nn.relu(self.project(x_src))
         if not linear:
             out = self.lin_neighbors(multi_aggregate(A, neighbors, self.aggrs))

@@ -25,12 +25,18 @@ def sparse_adagrad(table: jax.Array, accumulator: jax.Array, bags: Bags, grad: j
     Args:
       table: `(num_embeddings, F)`; accumulator: its state, zeros at first (torch's `initial_accumulator_value`).
       bags: built with `unique=True`; grad: `(U, F)`, the gradient with respect to `bags.take(table)`.
+      (NumPy arrays are taken as JAX arrays.)
     """
+    table, accumulator, grad = jnp.asarray(table), jnp.asarray(accumulator), jnp.asarray(grad)
     bags.expect_rows("jinsum.nn.sparse_adagrad", table)
     if jnp.shape(accumulator) not in ((bags.num_embeddings, table.shape[1]), (bags.num_embeddings,)):
         raise ValueError(f"jinsum.nn.sparse_adagrad: expected an accumulator of shape (num_embeddings, F) = "
                          f"{(bags.num_embeddings, table.shape[1])} (element-wise) or ({bags.num_embeddings},) "
                          f"(row-wise), got {jnp.shape(accumulator)}")
+    rows = (bags.rows.shape[0], table.shape[1])
+    if jnp.shape(grad) != rows:
+        raise ValueError(f"jinsum.nn.sparse_adagrad: expected grad of shape (U, F) = {rows}, the gradient with "
+                         f"respect to bags.take(table) (one row per entry of bags.rows), got {jnp.shape(grad)}")
     squares = grad**2 if accumulator.ndim == 2 else jnp.mean(grad**2, axis=1)
     accumulator = accumulator.at[bags.rows].add(squares.astype(accumulator.dtype), mode="drop")
     scale = jnp.sqrt(jnp.take(accumulator, bags.rows, axis=0, mode="fill", fill_value=0)) + eps

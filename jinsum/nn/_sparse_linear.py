@@ -25,6 +25,8 @@ from flax.nnx.nn.linear import default_kernel_init
 
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
+from jinsum.formats._convert import check_block_shape
+from jinsum.nn._sizes import layer_sizes
 
 
 class SparsityPattern(nnx.Variable):
@@ -36,11 +38,14 @@ def random_pattern(in_features: int, out_features: int, density: float, *, block
     """A uniformly random boolean pattern for `SparseLinear`: `(in_features, out_features)`, or with `block_shape =
     (bi, bo)` the block grid `(in_features / bi, out_features / bo)`, with `round(density * size)` entries set
     (at least one)."""
+    where = "jinsum.nn.random_pattern"
+    in_features, out_features = layer_sizes(where, in_features=in_features, out_features=out_features)
+    (seed,) = layer_sizes(where, 0, seed=seed)
     if not 0 < density <= 1:
-        raise ValueError(f"random_pattern: density must be in (0, 1], got {density}")
-    bi, bo = (1, 1) if block_shape is None else block_shape
+        raise ValueError(f"{where}: density must be in (0, 1], got {density}")
+    bi, bo = (1, 1) if block_shape is None else check_block_shape(where, block_shape)
     if in_features % bi or out_features % bo:
-        raise ValueError(f"random_pattern: block_shape {block_shape} must divide (in_features, out_features) = "
+        raise ValueError(f"{where}: block_shape {block_shape} must divide (in_features, out_features) = "
                          f"{(in_features, out_features)}")
     shape = (in_features // bi, out_features // bo)
     size = shape[0] * shape[1]
@@ -86,6 +91,8 @@ class SparseLinear(nnx.Module):
           kernel_init, bias_init: initialisers, as `nnx.Linear`'s.
           rngs: draws the initial values.
         """
+        in_features, out_features = layer_sizes("SparseLinear", in_features=in_features, out_features=out_features)
+        block_shape = None if block_shape is None else check_block_shape("SparseLinear", block_shape)
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.block_shape = dtype, block_shape
         structure = _structure(pattern, in_features, out_features, block_shape)
@@ -138,7 +145,7 @@ def _structure(pattern, in_features: int, out_features: int, block_shape) -> Gro
         raise TypeError(f"{where}: the pattern must be concrete (NumPy or a concrete jax array): it fixes the "
                         "layer's structure; build the layer outside jit")
     mask = np.asarray(pattern) != 0
-    bi, bo = (1, 1) if block_shape is None else tuple(block_shape)
+    bi, bo = (1, 1) if block_shape is None else block_shape
     if in_features % bi or out_features % bo:
         raise ValueError(f"{where}: block_shape (bi, bo) = {(bi, bo)} must divide (in_features, out_features) = "
                          f"{(in_features, out_features)}")

@@ -12,6 +12,7 @@ from flax import nnx
 import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.nn._graph import expect_adjacency, node_features
+from jinsum.nn._sizes import feature_pair, layer_sizes
 
 
 class TransformerConv(nnx.Module):
@@ -36,10 +37,9 @@ class TransformerConv(nnx.Module):
                  concat: bool = True, beta: bool = False, root_weight: bool = True, use_bias: bool = True,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates `lin_query`, `lin_key`, `lin_value` (with biases), `lin_skip` and `lin_beta`, as PyG names them."""
-        if heads < 1 or out_features < 1:
-            raise ValueError(f"TransformerConv: heads and out_features must be >= 1, got heads={heads}, "
-                             f"out_features={out_features}")
-        in_src, in_dst = in_features if isinstance(in_features, tuple) else (in_features, in_features)
+        out_features, heads = layer_sizes("TransformerConv", out_features=out_features, heads=heads)
+        in_src, in_dst = feature_pair("TransformerConv", in_features)
+        in_dst = in_src if in_dst is None else in_dst
         self.heads, self.out_features, self.concat = heads, out_features, concat
         width = heads * out_features
 
