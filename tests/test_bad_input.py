@@ -72,14 +72,14 @@ def test_route_tokens_group_size_names_route_tokens():
         route_tokens(jnp.zeros((5, 4)), 2, group_size=0)
 
 
-@pytest.mark.parametrize("length, block, window, message", [
-    (64, 0, None, "block must be a positive int, got 0"),
-    (0, 16, None, "length must be a positive int, got 0"),
-    (64, 16.0, None, "block must be a positive int, got 16.0"),
-    (64, 16, 0, "window must be a positive int or None, got 0"),
+@pytest.mark.parametrize("length, block, window, error, message", [
+    (64, 0, None, ValueError, "block must be an int >= 1, got 0"),
+    (0, 16, None, ValueError, "length must be an int >= 1, got 0"),
+    (64, 16.0, None, TypeError, "block must be an int, got 16.0"),
+    (64, 16, 0, ValueError, r"window \(or None for no window\) must be an int >= 1, got 0"),
 ])
-def test_sequence_mask_sizes(length, block, window, message):
-    with pytest.raises(ValueError, match=rf"^jinsum.nn.sequence_mask: {message}"):
+def test_sequence_mask_sizes(length, block, window, error, message):
+    with pytest.raises(error, match=rf"^jinsum.nn.sequence_mask: {message}"):
         sequence_mask(length, block, document_ids=jnp.zeros(max(length, 1), jnp.int32)[:length], window=window)
 
 

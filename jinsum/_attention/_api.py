@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -45,14 +46,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
       q: `(L, H, D)` queries, or `(B, L, H, D)` with a batch axis.
       k: `(S, H_kv, D)` keys (`(B, S, H_kv, D)` with a batch axis). `H_kv` may divide `H` (grouped-query and
         multi-query attention): query head `h` reads key/value head `h // (H / H_kv)` in place, never repeated.
-      v: `(S, H_kv, E)` values (`(B, S, H_kv, E)`).
+      v: `(S, H_kv, E)` values (`(B, S, H_kv, E)`). A key the mask leaves out of a row it is stored in (a masked
+        element of a stored block, a padding key, a future key under `causal`) still enters the row's products,
+        with a weight of 0, as in dense attention and FlashAttention's kernels: a NaN or inf in its value (or in a
+        query or key there) makes the row NaN (IEEE: 0 * inf is NaN). Keep padded positions finite (zeros).
       pattern: a `BlockMask` (`jinsum.block_mask`: blocks from a `mask_mod`, built on the device; its `mask_mod`
         applies too, per batch element and head if it was built so; outside `jit`, one whose `overflow` flag is
         set is an error), a `BlockGroupCOO` (block-sparse attention)
         or a `GroupCOO` (graph attention) of shape `(L, S)`; a `GroupCOO` may carry one value per head,
         `(L, S, H)`. Shared by the batch. Outside `jit`, a format whose `overflow` flag is set (built for a
         capacity under `jit` and returned) is an error too.
-      scale: multiplies `q . k`; defaults to `1 / sqrt(D)`.
+      scale: multiplies `q . k`: a finite Python or NumPy number (compiled into the kernels); defaults to
+        `1 / sqrt(D)`.
       score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on scalars (FlexAttention's `score_mod`): a soft cap,
         a LeakyReLU, a positional bias. Traced once and compiled into the kernels. It may close over Python
         numbers and over arrays read with integer scalar indices (ALiBi slopes `slopes[h]`, a relative-position
@@ -74,7 +79,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
       return_lse: also return the log-sum-exp of each query's scores, `(..., L, H)` in float32.
 
     Returns:
-      `(..., L, H, E)` in the dtype of `q`, `k`, `v` (and the log-sum-exp, with `return_lse`).
+      `(..., L, H, E)` in the dtype of `q`, `k`, `v` (and the log-sum-exp, with `return_lse`). No queries, heads,
+      batch elements or value features give an empty result, and no keys zeros; the head size `D` must be at
+      least 1 (the scores would carry nothing, and the default scale is undefined).
 
     Example:
       >>> pattern = jinsum.nn.block_pattern(4096, 128, local_blocks=1, global_blocks=1, random_blocks=2)
@@ -94,6 +101,7 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     """The checked `Chain` of an `attention` call, its operands by name, and a function that turns the blocked
     `(..., rows, (bm,) H, ...)` results back into `(..., L, H, ...)`."""
     _check_arguments(q, k, v, pattern, dropout, self_loops)
+    scale = _scale(scale, np.shape(q)[-1])
     allow_tf32 = _config.tf32_allowed(allow_tf32)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mods, outer = {}, _identity
@@ -129,7 +137,7 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     lead = 1 if batched else 0
     (length, keys), head_dim = pattern.shape[:2], q.shape[-1]
     heads, kv_heads = q.shape[-2], k.shape[-2]
-    group = heads // kv_heads  # grouped-query attention: query head h * group + r reads key/value head h
+    group = heads // max(kv_heads, 1)  # grouped-query attention: query head h * group + r reads key/value head h
     r = ",r" if group > 1 else ""
     block = _is_block(pattern)
     if block:
@@ -159,7 +167,8 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
         if group > 1:
             x = x.reshape(*x.shape[:head_axis], heads, *x.shape[head_axis + 2:])
         if block:
-            x = x.reshape(*x.shape[:lead], -1, *x.shape[lead + 2:])[(slice(None),) * lead + (slice(0, length),)]
+            rows = x.shape[lead] * x.shape[lead + 1]  # not -1: x may be empty (no heads, E = 0, a batch of 0)
+            x = x.reshape(*x.shape[:lead], rows, *x.shape[lead + 2:])[(slice(None),) * lead + (slice(0, length),)]
         return outer(x)
     roles = dataclasses.replace(roles, batch=("b",) * batched, batch_index="b" if batched else None,
                                 head_group="r" if group > 1 else None)
@@ -185,7 +194,7 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     scores_spec = _primitive.make_spec(parse(scores), {**arrays, "S": s_struct}, **flags)
     output_spec = _primitive.make_spec(parse(output), {**arrays, "S": s_struct, "O": o_struct}, **flags)
     chain = Chain(scores_spec, output_spec, mask, key_mask, tuple(extra), roles,
-                  scale=float(1 / math.sqrt(head_dim) if scale is None else scale),
+                  scale=scale,
                   score_mod=mods.get("score_mod"), mask_mod=mods.get("mask_mod"), causal=bool(causal),
                   dropout=float(dropout), self_loops=bool(self_loops), allow_tf32=bool(allow_tf32)).check()
     if isinstance(pattern, GroupCOO) and pattern.transposed is not None:
@@ -336,10 +345,15 @@ def _check_arguments(q, k, v, pattern, dropout, self_loops) -> None:
     q_shape, k_shape, v_shape = np.shape(q), np.shape(k), np.shape(v)
     if k_shape[:-3] != q_shape[:-3] or v_shape[:-3] != q_shape[:-3]:
         raise ValueError(f"jinsum.attention: q, k and v must have the same batch size; got {shapes}")
-    if k_shape[-1] != q_shape[-1] or q_shape[-2] % k_shape[-2] or v_shape[-3:-1] != k_shape[-3:-1]:
+    heads, kv_heads = q_shape[-2], k_shape[-2]
+    divides = heads == kv_heads == 0 or (heads > 0 and kv_heads > 0 and heads % kv_heads == 0)
+    if k_shape[-1] != q_shape[-1] or not divides or v_shape[-3:-1] != k_shape[-3:-1]:
         raise ValueError(f"jinsum.attention: q and k must agree in head size D and k's heads must divide q's "
-                         f"(grouped-query attention: H_q a multiple of H_kv), and k and v must agree in keys and heads "
-                         f"(S, H_kv); got {shapes}")
+                         f"(grouped-query attention: H_q a multiple of H_kv; no heads at all for an empty result), "
+                         f"and k and v must agree in keys and heads (S, H_kv); got {shapes}")
+    if q_shape[-1] == 0:
+        raise ValueError(f"jinsum.attention: q and k have head size D = 0: every score q . k would be 0 and the "
+                         f"default scale 1 / sqrt(D) is undefined; pass q and k with D >= 1; got {shapes}")
     if pattern.shape[:2] != (q_shape[-3], k_shape[-3]):
         raise ValueError(f"jinsum.attention: the pattern must be (L, S) = ({q_shape[-3]}, {k_shape[-3]}) for these "
                          f"queries and keys; got {shapes}")
@@ -348,11 +362,26 @@ def _check_arguments(q, k, v, pattern, dropout, self_loops) -> None:
                          f"{q_shape[-2]} heads; got {shapes}")
     if isinstance(pattern, GroupCOO) and pattern.ndim > 3:
         raise ValueError(f"jinsum.attention: a GroupCOO pattern is (L, S) or (L, S, H); got {shapes}")
-    if not 0 <= dropout < 1:
-        raise ValueError(f"jinsum.attention: dropout must be in [0, 1), got {dropout}")
+    if isinstance(dropout, (bool, np.bool_)) or not isinstance(dropout, numbers.Real) or not 0 <= dropout < 1:
+        raise ValueError(f"jinsum.attention: dropout must be in [0, 1), got {dropout!r}")
     if self_loops and (not isinstance(pattern, GroupCOO) or pattern.shape[0] != pattern.shape[1]):
         raise ValueError(f"jinsum.attention: self_loops needs a square GroupCOO pattern (graph attention over one "
                          f"set of nodes); got {pattern!r}")
+
+
+def _scale(scale, head_dim: int) -> float:
+    """`scale` as a Python float, compiled into the kernels: `1 / sqrt(D)` by default."""
+    if scale is None:
+        return 1 / math.sqrt(head_dim)
+    value = np.asarray(scale) if is_concrete(scale) else None
+    if value is None or value.ndim or not (jnp.issubdtype(value.dtype, jnp.floating)
+                                           or jnp.issubdtype(value.dtype, jnp.integer)):
+        given = f"{type(scale).__name__} {scale!r}" if np.ndim(scale) == 0 else f"an array of shape {np.shape(scale)}"
+        raise TypeError(f"jinsum.attention: scale must be a real Python or NumPy number (it is compiled into the "
+                        f"kernels: not a traced array), or None for 1 / sqrt(D); got {given}")
+    if not np.isfinite(value):
+        raise ValueError(f"jinsum.attention: scale must be finite, got {scale!r}")
+    return float(value)
 
 
 def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:

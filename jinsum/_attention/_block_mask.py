@@ -27,7 +27,7 @@ from jax.experimental import checkify
 
 from jinsum import _config
 from jinsum._lang import _elementwise
-from jinsum.formats._convert import is_concrete
+from jinsum.formats._convert import check_int, is_concrete
 
 
 @jax.tree_util.register_pytree_node_class
@@ -144,19 +144,16 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
     evaluate `mask_mod` there), at the cost of a slot. Without it every element of every block is evaluated.
     `where` names the function the user called, in errors.
     """
-    bm, bk = (block, block) if isinstance(block, int) else tuple(block)
-    for name, value in (("L", L), ("S", S), ("block", bm), ("block", bk)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
-    for name, value in (("batch", batch), ("heads", heads)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{where}: {name} must be None or a positive int, got {value!r}")
+    L, S = check_int(where, "L", L, minimum=1), check_int(where, "S", S, minimum=1)
+    bm, bk = _block_shape(where, block)
+    shared = "(or None: the same mask for all)"
+    batch = None if batch is None else check_int(where, f"batch {shared}", batch, minimum=1)
+    heads = None if heads is None else check_int(where, f"heads {shared}", heads, minimum=1)
     lb, sb = -(-L // bm), -(-S // bk)
     nb, nh = batch or 1, heads or 1
     rows = nb * nh * lb
-    capacity = rows * sb if capacity is None else capacity
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-        raise ValueError(f"{where}: capacity must be a positive int, got {capacity!r}")
+    capacity = rows * sb if capacity is None else check_int(where, "capacity (or None for every block)", capacity,
+                                                            minimum=1)
     user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
     if classify is None:
         flags = _every_element(user, captured, (L, S), (bm, bk), (nb, nh, lb, sb))
@@ -188,6 +185,21 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
     traced, _ = _elementwise.trace(laid_out, "mask_mod", where)
     return BlockMask(Ai, Ak, kept, overflow, captured, shape=(L, S), block=(bm, bk), batch=batch, heads=heads,
                      mask_mod=traced, reads=_elementwise.arguments_read(user) & {"b", "h"})
+
+
+def _block_shape(where: str, block) -> tuple[int, int]:
+    """`block`, an int `bm` (square blocks) or a pair `(bm, bk)`, as a pair of positive Python ints; NumPy
+    integers count, bools and floats do not. `where` names the function the user called, in errors."""
+    if isinstance(block, (tuple, list)):
+        if len(block) != 2:
+            raise ValueError(f"{where}: block must be an int bm (square blocks) or a pair (bm, bk), got {block!r}")
+        return check_int(where, "block[0]", block[0], minimum=1), check_int(where, "block[1]", block[1], minimum=1)
+    try:
+        size = check_int(where, "block", block, minimum=1)
+    except TypeError:
+        raise TypeError(f"{where}: block must be an int bm (square blocks) or a pair (bm, bk), got "
+                        f"{block!r}") from None
+    return size, size
 
 
 def _every_element(user, captured, shape, block, grid) -> jax.Array:

@@ -11,6 +11,8 @@ block in the pattern or the `causal` rule.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,9 @@ from jinsum._attention import BlockMask
 from jinsum._attention import _block_mask
 from jinsum._attention import block_mask as block_mask  # re-exported: jinsum.nn.block_mask
 from jinsum.formats import BlockGroupCOO
+from jinsum.formats._convert import check_int
 from jinsum.nn._dropout import dropout_seed
+from jinsum.nn._sizes import layer_sizes
 
 
 def block_pattern(seq_len: int, block: int, *, local_blocks: int = 1, global_blocks: int = 0,
@@ -53,12 +57,13 @@ def block_pattern(seq_len: int, block: int, *, local_blocks: int = 1, global_blo
       >>> pattern = jinsum.nn.block_pattern(1024, 64, local_blocks=1, global_blocks=1, random_blocks=2)
       >>> pattern.nnz                          # stored blocks, out of 16 * 16
     """
-    if block < 1 or seq_len < 1 or seq_len % block:
-        raise ValueError(f"block_pattern: expected a positive seq_len that is a multiple of a positive block, got "
-                         f"seq_len = {seq_len}, block = {block}; pad the sequence to a multiple of the block")
-    if min(local_blocks, global_blocks, random_blocks) < 0:
-        raise ValueError(f"block_pattern: local_blocks, global_blocks and random_blocks must be >= 0, got "
-                         f"{local_blocks}, {global_blocks}, {random_blocks}")
+    where = "block_pattern"
+    seq_len, block = layer_sizes(where, seq_len=seq_len, block=block)
+    if seq_len % block:
+        raise ValueError(f"{where}: seq_len must be a multiple of block, got seq_len = {seq_len}, block = {block}; "
+                         f"pad the sequence to a multiple of the block")
+    local_blocks, global_blocks, random_blocks, seed = layer_sizes(
+        where, 0, local_blocks=local_blocks, global_blocks=global_blocks, random_blocks=random_blocks, seed=seed)
     n = seq_len // block
     i, j = np.indices((n, n))
     allowed = j <= i if causal else np.ones((n, n), bool)
@@ -133,10 +138,8 @@ def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = N
       >>> mask = jinsum.nn.sequence_mask(4096, 128, document_ids=doc, causal=True, window=1024)
     """
     where = "jinsum.nn.sequence_mask"
-    for name, value in (("length", length), ("block", block), *((("window", window),) if window is not None else ())):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{where}: {name} must be a positive int{' or None' if name == 'window' else ''}, got "
-                             f"{value!r}")
+    length, block = layer_sizes(where, length=length, block=block)
+    window = None if window is None else check_int(where, "window (or None for no window)", window, minimum=1)
     docs = None if document_ids is None else jnp.asarray(document_ids)
     if docs is not None and (docs.ndim not in (1, 2) or docs.shape[-1] != length
                              or not jnp.issubdtype(docs.dtype, jnp.integer)):
@@ -243,20 +246,28 @@ class BlockSparseAttention(nnx.Module):
           param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
           rngs: initialises the projections and seeds the dropout.
         """
+        where = "BlockSparseAttention"  # every argument checked here, not at the first call
+        in_features, num_heads, block = layer_sizes(where, in_features=in_features, num_heads=num_heads, block=block)
+        optional = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, out_features=out_features, window=window)
+        num_kv_heads, head_dim, out_features, window = (
+            None if value is None else check_int(where, f"{name} (or None)", value, minimum=1)
+            for name, value in optional.items())
+        if head_dim is None and in_features < num_heads:
+            raise ValueError(f"{where}: head_dim must be >= 1, got in_features // num_heads = {in_features} // "
+                             f"{num_heads} = 0; pass head_dim explicitly")
         head_dim = in_features // num_heads if head_dim is None else head_dim
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if head_dim < 1:
-            raise ValueError(f"BlockSparseAttention: head_dim must be >= 1, got {head_dim} (in_features = "
-                             f"{in_features}, num_heads = {num_heads}); pass head_dim explicitly")
-        if num_kv_heads < 1 or num_heads % num_kv_heads:
-            raise ValueError(f"BlockSparseAttention: num_kv_heads must divide num_heads = {num_heads}, got "
-                             f"{num_kv_heads}")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{where}: num_kv_heads must divide num_heads = {num_heads}, got {num_kv_heads}")
+        if isinstance(dropout, (bool, np.bool_)) or not isinstance(dropout, numbers.Real) or not 0 <= dropout < 1:
+            raise ValueError(f"{where}: dropout must be in [0, 1), got {dropout!r}")
+        self.in_features, self.num_heads = in_features, num_heads
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.causal, self.window, self.block = causal, window, block
         self.qkv = nnx.Linear(in_features, (num_heads + 2 * num_kv_heads) * head_dim, use_bias=use_bias,
                               param_dtype=param_dtype, rngs=rngs)
-        self.out = nnx.Linear(num_heads * head_dim, out_features or in_features, use_bias=use_bias,
-                              param_dtype=param_dtype, rngs=rngs)
+        self.out = nnx.Linear(num_heads * head_dim, in_features if out_features is None else out_features,
+                              use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, pattern: BlockGroupCOO | BlockMask | None = None, *,
@@ -264,30 +275,35 @@ class BlockSparseAttention(nnx.Module):
         """`x` `(..., L, in_features)`; `pattern` `(L, L)` or None (build one from `causal`, `window` and
         `document_ids`, `(L,)` or `(..., L)` integers); `key_padding_mask` `(..., L)` booleans (True: a real
         position) -> `(..., L, out_features)`."""
-        if x.ndim not in (2, 3):
-            raise ValueError(f"BlockSparseAttention: expected x (L, in_features) or (B, L, in_features), got "
-                             f"{x.shape}")
-        length = x.shape[-2]
+        shape, width = np.shape(x), self.in_features
+        if len(shape) not in (2, 3) or shape[-1] != width:
+            raise ValueError(f"BlockSparseAttention: expected x (L, {width}) or (B, L, {width}) (in_features = "
+                             f"{width}), got {shape}")
+        length = shape[-2]
+        docs = None if document_ids is None else jnp.asarray(document_ids)
+        if docs is not None and docs.shape not in ((length,), shape[:-1]):
+            expected = " or ".join(dict.fromkeys(map(str, ((length,), shape[:-1]))))
+            raise ValueError(f"BlockSparseAttention: document_ids must be {expected} for x of shape {shape}, got "
+                             f"{docs.shape}")
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).reshape(*shape[:-1], heads + 2 * kv_heads, self.head_dim)
+        q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=-2)
         mask_mod = None
-        if pattern is None:
-            pattern = sequence_mask(length, self.block, document_ids=document_ids, causal=self.causal,
-                                    window=self.window)
-        elif document_ids is not None:
+        if pattern is None and length:
+            pattern = sequence_mask(length, self.block, document_ids=docs, causal=self.causal, window=self.window)
+        elif pattern is not None and docs is not None:
             if isinstance(pattern, BlockMask):
                 raise ValueError("BlockSparseAttention: a BlockMask carries its own mask; build it with the document "
                                  "ids (jinsum.nn.sequence_mask) instead of passing document_ids too")
-            docs = jnp.asarray(document_ids)
-            if docs.shape not in ((length,), x.shape[:-1]):
-                raise ValueError(f"BlockSparseAttention: document_ids must be ({length},) or {x.shape[:-1]} for x of "
-                                 f"shape {x.shape}, got {docs.shape}")
             if docs.ndim == 1:
                 mask_mod = lambda b, h, q, kv: docs[q] == docs[kv]  # noqa: E731
             else:  # one row of ids per batch element: the chain's `b` is x's batch axis
                 mask_mod = lambda b, h, q, kv: docs[b, q] == docs[b, kv]  # noqa: E731
-        heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x).reshape(*x.shape[:-1], heads + 2 * kv_heads, self.head_dim)
-        q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=-2)
-        rate, seed = dropout_seed(self.dropout)
-        out = block_sparse_attention(q, k, v, pattern, causal=self.causal and not isinstance(pattern, BlockMask),
-                                     key_padding_mask=key_padding_mask, mask_mod=mask_mod, dropout=rate, seed=seed)
-        return self.out(out.reshape(*x.shape[:-1], -1))
+        if pattern is None:  # no positions (L = 0): nothing attends, and there is no mask to build
+            out = jnp.zeros_like(q)
+        else:
+            rate, seed = dropout_seed(self.dropout)
+            out = block_sparse_attention(q, k, v, pattern, causal=self.causal and not isinstance(pattern, BlockMask),
+                                         key_padding_mask=key_padding_mask, mask_mod=mask_mod, dropout=rate,
+                                         seed=seed)
+        return self.out(out.reshape(*shape[:-1], heads * self.head_dim))
