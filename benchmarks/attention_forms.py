@@ -27,11 +27,13 @@ from jinsum.kernels import ChainConfig, forced_config
 from jinsum.kernels._chain_plan import HOPPER_HEADS
 from jinsum.timing import time_interleaved
 
-from _harness import NOTE, SYSTEM, WORKLOAD, Column, Results, command, device_file_name, device_name, versions_text, write
+from _harness import (NOTE, SYSTEM, WORKLOAD, Column, Results, command, device_file_name, device_name, versions_text,
+                      write)
 
 HERE = pathlib.Path(__file__).parent
 PEAK = 989  # TFLOP/s, dense bf16 on an H100 or H200
-FORMS = {"Hopper form (Gluon)": ChainConfig(descriptors=True, hopper=True), "Triton form": ChainConfig(descriptors=True)}
+FORMS = {"Hopper form (Gluon)": ChainConfig(descriptors=True, hopper=True),
+         "Triton form": ChainConfig(descriptors=True)}
 
 
 def _documents(length: int, count: int, seed: int = 0) -> np.ndarray:
