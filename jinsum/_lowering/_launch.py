@@ -95,8 +95,7 @@ def _kernel_node_call(kernel, *args, out_shape, grid, num_warps: int, num_stages
     results = call(*arrays, *zeros, name=compiled.name, kernel_type="ptx",
                    kernel_data=with_unread_parameters(compiled.binary, len(arrays), len(zeros)),
                    grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=32 * compiled.num_warps, block_y=1,
-                   block_z=1,
-                   shared_mem_bytes=compiled.shared_mem_bytes)
+                   block_z=1, shared_mem_bytes=compiled.shared_mem_bytes)
     results = list(results)[:len(structs) - bool(global_scratch)]
     return results[0] if single else results
 
