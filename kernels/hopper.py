@@ -168,22 +168,6 @@ def _consumer(c: gl.constexpr, descriptor_fn: gl.constexpr, smem, bars, work, q_
 
 
 @gluon.jit
-def _consumer0(descriptor_fn: gl.constexpr, smem, bars, work, q_row, context, scores_fn: gl.constexpr,
-               epilogue_fn: gl.constexpr, T: gl.constexpr, BK: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(0, descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N, HEAD,
-              STAGES)
-
-
-@gluon.jit
-def _consumer1(descriptor_fn: gl.constexpr, smem, bars, work, q_row, context, scores_fn: gl.constexpr,
-               epilogue_fn: gl.constexpr, T: gl.constexpr, BK: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD: gl.constexpr, STAGES: gl.constexpr):
-    _consumer(1, descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N, HEAD,
-              STAGES)
-
-
-@gluon.jit
 def attention_rows(descriptor_fn: gl.constexpr, work, q_row, context, scores_fn: gl.constexpr,
                    epilogue_fn: gl.constexpr, DTYPE: gl.constexpr, T: gl.constexpr, BK: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr):
@@ -226,10 +210,10 @@ def attention_rows(descriptor_fn: gl.constexpr, work, q_row, context, scores_fn:
     smem = (q_smem, k_smem, v_smem)
     bars = (q_bar, k_full, k_empty, v_full, v_empty, turn)
     gl.warp_specialize([
-        (_consumer0, (descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N,
-                      HEAD, STAGES)),
-        (_consumer1, (descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N,
-                      HEAD, STAGES)),
+        (_consumer, (0, descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N,
+                     HEAD, STAGES)),
+        (_consumer, (1, descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N,
+                     HEAD, STAGES)),
         (_producer, (descriptor_fn, smem, bars, work, q_row, context, T, BK, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
