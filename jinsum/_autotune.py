@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Collection, Sequence
 
@@ -11,19 +12,25 @@ import jax
 from jinsum._frontend import _einsum
 from jinsum._rules import _primitive
 from jinsum._lang import Spec
-from jinsum.kernels import KernelConfig, forced_config, has_tma, make_plan, store_tuned_config
+from jinsum.kernels import KernelConfig, forced_config, has_tma, make_plan, statement_config, store_tuned_config
 from jinsum.timing import time_calls
 
 
 def candidate_configs(spec: Spec) -> list[KernelConfig]:
-    """The configurations `autotune` tries for `spec` by default (the plan's default first). On GPUs with TMA,
-    dot plans also try their tiles read through descriptors."""
+    """The configurations `autotune` tries for `spec` by default (the route's default first). On GPUs with TMA,
+    dot plans also try their tiles read through descriptors; on sm_90, plans with a Hopper form
+    (`jinsum.kernels.grouped_hopper_fallback`) try its column tiles and stages too."""
     plan = make_plan(spec)
     if getattr(plan, "template", None) == "dot":
+        default = statement_config()
+        hopper = []
+        if default.hopper and make_plan(spec, default).config.hopper:
+            hopper = [dataclasses.replace(default, block_n=bn, num_stages=s) for bn, s in
+                      [(0, 0), (128, 0), (256, 2), (128, 3)]]
         tiles = [(0, 0, 0, ""), (128, 4, 2, "rows"), (256, 8, 3, "rows"), (128, 4, 2, "owned"), (256, 8, 1, "split"),
                  (128, 4, 1, "split")]
-        return [KernelConfig(block_n=bn, num_warps=w, num_stages=s, schedule=schedule, descriptors=tma)
-                for tma in (False, True)[:1 + has_tma()] for bn, w, s, schedule in tiles]
+        return hopper + [KernelConfig(block_n=bn, num_warps=w, num_stages=s, schedule=schedule, descriptors=tma)
+                         for tma in (False, True)[:1 + has_tma()] for bn, w, s, schedule in tiles]
     return [KernelConfig(block=b, window=win, num_warps=w, num_stages=s, schedule=schedule)
             for b, win, w, s, schedule in [(0, 0, 0, 0, ""), (0, 4, 0, 1, "split"), (0, 8, 0, 1, "split"),
                                            (0, 16, 0, 1, "split"), (0, 4, 0, 1, "owned"), (0, 1, 0, 2, "rows"),

@@ -5,7 +5,7 @@ statements, `jinsum._attention._chain_route` for chains), and every kernel is la
 (`jinsum._lowering._launch`: jax-triton, or Triton's interpreter for tests); the `@triton.jit` helpers every
 generated kernel imports are in `helpers`. On sm_90, kernels that have one take the Hopper form of the tile core:
 warp-specialised Gluon programs (`hopper`, the building blocks; `_chain_hopper`, the attention forward written over
-them). Reads only the notation (`jinsum._lang`).
+them; `_grouped_hopper`, grouped products). Reads only the notation (`jinsum._lang`).
 
 Hand-written kernels sit beside the generator: `knn_kernel` (`_knn`, the k nearest neighbours of `jinsum.nn.knn`,
 launched through `jinsum._lowering._knn`), imported on first use since it imports Triton, which is optional.
@@ -29,6 +29,7 @@ from jinsum.kernels._plan import Fallback as Fallback
 from jinsum.kernels._plan import KernelConfig as KernelConfig
 from jinsum.kernels._plan import KernelPlan as KernelPlan
 from jinsum.kernels._plan import canonical as canonical
+from jinsum.kernels._plan import grouped_hopper_fallback as grouped_hopper_fallback
 from jinsum.kernels._plan import make_plan as make_plan
 from jinsum.kernels._source import described as described
 from jinsum.kernels._source import generate as generate
@@ -39,6 +40,7 @@ from jinsum.kernels._tuned import chain_config as chain_config
 from jinsum.kernels._tuned import forced_config as forced_config
 from jinsum.kernels._tuned import has_tma as has_tma
 from jinsum.kernels._tuned import is_hopper as is_hopper
+from jinsum.kernels._tuned import statement_config as statement_config
 from jinsum.kernels._tuned import store_tuned_config as store_tuned_config
 from jinsum.kernels._tuned import tuned_config as tuned_config
 

@@ -26,7 +26,8 @@ from jinsum._lang import Var
 from jinsum.kernels._chain_plan import (HOPPER_ROWS, LN2, LOG2E, ChainPlan, chain_inputs, chain_outputs, scratch_shapes,
                                         tiled_dims)
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
-from jinsum.kernels._source import DESCRIPTOR_BYTES, offset
+from jinsum.kernels._plan import DESCRIPTOR_BYTES
+from jinsum.kernels._source import offset
 
 DESCRIBED = ("Q", "K", "V", "O")  # a TMA descriptor each
 # Descriptors a program makes: the producer's three and each consumer's output one (`hopper.attention_rows`).

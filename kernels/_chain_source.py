@@ -22,8 +22,8 @@ from jinsum.kernels._chain_hopper import generate_hopper_chain, hopper_scratch
 from jinsum.kernels._chain_plan import (LN2, LOG2E, SUMS, ChainPlan, chain_inputs, chain_outputs, chain_sizes,
                                         scratch_shapes)
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
-from jinsum.kernels._plan import INT32_LIMIT, PRECISE_FLOAT32
-from jinsum.kernels._source import DESCRIPTOR_BYTES, offset
+from jinsum.kernels._plan import DESCRIPTOR_BYTES, INT32_LIMIT, PRECISE_FLOAT32
+from jinsum.kernels._source import offset
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'

@@ -56,6 +56,7 @@ from jinsum._lang import Access, Spec, Var, map_statement, variables, walk
 # factor's high and low parts (near float32's error), not "ieee", which Triton runs on CUDA cores. H200, attention
 # fwd+bwd, 8 x 2,048 x 4 heads of 64, causal: bfloat16 0.38 ms, TF32 1.07 ms, "ieee" 69 ms (its dK/dV kernel 46).
 PRECISE_FLOAT32 = "tf32x3"
+DESCRIPTOR_BYTES = 128  # a TMA descriptor in Triton's global scratch (the statements' and the attention chains')
 # Operand element counts at or above this need 64-bit offsets.
 INT32_LIMIT = 2**31 - 1
 # Lanes plans this narrow (lanes per program) take the `tile` schedule by default, and their row tile (if any)
@@ -92,6 +93,10 @@ CHUNK_ELEMENTS = 1 << 22
 # output tiles) takes windows of groups instead, about this many (twice an H100's 132 SMs). HeteroLinear, 16 types
 # (4,889 to 77,382 rows each), 256 x 256, H200: 32 row programs 1.32 ms, 258 windows of 16 groups 0.107 ms.
 SPLIT_ROW_PROGRAMS = 264
+# The Hopper form's group sizes (one consumer warpgroup's 64 rows of wgmma, or both consumers' 128), and the shared
+# memory its ring and output tiles may take (227 KiB a program, less Triton's barriers and a margin).
+HOPPER_GROUP_ROWS = (64, 128)
+HOPPER_SHARED_MEMORY = 225 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +118,11 @@ class KernelConfig:
     # (`kernels._source.described`), rather than by pointers: asynchronous copies into shared memory that Triton
     # pipelines and feeds to wgmma. Off by default (slower on SparseLinear's 32 x 32 blocks); `autotune` tries it.
     descriptors: bool = False
+    # The Hopper form of the tile core (`jinsum.kernels.hopper`, Gluon, sm_90) for the plans that have one
+    # (`grouped_hopper_fallback`): a grouped product's persistent warp-specialised programs, at most `programs`
+    # (the GPU's SMs). The route sets both on sm_90; plans without the form keep the Triton one.
+    hopper: bool = False
+    programs: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,8 +316,12 @@ class KernelPlan:
 
     @property
     def grid_shape(self) -> tuple[int, int]:
-        """(programs over the grid variables and windows, programs over output tiles)."""
+        """(programs over the grid variables and windows, programs over output tiles); the Hopper form's
+        persistent programs walk every (group, column tile) on one axis."""
         extent = self.spec.extent
+        if self.config.hopper:
+            items = extent[self.window] * _ceil(extent[self.dot.n], self.config.block_n)
+            return min(items, self.config.programs or items), 1
         programs = self.windows * int(np.prod([extent[v] for v in self.grid], dtype=np.int64))
         if self.template == "dot":
             tiles = _ceil(extent[self.dot.m], self.config.block_m) * _ceil(extent[self.dot.n], self.config.block_n)
@@ -417,6 +431,12 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
             and (dot or not _carriable(spec, lanes, rows, write, grid, write_loops))):
         config = dataclasses.replace(config, schedule="owned")  # every row written by one program: no atomics
 
+    if config.hopper:
+        plan = KernelPlan(spec, "dot", None, None, dot, tuple(grid), window, write_loops, loops, write, config,
+                          np.dtype(spec.lhs.dtype)) if dot else None
+        if plan is not None and not grouped_hopper_fallback(plan):
+            return dataclasses.replace(plan, config=_hopper_config(spec, dot, config))
+        config = dataclasses.replace(config, hopper=False)
     given, config = config, default_config(spec, dot, tiles, config)
     chunks = 1
     if dot and write == "update" and summing and not spec.deterministic and spec.epilogue is None:
@@ -446,6 +466,62 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     if programs > INT32_LIMIT or tile_programs > 65535:
         return Fallback(f"the grid ({programs} x {tile_programs} programs) exceeds CUDA's launch limits")
     return plan
+
+
+def grouped_hopper_fallback(plan: KernelPlan) -> str:
+    """Why `plan` has no Hopper form ("" if it has one). The form is a grouped product: a dot plan whose groups are
+    tiles of its output's rows, each times its group's matrix, into zeros,
+    `H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n]` (the rows gathered) or `H[g,p,n] += X[g,p,k] * W[Ai[g],k,n]` (in
+    grouped order), the matrices stored either way round (`W[Ai[g],n,k]`: an input gradient's products), in 16-bit
+    floats, an epilogue or none: a mixture of experts' projections and HeteroLinear."""
+    spec, dot = plan.spec, plan.dot
+    statement = spec.statement
+    if plan.template != "dot":
+        return "no Tensor Core product"
+    if not (plan.write == "update" and spec.zero_lhs and statement.reduction == "sum" and not spec.winners
+            and not plan.grid and not plan.write_loops and not plan.loops and len(statement.factors) == 2):
+        return "not a grouped product into zeros"
+    g, m, n, k = plan.window, dot.m, dot.n, dot.k
+    a, b = statement.factors[dot.a], statement.factors[dot.b]
+    gathered = len(a.indices) == 2 and _through(a.indices[0], g, m) and _named(a.indices[1:]) == [k]
+    if not ((gathered or _named(a.indices) == [g, m, k]) and len(b.indices) == 3 and _through(b.indices[0], g)
+            and _named(b.indices[1:]) in ([k, n], [n, k]) and _named(statement.lhs.indices) == [g, m, n]):
+        return "not a grouped product (H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n], or W[Ai[g],n,k])"
+    dtypes = {str(spec.operand[t].dtype) for t in (a.tensor, b.tensor, spec.lhs.name)}
+    if len(dtypes) != 1 or not dtypes <= {"bfloat16", "float16"}:
+        return f"{'/'.join(sorted(dtypes))} products (the Hopper form multiplies 16-bit floats)"
+    extent = spec.extent
+    if extent[m] not in HOPPER_GROUP_ROWS:
+        return f"groups of {extent[m]} rows (the Hopper form's are {' or '.join(map(str, HOPPER_GROUP_ROWS))})"
+    if extent[k] % 64:
+        return f"a reduction of {extent[k]} (the Hopper form's is a multiple of 64)"
+    if extent[n] % 8:
+        return f"{extent[n]} columns (the Hopper form's are a multiple of 8: 16-byte rows for TMA)"
+    if max(extent[g] * extent[m], spec.operand[b.tensor].shape[0] * max(extent[n], extent[k])) \
+            * max(extent[n], extent[k]) > INT32_LIMIT:
+        return "operands past 32-bit element offsets"
+    return ""
+
+
+def _named(indices) -> list[str | None]:
+    """The variables of plain indices, None for the others."""
+    return [i.name if isinstance(i, Var) else None for i in indices]
+
+
+def _through(index, *names: str) -> bool:
+    """`index` reads an index array at plain variables `names` (`Ak[g,p]`)."""
+    return isinstance(index, Access) and _named(index.indices) == list(names)
+
+
+def _hopper_config(spec: Spec, dot: DotRoles, config: KernelConfig) -> KernelConfig:
+    """The Hopper form's tiles: a group's rows by up to 256 columns, k tiles of 64, and as many stages as fit in
+    shared memory with the two consumers' output tiles."""
+    rows, columns = spec.extent[dot.m], spec.extent[dot.n]
+    block_n = config.block_n or (64 if columns <= 64 else 128 if columns <= 128 else 256)
+    stage, outputs = (rows + block_n) * 64 * 2, 2 * 64 * block_n * 2
+    stages = config.num_stages or min(5, (HOPPER_SHARED_MEMORY - outputs) // stage)
+    return dataclasses.replace(config, block_m=rows, block_n=block_n, block_k=64, num_warps=4, num_stages=stages,
+                               window=1, k_chunks=1, schedule="")
 
 
 def _carriable(spec: Spec, lanes: str | None, rows: str | None, write: str, grid: tuple[str, ...],

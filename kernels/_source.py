@@ -18,7 +18,8 @@ import numpy as np
 
 from jinsum._lang import Access, Var, variables
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
-from jinsum.kernels._plan import INT32_LIMIT, PRECISE_FLOAT32, UNROLL_LIMIT, KernelPlan
+from jinsum.kernels._grouped_hopper import generate_grouped_hopper, grouped_scratch
+from jinsum.kernels._plan import DESCRIPTOR_BYTES, INT32_LIMIT, PRECISE_FLOAT32, UNROLL_LIMIT, KernelPlan
 
 _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
                   "float64": "tl.float64"}
@@ -31,24 +32,27 @@ _IDENTITIES = {"max": 'float("-inf")', "min": 'float("inf")'}
 FIXUP_TILE = 2048
 
 
-DESCRIPTOR_BYTES = 128  # a TMA descriptor in Triton's global scratch (the statements' and the attention chains')
 MAX_BOX = 256  # TMA's largest box side, in elements
 
 
 def generate(plan: KernelPlan) -> str:
-    """The Python source of a module defining the kernel `kernel_name(plan)` for `plan`."""
+    """The Python source of a module defining the kernel `kernel_name(plan)` for `plan`: its Hopper form where the
+    plan has it (`jinsum.kernels._grouped_hopper`), else its Triton form."""
+    if plan.config.hopper:
+        return generate_grouped_hopper(plan, kernel_name(plan), kernel_inputs(plan))
     return _Writer(plan).module()
 
 
 def kernel_name(plan: KernelPlan) -> str:
     """`jinsum_<template>_<write>`, what a profile shows; kernels that make TMA descriptors end in `_tma` (their
-    launch differs: `jinsum._lowering._launch` refuses one name launched both ways)."""
-    return f"jinsum_{plan.template}_{plan.write}" + ("_tma" if described(plan) else "")
+    launch differs: `jinsum._lowering._launch` refuses one name launched both ways), Hopper forms in `_hopper`."""
+    return f"jinsum_{plan.template}_{plan.write}" + ("_hopper" if plan.config.hopper else
+                                                     "_tma" if described(plan) else "")
 
 
 def kernel_scratch(plan: KernelPlan) -> int:
     """Global scratch bytes a program of the kernel needs (its TMA descriptors), for the launcher."""
-    return DESCRIPTOR_BYTES * len(described(plan))
+    return grouped_scratch(plan) if plan.config.hopper else DESCRIPTOR_BYTES * len(described(plan))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,18 @@ def chain_config() -> ChainConfig:
     return forced if isinstance(forced, ChainConfig) else ChainConfig(descriptors=has_tma(), hopper=is_hopper())
 
 
+def statement_config() -> KernelConfig:
+    """The configuration statements are lowered with where none is forced or stored: the plans' defaults, in the
+    Hopper form of the tile core on sm_90 where a plan has one (persistent programs, one per SM)."""
+    return KernelConfig(hopper=True, programs=_multiprocessors()) if is_hopper() else KernelConfig()
+
+
+@functools.lru_cache(maxsize=1)
+def _multiprocessors() -> int:
+    """The default GPU's streaming multiprocessors (132 on an H100 or H200 where the device does not say)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 @functools.lru_cache(maxsize=1)
 def has_tma() -> bool:
     """Whether the default device is a GPU with TMA (Hopper and later)."""

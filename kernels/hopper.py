@@ -1,7 +1,8 @@
 """The Hopper form of the tile core, in Gluon (`triton.experimental.gluon`): warp-specialised programs for sm_90.
 
-What the fastest Hopper kernels share (FlashAttention-3, cuDNN), written once for the generated kernels that import
-it (`jinsum.kernels._chain_hopper` writes the attention chain's forward over these):
+What the fastest Hopper kernels share (FlashAttention-3, cuDNN, CUTLASS's grouped GEMM), written once for the
+generated kernels that import it (`jinsum.kernels._chain_hopper` writes the attention chain's forward over
+`attention_rows`, `jinsum.kernels._grouped_hopper` grouped products over `grouped_rows`):
 
 - a **producer** warp issues TMA loads of the next tiles into a ring of shared-memory stages; each stage has a
   "full" mbarrier (the load landed: a transaction count) and an "empty" one (every consumer is done with it);
@@ -24,8 +25,8 @@ overlap. Gluon kernels have no interpreter: they are tested on the GPU (`pytest 
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                                warpgroup_mma, warpgroup_mma_wait)
 
 # The register budgets of the partitions (`setmaxnreg`: the consumers take nearly all). Each consumer warpgroup
 # owns 64 query rows (wgmma's M per warpgroup; 128 rows spill at head size 128), two consumers a program.
@@ -244,3 +245,206 @@ def store_rows(acc, l_i, q_tile, o_desc, o_row):
     for i in gl.static_range(acc.shape[1] // 64):
         tma.async_copy_shared_to_global(o_desc, [o_row, 64 * i], q_tile.slice(64 * i, 64, dim=1))
     tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Grouped products: `H[g, p, n] = epilogue(sum_k X[slot (g, p), k] * W[Ai[g], k, n])`
+# ----------------------------------------------------------------------------------------------------------------------
+# The producer gathering rows (cp.async) holds each row's pointer and mask: four warps, and more registers than a
+# TMA-only producer's 24 (24 spill).
+GATHER_REGISTERS = gl.constexpr(40)
+GATHER_CONSUMER_REGISTERS = gl.constexpr(232)  # (4 x 128 x 232 + 4 x 32 x 40 <= 64 K registers)
+# Concurrent programs walk super-blocks of this many consecutive groups times every column tile, groups fastest:
+# the groups of one expert are consecutive, so programs running at once share its weight tiles (and their rows) in L2.
+GROUPS_TOGETHER = gl.constexpr(16)
+
+
+@gluon.constexpr_function
+def _producer_warps(gather):
+    return 4 if gather else 1
+
+
+@gluon.constexpr_function
+def _producer_registers(gather):
+    return GATHER_REGISTERS.value if gather else PRODUCER_REGISTERS.value
+
+
+@gluon.constexpr_function
+def _consumer_registers(gather):
+    return GATHER_CONSUMER_REGISTERS.value if gather else CONSUMER_REGISTERS.value
+
+
+@gluon.constexpr_function
+def _gather_layout(warps):
+    """cp.async of a `[rows, 64]` 16-bit tile: 16 contiguous bytes per thread, 8 threads per row."""
+    return gl.BlockedLayout([1, 8], [4, 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def group_tile(item, G: gl.constexpr, TILES: gl.constexpr):
+    """Work item `item` -> (group, column tile) (see `GROUPS_TOGETHER`)."""
+    per = GROUPS_TOGETHER * TILES
+    first = (item // per) * GROUPS_TOGETHER
+    rows = gl.minimum(G - first, GROUPS_TOGETHER)
+    local = item % per
+    return first + local % rows, local // rows
+
+
+@gluon.jit
+def _group_producer(x_ptr, slots_ptr, w_ptr, experts_ptr, smem, bars, G: gl.constexpr, ROWS: gl.constexpr,
+                    EXPERTS: gl.constexpr, K: gl.constexpr, N: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, GATHER: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """Fills the ring with each work item's k tiles: `[P, 64]` of the rows (gathered by cp.async, or one TMA box of
+    rows in grouped order) and `[64, BLOCK_N]` of the group's weight matrix (TMA, in 64-column boxes)."""
+    a_smem, w_smem, out_smem = smem
+    full, empty, turn = bars
+    # The weights seen as (EXPERTS * K, N), or (EXPERTS * N, K) stored transposed: a k tile never crosses experts
+    # (K % 64 == 0), and an expert out of range (rows outside the view) is read as zeros, as jinsum reads
+    # out-of-range indices. (Transposed, a column tile past N reads the next expert's rows: columns no store writes.)
+    if TRANSPOSED:
+        w_desc = tma.make_tensor_descriptor(w_ptr, shape=[EXPERTS * N, K], strides=[K, 1], block_shape=[BLOCK_N, 64],
+                                            layout=w_smem.layout)
+        W_ROWS: gl.constexpr = N
+    else:
+        w_desc = tma.make_tensor_descriptor(w_ptr, shape=[EXPERTS * K, N], strides=[N, 1], block_shape=[64, 64],
+                                            layout=w_smem.layout)
+        W_ROWS: gl.constexpr = K
+    W_BYTES: gl.constexpr = 64 * BLOCK_N * w_smem.dtype.primitive_bitwidth // 8
+    if not GATHER:
+        a_desc = tma.make_tensor_descriptor(x_ptr, shape=[G * P, K], strides=[K, 1], block_shape=[P, 64],
+                                            layout=a_smem.layout)
+    TILES: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    step = 0
+    for item in range(gl.program_id(0), G * TILES, gl.num_programs(0)):
+        g, tile = group_tile(item, G, TILES)
+        w_row = gl.load(experts_ptr + g).to(gl.int64) * W_ROWS
+        w_row = gl.where((w_row >= 0) & (w_row < EXPERTS * W_ROWS), w_row, EXPERTS * W_ROWS).to(gl.int32)
+        if GATHER:
+            layout: gl.constexpr = _gather_layout(gl.num_warps())
+            row = gl.load(slots_ptr + g * P + gl.arange(0, P, layout=gl.SliceLayout(1, layout)))
+            present = gl.expand_dims((row >= 0) & (row < ROWS), 1)  # padding (-1) and rows out of range read 0
+            row_ptr = gl.expand_dims(x_ptr + gl.where(row >= 0, row, 0).to(gl.int64) * K, 1)
+            columns = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, layout)), 0)
+        for k in range(K // 64):
+            stage = step % STAGES
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)  # (starts "phase 1 complete")
+            if GATHER:
+                mbarrier.expect(full.index(stage), W_BYTES)
+                async_copy.async_copy_global_to_shared(a_smem.index(stage), row_ptr + (k * 64 + columns),
+                                                       mask=present)
+                # Every producer thread arrives once its copies land (the barrier counts them)
+                async_copy.mbarrier_arrive(full.index(stage), increment_count=False)
+            else:
+                mbarrier.expect(full.index(stage), W_BYTES + a_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(a_desc, [g * P, k * 64], full.index(stage), a_smem.index(stage))
+            if TRANSPOSED:
+                tma.async_copy_global_to_shared(w_desc, [w_row + tile * BLOCK_N, k * 64], full.index(stage),
+                                                w_smem.index(stage))
+            else:
+                for i in gl.static_range(BLOCK_N // 64):  # (one copy a box: see `store_rows`)
+                    tma.async_copy_global_to_shared(w_desc, [w_row + k * 64, tile * BLOCK_N + 64 * i],
+                                                    full.index(stage), w_smem.index(stage).slice(64 * i, 64, dim=1))
+            step += 1
+
+
+@gluon.jit
+def _group_consumer(c: gl.constexpr, out_ptr, smem, bars, context, epilogue_fn: gl.constexpr, G: gl.constexpr,
+                    K: gl.constexpr, N: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    GATHER: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """Consumer `c`: with 128-row groups, rows `[64 c, 64 c + 64)` of every item (both read each stage); with
+    64-row groups, every other item, whole, in turns with the other consumer (whose epilogue then runs under this
+    one's products)."""
+    a_smem, w_smem, out_smem = smem
+    full, empty, turn = bars
+    TOGETHER: gl.constexpr = P == 128
+    ROW0: gl.constexpr = 64 * c if TOGETHER else 0
+    TILES: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    out_tile = out_smem.index(c)
+    out_desc = tma.make_tensor_descriptor(out_ptr, shape=[G * P, N], strides=[N, 1], block_shape=[64, 64],
+                                          layout=out_smem.layout)
+    acc = gl.zeros([64, BLOCK_N], gl.float32, mma_layout(BLOCK_N))
+    j = 0  # the program's items
+    for item in range(gl.program_id(0), G * TILES, gl.num_programs(0)):
+        if TOGETHER or j % 2 == c:
+            g, tile = group_tile(item, G, TILES)
+            step = j * (K // 64)
+            if not TOGETHER:
+                mbarrier.wait(turn.index(c), (j // 2) & 1)  # the other consumer has issued its products
+            for k in range(K // 64):
+                stage = step % STAGES
+                mbarrier.wait(full.index(stage), (step // STAGES) & 1)
+                if GATHER:
+                    fence_async_shared()  # the producer's cp.async writes (generic proxy) before wgmma reads them
+                a = a_smem.index(stage)
+                if TOGETHER:
+                    a = a.slice(ROW0, 64, dim=0)
+                b = w_smem.index(stage)
+                if TRANSPOSED:
+                    b = b.permute((1, 0))
+                token = warpgroup_mma(a, b, acc, use_acc=k > 0, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(token, ))  # the previous step's product has retired
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=k > 0)
+                step += 1
+            if not TOGETHER:
+                mbarrier.arrive(turn.index(1 - c), count=1)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+            value = epilogue_fn(acc, g, ROW0, tile * BLOCK_N, context)
+            tma.store_wait(0)  # the previous item's store has read the tile
+            out_tile.store(value.to(out_smem.dtype))
+            fence_async_shared()
+            for i in gl.static_range(BLOCK_N // 64):
+                tma.async_copy_shared_to_global(out_desc, [g * P + ROW0, tile * BLOCK_N + 64 * i],
+                                                out_tile.slice(64 * i, 64, dim=1))
+        j += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_rows(x_ptr, slots_ptr, w_ptr, experts_ptr, out_ptr, context, epilogue_fn: gl.constexpr, G: gl.constexpr,
+                 ROWS: gl.constexpr, EXPERTS: gl.constexpr, K: gl.constexpr, N: gl.constexpr, P: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """`out (G, P, N)`: group `g`'s `P` rows times its weight matrix `w[experts[g]]` (`w`: `(EXPERTS, K, N)`, or
+    `(EXPERTS, N, K)` where `TRANSPOSED`: an input gradient's product by the transposed weights),
+    then `epilogue_fn(acc, g, row0, n0, context)` on each consumer's `64 x BLOCK_N` float32 tile (rows from `row0`
+    within the group, columns from `n0`). The rows are `x[slots[g, p]]` (`x`: `(ROWS, K)`; a slot out of range,
+    padding's -1, reads zeros) where `GATHER`, else `x`'s own rows `g * P + p` (`(G * P, K)`, grouped order).
+
+    A persistent program (the grid at most one per SM) walks the items (group, column tile) `group_tile` orders:
+    a producer (TMA for the weights, and for the rows unless gathered: then cp.async from four warps) fills a ring
+    of `STAGES` stages; two consumer warpgroups issue asynchronous wgmma, keeping one in flight, and store their
+    tiles through shared memory by TMA, the store draining under the next item's products. Launched with
+    `num_warps=4`: the compiled kernel has 12."""
+    gl.static_assert(gl.num_warps() == 4, "launch with num_warps=4: the default partition is one consumer")
+    gl.static_assert((P == 128) | (P == 64), "a group is one tile of 128 or 64 rows")
+    gl.static_assert(K % 64 == 0, "k tiles of 64 (a 128-byte row of 16-bit elements) within one expert")
+    dtype: gl.constexpr = x_ptr.dtype.element_ty
+    a_smem = gl.allocate_shared_memory(dtype, [STAGES, P, 64], gl.NVMMASharedLayout.get_default_for([P, 64], dtype))
+    if TRANSPOSED:
+        w_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, 64],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], dtype))
+    else:
+        w_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    out_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        # full: the weights' expect-tx arrival, and when gathering one arrival per producer thread (4 warps)
+        mbarrier.init(full.index(i), count=129 if GATHER else 1)
+        mbarrier.init(empty.index(i), count=2 if P == 128 else 1)  # one arrival per consumer reading the stage
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    mbarrier.arrive(turn.index(0), count=1)  # (64-row groups) consumer 0 issues first
+    smem = (a_smem, w_smem, out_smem)
+    bars = (full, empty, turn)
+    gl.warp_specialize([
+        (_group_consumer, (0, out_ptr, smem, bars, context, epilogue_fn, G, K, N, P, BLOCK_N, STAGES, GATHER,
+                           TRANSPOSED)),
+        (_group_consumer, (1, out_ptr, smem, bars, context, epilogue_fn, G, K, N, P, BLOCK_N, STAGES, GATHER,
+                           TRANSPOSED)),
+        (_group_producer, (x_ptr, slots_ptr, w_ptr, experts_ptr, smem, bars, G, ROWS, EXPERTS, K, N, P, BLOCK_N,
+                           STAGES, GATHER, TRANSPOSED)),
+    ], [4, _producer_warps(GATHER)], [_consumer_registers(GATHER), _producer_registers(GATHER)])

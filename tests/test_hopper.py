@@ -11,7 +11,9 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +21,13 @@ import pytest
 import jinsum
 from jinsum._attention._api import build_chain
 from jinsum._attention._chain_route import route_chain
-from jinsum.kernels import ChainConfig, chain_inputs, chain_kernel_name, chain_outputs, generate_chain, hopper_fallback
+from jinsum._frontend import _einsum
+from jinsum._lang import _elementwise, epilogue_names
+from jinsum._lowering._route import route
+from jinsum._rules import _primitive
+from jinsum.kernels import (ChainConfig, KernelConfig, chain_inputs, chain_kernel_name, chain_outputs, generate,
+                            generate_chain, grouped_hopper_fallback, hopper_fallback, kernel_inputs, kernel_name,
+                            kernel_scratch, statement_config)
 
 triton = pytest.importorskip("triton")
 HOPPER = ChainConfig(descriptors=True, hopper=True)
@@ -72,9 +80,14 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon._runtime import GluonASTSource
 from jinsum.kernels import load_kernel
 
-source, signature = sys.stdin.read().split("\\n#SIGNATURE\\n")
+source, signature, constants = sys.stdin.read().split("\\n#SIGNATURE\\n")
 kernel = load_kernel(source)
-compiled = triton.compile(GluonASTSource(kernel, signature=json.loads(signature), constexprs={}),
+signature, constants = json.loads(signature), json.loads(constants)
+signature |= {name: "constexpr" for name in constants}
+# (as the launcher compiles: XLA's buffers are 16-byte aligned)
+attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+         if kind.startswith("*")}
+compiled = triton.compile(GluonASTSource(kernel, signature=signature, constexprs=constants, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 ptxas = get_ptxas(90).path
 with tempfile.TemporaryDirectory() as folder:
@@ -89,8 +102,17 @@ print(json.dumps(dict(warps=compiled.metadata.num_warps, scratch=compiled.metada
 """
 
 
-def _compiled(chain) -> dict:
-    """The generated Hopper kernel compiled for sm_90a (no GPU needed), assembled by ptxas -v and disassembled."""
+def _compiled(source: str, signature: dict, constants: dict | None = None) -> dict:
+    """A generated Gluon kernel compiled for sm_90a (no GPU needed), assembled by ptxas -v and disassembled."""
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], input=f"{source}\n#SIGNATURE\n{json.dumps(signature)}"
+                          f"\n#SIGNATURE\n{json.dumps(constants or {})}",
+                          capture_output=True, text=True, env=environment, timeout=600)
+    assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _compiled_chain(chain) -> dict:
     plan = route_chain(chain, HOPPER).plan("forward")
     operand = chain.operand
     signature = {f"p_{n}": _TYPES[str(operand[n].dtype)] if n in operand else _TYPES["int32"]
@@ -99,11 +121,13 @@ def _compiled(chain) -> dict:
     signature.update({f"o_{n}": _TYPES[str(operand[n].dtype)] if n in operand else _TYPES["float32"]
                       for n in chain_outputs(plan)})
     signature["scratch"] = "*u8"
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE], input=f"{generate_chain(plan)}\n#SIGNATURE\n"
-                          f"{json.dumps(signature)}", capture_output=True, text=True, env=environment, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
+    return _compiled(generate_chain(plan), signature)
+
+
+def _spills(compiled: dict) -> int:
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", compiled["assembler"])
+    assert found, compiled["assembler"]
+    return max(map(int, found.groups()))
 
 
 def _overlapped_exponentials(sass: str) -> list[int]:
@@ -127,14 +151,132 @@ def _overlapped_exponentials(sass: str) -> list[int]:
     dict(dtype=jnp.float16, kv_heads=4, batch=2, score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j)),
 ], ids=["bf16-gqa", "fp16-batch-score_mod"])
 def test_the_hopper_kernel_compiles_to_warp_specialised_wgmma_without_spills(options):
-    compiled = _compiled(_chain(**options))
+    compiled = _compiled_chain(_chain(**options))
     sass = compiled["sass"]
     assert compiled["warps"] == 12  # a consumer warpgroup, a second one and the producer's
     assert compiled["scratch"] == 640  # five TMA descriptors per program: three the producer's, one each consumer's
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", compiled["assembler"])
     # No tile in local memory: at most a few scalars (a score_mod's position tiles crowd the consumers' registers,
     # which then park some of the epilogue's pointers: 40 bytes with the one here, none without).
-    assert spills and max(map(int, spills.groups())) <= (64 if "score_mod" in options else 0), compiled["assembler"]
+    assert _spills(compiled) <= (64 if "score_mod" in options else 0), compiled["assembler"]
     assert "HGMMA" in sass and "UTMALDG" in sass and "USETMAXREG" in sass
     overlapped = _overlapped_exponentials(sass)
     assert overlapped and min(overlapped) >= 64, overlapped  # a tile's 64 exponentials (per thread) overlap
+
+
+# ---- grouped products (a mixture of experts' projections, HeteroLinear) ----------------------------------------------
+GROUPED_HOPPER = KernelConfig(hopper=True, programs=132)
+_GATHERED = "H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]"
+_IN_ORDER = "O[g,p,n] += H[g,p,h] * W[Ai[g],h,n]"
+_TRANSPOSED = "O[g,p,n] += H[g,p,h] * W[Ai[g],n,h]"
+_SCALES = jnp.linspace(0.5, 1.5, 6)  # (a captured array: a group's scale)
+
+
+def _grouped_route(expression=_GATHERED, dtype=jnp.bfloat16, groups=6, rows=128, k=256, n=384, epilogue=None,
+                   config=GROUPED_HOPPER):
+    experts = np.arange(groups, dtype=np.int32) * 3 // groups
+    operands = dict(Ai=experts, W=jnp.zeros((3, n, k) if expression == _TRANSPOSED else (3, k, n), dtype))
+    if expression == _GATHERED:
+        operands |= dict(Ak=np.zeros((groups, rows), np.int32), X=jnp.zeros((500, k), dtype),
+                         H=jax.ShapeDtypeStruct((groups, rows, n), dtype))
+    else:
+        operands |= dict(H=jnp.zeros((groups, rows, k), dtype), O=jax.ShapeDtypeStruct((groups, rows, n), dtype))
+    statement, arrays, flags = _einsum.prepare(expression, operands, sorted_indices=("Ai",), allow_tf32=None)
+    if epilogue is not None:
+        traced, captured = _elementwise.trace(epilogue, "epilogue", "test", len(statement.lhs.indices))
+        arrays.update(zip(epilogue_names(len(captured)), captured))
+        spec = _primitive.make_spec(statement, arrays, epilogue=traced, **flags)
+    else:
+        spec = _primitive.make_spec(statement, arrays, **flags)
+    with mock.patch.dict(os.environ, JINSUM_SMALL_TERMS="0"):
+        return route(spec, config=config)
+
+
+def test_the_route_gives_grouped_products_their_hopper_form_on_sm90_only():
+    for expression in (_GATHERED, _IN_ORDER):
+        found = _grouped_route(expression)
+        plan = found.plan
+        assert plan.config.hopper and kernel_name(plan) == "jinsum_dot_update_hopper"
+        source = generate(plan)
+        assert "@gluon.jit" in source and "grouped_rows(" in source
+        assert f"GATHER={expression == _GATHERED}" in source
+        assert plan.grid_shape == (min(132, 6 * 2), 1)  # persistent programs over (group, column tile) items
+        assert kernel_scratch(plan) == 128 * (3 if expression == _GATHERED else 4)
+        triton_form = _grouped_route(expression, config=KernelConfig()).plan  # other GPUs, and the interpreter
+        assert not triton_form.config.hopper and "@triton.jit" in generate(triton_form)
+    assert statement_config() == KernelConfig()  # (no GPU here: the Triton form)
+
+
+@pytest.mark.parametrize("options, reason", [
+    (dict(dtype=jnp.float32), "float32 products"),
+    (dict(rows=32), "groups of 32 rows"),
+    (dict(k=96), "a reduction of 96"),
+    (dict(n=100), "100 columns"),
+])
+def test_grouped_products_outside_the_hopper_form_keep_the_triton_form_and_say_why(options, reason):
+    plan = _grouped_route(**options).plan
+    assert not plan.config.hopper and "@triton.jit" in generate(plan)
+    assert reason in grouped_hopper_fallback(plan)
+
+
+def test_an_input_gradient_stores_its_products_in_the_hopper_form_then_adds_them_into_rows():
+    expression = "dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]"
+    statement, arrays, flags = _einsum.prepare(
+        expression, dict(Ak=np.zeros((4, 128), np.int32), Ai=np.zeros(4, np.int32),
+                         dH=jnp.zeros((4, 128, 256), jnp.bfloat16), W=jnp.zeros((2, 128, 256), jnp.bfloat16),
+                         dX=jax.ShapeDtypeStruct((300, 128), jnp.bfloat16)),
+        sorted_indices=("Ai",), allow_tf32=None)
+    spec = _primitive.make_spec(statement, arrays, **flags)
+    with mock.patch.dict(os.environ, JINSUM_SMALL_TERMS="0"):
+        found = route(spec, config=GROUPED_HOPPER)
+        products, scatter = found.pairwise
+        assert str(products.statement) == "products[g,p,c] += dH[g,p,h] * W[Ai[g],c,h]"
+        assert str(scatter.statement) == "dX[Ak[g,p],c] += products[g,p,c]"
+        plan = route(products, config=GROUPED_HOPPER).plan
+        assert plan.config.hopper and "TRANSPOSED=True" in generate(plan)
+        as_written = route(spec, config=KernelConfig())  # other GPUs: tiles added atomically
+        assert as_written.plan.write == "atomic" and not as_written.pairwise
+    assert grouped_hopper_fallback(as_written.plan) == "not a grouped product into zeros"
+
+
+def _compiled_grouped(found) -> dict:
+    plan = found.plan
+    spec = plan.spec
+    signature = {f"p_{n}": _TYPES[str(spec.operand[n].dtype if n in spec.operand else spec.epilogue.captures[
+        spec.epilogue_names.index(n)].dtype)] for n in kernel_inputs(plan)}
+    signature |= {"p_out": _TYPES[str(spec.lhs.dtype)], "scratch": "*u8"}
+    constants = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "WINDOW", "NUM_STAGES"),
+                         (plan.config.block_m, plan.config.block_n, 64, 1, plan.config.num_stages)))
+    constants |= plan.sizes
+    return _compiled(generate(plan), signature, constants)
+
+
+@pytest.mark.parametrize("expression, options", [
+    (_GATHERED, dict()),
+    (_GATHERED, dict(dtype=jnp.float16, rows=64, n=128, epilogue=lambda v, g, p, n: v * _SCALES[g] + n)),
+    (_IN_ORDER, dict()),
+    (_TRANSPOSED, dict(n=256)),
+], ids=["gathered-bf16", "gathered-fp16-64-rows-epilogue", "in-order-bf16", "transposed-bf16"])
+def test_the_grouped_hopper_kernel_compiles_to_warp_specialised_wgmma_without_spills(expression, options):
+    compiled = _compiled_grouped(_grouped_route(expression, **options))
+    sass = compiled["sass"]
+    gathered = expression == _GATHERED
+    assert compiled["warps"] == 12  # two consumer warpgroups and the producer's (4 warps, or 1 in a warpgroup)
+    assert compiled["scratch"] == 128 * (3 if gathered else 4)
+    assert _spills(compiled) == 0, compiled["assembler"]
+    assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass and "USETMAXREG" in sass
+    assert ("LDGSTS" in sass) == gathered  # the rows gathered by cp.async; in grouped order by TMA
+
+
+def test_autotune_tries_the_hopper_forms_knobs_on_sm90_where_the_plan_has_the_form(monkeypatch):
+    from jinsum import _autotune  # noqa: PLC0415
+
+    monkeypatch.setattr(_autotune, "statement_config", lambda: GROUPED_HOPPER)
+    monkeypatch.setattr(_autotune, "has_tma", lambda: True)
+    spec = _grouped_route().spec
+    tried = _autotune.candidate_configs(spec)
+    hopper = [c for c in tried if c.hopper]
+    assert tried[0] == GROUPED_HOPPER and len({(c.block_n, c.num_stages) for c in hopper}) == len(hopper) > 1
+    assert any(not c.hopper and c.descriptors for c in tried)  # (the Triton form's candidates stay)
+    assert not any(c.hopper for c in _autotune.candidate_configs(_grouped_route(dtype=jnp.float32).spec))
+    monkeypatch.setattr(_autotune, "statement_config", lambda: KernelConfig())  # other GPUs
+    assert not any(c.hopper for c in _autotune.candidate_configs(spec))

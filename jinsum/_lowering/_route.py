@@ -26,7 +26,7 @@ import numpy as np
 from jinsum._lang import Access, Operand, Spec, Var, check, tensor_names, variables, walk
 from jinsum._rules import _derive, _deterministic
 from jinsum._rules._primitive import apply_epilogue, split_epilogue
-from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, tuned_config
+from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, statement_config, tuned_config
 
 # Below this many terms (the product of every variable's extent: rows x slots x features for an SpMM) a statement
 # runs on XLA's lowering on CUDA too: the launch cost more than the kernel saved (the crossover measured by
@@ -74,8 +74,9 @@ class Route:
 def plan_for(spec: Spec, config: KernelConfig | None = None) -> KernelPlan | Fallback:
     """The kernel plan for `spec`: of its canonical form (so statements that differ in names share a kernel;
     `plan.spec` names the operands `T0, T1, ...` in `spec.names` order), with `config`, else the tuned
-    configuration if `jinsum.autotune` stored one, else the defaults."""
-    return make_plan(canonical(spec), config or tuned_config(spec) or KernelConfig())
+    configuration if `jinsum.autotune` stored one, else the defaults (`statement_config`: the Hopper form on sm_90
+    where the plan has one)."""
+    return make_plan(canonical(spec), config or tuned_config(spec) or statement_config())
 
 
 def has_work(plan: KernelPlan) -> bool:
@@ -108,6 +109,8 @@ def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = Non
             and (split := contracted_first(spec)) is not None):
         return Route(spec, pairwise=split)
     if kernel and (split := gathered_first(spec, plan)) is not None:
+        return Route(spec, pairwise=split)
+    if kernel and (split := scattered_after(spec, plan, config)) is not None:
         return Route(spec, pairwise=split)
     # A carried `split` schedule adds each element's terms in a fixed order as it stands: no rewrite needed.
     rewritten = rewrite and _deterministic.rewritten(spec) and not (kernel and plan.carries)
@@ -181,6 +184,27 @@ def gathered_first(spec: Spec, plan: KernelPlan) -> tuple[Spec, Spec] | None:
     first, rest = _derive.gathered_first(statement, gathered[0], name)
     source = spec.operand[statement.factors[gathered[0]].tensor]
     return _checked_split(spec, first, rest, Operand(name, _intermediate_shape(first, spec), source.dtype))
+
+
+def scattered_after(spec: Spec, plan: KernelPlan, config: KernelConfig | None) -> tuple[Spec, Spec] | None:
+    """A Tensor Core plan adding its tiles atomically into rows through an index array, as two statements where the
+    products have the Hopper form (`jinsum.kernels.grouped_hopper_fallback`): each entry's row of products stored
+    in grouped order, then added into its row (`_derive.scattered_after`). A mixture of experts' input gradient,
+    `dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]`: `T[g,p,c] += dH[g,p,h] * W[Ai[g],c,h]` in the persistent
+    warp-specialised kernel, stored once in 16 bits, then `dX[Ak[g,p],c] += T[g,p,c]`, where the plan as written
+    adds every tile into float32 atomically and casts after. None elsewhere, and in deterministic mode (whose
+    rewrite of the scatter keeps its order)."""
+    statement = spec.statement
+    if not (plan.template == "dot" and plan.write == "atomic" and statement.reduction == "sum" and not spec.winners
+            and not spec.deterministic and isinstance(statement.lhs.indices[0], Access)
+            and all(isinstance(i, Var) for i in statement.lhs.indices[1:])):
+        return None
+    name = _derive.fresh_name("products", set(tensor_names(statement)))
+    first, rest = _derive.scattered_after(statement, name)
+    dtype = np.result_type(*(spec.operand[f.tensor].dtype for f in statement.factors))
+    split = _checked_split(spec, first, rest, Operand(name, _intermediate_shape(first, spec), np.dtype(dtype)))
+    products = plan_for(split[0], config)
+    return split if not isinstance(products, Fallback) and products.config.hopper else None
 
 
 def _checked_split(spec: Spec, first, rest, intermediate: Operand) -> tuple[Spec, Spec]:

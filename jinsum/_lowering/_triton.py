@@ -105,6 +105,9 @@ def interpret(spec: Spec, arrays: dict[str, np.ndarray], config: KernelConfig | 
         raise ValueError(f"jinsum: the kernel for {spec.statement} does not apply the epilogue (it runs after it)")
     if not found.kernel:
         raise ValueError(f"jinsum: no kernel for {spec.statement}: {found.reason}")
+    if found.plan.config.hopper:
+        raise ValueError(f"jinsum: the kernel for {spec.statement} is in the Hopper form (Gluon), which Triton's "
+                         "interpreter cannot run: pass a configuration without `hopper`")
     kernel_spec = found.plan.spec
     env = {kernel_name: np.asarray(arrays[name]) for kernel_name, name in
            zip(kernel_spec.names + kernel_spec.epilogue_names, spec.names + spec.epilogue_names)}

@@ -310,6 +310,21 @@ def gathered_first(statement: Statement, factor: int, name: str) -> tuple[Statem
     return Statement(intermediate, True, (node,)), dataclasses.replace(statement, factors=factors, source="")
 
 
+def scattered_after(statement: Statement, name: str) -> tuple[Statement, Statement]:
+    """A sum written through an index array, its products stored first into an intermediate, one row per entry.
+
+    `dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]` gives `T[g,p,c] += dH[g,p,h] * W[Ai[g],c,h]` and
+    `dX[Ak[g,p],c] += T[g,p,c]`. The intermediate is indexed by the index access's variables, then the left-hand
+    side's own, in order of first appearance.
+    """
+    lhs = statement.lhs
+    kept = list(dict.fromkeys(v for i in lhs.indices if isinstance(i, Access) for v in variables(i)))
+    kept += [i.name for i in lhs.indices if isinstance(i, Var) and i.name not in kept]
+    intermediate = Access(name, tuple(map(Var, kept)))
+    return (dataclasses.replace(statement, lhs=intermediate, source=""),
+            dataclasses.replace(statement, factors=(intermediate,), source=""))
+
+
 def at_winners(statement: Statement, coordinates: Mapping[str, str], tangent: str, factor: int) -> Statement:
     """The tangent term of the `factor`-th factor of a `max=` / `min=`, read at each output element's winner.
 
