@@ -173,3 +173,30 @@ def relative_error(actual, expected) -> float:
     """The largest difference of `actual` from `expected` over the largest magnitude of `expected`, in float64."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+# The two forms of a kernel (the Hopper form of the tile core against the Triton form), timed interleaved.
+BF16_PEAK = 989  # TFLOP/s, dense bf16 on an H100 or H200
+
+
+def record_forms(results: Results, workload: str, times: dict[str, float], outputs: dict[str, np.ndarray],
+                 flops: float, note: str = "") -> None:
+    """The rows of one workload in each form: ms, TFLOP/s and its share of the peak, and against the first form
+    its time ratio and largest difference."""
+    first = next(iter(times))
+    for form, seconds in times.items():
+        results.record(workload, form, seconds * 1e3, note=note, tflops=flops / seconds / 1e12,
+                       peak=flops / seconds / 1e12 / BF16_PEAK,
+                       speedup=times[form] / times[first] if form != first else None,
+                       diff=float(np.abs(outputs[form] - outputs[first]).max()) if form != first else None)
+
+
+def write_forms(results: Results, out: pathlib.Path, stem: str, title: str, script: str, calls: int) -> None:
+    """`out/<stem>_<device>.{md,csv}`: the rows of `record_forms`."""
+    columns = [WORKLOAD, SYSTEM, Column("ms", "ms", "{:.3f}"), Column("TFLOP/s", "tflops", "{:.0f}"),
+               Column(f"of the bf16 peak ({BF16_PEAK})", "peak", "{:.0%}"),
+               Column("time / Hopper form", "speedup", "{:.2f}"), Column("max abs diff", "diff", "{:.1e}"), NOTE]
+    write(out / f"{stem}_{device_file_name()}", f"{title} on {device_name()}",
+          [f"{versions_text()}; `{command(script)}`. ms: median of 7 interleaved rounds of {calls} back-to-back "
+           "calls (`jinsum.timing.time_interleaved`)."], columns, results.rows,
+          csv_fields=("workload", "system", "ms", "tflops", "speedup", "diff"))

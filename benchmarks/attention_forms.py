@@ -27,11 +27,9 @@ from jinsum.kernels import ChainConfig, forced_config
 from jinsum.kernels._chain_plan import HOPPER_HEADS
 from jinsum.timing import time_interleaved
 
-from _harness import (NOTE, SYSTEM, WORKLOAD, Column, Results, command, device_file_name, device_name, versions_text,
-                      write)
+from _harness import Results, record_forms, write_forms
 
 HERE = pathlib.Path(__file__).parent
-PEAK = 989  # TFLOP/s, dense bf16 on an H100 or H200
 FORMS = {"Hopper form (Gluon)": ChainConfig(descriptors=True, hopper=True),
          "Triton form": ChainConfig(descriptors=True)}
 
@@ -77,21 +75,9 @@ def main() -> None:
                 outputs[form] = np.asarray(attend(q, k, v), np.float32)
             calls[form] = lambda attend=attend: attend(q, k, v)
         times = time_interleaved(calls, calls=args.calls, rounds=7)
-        first = next(iter(FORMS))
         note = "" if dim in HOPPER_HEADS else f"heads of {dim}: the route keeps the Triton form (HOPPER_HEADS)"
-        for form, seconds in times.items():
-            results.record(name, form, seconds * 1e3, note=note, tflops=4 * pairs * dim * heads / seconds / 1e12,
-                           speedup=times[form] / times[first] if form != first else None,
-                           diff=float(np.abs(outputs[form] - outputs[first]).max()) if form != first else None)
-    for row in results.rows:
-        row["peak"] = row["tflops"] / PEAK
-    columns = [WORKLOAD, SYSTEM, Column("ms", "ms", "{:.3f}"), Column("TFLOP/s", "tflops", "{:.0f}"),
-               Column(f"of the bf16 peak ({PEAK})", "peak", "{:.0%}"), Column("time / Hopper form", "speedup", "{:.2f}"),
-               Column("max abs diff", "diff", "{:.1e}"), NOTE]
-    write(args.out / f"attention_forms_{device_file_name()}", f"The attention forward's two forms on {device_name()}",
-          [f"{versions_text()}; `{command(__file__)}`. ms: median of 7 interleaved rounds of {args.calls} "
-           "back-to-back calls (`jinsum.timing.time_interleaved`)."], columns, results.rows,
-          csv_fields=("workload", "system", "ms", "tflops", "speedup", "diff"))
+        record_forms(results, name, times, outputs, 4 * pairs * dim * heads, note)
+    write_forms(results, args.out, "attention_forms", "The attention forward's two forms", __file__, args.calls)
 
 
 if __name__ == "__main__":
