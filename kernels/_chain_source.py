@@ -24,22 +24,10 @@ from jinsum.kernels._chain_plan import (LN2, LOG2E, SUMS, ChainPlan, chain_input
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._plan import DESCRIPTOR_BYTES, INT32_LIMIT, PRECISE_FLOAT32
 from jinsum.kernels._source import offset
+from jinsum.kernels._tiles import View, box_load, make_descriptor
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'
-
-
-@dataclasses.dataclass(frozen=True)
-class _Described:
-    """A tensor read through a TMA descriptor, viewed as a row-major matrix of `rows x width` whose rows run
-    along tile axis `axes[0]` (dimension `dim` of the tensor) and whose last dimension is `axes[1]`: a tile is one
-    box of `box` elements, at the row of its indices up to `dim` and at the column of those after it."""
-
-    axes: tuple[str, str]
-    dim: int
-    rows: int
-    width: int
-    box: tuple[int, int]
 
 
 _DESCRIBED = {"forward": {"Q": ("m", "d"), "K": ("k", "d"), "V": ("k", "e")},
@@ -48,7 +36,7 @@ _DESCRIBED = {"forward": {"Q": ("m", "d"), "K": ("k", "d"), "V": ("k", "e")},
 
 
 @functools.lru_cache(maxsize=512)
-def described(plan: ChainPlan) -> dict[str, _Described]:
+def described(plan: ChainPlan) -> dict[str, View]:
     """The Tensor Core operands a kernel reads through TMA descriptors (with `ChainConfig.descriptors`): those
     whose tile is whole boxes of a row-major view. A tile must cover its block's rows and the feature axis in
     whole tiles (no edge masks: a box past them would read a neighbour's elements, not zeros), and TMA wants rows
@@ -72,12 +60,8 @@ def described(plan: ChainPlan) -> dict[str, _Described]:
         box = (block, plan.block_d if feature == "d" else plan.block_e)
         if size % block or shape[-1] != box[1] or (width * itemsize) % 16 or rows >= INT32_LIMIT:
             continue
-        found[name] = _Described((axis, feature), dim, rows, width, box)
+        found[name] = View((axis, feature), dim, str(rows), width, tuple(map(str, box)))
     return found
-
-
-def _times(position: str, stride: int) -> str:
-    return position if stride == 1 else f"({position}) * {stride}"
 
 
 def chain_kernel_name(plan: ChainPlan) -> str:
@@ -218,32 +202,19 @@ class _Writer:
     def describe(self) -> None:
         """Makes the kernel's TMA descriptors (once per program, before any branch)."""
         for name, view in self.described.items():
-            self.emit(f"d_{name} = tl.make_tensor_descriptor({self.pointer(name)}, shape=[{view.rows}, "
-                      f"{view.width}], strides=[{view.width}, 1], block_shape=[{view.box[0]}, {view.box[1]}])")
+            self.emit(make_descriptor(name, self.pointer(name), view))
 
     def _box(self, name: str, axes: tuple[str, ...]) -> str:
-        """The load of `name`'s tile from its descriptor: the box at the row and column of the tile's first
-        element. An index out of its range moves the box past the last row: TMA fills it with zeros, as the
-        masked pointer load would."""
+        """The load of `name`'s tile from its descriptor (`_tiles.box_load`)."""
         view, access = self.described[name], self.access(name)
-        strides = np.cumprod((1,) + tuple(self.shapes[name])[:0:-1])[::-1]
-        row, column, checks = [], [], []
-        for dim, index in enumerate(access.indices):
+        positions, checks = [], []
+        for index in access.indices:
             bound = self.env[index.name if isinstance(index, Var) else str(index)]
-            position = self.starts[bound.axis] if bound.axis else bound.expression
-            if position != "0":
-                if dim <= view.dim:
-                    row.append(_times(position, int(strides[dim]) // view.width))
-                else:
-                    column.append(_times(position, int(strides[dim])))
+            positions.append(self.starts[bound.axis] if bound.axis else bound.expression)
             if bound.check is not None:
                 self.helpers.add("in_range")
                 checks.append(f"in_range({bound.expression}, {bound.check})")
-        row_at = " + ".join(row) or "0"
-        if checks:
-            row_at = f"tl.where({' & '.join(checks)}, {row_at}, {view.rows})"
-        load = f"d_{name}.load([{row_at}, {' + '.join(column) or '0'}])"
-        return load if axes == view.axes else f"tl.trans({load})"
+        return box_load(name, view, self.shapes[name], positions, checks, axes != view.axes)
 
     def store(self, name: str, axes: tuple[str, ...], value: str) -> None:
         """Stores a tile in the output's dtype."""

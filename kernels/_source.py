@@ -12,14 +12,13 @@ reduction's identity instead: it takes no part.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from jinsum._lang import Access, Var, variables
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._grouped_hopper import generate_grouped_hopper, grouped_scratch
 from jinsum.kernels._plan import DESCRIPTOR_BYTES, INT32_LIMIT, PRECISE_FLOAT32, UNROLL_LIMIT, KernelPlan
+from jinsum.kernels._tiles import View, box_load, make_descriptor
 
 _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
                   "float64": "tl.float64"}
@@ -55,22 +54,7 @@ def kernel_scratch(plan: KernelPlan) -> int:
     return grouped_scratch(plan) if plan.config.hopper else DESCRIPTOR_BYTES * len(described(plan))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Described:
-    """A dot factor read through a TMA descriptor: its operand viewed as a row-major matrix of `rows x width`
-    (`rows` as Triton source: a leading dimension may be a runtime size), whose rows run along tile variable
-    `axes[0]` (dimension `dim` of the operand) and whose columns are the elements after it, `axes[1]` the last
-    of them; a tile is one box of `box` (constexpr names), at the row of its indices up to `dim` and the column
-    of those after it."""
-
-    axes: tuple[str, str]
-    dim: int
-    rows: str
-    width: int
-    box: tuple[str, str]
-
-
-def described(plan: KernelPlan) -> dict[str, _Described]:
+def described(plan: KernelPlan) -> dict[str, View]:
     """The dot factors (by role, "a" / "b") the kernel reads through TMA descriptors (with
     `KernelConfig.descriptors`): those whose tile is exactly one box of a row-major view, i.e.
     - the two tile variables index the operand directly, once each, the later one at its last dimension of more
@@ -115,7 +99,7 @@ def described(plan: KernelPlan) -> dict[str, _Described]:
         if node.indices and isinstance(node.indices[0], Access):  # the leading dimension is a runtime size
             rest = rows // shape[0]
             rows_text = f"rows_{node.tensor}" + (f" * {rest}" if rest != 1 else "")
-        found[role] = _Described((row_var, column_var), row_dim, rows_text, width, (row_name, column_name))
+        found[role] = View((row_var, column_var), row_dim, rows_text, width, (row_name, column_name))
     return found
 
 
@@ -787,34 +771,22 @@ class _Writer:
         factors = self.spec.statement.factors
         for role, view in self.described.items():
             tensor = factors[self.plan.dot.a if role == "a" else self.plan.dot.b].tensor
-            self.emit(f"d_{role} = tl.make_tensor_descriptor(p_{tensor}, shape=[{view.rows}, {view.width}], "
-                      f"strides=[{view.width}, 1], block_shape=[{view.box[0]}, {view.box[1]}])")
+            self.emit(make_descriptor(role, f"p_{tensor}", view))
 
     def _box(self, node: Access, role: str) -> tuple[str, str]:
-        """`(load, mask)`: the load of dot factor `node`'s tile from its descriptor, the box at the row and column
-        of the tile's first element (`described`), transposed where the tile's rows are the view's columns, and
-        where the pointer load would read (its range checks). An index out of its range moves the box past the
-        last row: TMA fills it with zeros, as the masked pointer load would."""
+        """`(load, mask)`: the load of dot factor `node`'s tile from its descriptor (`_tiles.box_load`) and where
+        the pointer load would read (its range checks)."""
         view, shape = self.described[role], tuple(int(s) for s in self.spec.operand[node.tensor].shape)
-        strides = np.cumprod((1,) + shape[:0:-1])[::-1]
-        row, column, checks = [], [], []
+        positions, checks = [], []
         for d, index in enumerate(node.indices):
             if isinstance(index, Var):
-                position = self.starts[index.name] if index.name in view.axes else f"v_{index.name}"
+                positions.append(self.starts[index.name] if index.name in view.axes else f"v_{index.name}")
             else:
-                position = self.loaded[self._key(index, role)]
-                checks.append(f"in_range({position}, {f'rows_{node.tensor}' if d == 0 else shape[d]})")
+                positions.append(self.loaded[self._key(index, role)])
+                checks.append(f"in_range({positions[-1]}, {f'rows_{node.tensor}' if d == 0 else shape[d]})")
                 self.helpers.add("in_range")
-            if shape[d] == 1:
-                continue  # (0 wherever it is in range)
-            stride = int(strides[d]) // view.width if d <= view.dim else int(strides[d])
-            (row if d <= view.dim else column).append(position if stride == 1 else f"({position}) * {stride}")
-        row_at = " + ".join(row) or "0"
-        if checks:
-            row_at = f"tl.where({' & '.join(checks)}, {row_at}, {view.rows})"
-        load = f"d_{role}.load([{row_at}, {' + '.join(column) or '0'}])"
         tile = (self.plan.dot.m, self.plan.dot.k) if role == "a" else (self.plan.dot.k, self.plan.dot.n)
-        return (load if tile == view.axes else f"tl.trans({load})"), " & ".join(checks)
+        return box_load(role, view, shape, positions, checks, tile != view.axes), " & ".join(checks)
 
     def _load(self, node: Access, role: str) -> None:
         name = f"x{len(self.loaded)}"
