@@ -96,8 +96,12 @@ def versions_text(modules=("triton", "jax_triton", "torch", "torch_geometric")) 
 
 
 def command(script: str) -> str:
-    """The command line that ran `script` (its `__file__`), as the results' headers quote it."""
-    return f"python benchmarks/{pathlib.Path(script).name} {' '.join(sys.argv[1:])}"
+    """The command line that ran `script` (its `__file__`), as the results' headers quote it: without `--out`,
+    where the results went (a path of the machine that ran it)."""
+    arguments = list(sys.argv[1:])
+    for flag in [i for i, a in enumerate(arguments) if a == "--out"][::-1]:
+        del arguments[flag:flag + 2]
+    return " ".join(["python", f"benchmarks/{pathlib.Path(script).name}", *arguments])
 
 
 # --- the writer -----------------------------------------------------------------------------------------------------
