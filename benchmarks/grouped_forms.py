@@ -10,7 +10,8 @@ expert, padded): Mixtral-like, 8,192 tokens to 2 of 8 experts, 4096 -> 14336; fi
 (`O[g,p,n] += H[g,p,h] * W[Ai[g],h,n]`, the same sizes), and the up projection's input gradient
 (`dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]`: in the Hopper form the products stored in grouped order, then added
 into their tokens' rows; in the Triton form each tile added atomically into float32 rows, cast after). Each form
-is forced with `jinsum.kernels.forced_config` while its function is traced. TFLOP/s count the routed rows (2 * tokens * k * K * N; the groups' padding is
+is forced with `jinsum.kernels.forced_config` while its function is traced (a function of its own each: two jits
+of one function share its lowering). TFLOP/s count the routed rows (2 * tokens * k * K * N; the groups' padding is
 multiplied too and not counted); the forms' outputs are compared (max abs difference). This is the measurement
 that decides the route's default for grouped products (`jinsum.kernels.statement_config`).
 """
