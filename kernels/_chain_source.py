@@ -22,9 +22,9 @@ from jinsum.kernels._chain_hopper import generate_hopper_chain, hopper_scratch
 from jinsum.kernels._chain_plan import (LN2, LOG2E, SUMS, ChainPlan, chain_inputs, chain_outputs, chain_sizes,
                                         scratch_shapes)
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
-from jinsum.kernels._plan import DESCRIPTOR_BYTES, INT32_LIMIT, PRECISE_FLOAT32
+from jinsum.kernels._plan import DESCRIPTOR_BYTES, INT32_LIMIT
 from jinsum.kernels._source import offset
-from jinsum.kernels._tiles import View, box_load, make_descriptor
+from jinsum.kernels._tiles import View, box_load, dot_precision, make_descriptor
 
 _SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 _INF, _NEG_INF = 'float("inf")', 'float("-inf")'
@@ -446,9 +446,7 @@ class _Writer:
         return varies
 
     def _precision(self) -> str:
-        if self.chain.operand["Q"].dtype == np.float32:
-            return f', input_precision="{"tf32" if self.chain.allow_tf32 else PRECISE_FLOAT32}"'
-        return ""
+        return dot_precision(self.chain.operand["Q"].dtype == np.float32, self.chain.allow_tf32)
 
     def _allowed(self, row: _Bound, col: _Bound, positions: tuple[str, str]) -> str:
         """The attention mask of the current scores (lanes template): tile edges, the pattern's values, the

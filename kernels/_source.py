@@ -17,8 +17,8 @@ import numpy as np
 from jinsum._lang import Access, Var, variables
 from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._grouped_hopper import generate_grouped_hopper, grouped_scratch
-from jinsum.kernels._plan import DESCRIPTOR_BYTES, INT32_LIMIT, PRECISE_FLOAT32, UNROLL_LIMIT, KernelPlan
-from jinsum.kernels._tiles import View, box_load, make_descriptor
+from jinsum.kernels._plan import DESCRIPTOR_BYTES, INT32_LIMIT, UNROLL_LIMIT, KernelPlan
+from jinsum.kernels._tiles import View, box_load, dot_precision, make_descriptor
 
 _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
                   "float64": "tl.float64"}
@@ -663,11 +663,8 @@ class _Writer:
         if plan.template == "dot":
             a = self.loaded[self._key(self.spec.statement.factors[plan.dot.a], "a")]
             b = self.loaded[self._key(self.spec.statement.factors[plan.dot.b], "b")]
-            if self._value_type("a") == "tl.float32":  # 16-bit operands always use Tensor Cores
-                precision = "tf32" if self.spec.allow_tf32 else PRECISE_FLOAT32
-                self.emit(f"acc = tl.dot({a}, {b}, acc, input_precision=\"{precision}\")")
-            else:
-                self.emit(f"acc = tl.dot({a}, {b}, acc)")
+            precision = dot_precision(self._value_type("a") == "tl.float32", self.spec.allow_tf32)
+            self.emit(f"acc = tl.dot({a}, {b}, acc{precision})")
             return
         keys = [self._key(f, self._role(k)) for k, f in enumerate(self.spec.statement.factors)]
         product = " * ".join(self.loaded[key] for key in keys)

@@ -1,6 +1,7 @@
-"""Tensor Core tiles through TMA descriptors, for both Triton writers (statements, `_source`; attention chains,
-`_chain_source`): an operand seen as a row-major view, its descriptor made once per program, each tile one box.
-Which operands qualify is each writer's planner's business (`_source.described`, `_chain_source.described`)."""
+"""Tensor Core tiles, for both Triton writers (statements, `_source`; attention chains, `_chain_source`): the
+precision of a product's `tl.dot`, and tiles read through TMA descriptors (an operand seen as a row-major view,
+its descriptor made once per program, each tile one box). Which operands qualify for descriptors is each writer's
+planner's business (`_source.described`, `_chain_source.described`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+
+from jinsum.kernels._plan import PRECISE_FLOAT32
+
+
+def dot_precision(float32: bool, allow_tf32: bool) -> str:
+    """`tl.dot`'s precision argument (", input_precision=...", or nothing): float32 factors multiply in TensorFloat-32
+    where allowed, else in `PRECISE_FLOAT32`; 16-bit factors always on Tensor Cores as they are."""
+    if not float32:
+        return ""
+    return f', input_precision="{"tf32" if allow_tf32 else PRECISE_FLOAT32}"'
 
 
 @dataclasses.dataclass(frozen=True)
