@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jinsum
+from jinsum.nn import route_tokens, routed_mlp
 from jinsum._attention._api import build_chain
 from jinsum._attention._chain_route import route_chain
 from jinsum._frontend import _einsum
@@ -280,3 +281,28 @@ def test_autotune_tries_the_hopper_forms_knobs_on_sm90_where_the_plan_has_the_fo
     assert not any(c.hopper for c in _autotune.candidate_configs(_grouped_route(dtype=jnp.float32).spec))
     monkeypatch.setattr(_autotune, "statement_config", lambda: KernelConfig())  # other GPUs
     assert not any(c.hopper for c in _autotune.candidate_configs(spec))
+
+
+def test_a_mixture_of_experts_step_runs_its_products_in_the_hopper_form_on_sm90():
+    """`jax.grad` of `routed_mlp` (SwiGLU): the forward's three grouped products, the down projection's input
+    gradient (the matrices transposed) and the up and gate projections' input gradients (split: products, then a
+    scatter) take the Hopper form; the weight gradients keep the Triton form."""
+    rng = np.random.default_rng(0)
+    tokens, experts, c, h = 4096, 4, 128, 256  # (groups of 128 rows: route_tokens' size for this capacity)
+    x = jnp.asarray(rng.standard_normal((tokens, c)), jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((tokens, experts)), jnp.float32)
+    w_up, w_gate = (jnp.asarray(rng.standard_normal((experts, c, h)), jnp.bfloat16) for _ in range(2))
+    w_down = jnp.asarray(rng.standard_normal((experts, h, c)), jnp.bfloat16)
+
+    def loss(x, w_up, w_gate, w_down):
+        routing = route_tokens(logits, 2).combine.astype(jnp.bfloat16)
+        return routed_mlp(x, routing, w_up, w_down, w_gate=w_gate).astype(jnp.float32).sum()
+
+    with mock.patch.dict(os.environ, JINSUM_SMALL_TERMS="0"):
+        source = jinsum.triton_source(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w_up, w_gate, w_down,
+                                      config=GROUPED_HOPPER)
+    kernels = source.split("# ---- ")[1:]
+    hopper = [k.splitlines()[0] for k in kernels if "grouped_rows(" in k]
+    assert len(hopper) == 6, hopper
+    assert sum("products[g,p,c] +=" in name for name in hopper) == 2
+    assert not any("dW[" in k.splitlines()[0] and "grouped_rows(" in k for k in kernels)
