@@ -1,6 +1,6 @@
 """`KernelPlan` -> Gluon source: a grouped product in the Hopper form of the tile core.
 
-A grouped product (`jinsum.kernels._plan.hopper_fallback` says which plans are one) multiplies each group's rows by
+A grouped product (`jinsum.kernels._plan.grouped_hopper_fallback` says which plans are one) multiplies each group's rows by
 its group's matrix into a tile of its output's rows: a mixture of experts' projections and HeteroLinear,
 
     H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n]      the rows gathered (cp.async: Hopper's TMA has no gather)
@@ -31,7 +31,7 @@ def _gathered(plan: KernelPlan) -> bool:
 def generate_grouped_hopper(plan: KernelPlan, name: str, inputs: tuple[str, ...]) -> str:
     """The Python source of a module defining the Gluon kernel `name` for `plan`, whose parameters are the
     Triton form's: `p_<input>` for `inputs`, the sizes, `p_out`, `scratch` and the tile constants."""
-    spec, dot, config = plan.spec, plan.dot, plan.config
+    spec, dot = plan.spec, plan.dot
     statement = spec.statement
     a, b = statement.factors[dot.a], statement.factors[dot.b]
     gathered = _gathered(plan)
@@ -52,7 +52,7 @@ def generate_grouped_hopper(plan: KernelPlan, name: str, inputs: tuple[str, ...]
               f"reduction {dot.k}; rows {'gathered' if gathered else 'in grouped order'}"
               + ("; the matrices transposed" if transposed else ""), '    """',
               f"    grouped_rows(p_{a.tensor}, p_{slots}, p_{b.tensor}, p_{b.indices[0].tensor}, p_out, "
-              f"({', '.join(['p_out', *captures])},), grouped_epilogue, "
+              f"({''.join(c + ', ' for c in captures)}), grouped_epilogue, "
               f"G={extent[plan.window]}, ROWS={spec.operand[a.tensor].shape[0]}, "
               f"EXPERTS={spec.operand[b.tensor].shape[0]}, K={extent[dot.k]}, N={extent[dot.n]}, P=BLOCK_M, "
               f"BLOCK_N=BLOCK_N, STAGES=NUM_STAGES, GATHER={gathered}, "
@@ -62,13 +62,12 @@ def generate_grouped_hopper(plan: KernelPlan, name: str, inputs: tuple[str, ...]
 
 def _epilogue(plan: KernelPlan, captures: list[str]) -> list[str]:
     """`grouped_epilogue(acc, g, row0, n0, context)`: the statement's epilogue on a consumer's tile (rows from `row0`
-    within group `g`, columns from `n0`), or the tile unchanged. `context` is the output's pointer and the arrays the
-    epilogue captures (never empty: Triton drops an empty tuple argument)."""
+    within group `g`, columns from `n0`), or the tile unchanged. `context` holds the arrays the epilogue captures."""
     spec = plan.spec
     head = ["@gluon.jit", "def grouped_epilogue(acc, g, row0, n0, context):"]
     if not plan.fuses_epilogue:
         return head + ["    return acc"]
-    body = [f"{', '.join(['_', *captures])} = context  # (the output, then the captured arrays)",
+    body = [f"{''.join(c + ', ' for c in captures)}= context  # (the arrays the epilogue captures)",
             "rows = (row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, acc.type.layout)))[:, None]",
             "columns = (n0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout)))[None, :]"]
     epilogue = spec.epilogue
