@@ -436,7 +436,7 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
                           np.dtype(spec.lhs.dtype)) if dot else None
         if plan is not None and not grouped_hopper_fallback(plan):
             return dataclasses.replace(plan, config=_hopper_config(spec, dot, config))
-        config = dataclasses.replace(config, hopper=False)
+        config = dataclasses.replace(config, hopper=False, programs=0)  # (the Triton form: a program per tile)
     given, config = config, default_config(spec, dot, tiles, config)
     chunks = 1
     if dot and write == "update" and summing and not spec.deterministic and spec.epilogue is None:
