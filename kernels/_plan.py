@@ -319,8 +319,9 @@ class KernelPlan:
         """(programs over the grid variables and windows, programs over output tiles); the Hopper form's
         persistent programs walk every (group, column tile) on one axis."""
         extent = self.spec.extent
-        if self.config.hopper:
-            items = extent[self.window] * _ceil(extent[self.dot.n], self.config.block_n)
+        if self.config.hopper:  # (a grouped sum's items: a row's tiles of m and n; a product's: a group's of n)
+            rows = self.row_count * extent[self.dot.m] // 128 if self.write == "segmented" else extent[self.window]
+            items = rows * _ceil(extent[self.dot.n], self.config.block_n)
             return min(items, self.config.programs or items), 1
         programs = self.windows * int(np.prod([extent[v] for v in self.grid], dtype=np.int64))
         if self.template == "dot":
@@ -432,10 +433,11 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
         config = dataclasses.replace(config, schedule="owned")  # every row written by one program: no atomics
 
     if config.hopper:
-        plan = KernelPlan(spec, "dot", None, None, dot, tuple(grid), window, write_loops, loops, write, config,
+        hopper = dataclasses.replace(config, schedule="rows" if write == "segmented" else "")
+        plan = KernelPlan(spec, "dot", None, None, dot, tuple(grid), window, write_loops, loops, write, hopper,
                           np.dtype(spec.lhs.dtype)) if dot else None
         if plan is not None and not grouped_hopper_fallback(plan):
-            return dataclasses.replace(plan, config=_hopper_config(spec, dot, config))
+            return dataclasses.replace(plan, config=_hopper_config(spec, dot, hopper, write == "segmented"))
         config = dataclasses.replace(config, hopper=False, programs=0)  # (the Triton form: a program per tile)
     given, config = config, default_config(spec, dot, tiles, config)
     chunks = 1
@@ -469,36 +471,50 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
 
 
 def grouped_hopper_fallback(plan: KernelPlan) -> str:
-    """Why `plan` has no Hopper form ("" if it has one). The form is a grouped product: a dot plan whose groups are
-    tiles of its output's rows, each times its group's matrix, into zeros,
-    `H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n]` (the rows gathered) or `H[g,p,n] += X[g,p,k] * W[Ai[g],k,n]` (in
-    grouped order), the matrices stored either way round (`W[Ai[g],n,k]`: an input gradient's products), in 16-bit
-    floats, an epilogue or none: a mixture of experts' projections and HeteroLinear."""
+    """Why `plan` has no Hopper form ("" if it has one). The forms, in 16-bit floats:
+    - a grouped product: a dot plan whose groups are tiles of its output's rows, each times its group's matrix,
+      into zeros, `H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n]` (the rows gathered) or `H[g,p,n] += X[g,p,k] *
+      W[Ai[g],k,n]` (in grouped order), the matrices stored either way round (`W[Ai[g],n,k]`: an input gradient's
+      products), an epilogue or none: a mixture of experts' projections and HeteroLinear;
+    - a grouped sum: each row's product of its groups' rows, `dW[Ai[g],m,n] += X[g,k,m] * dH[g,k,n]` into zeros
+      (`Ai` sorted, the rows in grouped order: a weight gradient after `gathered_first`), m in tiles of 128."""
     spec, dot = plan.spec, plan.dot
     statement = spec.statement
     if plan.template != "dot":
         return "no Tensor Core product"
-    if not (plan.write == "update" and spec.zero_lhs and statement.reduction == "sum" and not spec.winners
-            and not plan.grid and not plan.write_loops and not plan.loops and len(statement.factors) == 2):
-        return "not a grouped product into zeros"
+    summed = plan.write == "segmented"
+    if not (plan.write in ("update", "segmented") and spec.zero_lhs and statement.reduction == "sum"
+            and not spec.winners and not plan.grid and not plan.write_loops and not plan.loops
+            and len(statement.factors) == 2 and not (summed and spec.epilogue is not None)):
+        return "not a grouped product or sum into zeros"
     g, m, n, k = plan.window, dot.m, dot.n, dot.k
     a, b = statement.factors[dot.a], statement.factors[dot.b]
-    gathered = len(a.indices) == 2 and _through(a.indices[0], g, m) and _named(a.indices[1:]) == [k]
-    if not ((gathered or _named(a.indices) == [g, m, k]) and len(b.indices) == 3 and _through(b.indices[0], g)
-            and _named(b.indices[1:]) in ([k, n], [n, k]) and _named(statement.lhs.indices) == [g, m, n]):
-        return "not a grouped product (H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n], or W[Ai[g],n,k])"
+    lhs = statement.lhs.indices
+    if summed:
+        form = (_named(a.indices) == [g, k, m] and _named(b.indices) == [g, k, n] and _through(lhs[0], g)
+                and _named(lhs[1:]) == [m, n])
+    else:
+        gathered = len(a.indices) == 2 and _through(a.indices[0], g, m) and _named(a.indices[1:]) == [k]
+        form = ((gathered or _named(a.indices) == [g, m, k]) and len(b.indices) == 3 and _through(b.indices[0], g)
+                and _named(b.indices[1:]) in ([k, n], [n, k]) and _named(lhs) == [g, m, n])
+    if not form:
+        return ("not a grouped product (H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n], or W[Ai[g],n,k]) or sum "
+                "(dW[Ai[g],m,n] += X[g,p,m] * dH[g,p,n])")
     dtypes = {str(spec.operand[t].dtype) for t in (a.tensor, b.tensor, spec.lhs.name)}
     if len(dtypes) != 1 or not dtypes <= {"bfloat16", "float16"}:
         return f"{'/'.join(sorted(dtypes))} products (the Hopper form multiplies 16-bit floats)"
     extent = spec.extent
-    if extent[m] not in HOPPER_GROUP_ROWS:
+    rows, reduction = (k, m) if summed else (m, k)
+    if summed and (extent[k] % 64 or extent[m] % 128):
+        return f"groups of {extent[k]} rows into {extent[m]} (the Hopper form's are multiples of 64 into 128)"
+    if not summed and extent[m] not in HOPPER_GROUP_ROWS:
         return f"groups of {extent[m]} rows (the Hopper form's are {' or '.join(map(str, HOPPER_GROUP_ROWS))})"
-    if extent[k] % 64:
+    if not summed and extent[k] % 64:
         return f"a reduction of {extent[k]} (the Hopper form's is a multiple of 64)"
     if extent[n] % 8:
         return f"{extent[n]} columns (the Hopper form's are a multiple of 8: 16-byte rows for TMA)"
-    if max(extent[g] * extent[m], spec.operand[b.tensor].shape[0] * max(extent[n], extent[k])) \
-            * max(extent[n], extent[k]) > INT32_LIMIT:
+    largest = max(int(np.prod(spec.operand[t].shape, dtype=np.int64)) for t in (a.tensor, b.tensor, spec.lhs.name))
+    if largest > INT32_LIMIT or extent[g] * extent[rows] * max(extent[reduction], extent[n]) > INT32_LIMIT:
         return "operands past 32-bit element offsets"
     return ""
 
@@ -513,15 +529,16 @@ def _through(index, *names: str) -> bool:
     return isinstance(index, Access) and _named(index.indices) == list(names)
 
 
-def _hopper_config(spec: Spec, dot: DotRoles, config: KernelConfig) -> KernelConfig:
-    """The Hopper form's tiles: a group's rows by up to 256 columns, k tiles of 64, and as many stages as fit in
-    shared memory with the two consumers' output tiles."""
-    rows, columns = spec.extent[dot.m], spec.extent[dot.n]
+def _hopper_config(spec: Spec, dot: DotRoles, config: KernelConfig, summed: bool) -> KernelConfig:
+    """The Hopper form's tiles: a group's rows (a grouped sum: 128 of m) by up to 256 columns, k tiles of 64, and as
+    many stages as fit in shared memory with the two consumers' output tiles."""
+    rows = 128 if summed else spec.extent[dot.m]
+    columns = spec.extent[dot.n]
     block_n = config.block_n or (64 if columns <= 64 else 128 if columns <= 128 else 256)
     stage, outputs = (rows + block_n) * 64 * 2, 2 * 64 * block_n * 2
     stages = config.num_stages or min(5, (HOPPER_SHARED_MEMORY - outputs) // stage)
     return dataclasses.replace(config, block_m=rows, block_n=block_n, block_k=64, num_warps=4, num_stages=stages,
-                               window=1, k_chunks=1, schedule="")
+                               window=1, k_chunks=1)
 
 
 def _carriable(spec: Spec, lanes: str | None, rows: str | None, write: str, grid: tuple[str, ...],

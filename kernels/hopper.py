@@ -448,3 +448,117 @@ def grouped_rows(x_ptr, slots_ptr, w_ptr, experts_ptr, out_ptr, context, epilogu
         (_group_producer, (x_ptr, slots_ptr, w_ptr, experts_ptr, smem, bars, G, ROWS, EXPERTS, K, N, P, BLOCK_N,
                            STAGES, GATHER, TRANSPOSED)),
     ], [4, _producer_warps(GATHER)], [_consumer_registers(GATHER), _producer_registers(GATHER)])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Grouped sums: `W[r, m, n] = sum over the rows k of row r's groups of A[k, m] * B[k, n]` (weight gradients)
+# ----------------------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _sum_tile(item, M_TILES: gl.constexpr, N_TILES: gl.constexpr):
+    """Work item `item` -> (row, m tile, n tile), a row's tiles consecutive: programs running at once read the same
+    row's groups (both factors' rows) from L2."""
+    return item // (M_TILES * N_TILES), (item // N_TILES) % M_TILES, item % N_TILES
+
+
+@gluon.jit
+def _sum_producer(a_ptr, b_ptr, starts_ptr, smem, bars, ROWS: gl.constexpr, POSITIONS: gl.constexpr, M: gl.constexpr,
+                  N: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Fills the ring with each item's k tiles: `[64, 64]` of `a` for each consumer's 64 columns of m, and `[64,
+    BLOCK_N]` of `b` (TMA, 64-column boxes), at the row positions of the item's row's groups."""
+    a_smem, b_smem, out_smem = smem
+    full, empty = bars
+    a_desc = tma.make_tensor_descriptor(a_ptr, shape=[POSITIONS, M], strides=[M, 1], block_shape=[64, 64],
+                                        layout=a_smem.layout)
+    b_desc = tma.make_tensor_descriptor(b_ptr, shape=[POSITIONS, N], strides=[N, 1], block_shape=[64, 64],
+                                        layout=b_smem.layout)
+    BYTES: gl.constexpr = 64 * (128 + BLOCK_N) * a_smem.dtype.primitive_bitwidth // 8
+    M_TILES: gl.constexpr = M // 128
+    N_TILES: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    step = 0
+    for item in range(gl.program_id(0), ROWS * M_TILES * N_TILES, gl.num_programs(0)):
+        row, m_tile, n_tile = _sum_tile(item, M_TILES, N_TILES)
+        begin = gl.load(starts_ptr + row) * P
+        end = gl.load(starts_ptr + row + 1) * P
+        for k in range(begin, end, 64):
+            stage = step % STAGES
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)  # (starts "phase 1 complete")
+            mbarrier.expect(full.index(stage), BYTES)
+            for c in gl.static_range(2):
+                tma.async_copy_global_to_shared(a_desc, [k, m_tile * 128 + 64 * c], full.index(stage),
+                                                a_smem.index(2 * stage + c))
+            for i in gl.static_range(BLOCK_N // 64):  # (one copy a box: see `store_rows`)
+                tma.async_copy_global_to_shared(b_desc, [k, n_tile * BLOCK_N + 64 * i], full.index(stage),
+                                                b_smem.index(stage).slice(64 * i, 64, dim=1))
+            step += 1
+
+
+@gluon.jit
+def _sum_consumer(c: gl.constexpr, out_ptr, starts_ptr, smem, bars, ROWS: gl.constexpr, M: gl.constexpr,
+                  N: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer `c`: columns `[64 c, 64 c + 64)` of every item's m tile, summed over the item's k tiles in registers
+    and stored once (a row without groups stores zeros)."""
+    a_smem, b_smem, out_smem = smem
+    full, empty = bars
+    M_TILES: gl.constexpr = M // 128
+    N_TILES: gl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    out_tile = out_smem.index(c)
+    out_desc = tma.make_tensor_descriptor(out_ptr, shape=[ROWS * M, N], strides=[N, 1], block_shape=[64, 64],
+                                          layout=out_smem.layout)
+    step = 0
+    for item in range(gl.program_id(0), ROWS * M_TILES * N_TILES, gl.num_programs(0)):
+        row, m_tile, n_tile = _sum_tile(item, M_TILES, N_TILES)
+        begin = gl.load(starts_ptr + row) * P
+        end = gl.load(starts_ptr + row + 1) * P
+        acc = gl.zeros([64, BLOCK_N], gl.float32, mma_layout(BLOCK_N))
+        first = step
+        for k in range(begin, end, 64):
+            stage = step % STAGES
+            mbarrier.wait(full.index(stage), (step // STAGES) & 1)
+            token = warpgroup_mma(a_smem.index(2 * stage + c).permute((1, 0)), b_smem.index(stage), acc,
+                                  is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(token, ))  # the previous step's product has retired
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=step > first)
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=step > first)
+        tma.store_wait(0)  # the previous item's store has read the tile
+        out_tile.store(acc.to(out_smem.dtype))
+        fence_async_shared()
+        for i in gl.static_range(BLOCK_N // 64):
+            tma.async_copy_shared_to_global(out_desc, [row * M + m_tile * 128 + 64 * c, n_tile * BLOCK_N + 64 * i],
+                                            out_tile.slice(64 * i, 64, dim=1))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_sums(a_ptr, b_ptr, starts_ptr, out_ptr, ROWS: gl.constexpr, POSITIONS: gl.constexpr, M: gl.constexpr,
+                 N: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """`out (ROWS, M, N)`: row `r`'s sum of `a[k]^T b[k]` over the row positions `k` of its groups, `[starts[r] * P,
+    starts[r + 1] * P)` (`a`: `(POSITIONS, M)`, `b`: `(POSITIONS, N)`, groups of `P` rows in grouped order): a
+    weight gradient, each expert's matrix summed over its rows in registers and stored once, no atomics.
+
+    Persistent programs walk the items (row, 128 columns of m, BLOCK_N of n); a producer warp fills a ring of
+    `STAGES` stages by TMA; two consumer warpgroups (64 columns of m each, `a`'s tile read transposed from shared
+    memory) keep one wgmma in flight and store through shared memory by TMA. Launched with `num_warps=4`."""
+    gl.static_assert(gl.num_warps() == 4, "launch with num_warps=4: the default partition is one consumer")
+    gl.static_assert(M % 128 == 0, "m tiles of 128 within one row (two consumers' 64)")
+    gl.static_assert(P % 64 == 0, "k tiles of 64 within one group")
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    a_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, 64, 64], layout)
+    b_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    out_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
+    smem = (a_smem, b_smem, out_smem)
+    bars = (full, empty)
+    gl.warp_specialize([
+        (_sum_consumer, (0, out_ptr, starts_ptr, smem, bars, ROWS, M, N, P, BLOCK_N, STAGES)),
+        (_sum_consumer, (1, out_ptr, starts_ptr, smem, bars, ROWS, M, N, P, BLOCK_N, STAGES)),
+        (_sum_producer, (a_ptr, b_ptr, starts_ptr, smem, bars, ROWS, POSITIONS, M, N, P, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])

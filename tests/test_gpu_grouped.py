@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CU
 GATHERED = "H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]"
 IN_ORDER = "O[g,p,n] += H[g,p,h] * W[Ai[g],h,n]"
 SCATTER = "dX[Ak[g,p],c] += dH[g,p,h] * W[Ai[g],c,h]"
+SUMS = "dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]"
 TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-3}
 
 
@@ -57,9 +58,10 @@ def _close(got, want, dtype):
 
 
 def _runs_hopper_form(fn, *args, has_form=True):
-    """On sm_90, `fn` runs a grouped product in the Hopper form where it has the form, elsewhere not."""
+    """On sm_90, `fn` runs a grouped product or sum in the Hopper form where it has the form, elsewhere not."""
     source = jinsum.triton_source(fn, *args)
-    assert ("grouped_rows(" in source) == (is_hopper() and has_form), source[:2000]
+    hopper = "grouped_rows(" in source or "grouped_sums(" in source
+    assert hopper == (is_hopper() and has_form), source[:2000]
 
 
 CASES = {
@@ -118,6 +120,18 @@ def test_grouped_products_against_float64(case, dtype):
     want = np.zeros((options["tokens"], c))
     np.add.at(want, ak[present], products[present])
     _close(jax.jit(input_gradient)(dh, w, ak_jit), want, dtype)
+
+    # The weight gradient: each expert's sum over its groups' rows (the rows gathered first, then summed per
+    # expert in the Hopper form where c is a multiple of 128); experts without groups get zeros
+    def weight_gradient(x, dh, ak):
+        return jinsum.einsum(SUMS, Ak=ak, Ai=ai, X=x, dH=dh, sorted_indices=("Ai",),
+                             dW=jax.ShapeDtypeStruct((experts, c, n), x.dtype))
+
+    _runs_hopper_form(weight_gradient, x, dh, ak_jit, has_form=c % 128 == 0)
+    rows = np.where(present[..., None], np.asarray(x, np.float64)[np.where(present, ak, 0)], 0.0)
+    want = np.zeros((experts, c, n))
+    np.add.at(want, ai, np.einsum("gpc,gph->gch", rows, np.asarray(dh, np.float64)))
+    _close(jax.jit(weight_gradient)(x, dh, ak_jit), want, dtype)
 
 
 def test_a_grouped_product_with_an_epilogue_applies_it_in_the_kernel():

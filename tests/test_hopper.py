@@ -236,7 +236,35 @@ def test_an_input_gradient_stores_its_products_in_the_hopper_form_then_adds_them
         assert plan.config.hopper and "TRANSPOSED=True" in generate(plan)
         as_written = route(spec, config=KernelConfig())  # other GPUs: tiles added atomically
         assert as_written.plan.write == "atomic" and not as_written.pairwise
-    assert grouped_hopper_fallback(as_written.plan) == "not a grouped product into zeros"
+    assert grouped_hopper_fallback(as_written.plan) == "not a grouped product or sum into zeros"
+
+
+def _weight_gradient(n=384, config=GROUPED_HOPPER):
+    """The route of a grouped product's weight gradient (rows gathered by token, 3 experts' matrices of 128 x n)."""
+    statement, arrays, flags = _einsum.prepare(
+        "dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]",
+        dict(Ak=np.zeros((6, 128), np.int32), Ai=np.arange(6, dtype=np.int32) // 2,
+             X=jnp.zeros((500, 128), jnp.bfloat16), dH=jnp.zeros((6, 128, n), jnp.bfloat16),
+             dW=jax.ShapeDtypeStruct((3, 128, n), jnp.bfloat16)),
+        sorted_indices=("Ai",), allow_tf32=None)
+    with mock.patch.dict(os.environ, JINSUM_SMALL_TERMS="0"):
+        found = route(_primitive.make_spec(statement, arrays, **flags), config=config)
+        return found, found.pairwise and route(found.pairwise[1], config=config)
+
+
+def test_a_weight_gradient_gathers_its_rows_then_sums_each_experts_groups_in_the_hopper_form():
+    found, summed = _weight_gradient()
+    rows, rest = found.pairwise
+    assert str(rows.statement) == "rows[g,p,c] += X[Ak[g,p],c]"
+    assert str(rest.statement) == "dW[Ai[g],c,h] += rows[g,p,c] * dH[g,p,h]"
+    plan = summed.plan
+    assert plan.config.hopper and plan.write == "segmented" and plan.row_pointers
+    assert "grouped_sums(" in generate(plan) and kernel_scratch(plan) == 512
+    assert plan.grid_shape == (3 * 1 * 2, 1)  # experts x tiles of 128 rows x tiles of 256 columns
+    triton_form, _ = _weight_gradient(config=KernelConfig())  # 2 column tiles: gathered in the loop elsewhere
+    assert triton_form.plan is not None and not triton_form.plan.config.hopper
+    narrow, _ = _weight_gradient(n=100)  # 100 columns: no Hopper form, so the rows stay gathered in the loop
+    assert narrow.pairwise is None and not narrow.plan.config.hopper
 
 
 def _compiled_grouped(found) -> dict:
@@ -244,6 +272,8 @@ def _compiled_grouped(found) -> dict:
     spec = plan.spec
     signature = {f"p_{n}": _TYPES[str(spec.operand[n].dtype if n in spec.operand else spec.epilogue.captures[
         spec.epilogue_names.index(n)].dtype)] for n in kernel_inputs(plan)}
+    if plan.row_pointers:
+        signature["p_row_starts"] = _TYPES["int32"]
     signature |= {"p_out": _TYPES[str(spec.lhs.dtype)], "scratch": "*u8"}
     constants = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "WINDOW", "NUM_STAGES"),
                          (plan.config.block_m, plan.config.block_n, 64, 1, plan.config.num_stages)))
@@ -256,9 +286,11 @@ def _compiled_grouped(found) -> dict:
     (_GATHERED, dict(dtype=jnp.float16, rows=64, n=128, epilogue=lambda v, g, p, n: v * _SCALES[g] + n)),
     (_IN_ORDER, dict()),
     (_TRANSPOSED, dict(n=256)),
-], ids=["gathered-bf16", "gathered-fp16-64-rows-epilogue", "in-order-bf16", "transposed-bf16"])
+    ("sums", dict()),
+], ids=["gathered-bf16", "gathered-fp16-64-rows-epilogue", "in-order-bf16", "transposed-bf16", "weight-gradient"])
 def test_the_grouped_hopper_kernel_compiles_to_warp_specialised_wgmma_without_spills(expression, options):
-    compiled = _compiled_grouped(_grouped_route(expression, **options))
+    found = _weight_gradient()[1] if expression == "sums" else _grouped_route(expression, **options)
+    compiled = _compiled_grouped(found)
     sass = compiled["sass"]
     gathered = expression == _GATHERED
     assert compiled["warps"] == 12  # two consumer warpgroups and the producer's (4 warps, or 1 in a warpgroup)

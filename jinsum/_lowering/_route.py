@@ -108,7 +108,7 @@ def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = Non
     if (kernel and plan.template == "lanes" and (rewrite or not spec.deterministic)
             and (split := contracted_first(spec)) is not None):
         return Route(spec, pairwise=split)
-    if kernel and (split := gathered_first(spec, plan)) is not None:
+    if kernel and (split := gathered_first(spec, plan, config)) is not None:
         return Route(spec, pairwise=split)
     if kernel and (split := scattered_after(spec, plan, config)) is not None:
         return Route(spec, pairwise=split)
@@ -163,18 +163,17 @@ def contracted_first(spec: Spec) -> tuple[Spec, Spec] | None:
     return best
 
 
-def gathered_first(spec: Spec, plan: KernelPlan) -> tuple[Spec, Spec] | None:
+def gathered_first(spec: Spec, plan: KernelPlan, config: KernelConfig | None = None) -> tuple[Spec, Spec] | None:
     """A Tensor Core plan that walks a row's entries as its reduction (`KernelPlan.window_in_k`: a weight
     gradient) and gathers one factor's rows through an index array in that loop, as two statements: the rows
     gathered first, in the entries' order (`_derive.gathered_first`), then the product on contiguous rows.
     Each k step of the loop as written loads an index tile and then the rows it names, a dependent load that
-    the pipeline does not hide, and every tile along the output's columns does it again. Only where those tiles
-    are at least `GATHER_FIRST_TILES`; None elsewhere."""
+    the pipeline does not hide, and every tile along the output's columns does it again. Where those tiles are at
+    least `GATHER_FIRST_TILES`, or the product on contiguous rows has the Hopper form (a grouped sum, which reads
+    its rows by TMA); None elsewhere."""
     if not (plan.template == "dot" and plan.window_in_k):
         return None
     canonical, k = plan.spec.statement, plan.dot.k  # (the plan's names: `canonical(spec)`'s, same factor order)
-    if -(-plan.spec.extent[plan.dot.n] // plan.config.block_n) < GATHER_FIRST_TILES:
-        return None
     gathered = [f for f in (plan.dot.a, plan.dot.b) if any(
         node is not canonical.factors[f] and k in variables(node) for node in walk(canonical.factors[f]))]
     if len(gathered) != 1:
@@ -183,7 +182,11 @@ def gathered_first(spec: Spec, plan: KernelPlan) -> tuple[Spec, Spec] | None:
     name = _derive.fresh_name("rows", set(tensor_names(statement)))
     first, rest = _derive.gathered_first(statement, gathered[0], name)
     source = spec.operand[statement.factors[gathered[0]].tensor]
-    return _checked_split(spec, first, rest, Operand(name, _intermediate_shape(first, spec), source.dtype))
+    split = _checked_split(spec, first, rest, Operand(name, _intermediate_shape(first, spec), source.dtype))
+    if -(-plan.spec.extent[plan.dot.n] // plan.config.block_n) >= GATHER_FIRST_TILES:
+        return split
+    product = plan_for(split[1], config)
+    return split if not isinstance(product, Fallback) and product.config.hopper else None
 
 
 def scattered_after(spec: Spec, plan: KernelPlan, config: KernelConfig | None) -> tuple[Spec, Spec] | None:
