@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/gcn/main.py --dataset cora
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 clean:
 	rm -rf $(VENV) build *.egg-info

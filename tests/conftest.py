@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 import zlib
 
 # The sharding tests (tests/test_shard.py) split work over 4 devices: on a CPU, XLA pretends to have them. This must
@@ -25,6 +27,21 @@ ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 os.environ.setdefault("JINSUM_SMALL_TERMS", "0")
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_configure(config):
+    """Every test process (pytest-xdist's workers too) shares one JAX compilation cache for the session: many tests
+    compile the same programs (a layer's step, a format's builder), and a program compiled in one process is read
+    by the others. (Programs with host callbacks, the interpreter's, are never cached by JAX.) Not where the caller
+    set a cache of their own."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    if "JINSUM_TESTS_JAX_CACHE" not in os.environ:  # the first process (xdist's controller): workers inherit it
+        os.environ["JINSUM_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="jinsum-tests-jax-cache-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("JINSUM_TESTS_JAX_CACHE"), ignore_errors=True))
+    jax.config.update("jax_compilation_cache_dir", os.environ["JINSUM_TESTS_JAX_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(autouse=True)

@@ -323,11 +323,16 @@ def test_fused_kernels_match_the_reference(fmt, case, config, dtype, rng):
     check_chain_kernels(chain, arrays, config, dtype, rng)
 
 
+# The unfused reference lowering as one compiled program each (op by op, it compiled every operation alone)
+_reference_forward = jax.jit(_chain_reference.forward, static_argnums=0)
+_reference_backward = jax.jit(_chain_reference.backward, static_argnums=0)
+
+
 def check_chain_kernels(chain, arrays, config, dtype, rng, *, nonzero: bool = False):
     """The interpreted forward and backward kernels of `chain` against its unfused reference lowering: the output,
     the finite log-sum-exps (rows that attend somewhere), and the gradient of every differentiable operand (with
     `nonzero`, each one not all zeros). Returns the fused output and where the log-sum-exp is finite."""
-    out, lse = _chain_reference.forward(chain, arrays)
+    out, lse = _reference_forward(chain, arrays)
     fused_out, fused_lse = _chain_triton.interpret_forward(chain, arrays, config)
     assert fused_out.dtype == dtype
     assert_allclose(fused_out, np.asarray(out, np.float64), dtype, err_msg="forward")
@@ -337,7 +342,7 @@ def check_chain_kernels(chain, arrays, config, dtype, rng, *, nonzero: bool = Fa
 
     d_out = rng.standard_normal(out.shape).astype(dtype)
     d_lse = np.where(finite, rng.standard_normal(lse.shape), 0).astype(np.float32)
-    expected = _chain_reference.backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
+    expected = _reference_backward(chain, arrays, (d_out, d_lse))
     fused = _chain_triton.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse},
                                             config)
     assert len(fused) == len(expected) == len(chain.differentiable)
