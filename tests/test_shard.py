@@ -5,6 +5,8 @@ whose entries come from every device, an empty part, and duplicate columns; refe
 products) and the same call on the whole matrix.
 """
 
+import functools
+
 import jax
 import jax.test_util
 import jax.numpy as jnp
@@ -329,6 +331,17 @@ LAYERS = {
 }
 
 
+def _apply(layer, x, graph, *attr):
+    """A layer on a graph (whole, or partitioned) as one compiled program (op by op, each operation compiles);
+    the layer is left as it was (its arrays not moved to the devices of the call)."""
+    return _applied(*nnx.split(layer), x, graph, *attr)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _applied(graphdef, state, x, graph, *attr):
+    return nnx.merge(graphdef, state)(x, graph, *attr)
+
+
 @pytest.mark.parametrize("name", LAYERS)
 def test_layer_on_a_partitioned_adjacency(rng, name):
     A = graph(rng)
@@ -336,13 +349,14 @@ def test_layer_on_a_partitioned_adjacency(rng, name):
     layer = LAYERS[name]()
     x = rng.standard_normal((A.shape[0], 6))
     atol = ATTENTION_ATOL if name in ("GAT", "Transformer") else 1e-10
-    np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), layer(x, A), rtol=1e-10, atol=atol)
+    np.testing.assert_allclose(P.unshard_rows(_apply(layer, P.shard_rows(x), P)), _apply(layer, x, A), rtol=1e-10,
+                               atol=atol)
 
     def loss(layer, x, graph, mask):
         return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph)), 0))
 
     ours = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, P.shard_rows(x), P, P.row_mask)
-    theirs = nnx.grad(loss, argnums=(0, 1))(layer, x, A, np.ones(A.shape[0], bool))
+    theirs = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, x, A, np.ones(A.shape[0], bool))
     np.testing.assert_allclose(P.unshard_rows(ours[1]), theirs[1], rtol=1e-9, atol=atol)
     for a, b in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(theirs[0])):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
@@ -358,9 +372,10 @@ def test_layer_over_several_remote_matrices(rng, name):
     layer = LAYERS[name]()
     x = rng.standard_normal((A.shape[0], 6))
     atol = ATTENTION_ATOL if name == "GAT" else 1e-10
-    np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), layer(x, A), rtol=1e-10, atol=atol)
+    np.testing.assert_allclose(P.unshard_rows(_apply(layer, P.shard_rows(x), P)), _apply(layer, x, A), rtol=1e-10,
+                               atol=atol)
     ours = nnx.jit(nnx.grad(lambda layer, x: jnp.sum(jnp.tanh(P.unshard_rows(layer(x, P))))))(layer, P.shard_rows(x))
-    theirs = nnx.grad(lambda layer: jnp.sum(jnp.tanh(layer(x, A))))(layer)
+    theirs = nnx.jit(nnx.grad(lambda layer: jnp.sum(jnp.tanh(layer(x, A)))))(layer)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
 
@@ -393,17 +408,18 @@ def test_edge_layer_on_a_partitioned_edge_adjacency(rng, name):
     x = rng.standard_normal((n, 6))
     edges = jnn.edge_list(edge_index, n)
     A = jnn.edge_adjacency(edge_index, n, attr)
-    reference = layer(x, edges, attr)
-    np.testing.assert_allclose(layer(x, A), reference, rtol=1e-10, atol=1e-10)  # the same edges, in a format
+    reference = _apply(layer, x, edges, attr)
+    np.testing.assert_allclose(_apply(layer, x, A), reference, rtol=1e-10, atol=1e-10)  # the same edges, in a format
     for count in sorted({min(2, len(DEVICES)), len(DEVICES)}):
         P = jinsum.shard.partition(A, mesh(count))
-        np.testing.assert_allclose(P.unshard_rows(layer(P.shard_rows(x), P)), reference, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(P.unshard_rows(_apply(layer, P.shard_rows(x), P)), reference, rtol=1e-10,
+                                   atol=1e-10)
 
     def loss(layer, x, graph, mask, *attr):
         return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph, *attr)), 0))
 
     ours = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, P.shard_rows(x), P, P.row_mask)
-    theirs = nnx.grad(loss, argnums=(0, 1))(layer, x, edges, np.ones(n, bool), attr)
+    theirs = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, x, edges, np.ones(n, bool), attr)
     np.testing.assert_allclose(P.unshard_rows(ours[1]), theirs[1], rtol=1e-9, atol=1e-10)
     for a, b in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(theirs[0])):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
