@@ -22,6 +22,9 @@ from _catalog import EXTREMA as CASES
 from _catalog import extreme_spmm
 from conftest import ON_GPU
 
+# XLA's lowering of a statement as one compiled program (op by op, each of its operations compiled alone)
+_xla_evaluate = jax.jit(_xla.evaluate, static_argnames="spec")
+
 M, K, N = 13, 11, 6  # extreme_spmm's
 DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)]
 
@@ -168,7 +171,7 @@ def _check_kernel_and_winners(case, operands, dtype, config):
         #          terms that equal a result differ; test_gpu.py compares the GPU's winners)
     result = {**operands, statement.lhs.tensor: actual}
     winners = _primitive.make_spec(statement, {**arrays, statement.lhs.tensor: actual}, **flags, winners=True)
-    xla = _xla.evaluate(*(jnp.asarray(result[n]) for n in winners.names), spec=winners)
+    xla = _xla_evaluate(*(jnp.asarray(result[n]) for n in winners.names), spec=winners)
     np.testing.assert_array_equal(interpret(winners, result, config), xla)
 
 
@@ -181,7 +184,7 @@ def test_winners_are_the_first_equal_terms(case):
     statement, arrays, flags = _prepare(case, operands)
     result = jinsum.einsum(case.expression, **operands)
     spec = _primitive.make_spec(statement, {**arrays, statement.lhs.tensor: result}, **flags, winners=True)
-    actual = _xla.evaluate(*(result if n == spec.lhs.name else arrays[n] for n in spec.names), spec=spec)
+    actual = _xla_evaluate(*(result if n == spec.lhs.name else arrays[n] for n in spec.names), spec=spec)
     np.testing.assert_array_equal(actual, _winners_reference(case, operands))
 
 
