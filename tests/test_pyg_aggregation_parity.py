@@ -41,7 +41,7 @@ def _compare(ours, theirs, x, rng, graph, *their_graph):
     probe = rng.standard_normal(expected.shape)
     (expected * torch.from_numpy(probe)).sum().backward()
     out = jax.jit(lambda x, graph: ours(x, graph))(jnp.asarray(x), graph)
-    grad = jax.grad(lambda x: (ours(x, graph) * probe).sum())(jnp.asarray(x))
+    grad = jax.jit(jax.grad(lambda x: (ours(x, graph) * probe).sum()))(jnp.asarray(x))
     np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
 
@@ -107,7 +107,7 @@ def test_global_pools(pool, rng):
         (expected * torch.from_numpy(probe)).sum().backward()
         ours = getattr(jnn, pool)
         out = jax.jit(ours, static_argnums=2)(jnp.asarray(x), batch, len(sizes))
-        grad = jax.grad(lambda x: (ours(x, batch, len(sizes)) * probe).sum())(jnp.asarray(x))
+        grad = jax.jit(jax.grad(lambda x: (ours(x, batch, len(sizes)) * probe).sum()))(jnp.asarray(x))
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
 
@@ -266,8 +266,8 @@ def test_bipartite(layer, rng):
         probe = rng.standard_normal(expected.shape)
         (expected * torch.from_numpy(probe)).sum().backward()
         out = ours((jnp.asarray(x_src), jnp.asarray(x_dst)), A)
-        grads = jax.grad(lambda s, d: (ours((s, d), A) * probe).sum(), argnums=(0, 1))(jnp.asarray(x_src),
-                                                                                     jnp.asarray(x_dst))
+        grads = jax.jit(jax.grad(lambda s, d: (ours((s, d), A) * probe).sum(), argnums=(0, 1)))(
+            jnp.asarray(x_src), jnp.asarray(x_dst))
         # (On a GPU the fused attention chain's float64 kernels agree to ~3e-7, as test_nn's GAT test shows.)
         fused = name == "GATConv" and ON_GPU
         tolerance = dict(rtol=1e-6, atol=1e-8) if fused else dict(rtol=1e-12, atol=1e-12)
@@ -303,8 +303,8 @@ def test_gine(edge_dim, rng):
         probe = rng.standard_normal(expected.shape)
         (expected * torch.from_numpy(probe)).sum().backward()
         out = jax.jit(lambda x, e, a: ours(x, e, a))(jnp.asarray(x), edges, jnp.asarray(attr))
-        grads = jax.grad(lambda x, a: (ours(x, edges, a) * probe).sum(), argnums=(0, 1))(jnp.asarray(x),
-                                                                                        jnp.asarray(attr))
+        grads = jax.jit(jax.grad(lambda x, a: (ours(x, edges, a) * probe).sum(), argnums=(0, 1)))(
+            jnp.asarray(x), jnp.asarray(attr))
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grads[0], tx.grad.numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grads[1], ta.grad.numpy(), rtol=1e-12, atol=1e-12)
@@ -330,7 +330,7 @@ def test_gatv2(heads, concat, self_loops, edge_dim, share, rng):
         probe = rng.standard_normal(expected.shape)
         (expected * torch.from_numpy(probe)).sum().backward()
         out = ours(jnp.asarray(x), edges, attr)
-        grad = jax.grad(lambda x: (ours(x, edges, attr) * probe).sum())(jnp.asarray(x))
+        grad = jax.jit(jax.grad(lambda x: (ours(x, edges, attr) * probe).sum()))(jnp.asarray(x))
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
 
@@ -361,7 +361,7 @@ def test_gat_edge_by_edge(heads, concat, self_loops, edge_dim, rng):
         probe = rng.standard_normal(expected.shape)
         (expected * torch.from_numpy(probe)).sum().backward()
         out, (weights, own) = ours(jnp.asarray(x), edges, attr, return_attention_weights=True)
-        grad = jax.grad(lambda x: (ours(x, edges, attr) * probe).sum())(jnp.asarray(x))
+        grad = jax.jit(jax.grad(lambda x: (ours(x, edges, attr) * probe).sum()))(jnp.asarray(x))
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
         # PyG's weights: the edges without self loops, in order, then one self loop per node (when added).
