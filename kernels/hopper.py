@@ -401,6 +401,21 @@ def _group_consumer(c: gl.constexpr, out_ptr, smem, bars, context, epilogue_fn: 
 
 
 @gluon.jit
+def _output_tiles_and_ring(dtype: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FULL: gl.constexpr,
+                           EMPTY: gl.constexpr):
+    """The two consumers' 64 x BLOCK_N output tiles in shared memory, and the ring's `full` and `empty` mbarriers,
+    `STAGES` of each, expecting `FULL` and `EMPTY` arrivals."""
+    out_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=FULL)
+        mbarrier.init(empty.index(i), count=EMPTY)
+    return out_smem, full, empty
+
+
+@gluon.jit
 def grouped_rows(x_ptr, slots_ptr, w_ptr, experts_ptr, out_ptr, context, epilogue_fn: gl.constexpr, G: gl.constexpr,
                  ROWS: gl.constexpr, EXPERTS: gl.constexpr, K: gl.constexpr, N: gl.constexpr, P: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, TRANSPOSED: gl.constexpr):
@@ -426,15 +441,10 @@ def grouped_rows(x_ptr, slots_ptr, w_ptr, experts_ptr, out_ptr, context, epilogu
     else:
         w_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
-    out_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
-                                         gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # full: the weights' expect-tx arrival, and when gathering one arrival per producer thread (4 warps); empty: one
+    # arrival per consumer reading the stage
+    out_smem, full, empty = _output_tiles_and_ring(dtype, BLOCK_N, STAGES, 129 if GATHER else 1, 2 if P == 128 else 1)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        # full: the weights' expect-tx arrival, and when gathering one arrival per producer thread (4 warps)
-        mbarrier.init(full.index(i), count=129 if GATHER else 1)
-        mbarrier.init(empty.index(i), count=2 if P == 128 else 1)  # one arrival per consumer reading the stage
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     mbarrier.arrive(turn.index(0), count=1)  # (64-row groups) consumer 0 issues first
@@ -548,13 +558,7 @@ def grouped_sums(a_ptr, b_ptr, starts_ptr, out_ptr, ROWS: gl.constexpr, POSITION
     a_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, 64, 64], layout)
     b_smem = gl.allocate_shared_memory(dtype, [STAGES, 64, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
-    out_smem = gl.allocate_shared_memory(dtype, [2, 64, BLOCK_N],
-                                         gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers read every stage
+    out_smem, full, empty = _output_tiles_and_ring(dtype, BLOCK_N, STAGES, 1, 2)  # (both consumers read every stage)
     smem = (a_smem, b_smem, out_smem)
     bars = (full, empty)
     gl.warp_specialize([
