@@ -475,7 +475,7 @@ def test_mixed_precision_layers_match_float32(layer, rng):
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(half, nnx.Param)))
     assert_allclose(out, _apply(full, x, A), jnp.bfloat16)
     loss = lambda model: jnp.sum(jnp.tanh(model(x, A).astype(jnp.float32)))  # noqa: E731
-    grads_half, grads_full = nnx.grad(loss)(half), nnx.grad(loss)(full)
+    grads_half, grads_full = nnx.jit(nnx.grad(loss))(half), nnx.jit(nnx.grad(loss))(full)
     for g_half, g_full in zip(jax.tree.leaves(grads_half), jax.tree.leaves(grads_full)):
         assert g_half.dtype == jnp.float32
         assert_allclose(g_half, g_full, jnp.bfloat16)

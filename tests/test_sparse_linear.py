@@ -97,7 +97,7 @@ def test_mixed_precision_within_half_precision_tolerance(case, dtype, rng):
     y = half(x)
     assert y.dtype == dtype and half.kernel[...].dtype == jnp.float32
     assert_allclose(y, full(x), dtype)
-    grad = nnx.grad(lambda layer: jnp.sum(layer(x).astype(jnp.float32)))
+    grad = nnx.jit(nnx.grad(lambda layer: jnp.sum(layer(x).astype(jnp.float32))))
     g_half, g_full = grad(half), grad(full)
     assert g_half["kernel"][...].dtype == jnp.float32  # the gradient of float32 parameters stays float32
     assert_allclose(g_half["kernel"][...], g_full["kernel"][...], dtype)
