@@ -318,7 +318,8 @@ def test_autotune_tries_the_hopper_forms_knobs_on_sm90_where_the_plan_has_the_fo
 def test_a_mixture_of_experts_step_runs_its_products_in_the_hopper_form_on_sm90():
     """`jax.grad` of `routed_mlp` (SwiGLU): the forward's three grouped products, the down projection's input
     gradient (the matrices transposed) and the up and gate projections' input gradients (split: products, then a
-    scatter) take the Hopper form; the weight gradients keep the Triton form."""
+    scatter) take the Hopper form of a grouped product; the three weight gradients (their rows gathered first) that
+    of a grouped sum."""
     rng = np.random.default_rng(0)
     tokens, experts, c, h = 4096, 4, 128, 256  # (groups of 128 rows: route_tokens' size for this capacity)
     x = jnp.asarray(rng.standard_normal((tokens, c)), jnp.bfloat16)
@@ -337,4 +338,6 @@ def test_a_mixture_of_experts_step_runs_its_products_in_the_hopper_form_on_sm90(
     hopper = [k.splitlines()[0] for k in kernels if "grouped_rows(" in k]
     assert len(hopper) == 6, hopper
     assert sum("products[g,p,c] +=" in name for name in hopper) == 2
-    assert not any("dW[" in k.splitlines()[0] and "grouped_rows(" in k for k in kernels)
+    sums = [k.splitlines()[0] for k in kernels if "grouped_sums(" in k]
+    assert len(sums) == 3, sums
+    assert not any("grouped_rows(" in k and "grouped_sums(" in k for k in kernels)
