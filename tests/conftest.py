@@ -32,9 +32,9 @@ if not ON_GPU:
 def pytest_configure(config):
     """Every test process (pytest-xdist's workers too) shares one JAX compilation cache for the session: many tests
     compile the same programs (a layer's step, a format's builder), and a program compiled in one process is read
-    by the others. (Programs with host callbacks, the interpreter's, are never cached by JAX.) Not where the caller
-    set a cache of their own."""
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    by the others. (Programs with host callbacks, the interpreter's, are never cached by JAX.) On CPUs only (CI's
+    time), and not where the caller set a cache of their own."""
+    if ON_GPU or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     if "JINSUM_TESTS_JAX_CACHE" not in os.environ:  # the first process (xdist's controller): workers inherit it
         os.environ["JINSUM_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="jinsum-tests-jax-cache-")
