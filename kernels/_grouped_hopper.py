@@ -1,7 +1,7 @@
 """`KernelPlan` -> Gluon source: a grouped product in the Hopper form of the tile core.
 
-A grouped product (`jinsum.kernels._plan.grouped_hopper_fallback` says which plans are one) multiplies each group's rows by
-its group's matrix into a tile of its output's rows: a mixture of experts' projections and HeteroLinear,
+A grouped product (`jinsum.kernels._plan.grouped_hopper_fallback` says which plans are one) multiplies each group's
+rows by its group's matrix into a tile of its output's rows: a mixture of experts' projections and HeteroLinear,
 
     H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n]      the rows gathered (cp.async: Hopper's TMA has no gather)
     O[g,p,n] += H[g,p,k] * W[Ai[g],k,n]          the rows in grouped order (one TMA box a stage)
