@@ -4,8 +4,8 @@ Shipped inside the package as `jinsum.kernels`. What runs is decided by the rout
 statements, `jinsum._attention._chain_route` for chains), and every kernel is launched by one launcher
 (`jinsum._lowering._launch`: jax-triton, or Triton's interpreter for tests); the `@triton.jit` helpers every
 generated kernel imports are in `helpers`. On sm_90, kernels that have one take the Hopper form of the tile core:
-warp-specialised Gluon programs (`hopper`, the building blocks; `_chain_hopper`, the attention forward written over
-them; `_grouped_hopper`, grouped products). Reads only the notation (`jinsum._lang`).
+warp-specialised Gluon programs (`hopper`, the building blocks; `_chain_hopper`, the attention forward and backward
+written over them; `_grouped_hopper`, grouped products). Reads only the notation (`jinsum._lang`).
 
 Hand-written kernels sit beside the generator: `knn_kernel` (`_knn`, the k nearest neighbours of `jinsum.nn.knn`,
 launched through `jinsum._lowering._knn`), imported on first use since it imports Triton, which is optional.

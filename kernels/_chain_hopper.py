@@ -1,4 +1,5 @@
-"""`ChainPlan` -> Gluon source: the forward of a block attention chain in the Hopper form of the tile core.
+"""`ChainPlan` -> Gluon source: the forward and the backward of a block attention chain in the Hopper form of the
+tile core.
 
 The kernel is `jinsum.kernels.hopper.attention_rows` (a producer warp loading key and value tiles by TMA, two
 consumer warpgroups of 64 query rows in ping-pong, the softmax of one tile overlapped with the products of the
@@ -10,12 +11,19 @@ previous one) run over the forward's work items, with two functions written from
 - `chain_epilogue`: a whole row's output (through shared memory and TMA) and log-sum-exp, or a piece of a long
   row's running maximum, sum and accumulator for the combine kernel (the Triton form's, unchanged).
 
-The work items, flags and pieces are the Triton form's (`_chain_route.schedule`), so the two forms are
-interchangeable kernel by kernel. Programs run the work items last first: rows that end later (causal attention's
-longest) start first. Tensors are read through TMA descriptors made on the device, one per program and tensor,
-from a row-major view whose rows are a block row's query rows (a block column's keys) of one batch element and head:
-TMA fills loads past a view's last row with zeros and clips stores. `hopper_fallback` says which chains have
-this form; the others keep the Triton form on every GPU.
+The backward over rows (`dq`) is `jinsum.kernels.hopper.attention_row_gradients` over the same work items, with
+`chain_scores` again, `chain_row_stats` (the rows' log-sum-exp and `D = rowsum(dO * O)`) and
+`chain_row_gradient_epilogue` (dQ, or a long row's pieces). The backward over keys (`dkdv`) is
+`jinsum.kernels.hopper.attention_keys` (128 keys a program, the query tiles that attend to them streamed by TMA)
+with the same functions transposed: `chain_key_scores` (keys along the rows), `chain_key_stats` and
+`chain_key_epilogue` (dK and dV, or a long key's pieces). A score_mod's derivative is not in these forms: such a
+chain's backward keeps the Triton form. The work items, flags and pieces are the Triton form's
+(`_chain_route.schedule`), so the two forms are interchangeable kernel by kernel. Programs over rows run the work
+items last first (rows that end later, causal attention's longest, start first), programs over keys in order (the
+first keys, which every later row attends to, are the longest). Tensors are read through TMA descriptors made on
+the device, one per program and tensor, from a row-major view whose rows are a block row's query rows (a block
+column's keys) of one batch element and head: TMA fills loads past a view's last row with zeros and clips stores.
+`hopper_fallback` says which chains have this form; the others keep the Triton form on every GPU.
 """
 
 from __future__ import annotations
@@ -29,18 +37,23 @@ from jinsum.kernels._elementwise_source import Capture, elementwise_lines
 from jinsum.kernels._plan import DESCRIPTOR_BYTES
 from jinsum.kernels._source import offset
 
-DESCRIBED = ("Q", "K", "V", "O")  # a TMA descriptor each
-# Descriptors a program makes: the producer's three and each consumer's output one (`hopper.attention_rows`).
-DESCRIPTORS = 5
+# The tensors read or written through a TMA descriptor, by kernel, and the descriptors a program makes: the
+# forward's producer three and each consumer its output's (`hopper.attention_rows`); the backward's producer four
+# and each consumer two (`hopper.attention_keys`).
+DESCRIBED = {"forward": ("Q", "K", "V", "O"), "dq": ("Q", "K", "V", "dO", "dQ"),
+             "dkdv": ("K", "V", "Q", "dO", "dK", "dV")}
+DESCRIPTORS = {"forward": 5, "dq": 6, "dkdv": 8}
+# What the backward's gradients are laid out as (`jinsum.kernels._chain_source`).
+_SAME_LAYOUT = {"dO": "O", "Drow": "LSE", "dQ": "Q", "dK": "K", "dV": "V"}
 
 
 def hopper_scratch(plan: ChainPlan) -> int:
     """Global scratch bytes a program needs: its TMA descriptors."""
-    return DESCRIPTOR_BYTES * DESCRIPTORS
+    return DESCRIPTOR_BYTES * DESCRIPTORS[plan.kind]
 
 
 def generate_hopper_chain(plan: ChainPlan) -> str:
-    """The Python source of a module defining the Gluon kernel `jinsum_attention_forward_hopper`."""
+    """The Python source of a module defining the Gluon kernel `jinsum_attention_<kind>_hopper`."""
     return _Writer(plan).module()
 
 
@@ -49,6 +62,7 @@ class _Writer:
         self.plan, self.chain = plan, plan.chain
         self.inputs, self.outputs = chain_inputs(plan), chain_outputs(plan)
         self.shapes = {**{n: o.shape for n, o in self.chain.operand.items()}, **scratch_shapes(plan)}
+        self.shapes.update({n: self.shapes[like] for n, like in _SAME_LAYOUT.items()})
         self.head = self.chain.operand["Q"].shape[-1]
         r = self.chain.roles
         # The grid's variables (batch, kv head, query head in its group) and the mods' coordinates.
@@ -67,17 +81,32 @@ class _Writer:
                  "import triton.language as tl", "from triton.experimental import gluon",
                  "from triton.experimental.gluon import language as gl",
                  "from triton.experimental.gluon.language.nvidia.hopper import tma",
-                 "from jinsum.kernels.hopper import attention_rows, columns_of, rows_of, store_rows", "", ""]
-        lines += (self._scores() + ["", ""] + self._epilogue() + ["", ""] + self._descriptors() + ["", ""]
-                  + self._kernel())
-        return "\n".join(lines) + f"\n# {chain!r}\n"
+                 "from jinsum.kernels.hopper import (attention_keys, attention_row_gradients, attention_rows, "
+                 "columns_of,", "                                   rows_of, store_rows, store_tile)", "", ""]
+        if self.plan.kind == "forward":
+            parts = [self._scores(), self._epilogue(), self._descriptors(), self._kernel()]
+        elif self.plan.kind == "dq":
+            parts = [self._scores(), self._row_stats(), self._row_gradient_epilogue(), self._descriptors(),
+                     self._kernel()]
+        else:
+            parts = [self._key_scores(), self._key_stats(), self._key_epilogue(), self._descriptors(),
+                     self._key_kernel()]
+        for part in parts:
+            lines += part + ["", ""]
+        return "\n".join(lines[:-2]) + f"\n# {chain!r}\n"
 
     def _context(self) -> str:
         """What the partitions receive beside the tiles (scalars and pointers only)."""
-        names = ["q0", *self.grid, "p_flags", *(self.pointer(c) for c in self.captures), "segment", "tile", "part",
-                 "glin", self.pointer("LSE"), *(self.pointer(n) for n in ("part_m", "part_l", "part_acc")),
-                 *(self.pointer(n) for n in DESCRIBED)]
-        return ", ".join(names)
+        if self.plan.kind == "forward":
+            names = ["q0", *self.grid, "p_flags", *(self.pointer(c) for c in self.captures), "segment", "tile",
+                     "part", "glin", self.pointer("LSE"), *(self.pointer(n) for n in ("part_m", "part_l", "part_acc"))]
+        elif self.plan.kind == "dq":
+            names = ["q0", *self.grid, "p_flags", *(self.pointer(c) for c in self.captures), "segment", "tile",
+                     "part", "glin", "p_LSE", "p_Drow", "o_part_dq"]
+        else:
+            names = ["k0", *self.grid, "p_flags", "p_perm", *(self.pointer(c) for c in self.captures), "segment",
+                     "tile", "part", "glin", "p_LSE", "p_Drow", "o_part_dk", "o_part_dv"]
+        return ", ".join(names + [self.pointer(n) for n in DESCRIBED[self.plan.kind]])
 
     def _scores(self) -> list[str]:
         chain = self.chain
@@ -117,7 +146,7 @@ class _Writer:
         value = self.head
         body = [f"{self._context()} = context",
                 "if part < 0:  # the whole row: its output and log-sum-exp (natural)",
-                f"    store_rows(acc, l_i, q_tile, o_desc, o_row)",
+                "    store_rows(acc, l_i, q_tile, o_desc, o_row)",
                 "    safe = tl.where(l_i > 0, l_i, 1.0)",
                 f'    lse = tl.where(l_i > 0, (tl.where(m_i == float("-inf"), 0.0, m_i) + tl.log2(safe)) * {LN2!r}, '
                 'float("inf"))',
@@ -133,28 +162,145 @@ class _Writer:
                 '    """Consumer c\'s rows: stored, or kept for the combine."""'] + ["    " + b for b in body]
 
     def _descriptors(self) -> list[str]:
-        """`chain_descriptor(name, context)`: the TMA descriptor of Q, K, V or O over the view whose rows are the
-        block rows' (columns') positions of this program's batch element and head."""
+        """`chain_descriptor(name, context)`: the TMA descriptor of tensor `name` (`DESCRIBED`) over the view whose
+        rows are the block rows' (columns') positions of this program's batch element and head."""
         chain, r = self.chain, self.chain.roles
         body = [f"{self._context()} = context", f"dtype: gl.constexpr = {self.pointer('Q')}.dtype.element_ty"]
-        for k, name in enumerate(DESCRIBED):
-            shape = self.shapes[name]
-            block_dim, offset_dim = tiled_dims(chain, name)
+        for k, name in enumerate(DESCRIBED[self.plan.kind]):
+            like = _SAME_LAYOUT.get(name, name)
+            shape = self.shapes[like]
+            block_dim, offset_dim = tiled_dims(chain, like)
+            # Over keys, a query view holds the group's heads side by side (the head in the group is not a grid
+            # variable there: the producer picks the columns); stores take 64-column boxes.
+            grouped = self.plan.kind == "dkdv" and like in ("Q", "O")
             positions = []
-            for index in chain.accesses()[name].indices:
+            for index in chain.accesses()[like].indices:
                 var = index.name if isinstance(index, Var) else None
-                positions.append(f"v_{var}" if var is not None and var in (*r.batch, r.head, r.head_group) else "0")
+                fixed = (*r.batch, r.head) + ((r.head_group, ) if r.head_group and not grouped else ())
+                positions.append(f"v_{var}" if var is not None and var in fixed else "0")
             count = shape[block_dim] * shape[offset_dim]
             stride = int(np.prod(shape[offset_dim + 1:], dtype=np.int64))
-            rows = 64 if name in ("Q", "O") else self.plan.block_k
-            width = 64 if name == "O" else self.head  # (the output is stored a 64-column box at a time)
+            rows = 64 if (like in ("Q", "O") or self.plan.kind == "dkdv") else self.plan.block_k
+            width = 64 if name in ("O", "dQ", "dK", "dV") else self.head
+            columns = self.head * (self.chain.group_size if grouped and r.head_group else 1)
             body += [f"{'if' if k == 0 else 'elif'} name == {name!r}:",
                      f"    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([{rows}, {self.head}], dtype)",
                      f"    return tma.make_tensor_descriptor({self.pointer(name)} + {offset(shape, positions)}, "
-                     f"shape=[{count}, {self.head}], strides=[{stride}, 1], block_shape=[{rows}, {width}], "
+                     f"shape=[{count}, {columns}], strides=[{stride}, 1], block_shape=[{rows}, {width}], "
                      "layout=layout)"]
         return ["@gluon.jit", "def chain_descriptor(name: gl.constexpr, context):",
                 '    """The TMA descriptor of tensor `name` for this program."""'] + ["    " + b for b in body]
+
+    # --- the backward over rows ----------------------------------------------------------------------------------
+
+    def _row_stats(self) -> list[str]:
+        r = self.chain.roles
+        positions = {**{v: f"v_{v}" for v in (*r.batch, r.head, r.head_group) if v}, "Ai[g]": "segment",
+                     r.query_offset: f"(tile * {HOPPER_ROWS} + c * 64 + rows)"}
+        at = offset(self.shapes["LSE"], [positions[str(i) if not isinstance(i, Var) else i.name]
+                                         for i in self.chain.lse.indices])
+        body = [f"{self._context()} = context", f"at = {at}", f"lse = tl.load(p_LSE + at) * {LOG2E!r}",
+                "drow = tl.load(p_Drow + at)", "return lse, drow"]
+        return ["@gluon.jit", "def chain_row_stats(c: gl.constexpr, rows, context):",
+                '    """The log-sum-exp (base 2) and D of consumer c\'s query rows."""'] + ["    " + b for b in body]
+
+    def _row_gradient_epilogue(self) -> list[str]:
+        plan, chain = self.plan, self.chain
+        base = f"(part * {plan.grid_size} + glin) * {chain.block[0]} + tile * {HOPPER_ROWS} + rows_of(dq, c)"
+        body = [f"{self._context()} = context", 'dq_desc = chain_descriptor("dQ", context)',
+                "if part < 0:  # the whole row",
+                f"    store_tile(dq * {chain.scale!r}, q_tile, dq_desc, q_row)",
+                "else:  # a piece of a long row: its partial gradient for the sum kernel",
+                f"    tl.store(o_part_dq + ({base})[:, None] * {self.head} + columns_of(dq)[None, :], "
+                f"dq * {chain.scale!r})"]
+        return ["@gluon.jit", "def chain_row_gradient_epilogue(c: gl.constexpr, dq, q_tile, q_row, context):",
+                '    """Consumer c\'s rows: dQ (scaled) stored, or kept for the sum."""'] + ["    " + b for b in body]
+
+    # --- the backward over keys ----------------------------------------------------------------------------------
+
+    def _head_in_group(self) -> list[str]:
+        """Binds the query head in the group (a step's, `g`) where the chain has grouped heads."""
+        group = self.chain.roles.head_group
+        return [f"v_{group} = g"] if group else []
+
+    def _key_scores(self) -> list[str]:
+        chain = self.chain
+        bm, bk = chain.block
+        body = [f"{self._context()} = context", *self._head_in_group(),
+                f"s = s * {chain.scale * LOG2E!r}",
+                "kv_idx = (k0 + rows_of(s, c))[:, None]", f"q_idx = (row * {bm} + offset + columns_of(s))[None, :]",
+                "flag = tl.load(p_flags + tl.load(p_perm + j))",
+                f"if (flag != 2) | (row < 0) | (row >= {chain.rows}):  # a partial block (or one out of range)",
+                f"    allowed = (flag != 0) & (row >= 0) & (row < {chain.rows})"]
+        if chain.mask_mod is not None:
+            lines, (value,), _ = elementwise_lines(chain.mask_mod.value.jaxpr, [self.b, self.h, "q_idx", "kv_idx"],
+                                                   "mm", "tl.float32", self._capture_args(chain.mask_captures))
+            body += ["    " + line for line in lines] + [f"    allowed = allowed & {value}"]
+        if chain.causal:
+            body.append("    allowed = allowed & (q_idx >= kv_idx)")
+        body += ['    s = tl.where(allowed, s, float("-inf"))', "return s"]
+        return ["@gluon.jit", "def chain_key_scores(s, c: gl.constexpr, g, j, row, offset, context):",
+                '    """Raw products (keys x queries) -> scores in units of log2(e), -inf where masked."""'
+                ] + ["    " + b for b in body]
+
+    def _key_stats(self) -> list[str]:
+        chain, r = self.chain, self.chain.roles
+        positions = {**{v: f"v_{v}" for v in (*r.batch, r.head, r.head_group) if v}, "Ai[g]": "row",
+                     r.query_offset: "(offset + cols)"}
+        at = offset(self.shapes["LSE"], [positions[str(i) if not isinstance(i, Var) else i.name]
+                                         for i in chain.lse.indices])
+        inside = f"(row >= 0) & (row < {chain.rows})"
+        body = [f"{self._context()} = context", *self._head_in_group(), f"at = {at}",
+                f'lse = tl.load(p_LSE + at, mask={inside}, other=float("inf")) * {LOG2E!r}',
+                f"drow = tl.load(p_Drow + at, mask={inside}, other=0.0)", "return lse, drow"]
+        return ["@gluon.jit", "def chain_key_stats(g, row, offset, cols, context):",
+                '    """The log-sum-exp (base 2) and D of the query rows `row * BM + offset + cols` of head g."""'
+                ] + ["    " + b for b in body]
+
+    def _key_epilogue(self) -> list[str]:
+        plan, chain = self.plan, self.chain
+        base = f"(part * {plan.grid_size} + glin) * {chain.block[1]} + tile * {HOPPER_ROWS} + rows_of(dk, c)"
+        scale = chain.scale
+        body = [f"{self._context()} = context",
+                'dk_desc = chain_descriptor("dK", context)', 'dv_desc = chain_descriptor("dV", context)',
+                "if part < 0:  # the whole key",
+                f"    store_tile(dk * {scale!r}, k_tile, dk_desc, k_row)", "    store_tile(dv, v_tile, dv_desc, k_row)",
+                "else:  # a piece of a long key: its partial gradients for the sum kernel",
+                f"    at = ({base})[:, None] * {self.head} + columns_of(dk)[None, :]",
+                f"    tl.store(o_part_dk + at, dk * {scale!r})", "    tl.store(o_part_dv + at, dv)"]
+        return ["@gluon.jit", "def chain_key_epilogue(c: gl.constexpr, dk, dv, k_tile, v_tile, k_row, context):",
+                '    """Consumer c\'s keys: dK (scaled) and dV stored, or kept for the sum."""'
+                ] + ["    " + b for b in body]
+
+    def _key_kernel(self) -> list[str]:
+        plan, chain = self.plan, self.chain
+        bm, bk = chain.block
+        tiles = bk // HOPPER_ROWS
+        params = [f"p_{n}" for n in self.inputs] + [f"o_{n}" for n in self.outputs] + ["scratch"]
+        body = ["pid = tl.program_id(0)",
+                f"item = pid // {tiles}  # (the first keys first: causal attention's longest)",
+                f"tile = pid % {tiles}  # which {HOPPER_ROWS} keys of the block column",
+                "glin = tl.program_id(1)  # the grid variables' flat index"]
+        rest = "glin"
+        for v in reversed(plan.grid_vars):
+            extent = chain.output.extent[v]
+            body.append(f"v_{v} = {rest} % {extent}")
+            rest = f"({rest} // {extent})"
+        body += ["segment = tl.load(p_items + item * 5)  # a key block, or -1: no work",
+                 "begin = tl.load(p_items + item * 5 + 1)  # its entries [begin, end) in the transposed order",
+                 "end = tl.load(p_items + item * 5 + 2)",
+                 "part = tl.load(p_items + item * 5 + 3)  # >= 0: one of several pieces of a long key",
+                 "if segment >= 0:",
+                 f"    k0 = segment * {bk} + tile * {HOPPER_ROWS}  # the program's first key position",
+                 f"    per_head = (end - begin) * {bm // 64}  # steps of one query head",
+                 f"    context = ({self._context()})",
+                 f"    attention_keys(chain_descriptor, (p_key_rows, begin, per_head * {chain.group_size}, per_head), "
+                 f"k0, context, chain_key_scores, chain_key_stats, chain_key_epilogue, p_Q.dtype.element_ty, {bm}, "
+                 f"{self.head}, {plan.config.num_stages})"]
+        doc = [f'"""{chain!r}', "", f"backward over keys, Hopper form; {HOPPER_ROWS} keys x 64 query rows a step, "
+               f"{plan.config.num_stages} stages; grid {', '.join(plan.grid_vars)}"'"""']
+        return (["@gluon.jit", f"def jinsum_attention_dkdv_hopper({', '.join(params)}):"]
+                + ["    " + d for d in doc] + ["    " + b for b in body])
 
     def _kernel(self) -> list[str]:
         plan, chain = self.plan, self.chain
@@ -162,7 +308,7 @@ class _Writer:
         width = plan.block_k
         tiles = bm // HOPPER_ROWS
         params = [f"p_{n}" for n in self.inputs] + [f"o_{n}" for n in self.outputs] + ["scratch"]
-        body = [f"pid = tl.program_id(0)",
+        body = ["pid = tl.program_id(0)",
                 f"item = {plan.items - 1} - pid // {tiles}  # the last work items first",
                 f"tile = pid % {tiles}  # which {HOPPER_ROWS} rows of the block row",
                 "glin = tl.program_id(1)  # the grid variables' flat index"]
@@ -178,11 +324,16 @@ class _Writer:
                  "if segment >= 0:",
                  f"    q0 = segment * {bm} + tile * {HOPPER_ROWS}  # the program's first query position",
                  f"    steps = (end - begin) * {bk // width}",
-                 f"    context = ({self._context()})",
-                 f"    attention_rows(chain_descriptor, (p_Ak, begin, steps), q0, context, chain_scores, "
-                 f"chain_epilogue, p_Q.dtype.element_ty, {bk // width}, {bk}, {width}, {self.head}, "
-                 f"{plan.config.num_stages})"]
-        doc = [f'"""{chain!r}', "", f"forward kernel, Hopper form; {HOPPER_ROWS} rows x {width} keys a tile, "
+                 f"    context = ({self._context()})"]
+        tiles = f"{bk // width}, {bk}, {width}, {self.head}, {plan.config.num_stages}"
+        if plan.kind == "forward":
+            body.append(f"    attention_rows(chain_descriptor, (p_Ak, begin, steps), q0, context, chain_scores, "
+                        f"chain_epilogue, p_Q.dtype.element_ty, {tiles})")
+        else:
+            body.append(f"    attention_row_gradients(chain_descriptor, (p_Ak, begin, steps), q0, context, "
+                        f"chain_scores, chain_row_stats, chain_row_gradient_epilogue, p_Q.dtype.element_ty, {tiles})")
+        what = "forward kernel" if plan.kind == "forward" else "backward over rows (dQ)"
+        doc = [f'"""{chain!r}', "", f"{what}, Hopper form; {HOPPER_ROWS} rows x {width} keys a tile, "
                f"{plan.config.num_stages} stages; grid {', '.join(plan.grid_vars)}"'"""']
-        return (["@gluon.jit", f"def jinsum_attention_forward_hopper({', '.join(params)}):"]
+        return (["@gluon.jit", f"def jinsum_attention_{plan.kind}_hopper({', '.join(params)}):"]
                 + ["    " + d for d in doc] + ["    " + b for b in body])

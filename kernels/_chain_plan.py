@@ -57,7 +57,7 @@ class ChainConfig:
     # where their layout allows, rather than by pointers: asynchronous copies into shared memory that Triton
     # pipelines and feeds to wgmma.
     descriptors: bool = False
-    # The forward in the Hopper form of the tile core where the chain has one (`hopper_fallback`): warp-specialised
+    # The kernels in the Hopper form of the tile core where the chain has one (`hopper_fallback`): warp-specialised
     # Gluon programs for sm_90 (`chain_config` sets it there; `jinsum.kernels._chain_hopper`).
     hopper: bool = False
 
@@ -239,14 +239,21 @@ def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()
             return Fallback(f"{heads} heads of {head_dim} / {value_dim} exceed the fused kernels' registers")
         plan = ChainPlan(chain, kind, "lanes", _pow2(head_dim, 1, MAX_WIDTH), _pow2(value_dim, 1, MAX_WIDTH),
                          _pow2(heads, 1, 1 << 10), config)
-    hopper = config.hopper and kind == "forward"
+    hopper = config.hopper and kind in HOPPER_KINDS
     plan = dataclasses.replace(plan, config=default_chain_config(dataclasses.replace(
         plan, config=dataclasses.replace(config, hopper=False))))
     if hopper and hopper_fallback(plan) is None:
-        width = 128 if block[1] % 128 == 0 else 64
+        if kind == "forward":  # 128 query rows a program, key tiles of 128 (or 64)
+            rows, width = HOPPER_ROWS, 128 if block[1] % 128 == 0 else 64
+            stages = _hopper_stages(2 * 64 * head_dim * 2, 2 * width * head_dim * 2)
+        elif kind == "dq":  # 128 query rows a program (and their dO), key tiles of 64: dS beside dQ in registers
+            rows, width = HOPPER_ROWS, 64
+            stages = _hopper_stages(2 * 2 * 64 * head_dim * 2, 2 * width * head_dim * 2)
+        else:  # 128 keys a program, query tiles of 64
+            rows, width = 64, HOPPER_ROWS
+            stages = _hopper_stages(2 * 2 * 64 * head_dim * 2, 2 * 64 * head_dim * 2)
         plan = dataclasses.replace(plan, config=dataclasses.replace(
-            plan.config, hopper=True, block_m=HOPPER_ROWS, block_k=width, num_warps=4,
-            num_stages=_hopper_stages(head_dim, width)))
+            plan.config, hopper=True, block_m=rows, block_k=width, num_warps=4, num_stages=stages))
     if plan.grid_size > 65535:
         return Fallback(f"{plan.grid_size} (batch x head) programs exceed CUDA's 65535 along the grid's axis 1")
     if plan.items > INT32_LIMIT:
@@ -297,9 +304,12 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
 
 # --- the Hopper form ----------------------------------------------------------------------------------------------
 
-HOPPER_ROWS = 128  # query rows per program: two consumer warpgroups of 64 (`jinsum.kernels.hopper`)
-# Head sizes the Hopper form takes. At 128 it ran the forward 1.2-2.1x faster than the Triton form on an H200; at 64
-# 0.82-0.85x (its 64-row consumer tiles leave the Tensor Cores idle there: DESIGN.md, "The Hopper form").
+HOPPER_ROWS = 128  # query rows (keys over keys) per program: two consumer warpgroups of 64 (`jinsum.kernels.hopper`)
+# The kernels with a Hopper form (`attention_rows`, `attention_row_gradients`, `attention_keys`).
+HOPPER_KINDS = ("forward", "dq", "dkdv")
+# Head sizes the Hopper form takes. At 128 it ran the forward 1.2-2.1x faster than the Triton form on an H200, and
+# forward+backward 1.2-1.5x; at 64 the forward 0.82-0.85x (its 64-row consumer tiles leave the Tensor Cores idle
+# there) and the backward 0.96-0.99x (DESIGN.md, "The Hopper form", "The Hopper form of the backward").
 HOPPER_HEADS = (128,)
 HOPPER_DTYPES = ("float16", "bfloat16")
 
@@ -307,18 +317,22 @@ HOPPER_DTYPES = ("float16", "bfloat16")
 def hopper_fallback(plan: ChainPlan) -> str | None:
     """Why the kernel of `plan` has no Hopper form (a sentence), or None: it has one."""
     chain = plan.chain
-    if plan.kind != "forward" or plan.template != "dot":
-        return f"the Hopper form covers the forward of block patterns, not a {plan.template} {plan.kind} kernel"
+    if plan.kind not in HOPPER_KINDS or plan.template != "dot":
+        return (f"the Hopper form covers the forward and the backward of block patterns, not a "
+                f"{plan.template} {plan.kind} kernel")
     head, value, dtype = chain.operand["Q"].shape[-1], chain.operand["V"].shape[-1], chain.operand["Q"].dtype
     if dtype.name not in HOPPER_DTYPES or {chain.operand[n].dtype for n in ("K", "V")} != {dtype}:
         return f"{dtype} attention (the Hopper form takes float16 and bfloat16)"
     if head != value or head not in HOPPER_HEADS:
         return f"heads of {head} and values of {value} (the Hopper form takes equal sizes of {HOPPER_HEADS})"
     bm, bk = chain.block
-    if bm % HOPPER_ROWS or bk % 64:
+    if plan.kind in ("forward", "dq") and (bm % HOPPER_ROWS or bk % 64):
         return f"blocks of {bm} x {bk} (the Hopper form takes multiples of {HOPPER_ROWS} x 64)"
+    if plan.kind == "dkdv" and (bm % 64 or bk % HOPPER_ROWS):
+        return f"blocks of {bm} x {bk} (the Hopper form of the backward takes multiples of 64 x {HOPPER_ROWS})"
     for what, present in (("dropout", chain.dropout), ("a key padding mask", chain.key_mask is not None),
-                          ("a mask per element", len(chain.mask.indices) > 2)):
+                          ("a mask per element", len(chain.mask.indices) > 2),
+                          ("a score_mod in the backward", plan.kind != "forward" and chain.score_mod is not None)):
         if present:
             return f"{what} (not in the Hopper form)"
     if any(tiled_dims(chain, name) is None for name in ("Q", "K", "V", "O", "LSE")):
@@ -342,7 +356,7 @@ def tiled_dims(chain: Chain, name: str) -> tuple[int, int] | None:
     return len(r.batch), len(r.batch) + 1
 
 
-def _hopper_stages(head: int, width: int) -> int:
-    """Stages of key and value tiles: as many as fit beside the two query tiles in 200 KiB (of 227), 2 to 4."""
-    stage = 2 * width * head * 2
-    return max(2, min(4, (200 * 1024 - 2 * 64 * head * 2) // stage))
+def _hopper_stages(fixed: int, stage: int) -> int:
+    """Stages of the streamed tiles (`stage` bytes each) that fit beside the program's own tiles (`fixed` bytes: the
+    forward's query tiles, the backward's keys and values) in 200 KiB (of 227), 2 to 4."""
+    return max(2, min(4, (200 * 1024 - fixed) // stage))

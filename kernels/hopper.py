@@ -2,7 +2,8 @@
 
 What the fastest Hopper kernels share (FlashAttention-3, cuDNN, CUTLASS's grouped GEMM), written once for the
 generated kernels that import it (`jinsum.kernels._chain_hopper` writes the attention chain's forward over
-`attention_rows`, `jinsum.kernels._grouped_hopper` grouped products over `grouped_rows`):
+`attention_rows` and its backward over `attention_row_gradients` (dQ) and `attention_keys` (dK, dV);
+`jinsum.kernels._grouped_hopper` grouped products over `grouped_rows` and `grouped_sums`):
 
 - a **producer** warp issues TMA loads of the next tiles into a ring of shared-memory stages; each stage has a
   "full" mbarrier (the load landed: a transaction count) and an "empty" one (every consumer is done with it);
@@ -14,7 +15,8 @@ generated kernels that import it (`jinsum.kernels._chain_hopper` writes the atte
 
 A program's work is a list of key tiles (`steps`: the entries `[begin, end)` of a block row, each `T` tiles of
 `BLOCK_N` keys, at the key block `Ak[entry]`), so causal, document, windowed and block-sparse patterns run the same
-loop; which tiles need their mask evaluated is the generated `scores_fn`'s business (its flag).
+loop; which tiles need their mask evaluated is the generated `scores_fn`'s business (its flag). The backward over
+keys walks the transposed pattern the same way, with the roles of queries and keys exchanged.
 
 Every wgmma retires within the step that issued it: one left in flight across the loop's back edge makes ptxas
 serialise every wgmma (its warning C7514). The wait for the next tile's values sits between the softmax and the wait
@@ -57,17 +59,25 @@ def key_tile(p_Ak, begin, step, T: gl.constexpr, BK: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _producer(descriptor_fn: gl.constexpr, smem, bars, work, q_row, context, T: gl.constexpr, BK: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: both consumers' query tiles, then the key and value tiles of every step into the ring."""
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GRADIENT: gl.constexpr):
+    """One warp: both consumers' query tiles (and output-gradient tiles, for dQ), then the key and value tiles of
+    every step into the ring."""
     q_desc = descriptor_fn("Q", context)
     k_desc = descriptor_fn("K", context)
     v_desc = descriptor_fn("V", context)
-    q_smem, k_smem, v_smem = smem
+    q_smem, k_smem, v_smem = smem[0], smem[1], smem[2]
     q_bar, k_full, k_empty, v_full, v_empty, turn = bars
     p_Ak, begin, steps = work
-    for c in gl.static_range(2):
-        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bar.index(c), q_smem.index(c))
+    if GRADIENT:
+        do_desc = descriptor_fn("dO", context)
+        for c in gl.static_range(2):
+            mbarrier.expect(q_bar.index(c), 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bar.index(c), q_smem.index(c))
+            tma.async_copy_global_to_shared(do_desc, [q_row + c * 64, 0], q_bar.index(c), smem[3].index(c))
+    else:
+        for c in gl.static_range(2):
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bar.index(c), q_smem.index(c))
     for n in range(steps):
         stage = n % STAGES
         phase = (n // STAGES) & 1
@@ -188,6 +198,21 @@ def attention_rows(descriptor_fn: gl.constexpr, work, q_row, context, scores_fn:
     are built where they are used, from the tiles' layouts (`rows_of`, `columns_of`): held across the loop they
     would take registers the consumers do not have.)"""
     gl.static_assert(gl.num_warps() == 4, "launch with num_warps=4: the default partition is one consumer")
+    smem, bars = _rows_and_ring(DTYPE, BLOCK_N, HEAD, STAGES, False)
+    gl.warp_specialize([
+        (_consumer, (0, descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N,
+                     HEAD, STAGES)),
+        (_consumer, (1, descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N,
+                     HEAD, STAGES)),
+        (_producer, (descriptor_fn, smem, bars, work, q_row, context, T, BK, BLOCK_N, STAGES, False)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+
+
+@gluon.jit
+def _rows_and_ring(DTYPE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr,
+                   GRADIENT: gl.constexpr):
+    """A program over rows: its two consumers' query tiles (and output-gradient tiles with `GRADIENT`), the ring of
+    key and value tiles, and their mbarriers."""
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD], DTYPE)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD], DTYPE)
     q_smem = gl.allocate_shared_memory(DTYPE, [2, 64, HEAD], q_layout)
@@ -208,14 +233,68 @@ def attention_rows(descriptor_fn: gl.constexpr, work, q_row, context, scores_fn:
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer
         mbarrier.init(v_empty.index(i), count=2)
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 takes the first turn
-    smem = (q_smem, k_smem, v_smem)
     bars = (q_bar, k_full, k_empty, v_full, v_empty, turn)
+    if GRADIENT:
+        return (q_smem, k_smem, v_smem, gl.allocate_shared_memory(DTYPE, [2, 64, HEAD], q_layout)), bars
+    else:
+        return (q_smem, k_smem, v_smem), bars
+
+
+@gluon.jit
+def _gradient_consumer(c: gl.constexpr, descriptor_fn: gl.constexpr, smem, bars, work, q_row, context,
+                       scores_fn: gl.constexpr, stats_fn: gl.constexpr, epilogue_fn: gl.constexpr, T: gl.constexpr,
+                       BK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer `c` of the backward over rows: `dQ` of query rows `[q_row + 64 c, + 64)` from every step's key and
+    value tiles, then `epilogue_fn`."""
+    q_smem, k_smem, v_smem, do_smem = smem
+    q_bar, k_full, k_empty, v_full, v_empty, turn = bars
+    p_Ak, begin, steps = work
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    q_tile = q_smem.index(c)
+    do_tile = do_smem.index(c)
+    lse, drow = stats_fn(c, gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), context)
+    dq = gl.zeros([64, HEAD], gl.float32, mma_layout(HEAD))
+    mbarrier.wait(q_bar.index(c), 0)
+    for n in range(steps):
+        stage = n % STAGES
+        phase = (n // STAGES) & 1
+        entry, col, key = key_tile(p_Ak, begin, n, T, BK, BLOCK_N)
+        mbarrier.wait(k_full.index(stage), phase)
+        s_token = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)),
+                                gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        mbarrier.wait(v_full.index(stage), phase)
+        dp_token = warpgroup_mma(do_tile, v_smem.index(stage).permute((1, 0)),
+                                 gl.zeros([64, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_token, ))  # (groups retire in order: the scores, not dP)
+        s = scores_fn(s, c, key, entry, col, context)
+        p = gl.exp2(s - gl.expand_dims(lse, 1))
+        dp = warpgroup_mma_wait(0, deps=(dp_token, ))
+        mbarrier.arrive(v_empty.index(stage), count=1)
+        ds = p * (dp - gl.expand_dims(drow, 1))
+        ds_op = gl.convert_layout(ds.to(q_tile.dtype), weights_layout(HEAD), assert_trivial=True)
+        dq_token = warpgroup_mma(ds_op, k_smem.index(stage), dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq_token, ds_op))
+        mbarrier.arrive(k_empty.index(stage), count=1)
+    epilogue_fn(c, dq, q_tile, q_row + c * 64, context)
+
+
+@gluon.jit
+def attention_row_gradients(descriptor_fn: gl.constexpr, work, q_row, context, scores_fn: gl.constexpr,
+                            stats_fn: gl.constexpr, epilogue_fn: gl.constexpr, DTYPE: gl.constexpr, T: gl.constexpr,
+                            BK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr):
+    """The backward over rows: `dQ = dS K` of 128 query rows, `dS = P * (dP - D)` recomputed from the key and value
+    tiles of `work` as `attention_rows` walks them (three wgmma a step: the scores and `dO V^T` from shared memory,
+    then `dS K` with the score gradients as the register operand). `descriptor_fn` also makes "dO" (as "Q");
+    `stats_fn(c, rows, context)`: the log-sum-exp (base 2) and `D` of consumer `c`'s rows `rows` (64, from 0);
+    `epilogue_fn(c, dq, q_tile, q_row, context)`: consumer `c`'s unscaled sum, its query tile free."""
+    gl.static_assert(gl.num_warps() == 4, "launch with num_warps=4: the default partition is one consumer")
+    smem, bars = _rows_and_ring(DTYPE, BLOCK_N, HEAD, STAGES, True)
     gl.warp_specialize([
-        (_consumer, (0, descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N,
-                     HEAD, STAGES)),
-        (_consumer, (1, descriptor_fn, smem, bars, work, q_row, context, scores_fn, epilogue_fn, T, BK, BLOCK_N,
-                     HEAD, STAGES)),
-        (_producer, (descriptor_fn, smem, bars, work, q_row, context, T, BK, BLOCK_N, STAGES)),
+        (_gradient_consumer, (0, descriptor_fn, smem, bars, work, q_row, context, scores_fn, stats_fn, epilogue_fn,
+                              T, BK, BLOCK_N, HEAD, STAGES)),
+        (_gradient_consumer, (1, descriptor_fn, smem, bars, work, q_row, context, scores_fn, stats_fn, epilogue_fn,
+                              T, BK, BLOCK_N, HEAD, STAGES)),
+        (_producer, (descriptor_fn, smem, bars, work, q_row, context, T, BK, BLOCK_N, STAGES, True)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
@@ -235,16 +314,163 @@ def columns_of(tile):
 def store_rows(acc, l_i, q_tile, o_desc, o_row):
     """`acc / l` (0 where nothing attends) into the output's rows `[o_row, + 64)` through shared memory and TMA
     (`o_desc`: boxes of 64 x 64)."""
-    o_layout: gl.constexpr = acc.type.layout
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1)
-    q_tile.store(out.to(q_tile.dtype))
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout))
+    store_tile(acc / gl.expand_dims(gl.where(l_o > 0, l_o, 1.0), 1), q_tile, o_desc, o_row)
+
+
+@gluon.jit
+def store_tile(tile, smem, desc, row):
+    """A 64-row tile into rows `[row, + 64)` of `desc`'s view (boxes of 64 x 64), through `smem` (free shared
+    memory of the tile's shape) and TMA."""
+    smem.store(tile.to(smem.dtype))
     fence_async_shared()
-    # One copy a 64-column box (`o_desc`'s): a copy of several boxes is split over the partition's warps, of which
+    # One copy a 64-column box (`desc`'s): a copy of several boxes is split over the partition's warps, of which
     # only the first ran the descriptor's acquire fence.
-    for i in gl.static_range(acc.shape[1] // 64):
-        tma.async_copy_shared_to_global(o_desc, [o_row, 64 * i], q_tile.slice(64 * i, 64, dim=1))
+    for i in gl.static_range(tile.shape[1] // 64):
+        tma.async_copy_shared_to_global(desc, [row, 64 * i], smem.slice(64 * i, 64, dim=1))
     tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The attention backward over keys: `dV = P^T dO`, `dK = dS^T Q` for 128 keys a program
+# ----------------------------------------------------------------------------------------------------------------------
+# The forward's partitions with the roles of the two sides exchanged: a consumer holds 64 keys (its K and V tiles in
+# shared memory, its dK and dV accumulators in registers) and walks the query tiles that attend to them, which the
+# producer streams (Q and dO, 64 rows a stage, of each query head of the kv head's group in turn). Per step, four
+# wgmma: the transposed scores `K Q^T` and `V dO^T` from shared memory, then `P^T dO` and `dS^T Q` with the weights
+# and score gradients as register operands; the two consumers' steps interleave on the Tensor Cores.
+@gluon.jit
+def query_tile(p_rows, begin, step, per_head, T: gl.constexpr):
+    """Step `step` of a work item over keys: the query head in the group, the position `j` in the transposed
+    order, its entry's query block and the tile's first row within the block (`T` tiles of 64 a block)."""
+    rest = step % per_head
+    j = begin + rest // T
+    return step // per_head, j, gl.load(p_rows + j), (rest % T) * 64
+
+
+@gluon.jit
+def _key_producer(descriptor_fn: gl.constexpr, smem, bars, work, k_row, context, stats_fn: gl.constexpr,
+                  BM: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: both consumers' key and value tiles, then the query and output-gradient tiles and the query rows'
+    statistics of every step."""
+    k_desc = descriptor_fn("K", context)
+    v_desc = descriptor_fn("V", context)
+    q_desc = descriptor_fn("Q", context)
+    do_desc = descriptor_fn("dO", context)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, drow_smem = smem
+    kv_bar, q_full, q_empty, do_full, do_empty = bars
+    p_rows, begin, steps, per_head = work
+    cols = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    for c in gl.static_range(2):
+        mbarrier.expect(kv_bar.index(c), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + c * 64, 0], kv_bar.index(c), k_smem.index(c))
+        tma.async_copy_global_to_shared(v_desc, [k_row + c * 64, 0], kv_bar.index(c), v_smem.index(c))
+    for n in range(steps):
+        stage = n % STAGES
+        phase = (n // STAGES) & 1
+        g, j, row, offset = query_tile(p_rows, begin, n, per_head, BM // 64)
+        # (the view's columns are the group's query heads side by side: head g's features from g * HEAD)
+        mbarrier.wait(q_empty.index(stage), phase ^ 1)
+        mbarrier.expect(q_full.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row * BM + offset, g * HEAD], q_full.index(stage),
+                                        q_smem.index(stage))
+        # The rows' statistics through shared memory too: loaded here, ahead of the consumers, their latency is
+        # hidden by the ring (a consumer loading them itself waited on them every step).
+        lse, drow = stats_fn(g, row, offset, cols, context)
+        lse_smem.index(stage).store(lse)
+        drow_smem.index(stage).store(drow)
+        mbarrier.arrive(q_full.index(stage), count=1)
+        mbarrier.wait(do_empty.index(stage), phase ^ 1)
+        mbarrier.expect(do_full.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row * BM + offset, g * HEAD], do_full.index(stage),
+                                        do_smem.index(stage))
+
+
+@gluon.jit
+def _key_consumer(c: gl.constexpr, smem, bars, work, k_row, context, scores_fn: gl.constexpr,
+                  epilogue_fn: gl.constexpr, BM: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer `c`: keys `[k_row + 64 c, + 64)` against every step's query tile, then `epilogue_fn`."""
+    k_smem, v_smem, q_smem, do_smem, lse_smem, drow_smem = smem
+    kv_bar, q_full, q_empty, do_full, do_empty = bars
+    p_rows, begin, steps, per_head = work
+    s_layout: gl.constexpr = mma_layout(64)
+    acc_layout: gl.constexpr = mma_layout(HEAD)
+    k_tile = k_smem.index(c)
+    v_tile = v_smem.index(c)
+    dk = gl.zeros([64, HEAD], gl.float32, acc_layout)
+    dv = gl.zeros([64, HEAD], gl.float32, acc_layout)
+    mbarrier.wait(kv_bar.index(c), 0)
+    for n in range(steps):
+        stage = n % STAGES
+        phase = (n // STAGES) & 1
+        g, j, row, offset = query_tile(p_rows, begin, n, per_head, BM // 64)
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+        mbarrier.wait(q_full.index(stage), phase)
+        s_token = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                                use_acc=False, is_async=True)
+        mbarrier.wait(do_full.index(stage), phase)
+        dp_token = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([64, 64], gl.float32, s_layout),
+                                 use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s_token, ))  # (groups retire in order: the scores, not dP)
+        s = scores_fn(s, c, g, j, row, offset, context)
+        p = gl.exp2(s - gl.expand_dims(lse_smem.index(stage).load(gl.SliceLayout(0, s_layout)), 0))
+        dp = warpgroup_mma_wait(0, deps=(dp_token, ))
+        ds = p * (dp - gl.expand_dims(drow_smem.index(stage).load(gl.SliceLayout(0, s_layout)), 0))
+        p_op = gl.convert_layout(p.to(q_tile.dtype), weights_layout(HEAD), assert_trivial=True)
+        ds_op = gl.convert_layout(ds.to(q_tile.dtype), weights_layout(HEAD), assert_trivial=True)
+        dv_token = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dk_token = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_token, dk_token, p_op, ds_op))
+        mbarrier.arrive(q_empty.index(stage), count=1)
+        mbarrier.arrive(do_empty.index(stage), count=1)
+    epilogue_fn(c, dk, dv, k_tile, v_tile, k_row + c * 64, context)
+
+
+@gluon.jit
+def attention_keys(descriptor_fn: gl.constexpr, work, k_row, context, scores_fn: gl.constexpr,
+                   stats_fn: gl.constexpr, epilogue_fn: gl.constexpr, DTYPE: gl.constexpr, BM: gl.constexpr,
+                   HEAD: gl.constexpr, STAGES: gl.constexpr):
+    """The gradients of 128 keys (`k_row` onwards in the view of `descriptor_fn("K", context)`) from the query
+    tiles of `work = (p_rows, begin, steps, per_head)`: step `n` is query head `n // per_head` of the group and,
+    within it, tile `n % per_head % T` of the query block `p_rows[begin + n % per_head // T]` (`T = BM // 64`).
+    Two consumer warpgroups of 64 keys and a producer warp (launched with `num_warps=4`; the compiled kernel has 12).
+
+    `descriptor_fn(name, context)`: the TMA descriptors of "K", "V" (64-row boxes) and "Q", "dO" (64 x HEAD boxes
+    of a view whose columns hold the group's query heads side by side), and those of the stores the epilogue
+    makes. `stats_fn(g, row, offset, cols, context)`: the log-sum-exp (base 2) and `D = rowsum(dO * O)` of query
+    rows `row * BM + offset + cols` of head `g`. `scores_fn(s, c, g, j, row, offset, context)`: consumer `c`'s raw
+    products `k . q` (64 keys x 64 queries) -> scores in units of log2(e), -inf where masked.
+    `epilogue_fn(c, dk, dv, k_tile, v_tile, k_row, context)`: consumer `c`'s sums `dS^T Q` (unscaled) and `P^T dO`,
+    with its key and value tiles as free shared memory of their shape."""
+    gl.static_assert(gl.num_warps() == 4, "launch with num_warps=4: the default partition is one consumer")
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD], DTYPE)
+    k_smem = gl.allocate_shared_memory(DTYPE, [2, 64, HEAD], layout)
+    v_smem = gl.allocate_shared_memory(DTYPE, [2, 64, HEAD], layout)
+    q_smem = gl.allocate_shared_memory(DTYPE, [STAGES, 64, HEAD], layout)
+    do_smem = gl.allocate_shared_memory(DTYPE, [STAGES, 64, HEAD], layout)
+    rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], rows)
+    drow_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 64], rows)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_full.index(i), count=2)  # the query tile's bytes, and the statistics stored
+        mbarrier.init(do_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer
+        mbarrier.init(do_empty.index(i), count=2)
+    smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, drow_smem)
+    bars = (kv_bar, q_full, q_empty, do_full, do_empty)
+    gl.warp_specialize([
+        (_key_consumer, (0, smem, bars, work, k_row, context, scores_fn, epilogue_fn, BM, HEAD, STAGES)),
+        (_key_consumer, (1, smem, bars, work, k_row, context, scores_fn, epilogue_fn, BM, HEAD, STAGES)),
+        (_key_producer, (descriptor_fn, smem, bars, work, k_row, context, stats_fn, BM, HEAD, STAGES)),
+    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
 
 # ----------------------------------------------------------------------------------------------------------------------

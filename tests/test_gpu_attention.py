@@ -179,16 +179,39 @@ def test_block_mask_per_batch_and_sliding_window_on_gpu(rng):
     assert_allclose(out, expected, jnp.bfloat16)
 
 
-# --- the Hopper form of the forward (sm_90: Gluon, warp-specialised) --------------------------------------------
+# --- the Hopper forms (sm_90: Gluon, warp-specialised): the forward and both backward kernels ----------------------
+
+def _reference_attention(q, k, v, allowed, d_out):
+    """Float64 attention of `q (B, L, H, D)` over `k, v (B, L, Hkv, D)` where `allowed (L, L)`, with its log-sum-exp
+    and the gradients of `sum(out * d_out)`: (out, lse (B, L, H), dq, dk, dv)."""
+    q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
+    group = q.shape[2] // k.shape[2]
+    keys, values = (np.repeat(x, group, axis=2) for x in (k, v))
+    scale = 1 / np.sqrt(q.shape[-1])
+    s = np.where(allowed, np.einsum("blhd,bshd->bhls", q, keys) * scale, -np.inf)
+    top = np.where(allowed.any(-1)[:, None], s.max(-1, keepdims=True), 0)
+    w = np.exp(s - top)
+    total = w.sum(-1, keepdims=True)
+    p = w / np.where(total > 0, total, 1)
+    out = np.einsum("bhls,bshe->blhe", p, values)
+    lse = np.moveaxis(np.where(total[..., 0] > 0, np.log(total[..., 0]) + top[..., 0], np.inf), 1, 2)
+    dp = np.einsum("blhe,bshe->bhls", d_out, values)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+    dq = np.einsum("bhls,bshd->blhd", ds, keys)
+    dk = np.einsum("bhls,blhd->bshd", ds, q).reshape(*k.shape[:2], k.shape[2], group, -1).sum(3)
+    dv = np.einsum("bhls,blhe->bshe", p, d_out).reshape(*v.shape[:2], v.shape[2], group, -1).sum(3)
+    return out, lse, dq, dk, dv
+
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("length,heads,kv_heads,dim,batch", [(1000, 8, 2, 128, None), (384, 4, 4, 128, 2),
                                                              (2500, 4, 1, 128, None)],
                          ids=["gqa-odd", "mha-batch", "mqa-long"])
-def test_hopper_forward_against_float64(length, heads, kv_heads, dim, batch, dtype, rng):
-    """On sm_90 the forward runs in the Hopper form (asserted by its kernel's name in the lowered program): causal
-    documents, a query position that attends to nothing (its output 0, its log-sum-exp inf), lengths off the
-    block, grouped and multi-query heads, a batch; against a float64 reference."""
+def test_hopper_forms_against_float64(length, heads, kv_heads, dim, batch, dtype, rng):
+    """On sm_90 the forward and both backward kernels run in their Hopper forms (asserted by the kernels' names in
+    the lowered program): causal documents, a query position that attends to nothing (its output 0, its
+    log-sum-exp inf, its gradients 0), lengths off the block, grouped and multi-query heads, a batch; output,
+    log-sum-exp and the gradients of a random cotangent against a float64 reference."""
     from jinsum.kernels import is_hopper  # noqa: PLC0415
 
     if not is_hopper():
@@ -197,23 +220,59 @@ def test_hopper_forward_against_float64(length, heads, kv_heads, dim, batch, dty
     doc = _documents(rng, length, 4)
     q = jnp.asarray(rng.standard_normal((*lead, length, heads, dim)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((*lead, length, kv_heads, dim)), dtype) for _ in range(2))
+    d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
     mask = jinsum.block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j) & (i != 5), length, length, 128)
-    attend = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, mask, return_lse=True))
-    assert "jinsum_attention_forward_hopper" in attend.lower(q, k, v).as_text()
-    out, lse = attend(q, k, v)
+
+    def attend(q, k, v):
+        return jinsum.attention(q, k, v, mask, return_lse=True)
+
+    def forward_and_gradients(q, k, v, d_out):
+        (out, lse), pullback = jax.vjp(attend, q, k, v)
+        return out, lse, *pullback((d_out, jnp.zeros_like(lse)))
+
+    run = jax.jit(forward_and_gradients)
+    lowered = run.lower(q, k, v, d_out).as_text()
+    assert all(f"jinsum_attention_{kind}_hopper" in lowered for kind in ("forward", "dq", "dkdv"))
+    out, lse, dq, dk, dv = run(q, k, v, d_out)
     d = np.asarray(doc)
     i, j = np.meshgrid(np.arange(length), np.arange(length), indexing="ij")
     allowed = (d[:, None] == d[None, :]) & (i >= j) & (i != 5)
-    wide = [np.asarray(x, np.float64).reshape(-1, length, *x.shape[-2:]) for x in (q, k, v)]
-    group = heads // kv_heads
-    keys, values = (np.repeat(x, group, axis=2) for x in wide[1:])
-    s = np.einsum("blhd,bshd->bhls", wide[0], keys) / np.sqrt(dim)
-    s = np.where(allowed, s, -np.inf)
-    top = np.where(allowed.any(-1)[:, None], s.max(-1, keepdims=True), 0)
-    w = np.exp(s - top)
-    total = w.sum(-1, keepdims=True)
-    expected = np.einsum("bhls,bshe->blhe", w / np.where(total > 0, total, 1), values).reshape(out.shape)
-    expected_lse = np.moveaxis(np.where(total[..., 0] > 0, np.log(total[..., 0]) + top[..., 0], np.inf), 1, 2)
-    assert_allclose(out, expected, dtype)
+    flat = [np.asarray(x, np.float64).reshape(-1, length, *x.shape[-2:]) for x in (q, k, v, d_out)]
+    expected = _reference_attention(*flat[:3], allowed, flat[3])
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), expected):
+        if name == "lse":
+            np.testing.assert_allclose(np.asarray(got).reshape(want.shape), want, rtol=2e-3, atol=2e-3)
+        else:
+            assert_allclose(got, want.reshape(got.shape), dtype, err_msg=name)
     assert not np.asarray(out, np.float32)[..., 5, :, :].any()
-    np.testing.assert_allclose(np.asarray(lse).reshape(expected_lse.shape), expected_lse, rtol=2e-3, atol=2e-3)
+    assert not np.asarray(dq, np.float32)[..., 5, :, :].any()
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_hopper_backward_with_long_rows_and_keys_in_pieces(dim, rng):
+    """BigBird at 4,096 positions: its global block row and column (32 blocks) are cut into pieces whose partial
+    gradients the Hopper forms keep for the sum kernels; grouped heads; against a float64 reference."""
+    from jinsum.kernels import is_hopper  # noqa: PLC0415
+    from jinsum.kernels._chain_plan import HOPPER_HEADS  # noqa: PLC0415
+
+    if not is_hopper():
+        pytest.skip("the Hopper form runs on sm_90 only")
+    length = 4096
+    pattern = jnn.block_pattern(length, 128, local_blocks=1, global_blocks=1, random_blocks=2)
+    q = jnp.asarray(rng.standard_normal((length, 4, dim)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((length, 2, dim)), jnp.bfloat16) for _ in range(2))
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+
+    def forward_and_gradients(q, k, v, d_out):
+        out, pullback = jax.vjp(lambda q, k, v: jinsum.attention(q, k, v, pattern), q, k, v)
+        return out, *pullback(d_out)
+
+    run = jax.jit(forward_and_gradients)
+    lowered = run.lower(q, k, v, d_out).as_text()
+    for kind in ("dq", "dkdv"):
+        assert (f"jinsum_attention_{kind}_hopper" in lowered) == (dim in HOPPER_HEADS)
+    allowed = np.asarray(pattern.todense()) != 0
+    flat = [np.asarray(x, np.float64)[None] for x in (q, k, v, d_out)]
+    out, lse, dq, dk, dv = _reference_attention(*flat[:3], allowed, flat[3])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), run(q, k, v, d_out), (out, dq, dk, dv)):
+        assert_allclose(got, want[0], jnp.bfloat16, err_msg=name)

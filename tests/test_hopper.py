@@ -45,16 +45,18 @@ def _chain(dtype=jnp.bfloat16, length=512, heads=4, kv_heads=2, head=128, batch=
     return build_chain(q, k, k, options.pop("pattern", mask), **options)[0]
 
 
-def test_the_route_gives_the_forward_its_hopper_form_on_sm90_only():
+@pytest.mark.parametrize("kind, core", [("forward", "attention_rows("), ("dq", "attention_row_gradients("),
+                                        ("dkdv", "attention_keys(")])
+def test_the_route_gives_the_forward_and_the_backward_their_hopper_form_on_sm90_only(kind, core):
     chain = _chain()
-    hopper = route_chain(chain, HOPPER).plan("forward")
-    assert hopper.config.hopper and chain_kernel_name(hopper) == "jinsum_attention_forward_hopper"
-    assert "@gluon.jit" in generate_chain(hopper) and "attention_rows(" in generate_chain(hopper)
+    hopper = route_chain(chain, HOPPER).plan(kind)
+    assert hopper.config.hopper and chain_kernel_name(hopper) == f"jinsum_attention_{kind}_hopper"
+    assert "@gluon.jit" in generate_chain(hopper) and core in generate_chain(hopper)
     for config in (ChainConfig(descriptors=True), ChainConfig()):  # other GPUs, and the interpreter
-        triton_form = route_chain(chain, config).plan("forward")
+        triton_form = route_chain(chain, config).plan(kind)
         assert not triton_form.config.hopper and "@triton.jit" in generate_chain(triton_form)
-    for kind in ("combine", "dq", "dkdv"):  # (the backward and the combine keep their Triton form)
-        assert not route_chain(chain, HOPPER).plan(kind).config.hopper
+    for other in ("combine", "dq_sum", "dkdv_sum"):  # (the merges of long rows' pieces keep their Triton form)
+        assert not route_chain(chain, HOPPER).plan(other).config.hopper
 
 
 @pytest.mark.parametrize("options, reason", [
@@ -65,9 +67,26 @@ def test_the_route_gives_the_forward_its_hopper_form_on_sm90_only():
 ])
 def test_chains_outside_the_hopper_form_keep_the_triton_form_and_say_why(options, reason):
     chain = _chain(**options)
-    plan = route_chain(chain, HOPPER).plan("forward")
-    assert not plan.config.hopper
-    assert reason in hopper_fallback(plan)
+    for kind in ("forward", "dq", "dkdv"):
+        plan = route_chain(chain, HOPPER).plan(kind)
+        assert not plan.config.hopper
+        assert reason in hopper_fallback(plan)
+
+
+def test_the_backward_keeps_the_triton_form_for_a_score_mod_and_narrow_key_blocks():
+    """A score_mod's derivative is not in the Hopper form of the backward, nor key blocks narrower than the
+    backward over keys' 128 keys a program (the forward takes both)."""
+    pattern = jinsum.block_mask(lambda b, h, i, j: i >= j, 512, 512, (128, 64))
+    score_mod = _chain(score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j))
+    for chain, kinds, reason in ((score_mod, ("dq", "dkdv"), "a score_mod in the backward"),
+                                 (_chain(pattern=pattern), ("dkdv",), "blocks of 128 x 64")):
+        route = route_chain(chain, HOPPER)
+        assert route.plan("forward").config.hopper
+        for kind in ("dq", "dkdv"):
+            plan = route.plan(kind)
+            assert plan.config.hopper == (kind not in kinds)
+            if kind in kinds:
+                assert reason in hopper_fallback(plan)
 
 
 # Compiled in a process of its own: this one runs Triton's interpreter (`TRITON_INTERPRET=1`, for the Triton
@@ -113,9 +132,10 @@ def _compiled(source: str, signature: dict, constants: dict | None = None) -> di
     return json.loads(done.stdout)
 
 
-def _compiled_chain(chain) -> dict:
-    plan = route_chain(chain, HOPPER).plan("forward")
-    operand = chain.operand
+def _compiled_chain(chain, kind="forward") -> dict:
+    plan = route_chain(chain, HOPPER).plan(kind)
+    operand = {**chain.operand, "dO": chain.operand["O"], "Drow": chain.operand["LSE"], "dK": chain.operand["K"],
+               "dV": chain.operand["V"]}
     signature = {f"p_{n}": _TYPES[str(operand[n].dtype)] if n in operand else _TYPES["int32"]
                  for n in chain_inputs(plan)}
     signature["p_flags"] = _TYPES["int8"]
@@ -162,6 +182,24 @@ def test_the_hopper_kernel_compiles_to_warp_specialised_wgmma_without_spills(opt
     assert "HGMMA" in sass and "UTMALDG" in sass and "USETMAXREG" in sass
     overlapped = _overlapped_exponentials(sass)
     assert overlapped and min(overlapped) >= 64, overlapped  # a tile's 64 exponentials (per thread) overlap
+
+
+@pytest.mark.parametrize("kind, descriptors", [("dq", 6), ("dkdv", 8)])
+def test_the_hopper_backward_compiles_to_warp_specialised_wgmma_without_spills(kind, descriptors):
+    """bf16, grouped-query heads, a mask_mod with a captured array. Over rows three wgmma groups a step (the
+    scores and dP from shared memory, dQ with the score gradients as register operand); over keys four (the
+    transposed scores and dP, then dV and dK); both products of scores issued before the first wait. Descriptors:
+    over rows the producer's four and each consumer's dQ; over keys the producer's four and each consumer's dK and
+    dV."""
+    compiled = _compiled_chain(_chain(), kind)
+    sass = compiled["sass"]
+    assert compiled["warps"] == 12
+    assert compiled["scratch"] == 128 * descriptors
+    assert _spills(compiled) == 0, compiled["assembler"]
+    assert "UTMALDG" in sass and "USETMAXREG" in sass
+    shapes = re.findall(r"HGMMA\.(64x\d+x16)", sass)
+    assert {"64x64x16", "64x128x16"} <= set(shapes), set(shapes)
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass  # the scores retire while dP still runs
 
 
 # ---- grouped products (a mixture of experts' projections, HeteroLinear) ----------------------------------------------
