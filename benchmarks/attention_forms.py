@@ -1,5 +1,5 @@
-"""The attention forward in its two forms on one GPU: the Hopper form of the tile core (Gluon, warp-specialised; sm_90)
-against the Triton form, the same chains and work lists, timed interleaved.
+"""Attention in its two forms on one GPU: the Hopper form of the tile core (Gluon, warp-specialised; sm_90: the
+forward and both backward kernels) against the Triton form, the same chains and work lists, timed interleaved.
 
     python benchmarks/attention_forms.py [--calls 20] [--out benchmarks/results]
 
@@ -7,9 +7,11 @@ Workloads (bf16, batch 1, blocks of 128, masks from `jinsum.nn.sequence_mask`): 
 documents at 16,384 positions (16 heads of 64, and of 128), a causal sliding window of 1,024 at 32,768 (16 x 64),
 causal grouped-query attention at 8,192 (32 query and 8 key/value heads of 128) and causal multi-head attention at
 8,192 (16 x 128). Each form is forced with `jinsum.kernels.forced_config` while its function is first traced, so
-the route (made when the chain is bound) takes it. TFLOP/s count the attended pairs only (4 * pairs * D * H); the
-outputs of the two forms are compared (max abs difference). This is the measurement that decides which head sizes
-the route gives the Hopper form (`jinsum.kernels._chain_plan.HOPPER_HEADS`).
+the route (made when the chain is bound) takes it. Forward, and forward+backward (the gradients of a random
+cotangent, every kernel in the form timed). TFLOP/s count the attended pairs only:
+4 * pairs * D * H forward, 3.5 times that forward+backward (FlashAttention's count); the outputs (the key
+gradients) of the two forms are compared (max abs difference). This is the measurement that decides which head
+sizes the route gives the Hopper form (`jinsum.kernels._chain_plan.HOPPER_HEADS`).
 """
 
 from __future__ import annotations
@@ -68,16 +70,26 @@ def main() -> None:
     for name, length, heads, kv_heads, dim, mask, pairs in workloads():
         q = jnp.asarray(rng.standard_normal((length, heads, dim)), jnp.bfloat16)
         k, v = (jnp.asarray(rng.standard_normal((length, kv_heads, dim)), jnp.bfloat16) for _ in range(2))
-        calls, outputs = {}, {}
-        for form, config in FORMS.items():
-            with forced_config(config):  # (the route is made while the function is traced)
-                attend = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, mask))
-                outputs[form] = np.asarray(attend(q, k, v), np.float32)
-            calls[form] = lambda attend=attend: attend(q, k, v)
-        times = time_interleaved(calls, calls=args.calls, rounds=7)
+        cotangent = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
         note = "" if dim in HOPPER_HEADS else f"heads of {dim}: the route keeps the Triton form (HOPPER_HEADS)"
-        record_forms(results, name, times, outputs, 4 * pairs * dim * heads, note)
-    write_forms(results, args.out, "attention_forms", "The attention forward's two forms", __file__, args.calls)
+        for backward in (False, True):
+            calls, outputs = {}, {}
+            for form, config in FORMS.items():
+                with forced_config(config):  # (the route is made while the function is traced)
+                    if backward:
+                        run = jax.jit(lambda q, k, v, t: jax.vjp(lambda q, k, v: jinsum.attention(q, k, v, mask),
+                                                                 q, k, v)[1](t))
+                        outputs[form] = np.asarray(run(q, k, v, cotangent)[1], np.float32)
+                        calls[form] = lambda run=run: run(q, k, v, cotangent)
+                    else:
+                        run = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, mask))
+                        outputs[form] = np.asarray(run(q, k, v), np.float32)
+                        calls[form] = lambda run=run: run(q, k, v)
+            times = time_interleaved(calls, calls=args.calls, rounds=7)
+            flops = 4 * pairs * dim * heads * (3.5 if backward else 1)
+            record_forms(results, f"{name} {'forward+backward' if backward else 'forward'}", times, outputs, flops,
+                         note)
+    write_forms(results, args.out, "attention_forms", "Attention's two forms", __file__, args.calls)
 
 
 if __name__ == "__main__":
