@@ -118,19 +118,24 @@ class _Writer:
             lines, (value, *_), _ = elementwise_lines(chain.score_mod.value.jaxpr, ["s", *coordinates], "sm",
                                                       "tl.float32", self._capture_args(chain.score_captures))
             body += lines + [f"s = {value} * {LOG2E!r}"]
-        keys = chain.keys
-        body += ["flag = tl.load(p_flags + entry)",
-                 f"if (flag != 2) | (col < 0) | (col >= {keys}):  # a partial block (or one out of range)",
-                 f"    allowed = (flag != 0) & (col >= 0) & (col < {keys})"]
+        body += ["flag = tl.load(p_flags + entry)", *self._mask("col", chain.keys), "return s"]
+        return _function("chain_scores(s, c: gl.constexpr, key, entry, col, context)",
+                         "Raw products -> scores in units of log2(e), -inf where masked.", body)
+
+    def _mask(self, block: str, blocks: int) -> list[str]:
+        """Where the block's `flag` says it is partial, or the other side's block index `block` is out of
+        `[0, blocks)`: the scores `s` -inf where masked (the block's flag, `mask_mod` in registers at `q_idx`,
+        `kv_idx`, the causal rule)."""
+        chain = self.chain
+        body = [f"if (flag != 2) | ({block} < 0) | ({block} >= {blocks}):  # a partial block (or one out of range)",
+                f"    allowed = (flag != 0) & ({block} >= 0) & ({block} < {blocks})"]
         if chain.mask_mod is not None:
-            lines, (value,), _ = elementwise_lines(chain.mask_mod.value.jaxpr, coordinates, "mm", "tl.float32",
-                                                   self._capture_args(chain.mask_captures))
+            lines, (value,), _ = elementwise_lines(chain.mask_mod.value.jaxpr, [self.b, self.h, "q_idx", "kv_idx"],
+                                                   "mm", "tl.float32", self._capture_args(chain.mask_captures))
             body += ["    " + line for line in lines] + [f"    allowed = allowed & {value}"]
         if chain.causal:
             body.append("    allowed = allowed & (q_idx >= kv_idx)")
-        body += ['    s = tl.where(allowed, s, float("-inf"))', "return s"]
-        return ["@gluon.jit", "def chain_scores(s, c: gl.constexpr, key, entry, col, context):",
-                '    """Raw products -> scores in units of log2(e), -inf where masked."""'] + ["    " + b for b in body]
+        return body + ['    s = tl.where(allowed, s, float("-inf"))']
 
     def _capture_args(self, names) -> tuple[Capture, ...]:
         return tuple(Capture(self.pointer(n), self.shapes[n]) for n in names)
@@ -158,8 +163,8 @@ class _Writer:
                 f"    at = {base.format(rows='c * 64 + gl.arange(0, 64, layout=m_i.type.layout)')}",
                 f"    tl.store({self.pointer('part_m')} + at, m_i)",
                 f"    tl.store({self.pointer('part_l')} + at, l_i)"]
-        return ["@gluon.jit", "def chain_epilogue(c: gl.constexpr, acc, m_i, l_i, q_tile, o_desc, o_row, context):",
-                '    """Consumer c\'s rows: stored, or kept for the combine."""'] + ["    " + b for b in body]
+        return _function("chain_epilogue(c: gl.constexpr, acc, m_i, l_i, q_tile, o_desc, o_row, context)",
+                         "Consumer c's rows: stored, or kept for the combine.", body)
 
     def _descriptors(self) -> list[str]:
         """`chain_descriptor(name, context)`: the TMA descriptor of tensor `name` (`DESCRIBED`) over the view whose
@@ -188,21 +193,27 @@ class _Writer:
                      f"    return tma.make_tensor_descriptor({self.pointer(name)} + {offset(shape, positions)}, "
                      f"shape=[{count}, {columns}], strides=[{stride}, 1], block_shape=[{rows}, {width}], "
                      "layout=layout)"]
-        return ["@gluon.jit", "def chain_descriptor(name: gl.constexpr, context):",
-                '    """The TMA descriptor of tensor `name` for this program."""'] + ["    " + b for b in body]
+        return _function("chain_descriptor(name: gl.constexpr, context)",
+                         "The TMA descriptor of tensor `name` for this program.", body)
 
     # --- the backward over rows ----------------------------------------------------------------------------------
 
     def _row_stats(self) -> list[str]:
+        body = [f"{self._context()} = context", *self._stats("segment", f"tile * {HOPPER_ROWS} + c * 64 + rows")]
+        return _function("chain_row_stats(c: gl.constexpr, rows, context)",
+                         "The log-sum-exp (base 2) and D of consumer c's query rows.", body)
+
+    def _stats(self, row: str, position: str, inside: str | None = None) -> list[str]:
+        """Returns the log-sum-exp (base 2) and `D` of the query rows at `position` within block row `row` (of the
+        head the context and `v_<head_group>` give); where `inside` fails, inf and 0 (no weight, no gradient)."""
         r = self.chain.roles
-        positions = {**{v: f"v_{v}" for v in (*r.batch, r.head, r.head_group) if v}, "Ai[g]": "segment",
-                     r.query_offset: f"(tile * {HOPPER_ROWS} + c * 64 + rows)"}
+        positions = {**{v: f"v_{v}" for v in (*r.batch, r.head, r.head_group) if v}, "Ai[g]": row,
+                     r.query_offset: f"({position})"}
         at = offset(self.shapes["LSE"], [positions[str(i) if not isinstance(i, Var) else i.name]
                                          for i in self.chain.lse.indices])
-        body = [f"{self._context()} = context", f"at = {at}", f"lse = tl.load(p_LSE + at) * {LOG2E!r}",
-                "drow = tl.load(p_Drow + at)", "return lse, drow"]
-        return ["@gluon.jit", "def chain_row_stats(c: gl.constexpr, rows, context):",
-                '    """The log-sum-exp (base 2) and D of consumer c\'s query rows."""'] + ["    " + b for b in body]
+        masked = (f", mask={inside}, other=float(\"inf\")", f", mask={inside}, other=0.0") if inside else ("", "")
+        return [f"at = {at}", f"lse = tl.load(p_LSE + at{masked[0]}) * {LOG2E!r}",
+                f"drow = tl.load(p_Drow + at{masked[1]})", "return lse, drow"]
 
     def _row_gradient_epilogue(self) -> list[str]:
         plan, chain = self.plan, self.chain
@@ -213,8 +224,8 @@ class _Writer:
                 "else:  # a piece of a long row: its partial gradient for the sum kernel",
                 f"    tl.store(o_part_dq + ({base})[:, None] * {self.head} + columns_of(dq)[None, :], "
                 f"dq * {chain.scale!r})"]
-        return ["@gluon.jit", "def chain_row_gradient_epilogue(c: gl.constexpr, dq, q_tile, q_row, context):",
-                '    """Consumer c\'s rows: dQ (scaled) stored, or kept for the sum."""'] + ["    " + b for b in body]
+        return _function("chain_row_gradient_epilogue(c: gl.constexpr, dq, q_tile, q_row, context)",
+                         "Consumer c's rows: dQ (scaled) stored, or kept for the sum.", body)
 
     # --- the backward over keys ----------------------------------------------------------------------------------
 
@@ -225,37 +236,18 @@ class _Writer:
 
     def _key_scores(self) -> list[str]:
         chain = self.chain
-        bm, bk = chain.block
-        body = [f"{self._context()} = context", *self._head_in_group(),
-                f"s = s * {chain.scale * LOG2E!r}",
-                "kv_idx = (k0 + rows_of(s, c))[:, None]", f"q_idx = (row * {bm} + offset + columns_of(s))[None, :]",
-                "flag = tl.load(p_flags + tl.load(p_perm + j))",
-                f"if (flag != 2) | (row < 0) | (row >= {chain.rows}):  # a partial block (or one out of range)",
-                f"    allowed = (flag != 0) & (row >= 0) & (row < {chain.rows})"]
-        if chain.mask_mod is not None:
-            lines, (value,), _ = elementwise_lines(chain.mask_mod.value.jaxpr, [self.b, self.h, "q_idx", "kv_idx"],
-                                                   "mm", "tl.float32", self._capture_args(chain.mask_captures))
-            body += ["    " + line for line in lines] + [f"    allowed = allowed & {value}"]
-        if chain.causal:
-            body.append("    allowed = allowed & (q_idx >= kv_idx)")
-        body += ['    s = tl.where(allowed, s, float("-inf"))', "return s"]
-        return ["@gluon.jit", "def chain_key_scores(s, c: gl.constexpr, g, j, row, offset, context):",
-                '    """Raw products (keys x queries) -> scores in units of log2(e), -inf where masked."""'
-                ] + ["    " + b for b in body]
+        body = [f"{self._context()} = context", *self._head_in_group(), f"s = s * {chain.scale * LOG2E!r}",
+                "kv_idx = (k0 + rows_of(s, c))[:, None]",
+                f"q_idx = (row * {chain.block[0]} + offset + columns_of(s))[None, :]",
+                "flag = tl.load(p_flags + tl.load(p_perm + j))", *self._mask("row", chain.rows), "return s"]
+        return _function("chain_key_scores(s, c: gl.constexpr, g, j, row, offset, context)",
+                         "Raw products (keys x queries) -> scores in units of log2(e), -inf where masked.", body)
 
     def _key_stats(self) -> list[str]:
-        chain, r = self.chain, self.chain.roles
-        positions = {**{v: f"v_{v}" for v in (*r.batch, r.head, r.head_group) if v}, "Ai[g]": "row",
-                     r.query_offset: "(offset + cols)"}
-        at = offset(self.shapes["LSE"], [positions[str(i) if not isinstance(i, Var) else i.name]
-                                         for i in chain.lse.indices])
-        inside = f"(row >= 0) & (row < {chain.rows})"
-        body = [f"{self._context()} = context", *self._head_in_group(), f"at = {at}",
-                f'lse = tl.load(p_LSE + at, mask={inside}, other=float("inf")) * {LOG2E!r}',
-                f"drow = tl.load(p_Drow + at, mask={inside}, other=0.0)", "return lse, drow"]
-        return ["@gluon.jit", "def chain_key_stats(g, row, offset, cols, context):",
-                '    """The log-sum-exp (base 2) and D of the query rows `row * BM + offset + cols` of head g."""'
-                ] + ["    " + b for b in body]
+        body = [f"{self._context()} = context", *self._head_in_group(),
+                *self._stats("row", "offset + cols", f"(row >= 0) & (row < {self.chain.rows})")]
+        return _function("chain_key_stats(g, row, offset, cols, context)",
+                         "The log-sum-exp (base 2) and D of the query rows `row * BM + offset + cols` of head g.", body)
 
     def _key_epilogue(self) -> list[str]:
         plan, chain = self.plan, self.chain
@@ -268,72 +260,69 @@ class _Writer:
                 "else:  # a piece of a long key: its partial gradients for the sum kernel",
                 f"    at = ({base})[:, None] * {self.head} + columns_of(dk)[None, :]",
                 f"    tl.store(o_part_dk + at, dk * {scale!r})", "    tl.store(o_part_dv + at, dv)"]
-        return ["@gluon.jit", "def chain_key_epilogue(c: gl.constexpr, dk, dv, k_tile, v_tile, k_row, context):",
-                '    """Consumer c\'s keys: dK (scaled) and dV stored, or kept for the sum."""'
-                ] + ["    " + b for b in body]
+        return _function("chain_key_epilogue(c: gl.constexpr, dk, dv, k_tile, v_tile, k_row, context)",
+                         "Consumer c's keys: dK (scaled) and dV stored, or kept for the sum.", body)
 
     def _key_kernel(self) -> list[str]:
         plan, chain = self.plan, self.chain
         bm, bk = chain.block
         tiles = bk // HOPPER_ROWS
-        params = [f"p_{n}" for n in self.inputs] + [f"o_{n}" for n in self.outputs] + ["scratch"]
-        body = ["pid = tl.program_id(0)",
-                f"item = pid // {tiles}  # (the first keys first: causal attention's longest)",
-                f"tile = pid % {tiles}  # which {HOPPER_ROWS} keys of the block column",
-                "glin = tl.program_id(1)  # the grid variables' flat index"]
-        rest = "glin"
-        for v in reversed(plan.grid_vars):
-            extent = chain.output.extent[v]
-            body.append(f"v_{v} = {rest} % {extent}")
-            rest = f"({rest} // {extent})"
-        body += ["segment = tl.load(p_items + item * 5)  # a key block, or -1: no work",
-                 "begin = tl.load(p_items + item * 5 + 1)  # its entries [begin, end) in the transposed order",
-                 "end = tl.load(p_items + item * 5 + 2)",
-                 "part = tl.load(p_items + item * 5 + 3)  # >= 0: one of several pieces of a long key",
-                 "if segment >= 0:",
+        body = self._work_item(f"pid // {tiles}  # (the first keys first: causal attention's longest)", tiles, "keys")
+        body += ["if segment >= 0:",
                  f"    k0 = segment * {bk} + tile * {HOPPER_ROWS}  # the program's first key position",
                  f"    per_head = (end - begin) * {bm // 64}  # steps of one query head",
                  f"    context = ({self._context()})",
                  f"    attention_keys(chain_descriptor, (p_key_rows, begin, per_head * {chain.group_size}, per_head), "
                  f"k0, context, chain_key_scores, chain_key_stats, chain_key_epilogue, p_Q.dtype.element_ty, {bm}, "
                  f"{self.head}, {plan.config.num_stages})"]
-        doc = [f'"""{chain!r}', "", f"backward over keys, Hopper form; {HOPPER_ROWS} keys x 64 query rows a step, "
-               f"{plan.config.num_stages} stages; grid {', '.join(plan.grid_vars)}"'"""']
-        return (["@gluon.jit", f"def jinsum_attention_dkdv_hopper({', '.join(params)}):"]
-                + ["    " + d for d in doc] + ["    " + b for b in body])
+        return self._kernel_function(f"backward over keys, Hopper form; {HOPPER_ROWS} keys x 64 query rows a step",
+                                     body)
+
+    def _work_item(self, item: str, tiles: int, over: str) -> list[str]:
+        """The kernel's first lines: the program's work item (`item`, from `pid`), its tile of the block (`tiles`
+        of `HOPPER_ROWS` `over`: rows or keys), its grid variables, and the item's segment, entries and piece."""
+        body = ["pid = tl.program_id(0)", f"item = {item}",
+                f"tile = pid % {tiles}  # which {HOPPER_ROWS} {over} of the block",
+                "glin = tl.program_id(1)  # the grid variables' flat index"]
+        rest = "glin"
+        for v in reversed(self.plan.grid_vars):
+            extent = self.chain.output.extent[v]
+            body.append(f"v_{v} = {rest} % {extent}")
+            rest = f"({rest} // {extent})"
+        return body + ["segment = tl.load(p_items + item * 5)  # a block row (column, over keys), or -1: no work",
+                       "begin = tl.load(p_items + item * 5 + 1)  # its entries [begin, end)",
+                       "end = tl.load(p_items + item * 5 + 2)",
+                       "part = tl.load(p_items + item * 5 + 3)  # >= 0: one of several pieces of a long segment"]
+
+    def _kernel_function(self, what: str, body: list[str]) -> list[str]:
+        """The kernel `jinsum_attention_<kind>_hopper` with `body`, its docstring the chain and `what` it is."""
+        plan = self.plan
+        params = [f"p_{n}" for n in self.inputs] + [f"o_{n}" for n in self.outputs] + ["scratch"]
+        return _function(f"jinsum_attention_{plan.kind}_hopper({', '.join(params)})",
+                         f"{self.chain!r}\n\n    {what}, {plan.config.num_stages} stages; grid "
+                         f"{', '.join(plan.grid_vars)}", body)
 
     def _kernel(self) -> list[str]:
         plan, chain = self.plan, self.chain
         bm, bk = chain.block
         width = plan.block_k
         tiles = bm // HOPPER_ROWS
-        params = [f"p_{n}" for n in self.inputs] + [f"o_{n}" for n in self.outputs] + ["scratch"]
-        body = ["pid = tl.program_id(0)",
-                f"item = {plan.items - 1} - pid // {tiles}  # the last work items first",
-                f"tile = pid % {tiles}  # which {HOPPER_ROWS} rows of the block row",
-                "glin = tl.program_id(1)  # the grid variables' flat index"]
-        rest = "glin"
-        for v in reversed(plan.grid_vars):
-            extent = chain.output.extent[v]
-            body.append(f"v_{v} = {rest} % {extent}")
-            rest = f"({rest} // {extent})"
-        body += ["segment = tl.load(p_items + item * 5)  # a block row, or -1: no work",
-                 "begin = tl.load(p_items + item * 5 + 1)  # its entries [begin, end)",
-                 "end = tl.load(p_items + item * 5 + 2)",
-                 "part = tl.load(p_items + item * 5 + 3)  # >= 0: one of several pieces of a long row",
-                 "if segment >= 0:",
+        body = self._work_item(f"{plan.items - 1} - pid // {tiles}  # the last work items first", tiles, "rows")
+        body += ["if segment >= 0:",
                  f"    q0 = segment * {bm} + tile * {HOPPER_ROWS}  # the program's first query position",
                  f"    steps = (end - begin) * {bk // width}",
                  f"    context = ({self._context()})"]
-        tiles = f"{bk // width}, {bk}, {width}, {self.head}, {plan.config.num_stages}"
+        sizes = f"{bk // width}, {bk}, {width}, {self.head}, {plan.config.num_stages}"
         if plan.kind == "forward":
             body.append(f"    attention_rows(chain_descriptor, (p_Ak, begin, steps), q0, context, chain_scores, "
-                        f"chain_epilogue, p_Q.dtype.element_ty, {tiles})")
+                        f"chain_epilogue, p_Q.dtype.element_ty, {sizes})")
         else:
             body.append(f"    attention_row_gradients(chain_descriptor, (p_Ak, begin, steps), q0, context, "
-                        f"chain_scores, chain_row_stats, chain_row_gradient_epilogue, p_Q.dtype.element_ty, {tiles})")
+                        f"chain_scores, chain_row_stats, chain_row_gradient_epilogue, p_Q.dtype.element_ty, {sizes})")
         what = "forward kernel" if plan.kind == "forward" else "backward over rows (dQ)"
-        doc = [f'"""{chain!r}', "", f"{what}, Hopper form; {HOPPER_ROWS} rows x {width} keys a tile, "
-               f"{plan.config.num_stages} stages; grid {', '.join(plan.grid_vars)}"'"""']
-        return (["@gluon.jit", f"def jinsum_attention_{plan.kind}_hopper({', '.join(params)}):"]
-                + ["    " + d for d in doc] + ["    " + b for b in body])
+        return self._kernel_function(f"{what}, Hopper form; {HOPPER_ROWS} rows x {width} keys a tile", body)
+
+
+def _function(signature: str, doc: str, body: list[str]) -> list[str]:
+    """A `@gluon.jit` function of the generated module: `def <signature>:`, its docstring `doc`, then `body`."""
+    return ["@gluon.jit", f"def {signature}:", f'    """{doc}"""'] + ["    " + b for b in body]
