@@ -45,12 +45,14 @@ timed forward and forward+backward (`jax.vjp` / `torch.autograd.grad` of the out
    jinsum`, over the `sequence_mask` row, should be <= 1.05), FlexAttention (`enable_gqa=True`, a causal block
    mask), FlashAttention (torch SDPA, flash backend, `is_causal=True` with `enable_gqa=True`, or `k`, `v` repeated
    where the backend refuses it: the note says which), cuDNN (`jax.nn.dot_product_attention`, `is_causal=True`;
-   grouped heads natively, else repeated: the note says which). Printed once per workload: how many stored blocks
+   grouped heads natively, else repeated: the note says which), tokamax's Mosaic GPU kernel
+   (`tokamax.dot_product_attention(is_causal=True, implementation="mosaic")`, openxla's JAX kernels for sm_90;
+   where tokamax is installed: `benchmarks/_tokamax.py`). Printed once per workload: how many stored blocks
    the kernels treat as full (no mask read), partial (masked element by element) or empty, for both jinsum
    patterns (`_chain_route.block_flags`, the library's own classification).
 5. `dense`: causal multi-head attention at 8,192 positions, 16 heads of 128: jinsum (`sequence_mask` causal, and
    `block_pattern` with `causal=True` as for `gqa`), FlexAttention (causal block mask), FlashAttention (torch SDPA,
-   flash backend, `is_causal=True`), cuDNN.
+   flash backend, `is_causal=True`), cuDNN, tokamax's Mosaic GPU kernel.
 
 TFLOP/s count the attended (query, key) pairs only, the same count for every system of a workload (BigBird: the
 stored blocks; causal: L(L+1)/2; documents: the sum over documents; so a dense reference that computes more pairs
@@ -105,6 +107,7 @@ from jinsum.timing import kernel_times, time_calls  # noqa: E402
 from _harness import (  # noqa: E402 (benchmarks/, this script's folder)
     NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio, sync_torch,
     versions_text, write)
+from _tokamax import import_tokamax  # noqa: E402
 from _training import train_step  # noqa: E402
 
 try:
@@ -330,15 +333,17 @@ class Peer:
 
 
 def time_peers(name: str, arrays, flops, outputs, mask: Callable, tables=(), *, sdpa: Callable,
-               cudnn: Callable | None = None) -> None:
+               cudnn: Callable | None = None, tokamax: Callable | None = None) -> None:
     """A workload through its peers, then every system's outputs compared. `mask(*tables)` is the workload's
     `mask_mod(b, h, q_idx, kv_idx)`, written for index arrays of any library: FlexAttention's block mask is built
     from it over torch's copies of the NumPy `tables`, and --smoke's element mask (for the dense reference that
-    stands in for the peers) over NumPy's. `cudnn(arrays) -> Peer` (through JAX) and `sdpa(tensors) -> Peer` (torch)
-    are built only where they run (torch's tensors exist, a probe may compile)."""
-    if OPTS.jax_peers and cudnn is not None:
-        peer = cudnn(arrays)
-        time_jax(name, peer.system, peer.fn, arrays, flops, outputs, note=peer.note, keep=peer.same_mask)
+    stands in for the peers) over NumPy's. `cudnn(arrays) -> Peer` and `tokamax(arrays) -> Peer | None` (through
+    JAX) and `sdpa(tensors) -> Peer` (torch) are built only where they run (torch's tensors exist, a probe may
+    compile)."""
+    for make in (cudnn, tokamax) if OPTS.jax_peers else ():
+        peer = None if make is None else make(arrays)
+        if peer is not None:
+            time_jax(name, peer.system, peer.fn, arrays, flops, outputs, note=peer.note, keep=peer.same_mask)
     if OPTS.smoke:
         length = arrays[0].shape[0]
         _reference(mask(*tables)(None, None, *np.indices((length, length))), arrays, outputs)
@@ -568,7 +573,7 @@ def causal_attention(kind: str, length: int, heads: int, kv_heads: int, dim: int
              lambda q, k, v: jinsum.attention(q, k, v, pattern, causal=True), arrays, flops, outputs, show=True,
              note="; ".join(filter(None, (f"{pattern.nnz} blocks stored, elements {pattern.Av.dtype}", in_place))))
     time_peers(name, arrays, flops, outputs, _causal, cudnn=lambda arrays: _cudnn_causal(arrays, group),
-               sdpa=lambda tensors: _sdpa_causal(tensors, group))
+               tokamax=_tokamax_causal, sdpa=lambda tensors: _sdpa_causal(tensors, group))
 
 
 def _block_classes(arrays, pattern, causal: bool) -> str:
@@ -581,6 +586,18 @@ def _block_classes(arrays, pattern, causal: bool) -> str:
     flags = np.asarray(_chain_route.block_flags(chain, {n: np.asarray(operands[n]) for n in ("Ai", "Ak", "Av")}, np))
     full, partial, empty = (int((flags == f).sum()) for f in (2, 1, 0))
     return f"{full} full, {partial} partial, {empty} empty of {flags.size} stored blocks (mask {chain.mask})"
+
+
+def _tokamax_causal(arrays) -> Peer | None:
+    """tokamax's Mosaic GPU attention (`implementation="mosaic"`), causal, the grouped key/value heads as they are;
+    None where tokamax is not installed."""
+    tokamax = import_tokamax()
+    if tokamax is None:
+        return None
+
+    def fn(q, k, v):
+        return tokamax.dot_product_attention(q[None], k[None], v[None], is_causal=True, implementation="mosaic")[0]
+    return Peer("tokamax Mosaic GPU (JAX, causal)", fn)
 
 
 def _cudnn_causal(arrays, group: int) -> Peer:

@@ -28,6 +28,8 @@ Systems, each timed forward and forward + backward:
 2. `jax.lax.ragged_dot(X_sorted, W, group_sizes)` on the rows sorted by expert (`X_sorted = X[token of each row]`,
    gathered outside the timed function). A failure (out of memory is expected on the fine-grained shape on an
    80 GB card) is a row with its error.
+   On a GPU where tokamax is installed, also `tokamax.ragged_dot(X_sorted, W, group_sizes,
+   implementation="mosaic")` (openxla's Mosaic GPU kernel for sm_90; `benchmarks/_tokamax.py`), checked the same way.
 3. `torch._grouped_mm(X_sorted, W, offs=cumulative group sizes (int32))`, bf16 (the only dtype it takes), where
    torch has CUDA (with `--torch-cpu`, also on the CPU where torch has a CPU kernel: a check of the code path), in
    two layouts of W: `(E, K, N)` row-major, and stored `(E, N, K)` passed as its transposed view (torchtitan's
@@ -80,6 +82,7 @@ sys.path.insert(0, str(HERE))
 from _harness import (  # noqa: E402
     NOTE, SYSTEM, WORKLOAD, Column, Results, baseline, command, device_file_name, device_name, ratio, sync_torch,
     text, torch_on_cuda, versions_text, write)
+from _tokamax import import_tokamax  # noqa: E402
 from sparse_linear import peak_tflops  # noqa: E402 (the peak table: one copy, there)
 
 RESULTS = Results()
@@ -98,6 +101,7 @@ ROUTED_MLP = "jinsum routed_mlp (SwiGLU: 3 matmuls, the layer's routing given)"
 ROUTE_TOKENS = "jinsum route_tokens alone (the layer's routing)"
 PARALLEL_LAYER = "jinsum MoE layer, experts and tokens over {} devices (all_to_all)"
 RAGGED = "jax.lax.ragged_dot"
+TOKAMAX = "tokamax ragged_dot (Mosaic GPU)"
 TORCH_KN = "torch._grouped_mm, W (E, K, N)"
 TORCH_NK = "torch._grouped_mm, W stored (E, N, K), transposed view"
 DENSE = "dense X_sorted @ W[0] (JAX)"
@@ -335,6 +339,11 @@ def run(shape: Shape, dtype, calls: int, torch, torch_device: str | None, seed: 
     RESULTS.attempt(workload, RAGGED, lambda: {**unchecked, **jax_times(
         lambda xs, w, sizes: jax.lax.ragged_dot(xs, w, sizes), (xs, w), (sizes,), dy_rows, calls, expected_rows,
         tol)}, **common)
+    tokamax = import_tokamax() if jax.default_backend() == "gpu" else None
+    if tokamax is not None:
+        RESULTS.attempt(workload, TOKAMAX, lambda: {**unchecked, **jax_times(
+            lambda xs, w, sizes: tokamax.ragged_dot(xs, w, sizes, implementation="mosaic"), (xs, w), (sizes,),
+            dy_rows, calls, expected_rows, tol)}, **common)
     RESULTS.attempt(workload, DENSE, lambda: {"note": "a different product (one matrix): not checked", **jax_times(
         lambda xs, w0: xs @ w0, (xs, w[0]), (), dy_rows, calls)}, **common)
 
