@@ -97,16 +97,13 @@ class _Writer:
 
     def _context(self) -> str:
         """What the partitions receive beside the tiles (scalars and pointers only)."""
-        if self.plan.kind == "forward":
-            names = ["q0", *self.grid, "p_flags", *(self.pointer(c) for c in self.captures), "segment", "tile",
-                     "part", "glin", self.pointer("LSE"), *(self.pointer(n) for n in ("part_m", "part_l", "part_acc"))]
-        elif self.plan.kind == "dq":
-            names = ["q0", *self.grid, "p_flags", *(self.pointer(c) for c in self.captures), "segment", "tile",
-                     "part", "glin", "p_LSE", "p_Drow", "o_part_dq"]
-        else:
-            names = ["k0", *self.grid, "p_flags", "p_perm", *(self.pointer(c) for c in self.captures), "segment",
-                     "tile", "part", "glin", "p_LSE", "p_Drow", "o_part_dk", "o_part_dv"]
-        return ", ".join(names + [self.pointer(n) for n in DESCRIBED[self.plan.kind]])
+        kind = self.plan.kind
+        first, order = ("k0", ["p_perm"]) if kind == "dkdv" else ("q0", [])  # (over keys: the transposed order)
+        own = {"forward": [self.pointer("LSE"), *(self.pointer(n) for n in ("part_m", "part_l", "part_acc"))],
+               "dq": ["p_LSE", "p_Drow", "o_part_dq"], "dkdv": ["p_LSE", "p_Drow", "o_part_dk", "o_part_dv"]}[kind]
+        names = [first, *self.grid, "p_flags", *order, *(self.pointer(c) for c in self.captures), "segment", "tile",
+                 "part", "glin", *own, *(self.pointer(n) for n in DESCRIBED[kind])]
+        return ", ".join(names)
 
     def _scores(self) -> list[str]:
         chain = self.chain
@@ -216,16 +213,26 @@ class _Writer:
                 f"drow = tl.load(p_Drow + at{masked[1]})", "return lse, drow"]
 
     def _row_gradient_epilogue(self) -> list[str]:
-        plan, chain = self.plan, self.chain
-        base = f"(part * {plan.grid_size} + glin) * {chain.block[0]} + tile * {HOPPER_ROWS} + rows_of(dq, c)"
-        body = [f"{self._context()} = context", 'dq_desc = chain_descriptor("dQ", context)',
-                "if part < 0:  # the whole row",
-                f"    store_tile(dq * {chain.scale!r}, q_tile, dq_desc, q_row)",
-                "else:  # a piece of a long row: its partial gradient for the sum kernel",
-                f"    tl.store(o_part_dq + ({base})[:, None] * {self.head} + columns_of(dq)[None, :], "
-                f"dq * {chain.scale!r})"]
+        chain = self.chain
+        body = [f"{self._context()} = context",
+                *self._store_or_keep([("dQ", chain.scale, "q_tile")], "q_row", chain.block[0], "row")]
         return _function("chain_row_gradient_epilogue(c: gl.constexpr, dq, q_tile, q_row, context)",
                          "Consumer c's rows: dQ (scaled) stored, or kept for the sum.", body)
+
+    def _store_or_keep(self, tiles: list[tuple[str, float, str]], row: str, block: int, segment: str) -> list[str]:
+        """Consumer c's gradient tiles `(name, factor, free shared memory)` (the tile's variable: `name` in lower
+        case) times their factor: a whole segment's stored by TMA at `row`, a piece's partial sums kept in float32
+        for the sum kernel (`part_<name>`: a slot of `block` rows per piece and grid assignment)."""
+        values = [(name, name.lower(), f"{name.lower()} * {factor!r}" if factor != 1 else name.lower(), smem)
+                  for name, factor, smem in tiles]
+        base = (f"(part * {self.plan.grid_size} + glin) * {block} + tile * {HOPPER_ROWS} + "
+                f"rows_of({values[0][1]}, c)")
+        body = [f'{var}_desc = chain_descriptor("{name}", context)' for name, var, _, _ in values]
+        body += [f"if part < 0:  # the whole {segment}"]
+        body += [f"    store_tile({value}, {smem}, {var}_desc, {row})" for _, var, value, smem in values]
+        body += [f"else:  # a piece of a long {segment}: its partial sums for the sum kernel",
+                 f"    at = ({base})[:, None] * {self.head} + columns_of({values[0][1]})[None, :]"]
+        return body + [f"    tl.store(o_part_{var} + at, {value})" for _, var, value, _ in values]
 
     # --- the backward over keys ----------------------------------------------------------------------------------
 
@@ -250,16 +257,9 @@ class _Writer:
                          "The log-sum-exp (base 2) and D of the query rows `row * BM + offset + cols` of head g.", body)
 
     def _key_epilogue(self) -> list[str]:
-        plan, chain = self.plan, self.chain
-        base = f"(part * {plan.grid_size} + glin) * {chain.block[1]} + tile * {HOPPER_ROWS} + rows_of(dk, c)"
-        scale = chain.scale
-        body = [f"{self._context()} = context",
-                'dk_desc = chain_descriptor("dK", context)', 'dv_desc = chain_descriptor("dV", context)',
-                "if part < 0:  # the whole key",
-                f"    store_tile(dk * {scale!r}, k_tile, dk_desc, k_row)", "    store_tile(dv, v_tile, dv_desc, k_row)",
-                "else:  # a piece of a long key: its partial gradients for the sum kernel",
-                f"    at = ({base})[:, None] * {self.head} + columns_of(dk)[None, :]",
-                f"    tl.store(o_part_dk + at, dk * {scale!r})", "    tl.store(o_part_dv + at, dv)"]
+        chain = self.chain
+        body = [f"{self._context()} = context", *self._store_or_keep(
+            [("dK", chain.scale, "k_tile"), ("dV", 1, "v_tile")], "k_row", chain.block[1], "key")]
         return _function("chain_key_epilogue(c: gl.constexpr, dk, dv, k_tile, v_tile, k_row, context)",
                          "Consumer c's keys: dK (scaled) and dV stored, or kept for the sum.", body)
 

@@ -70,14 +70,11 @@ def _producer(descriptor_fn: gl.constexpr, smem, bars, work, q_row, context, T: 
     p_Ak, begin, steps = work
     if GRADIENT:
         do_desc = descriptor_fn("dO", context)
-        for c in gl.static_range(2):
-            mbarrier.expect(q_bar.index(c), 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bar.index(c), q_smem.index(c))
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bar.index(c), (2 if GRADIENT else 1) * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bar.index(c), q_smem.index(c))
+        if GRADIENT:
             tma.async_copy_global_to_shared(do_desc, [q_row + c * 64, 0], q_bar.index(c), smem[3].index(c))
-    else:
-        for c in gl.static_range(2):
-            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + c * 64, 0], q_bar.index(c), q_smem.index(c))
     for n in range(steps):
         stage = n % STAGES
         phase = (n // STAGES) & 1
@@ -241,9 +238,9 @@ def _rows_and_ring(DTYPE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexp
 
 
 @gluon.jit
-def _gradient_consumer(c: gl.constexpr, descriptor_fn: gl.constexpr, smem, bars, work, q_row, context,
-                       scores_fn: gl.constexpr, stats_fn: gl.constexpr, epilogue_fn: gl.constexpr, T: gl.constexpr,
-                       BK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr):
+def _gradient_consumer(c: gl.constexpr, smem, bars, work, q_row, context, scores_fn: gl.constexpr,
+                       stats_fn: gl.constexpr, epilogue_fn: gl.constexpr, T: gl.constexpr, BK: gl.constexpr,
+                       BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr):
     """Consumer `c` of the backward over rows: `dQ` of query rows `[q_row + 64 c, + 64)` from every step's key and
     value tiles, then `epilogue_fn`."""
     q_smem, k_smem, v_smem, do_smem = smem
@@ -290,10 +287,10 @@ def attention_row_gradients(descriptor_fn: gl.constexpr, work, q_row, context, s
     gl.static_assert(gl.num_warps() == 4, "launch with num_warps=4: the default partition is one consumer")
     smem, bars = _rows_and_ring(DTYPE, BLOCK_N, HEAD, STAGES, True)
     gl.warp_specialize([
-        (_gradient_consumer, (0, descriptor_fn, smem, bars, work, q_row, context, scores_fn, stats_fn, epilogue_fn,
-                              T, BK, BLOCK_N, HEAD, STAGES)),
-        (_gradient_consumer, (1, descriptor_fn, smem, bars, work, q_row, context, scores_fn, stats_fn, epilogue_fn,
-                              T, BK, BLOCK_N, HEAD, STAGES)),
+        (_gradient_consumer, (0, smem, bars, work, q_row, context, scores_fn, stats_fn, epilogue_fn, T, BK,
+                              BLOCK_N, HEAD, STAGES)),
+        (_gradient_consumer, (1, smem, bars, work, q_row, context, scores_fn, stats_fn, epilogue_fn, T, BK,
+                              BLOCK_N, HEAD, STAGES)),
         (_producer, (descriptor_fn, smem, bars, work, q_row, context, T, BK, BLOCK_N, STAGES, True)),
     ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
 
