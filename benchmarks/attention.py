@@ -28,6 +28,9 @@ timed forward and forward+backward (`jax.vjp` / `torch.autograd.grad` of the out
      mask is built at every call, as in a training step whose batches pack new documents;
    - FlexAttention: `create_block_mask` of `mask_mod = (doc[q] == doc[kv]) & (q >= kv)` over a torch tensor of the
      document ids, built once, and `torch.compile(flex_attention)`;
+   - cuDNN packed segments: `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` (JAX's internal cuDNN
+     entry point; the public `jax.nn.dot_product_attention` has no segments) with the documents' starts as
+     `q_offsets`/`kv_offsets` and their lengths as `q_seqlen`/`kv_seqlen`, causal within each document;
    - dense FlashAttention (torch SDPA, causal): `is_causal=True` over the whole sequence, ignoring the documents:
      a speed reference only (not compared).
    And the mask building alone (`document mask build`): jinsum's `jax.jit(sequence_mask)` of the document ids,
@@ -343,7 +346,8 @@ def time_peers(name: str, arrays, flops, outputs, mask: Callable, tables=(), *, 
     for make in (cudnn, tokamax) if OPTS.jax_peers else ():
         peer = None if make is None else make(arrays)
         if peer is not None:
-            time_jax(name, peer.system, peer.fn, arrays, flops, outputs, note=peer.note, keep=peer.same_mask)
+            time_jax(name, peer.system, peer.fn, arrays, flops, outputs, note=peer.note, keep=peer.same_mask,
+                     show=True)
     if OPTS.smoke:
         length = arrays[0].shape[0]
         _reference(mask(*tables)(None, None, *np.indices((length, length))), arrays, outputs)
@@ -475,10 +479,26 @@ def document_attention(length: int, documents: int, heads: int, dim: int) -> Non
              arrays, flops, outputs, extra=(prebuilt,))
     time_jax(name, "jinsum fused (mask on device)", on_device, arrays, flops, outputs, extra=(doc,), show=True,
              note="sequence_mask inside the jitted call")
-    time_peers(name, arrays, flops, outputs, _document_causal, (doc_np,), sdpa=lambda _: Peer(
-        SDPA_CAUSAL, _sdpa_flash(is_causal=True),
-        "ignores the documents: all L(L+1)/2 causal pairs (speed reference)", same_mask=False))
+    time_peers(name, arrays, flops, outputs, _document_causal, (doc_np,), cudnn=lambda _: _cudnn_documents(doc_np),
+               sdpa=lambda _: Peer(SDPA_CAUSAL, _sdpa_flash(is_causal=True),
+            "ignores the documents: all L(L+1)/2 causal pairs (speed reference)", same_mask=False))
     document_mask_build(length, documents, doc_np, attending)
+
+
+def _cudnn_documents(doc: np.ndarray) -> Peer:
+    """cuDNN's attention over packed segments, causal within each: JAX's internal cuDNN entry point (the public
+    `jax.nn.dot_product_attention` has no segments) with the documents' starts as `q_offsets`/`kv_offsets` and their
+    lengths as `q_seqlen`/`kv_seqlen`, one batch row of all the documents."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415 (internal, GPU only)
+
+    sizes = np.bincount(doc)
+    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(sizes)])[None], jnp.int32)  # (1, documents + 1)
+    lengths = jnp.asarray(sizes[None], jnp.int32)  # (1, documents)
+
+    def fn(q, k, v):
+        return cudnn.dot_product_attention(q[None], k[None], v[None], None, None, lengths, lengths, offsets, offsets,
+                                           scale=q.shape[-1] ** -0.5, mask_type=cudnn.MaskType.CAUSAL)[0]
+    return Peer("cuDNN packed segments (JAX internal, causal)", fn)
 
 
 def _document_mask(doc: np.ndarray) -> np.ndarray:
