@@ -19,6 +19,7 @@ only _lang/; _lowering/ registers itself on the primitive, so _rules/ never impo
 from jinsum._attention import BlockMask as BlockMask
 from jinsum._attention import attention as attention
 from jinsum._attention import block_mask as block_mask
+from jinsum._attention import paged_attention as paged_attention
 from jinsum._autotune import autotune as autotune
 from jinsum._config import check_indices as check_indices
 from jinsum._config import deterministic as deterministic

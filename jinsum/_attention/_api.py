@@ -101,7 +101,7 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     """The checked `Chain` of an `attention` call, its operands by name, and a function that turns the blocked
     `(..., rows, (bm,) H, ...)` results back into `(..., L, H, ...)`."""
     _check_arguments(q, k, v, pattern, dropout, self_loops)
-    scale = _scale(scale, np.shape(q)[-1])
+    scale = scale_value(scale, np.shape(q)[-1])
     allow_tf32 = _config.tf32_allowed(allow_tf32)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     mods, outer = {}, _identity
@@ -369,18 +369,18 @@ def _check_arguments(q, k, v, pattern, dropout, self_loops) -> None:
                          f"set of nodes); got {pattern!r}")
 
 
-def _scale(scale, head_dim: int) -> float:
-    """`scale` as a Python float, compiled into the kernels: `1 / sqrt(D)` by default."""
+def scale_value(scale, head_dim: int, where: str = "jinsum.attention") -> float:
+    """`scale` as a Python float, compiled into the kernels: `1 / sqrt(D)` by default; errors name `where`."""
     if scale is None:
         return 1 / math.sqrt(head_dim)
     value = np.asarray(scale) if is_concrete(scale) else None
     if value is None or value.ndim or not (jnp.issubdtype(value.dtype, jnp.floating)
                                            or jnp.issubdtype(value.dtype, jnp.integer)):
         given = f"{type(scale).__name__} {scale!r}" if np.ndim(scale) == 0 else f"an array of shape {np.shape(scale)}"
-        raise TypeError(f"jinsum.attention: scale must be a real Python or NumPy number (it is compiled into the "
+        raise TypeError(f"{where}: scale must be a real Python or NumPy number (it is compiled into the "
                         f"kernels: not a traced array), or None for 1 / sqrt(D); got {given}")
     if not np.isfinite(value):
-        raise ValueError(f"jinsum.attention: scale must be finite, got {scale!r}")
+        raise ValueError(f"{where}: scale must be finite, got {scale!r}")
     return float(value)
 
 

@@ -21,7 +21,9 @@ Sparse weights: `SparseLinear` (a linear layer over a fixed element or block pat
 mixture of experts: `route_tokens` builds the routing on the device, `routed_mlp` / `routed_linear` run the
 experts as statements over it, `expert_parallel_mlp` with the experts split over a mesh axis). Recommendation:
 `EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by `bags`;
-`embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those).
+`embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those). Serving:
+`PagedKVCache` (keys and values in pages of a shared pool, allocated and freed on the device; `attend` runs
+`jinsum.paged_attention` over it).
 The graph layers, the pools, the aggregations and `embedding_bag` take integer features (counts, one-hot codes),
 cast to float as `nnx.Linear` casts them; zero nodes or edges give the empty result or the self loops alone.
 Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
@@ -76,6 +78,7 @@ from jinsum.nn._hetero_linear import HeteroLinear as HeteroLinear
 from jinsum.nn._moe_layer import MoE as MoE
 from jinsum.nn._moe import routed_linear as routed_linear
 from jinsum.nn._moe import routed_mlp as routed_mlp
+from jinsum.nn._paged_kv_cache import PagedKVCache as PagedKVCache
 from jinsum.nn._pool import AttentionalAggregation as AttentionalAggregation
 from jinsum.nn._pool import global_add_pool as global_add_pool
 from jinsum.nn._pool import global_max_pool as global_max_pool
