@@ -41,6 +41,8 @@ RUNS = {
     "packed_lm/main.py": (["--smoke"], ["dense causal + document mask", "sliding window + document mask",
                                         "BigBird + document mask", "dense causal + document mask, MoE FFN"]),
     "sparse_mlp/main.py": (["--smoke"], ["jinsum SparseLinear, 10% of the weights", "dense nnx.Linear"]),
+    # (run by test_serve_lm_caches_agree, which also checks the two caches' outputs)
+    "serve_lm/main.py": (["--smoke"], ["paged KV cache", "dense KV cache"]),
 }
 
 
@@ -64,9 +66,17 @@ def _run_example(path: str, capsys) -> str:
     return out
 
 
-@pytest.mark.parametrize("path", [path for path in RUNS if path != "minibatch_sage/main.py"])
+@pytest.mark.parametrize("path", [path for path in RUNS if path not in ("minibatch_sage/main.py", "serve_lm/main.py")])
 def test_example_smoke(path, capsys):
     _run_example(path, capsys)
+
+
+def test_serve_lm_caches_agree(capsys):
+    """Greedy decoding over the paged cache and the dense one gives the same bytes for every request, or differs
+    first where the two largest logits tie within rounding (the example reports the gap)."""
+    out = _run_example("serve_lm/main.py", capsys)
+    tie = re.search(r"the two largest logits were (\S+) apart", out)
+    assert "(same bytes, request by request)" in out or (tie and float(tie.group(1)) < 1e-4), out
 
 
 def test_sharded_gcn_runs_as_two_processes():

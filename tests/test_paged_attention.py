@@ -325,3 +325,28 @@ def test_cache_operations_keep_what_each_sequence_holds(operations, seed):
 
 _append = jax.jit(lambda cache, k, v, starts, ids: cache.append(k, v, starts, ids))
 _release = jax.jit(lambda cache, ids: cache.release(ids))
+
+
+def test_attention_layer_generates_what_it_trains(rng):
+    # BlockSparseAttention.generate over a paged cache (a prefill of two prompts in one call, then a token at a time)
+    # gives the outputs of the layer's own call on the whole sequences (causal, windowed, grouped heads).
+    from flax import nnx  # noqa: PLC0415
+
+    attn = jnn.BlockSparseAttention(16, 4, num_kv_heads=2, causal=True, window=5, block=8, rngs=nnx.Rngs(0))
+    x = rng.standard_normal((2, 11, 16)).astype(np.float32)
+    expected = np.asarray(attn(x))
+    cache = jnn.PagedKVCache.create(16, 4, 2, 4, max_sequences=3, max_pages_per_sequence=3, dtype=jnp.float32)
+    generate = jax.jit(lambda x, cache, ids, starts: attn.generate(x, cache, ids, starts))
+    prompt = np.concatenate([x[0, :7], x[1, :3], np.zeros((2, 16), np.float32)])  # (two tokens of padding)
+    out, cache = generate(prompt, cache, np.array([2, 0], np.int32), np.array([0, 7, 10], np.int32))
+    np.testing.assert_allclose(np.asarray(out)[:7], expected[0, :7], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(out)[7:10], expected[1, :3], atol=1e-5, rtol=0)
+    for t in range(3, 11):  # sequence 1 catches up, sequence 0 decodes alongside while it has tokens left
+        ids = np.array([2 if t + 4 < 11 else -1, 0], np.int32)
+        token = np.stack([x[0, min(t + 4, 10)], x[1, t]])
+        out, cache = generate(token, cache, ids, np.array([0, 1, 2], np.int32))
+        if ids[0] >= 0:
+            np.testing.assert_allclose(np.asarray(out)[0], expected[0, t + 4], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(out)[1], expected[1, t], atol=1e-5, rtol=0)
+    assert np.asarray(cache.lengths).tolist() == [11, 0, 11]
+    assert generate._cache_size() == 2  # (one for the prefill's shapes, one for every decoding step)

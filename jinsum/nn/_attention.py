@@ -26,6 +26,7 @@ from jinsum._attention import block_mask as block_mask  # re-exported: jinsum.nn
 from jinsum.formats import BlockGroupCOO
 from jinsum.formats._convert import check_int
 from jinsum.nn._dropout import dropout_seed
+from jinsum.nn._paged_kv_cache import PagedKVCache
 from jinsum.nn._sizes import layer_sizes
 
 
@@ -214,6 +215,7 @@ class BlockSparseAttention(nnx.Module):
     document boundaries compile nothing.
 
     Shapes: `x` `(L, in_features)` or `(B, L, in_features)` -> `(L, out_features)` (`(B, L, out_features)`).
+    Serving: `generate` runs the same projections over a `PagedKVCache`, for new tokens of many sequences at once.
 
     Example:
       >>> attn = jinsum.nn.BlockSparseAttention(256, num_heads=8, num_kv_heads=2, causal=True, window=512,
@@ -307,3 +309,29 @@ class BlockSparseAttention(nnx.Module):
                                          key_padding_mask=key_padding_mask, mask_mod=mask_mod, dropout=rate,
                                          seed=seed)
         return self.out(out.reshape(*shape[:-1], heads * self.head_dim))
+
+    def generate(self, x: jax.Array, cache: PagedKVCache, sequence_ids: jax.Array,
+                 query_starts: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
+        """Serving: the new tokens of several sequences, their keys and values appended to `cache` and their
+        queries attending over each sequence's cached tokens (`jinsum.paged_attention`, with the module's
+        `causal` and `window`), with the parameters `__call__` trains: a prompt (prefill), a piece of one after a
+        cached prefix, or a token per sequence (decoding), in one call.
+
+        Args:
+          x: `(T, in_features)` the new tokens of the sequences, packed end to end.
+          cache: this layer's `PagedKVCache` (`num_kv_heads` heads of `head_dim`).
+          sequence_ids: `(n,)` each sequence's slot in the cache (negative: a padding entry).
+          query_starts: `(n + 1,)` offsets of each sequence's tokens in `x`; None: one token each.
+
+        Returns `(y (T, out_features), cache)` with the tokens appended.
+        """
+        shape, width = np.shape(x), self.in_features
+        if len(shape) != 2 or shape[-1] != width:
+            raise ValueError(f"BlockSparseAttention.generate: expected x (T, {width}), the new tokens packed end to "
+                             f"end (in_features = {width}), got {shape}")
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).reshape(shape[0], heads + 2 * kv_heads, self.head_dim)
+        q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=-2)
+        cache = cache.append(k, v, query_starts, sequence_ids)
+        out = cache.attend(q, sequence_ids, query_starts, causal=self.causal, window=self.window)
+        return self.out(out.reshape(shape[0], heads * self.head_dim)), cache
