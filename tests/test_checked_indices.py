@@ -73,3 +73,18 @@ def test_the_switch_is_part_of_the_jit_key():
         spmm(Ak.at[2, 0].set(9))  # unchecked: the write is dropped, no error
     with pytest.raises(ValueError, match="checkify"):
         spmm(Ak)  # checked again: traced anew, with checks that need checkify
+
+
+def test_attention_is_checked_where_it_is_bound():
+    # The chain's index arrays are checked when jinsum.attention binds it (its lowerings hold no check, which
+    # checkify could not stage there): a block pattern's column past the keys is named; a good one passes.
+    q = jnp.ones((32, 2, 16))
+    pattern = jinsum.BlockGroupCOO.from_dense(np.tril(np.ones((32, 32), np.float32)), block_shape=(16, 16))
+    attend = checkify.checkify(jax.jit(lambda q, Ak: jinsum.attention(
+        q, q, q, jinsum.BlockGroupCOO(pattern.Ai, Ak, pattern.Av, pattern.shape))))
+    error, out = attend(q, pattern.Ak)
+    error.throw()
+    np.testing.assert_allclose(out, jinsum.attention(q, q, q, pattern), atol=1e-6)
+    error, _ = attend(q, pattern.Ak.at[-1, 0].set(7))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"index array Ak holds 7 at position"):
+        error.throw()

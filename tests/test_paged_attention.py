@@ -66,8 +66,8 @@ def paged(rng, lengths, page, kv_heads, dim, *, spare_pages=3, dtype=np.float32,
 TOLERANCE = {np.float32: 2e-5, jnp.bfloat16: 3e-2, np.float16: 4e-3}
 
 
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 1), (3, 3)])
+@pytest.mark.parametrize("dtype,heads,kv_heads", [(np.float32, 8, 2), (np.float32, 4, 1), (np.float32, 3, 3),
+                                                  (jnp.bfloat16, 8, 2), (np.float16, 4, 1)])
 def test_decoding_against_float64(dtype, heads, kv_heads, rng):
     # A token per sequence: lengths of 1, of exactly a page, not a multiple of it, 0, and one page short of full.
     page, dim = 4, 16
@@ -154,6 +154,10 @@ def test_bad_input_is_named(rng):
         call(q, k_pages, v_pages, table.astype(np.float32), lengths)
     with pytest.raises(ValueError, match="window must be a positive int"):
         call(q, k_pages, v_pages, table, lengths, window=0)
+    with pytest.raises(ValueError, match="page 1 is logical page 0 of sequence 0 and logical page 1 of sequence 1"):
+        shared = table.copy()
+        shared[0, 0], shared[1, 1] = 1, 1
+        call(q, k_pages, v_pages, shared, np.array([5, 6], np.int32))
     with pytest.raises(ValueError, match="the head size D of q"):
         call(np.zeros((2, 4, 6), np.float32), k_pages, v_pages, table, lengths)
 
@@ -295,7 +299,7 @@ def test_cache_in_a_decoding_loop(rng):
         np.testing.assert_allclose(np.asarray(outs[s]), expected, atol=2e-5, rtol=0)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 9), min_size=3, max_size=3)), min_size=1,
                 max_size=6), st.integers(0, 2**31 - 1))
 def test_cache_operations_keep_what_each_sequence_holds(operations, seed):
@@ -350,3 +354,33 @@ def test_attention_layer_generates_what_it_trains(rng):
         np.testing.assert_allclose(np.asarray(out)[1], expected[1, t], atol=1e-5, rtol=0)
     assert np.asarray(cache.lengths).tolist() == [11, 0, 11]
     assert generate._cache_size() == 2  # (one for the prefill's shapes, one for every decoding step)
+
+
+def test_sequences_sharing_a_prefix_page(rng):
+    # Two sequences whose first page is one physical page (a shared prompt prefix), each decoding a token.
+    k_pages, v_pages, table, lengths = paged(rng, [7, 6], 4, 2, 8)
+    table[1, 0] = table[0, 0]
+    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    out = jinsum.paged_attention(q, k_pages, v_pages, table, lengths)
+    expected = reference(q, k_pages, v_pages, table, lengths, np.arange(3))
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the interpreter runs where no GPU is")
+@pytest.mark.parametrize("page,new", [(16, (1, 1, 1)), (4, (9, 1, 5))])
+def test_generated_kernels_in_the_interpreter(page, new, rng):
+    # The chain's kernels the CUDA lowering launches for pages (key blocks of a page, query blocks of 16 or 64 rows
+    # of tokens x grouped heads) in Triton's interpreter (float16: it has no bfloat16) against float64: decoding,
+    # and prefill after cached prefixes, causal with a window.
+    pytest.importorskip("torch")
+    from jinsum._attention import _api, _chain_triton, _paged  # noqa: PLC0415
+
+    k_pages, v_pages, table, lengths = paged(rng, [37, 6, 19], page, 2, 16, dtype=np.float16)
+    starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q = rng.standard_normal((starts[-1], 8, 16)).astype(np.float16)
+    queries, keys, values, mask, modify, back = _paged.laid_out(
+        *map(jnp.asarray, (q, k_pages, v_pages, table, lengths, starts)), causal=True, window=6, score_mod=None)
+    chain, arrays, unpad = _api.build_chain(queries, keys, values, mask)
+    out = back(unpad(jnp.asarray(_chain_triton.interpret_forward(chain, arrays)[0])))
+    expected = reference(q, k_pages, v_pages, table, lengths, starts, window=6)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=4e-3, rtol=0)

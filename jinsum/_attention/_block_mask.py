@@ -154,8 +154,8 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
     rows = nb * nh * lb
     capacity = rows * sb if capacity is None else check_int(where, "capacity (or None for every block)", capacity,
                                                             minimum=1)
-    user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
     if classify is None:
+        user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
         flags = _every_element(user, captured, (L, S), (bm, bk), (nb, nh, lb, sb))
     else:
         flags = jnp.asarray(classify((nb, nh, lb, sb)))
@@ -178,13 +178,28 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
     if _config.check_indices.value:
         checkify.check(~overflow, f"{where}: more attending blocks than capacity = {capacity}; those "
                        "past it were dropped (raise the capacity)")
-    Ai = position // sb
-    Ak = jnp.where(used, position % sb, 0)[:, None]
-    kept = jnp.where(used, flags[position], 0)[:, None]
-    laid_out = _laid_out(mask_mod, (L, S), (bm, bk), (lb, sb), batch, heads)
+    return _made(mask_mod, position // sb, jnp.where(used, position % sb, 0), jnp.where(used, flags[position], 0),
+                 overflow, (L, S), (bm, bk), batch=batch, heads=heads, where=where)
+
+
+def from_blocks(mask_mod: Callable, Ai: jax.Array, Ak: jax.Array, flags: jax.Array, shape: tuple[int, int],
+                block: tuple[int, int], *, where: str) -> BlockMask:
+    """The block mask of blocks a caller lays out itself, classified by what it knows (`jinsum.paged_attention`:
+    each query block's slots are its sequence's pages): `Ai` `(capacity,)` non-decreasing block rows, `Ak`
+    `(capacity,)` block columns, `flags` `(capacity,)` 2 full, 1 partial (`mask_mod` decides), 0 a padding slot.
+    The same for every batch element and head."""
+    return _made(mask_mod, Ai.astype(jnp.int32), Ak.astype(jnp.int32), flags.astype(jnp.int8), jnp.asarray(False),
+                 shape, block, batch=None, heads=None, where=where)
+
+
+def _made(mask_mod, Ai, Ak, flags, overflow, shape, block, *, batch, heads, where) -> BlockMask:
+    """The `BlockMask` of classified slots, `mask_mod` traced in the coordinates of the laid-out sequence."""
+    (L, S), (bm, bk) = shape, block
+    user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
+    laid_out = _laid_out(mask_mod, (L, S), (bm, bk), (-(-L // bm), -(-S // bk)), batch, heads)
     traced, _ = _elementwise.trace(laid_out, "mask_mod", where)
-    return BlockMask(Ai, Ak, kept, overflow, captured, shape=(L, S), block=(bm, bk), batch=batch, heads=heads,
-                     mask_mod=traced, reads=_elementwise.arguments_read(user) & {"b", "h"})
+    return BlockMask(Ai, Ak[:, None], flags[:, None], overflow, captured, shape=(L, S), block=(bm, bk), batch=batch,
+                     heads=heads, mask_mod=traced, reads=_elementwise.arguments_read(user) & {"b", "h"})
 
 
 def _block_shape(where: str, block) -> tuple[int, int]:

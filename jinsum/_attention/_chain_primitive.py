@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching
 
+from jinsum import _config
 from jinsum._attention._chain_route import SCHEDULE, ChainRoute, route_chain, schedule
 from jinsum._lang import statement_variables
 from jinsum._lang._chain import Chain
@@ -50,6 +51,9 @@ def bind(chain: Chain, arrays: dict) -> tuple[jax.Array, jax.Array]:
     """`(O, LSE)`: the chain on `arrays` (by name, `chain.names`), routed here (`route_chain`: the plans of its
     kernels, a static parameter of the primitives from here on), with its route's work lists computed here too: on
     the host for a concrete pattern, and once for the forward and the backward."""
+    if _config.check_indices.value:  # (here, not in the lowerings, where a checkify check cannot be)
+        for spec in (chain.scores, chain.output):
+            _primitive.check_index_arrays(spec, arrays)
     route = route_chain(chain)
     work = schedule(route, arrays)
     operands = [arrays[n] for n in chain.names] + [work[n] for n in SCHEDULE]

@@ -29,8 +29,9 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
     r, scores = chain.roles, chain.scores
     precision = jnp.float64 if chain.operand["Q"].dtype == np.float64 else jnp.float32
     s_shape = scores.lhs.shape
+    # (Its index arrays were checked when the chain was bound: this runs inside lowerings, where a check cannot be.)
     S = _primitive.bind(scores.statement, {**arrays, "S": jnp.zeros(s_shape, precision)}, **chain.output.modes,
-                        zero_lhs=True)
+                        zero_lhs=True, check_indices=False)
     axes = tuple(i.name for i in scores.statement.lhs.indices)
     at = _Coordinates(chain, arrays, axes)
     row, col = at.read(Access("Ai", (Var(r.group),))), at.read(Access("Ak", (Var(r.group), Var(r.slot))))
@@ -58,7 +59,8 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
     row_max = _primitive.bind(Statement(chain.lse, True, (Access("S", scores.statement.lhs.indices),), reduction="max"),
                               {**arrays, "S": jax.lax.stop_gradient(jnp.where(allowed, S, -jnp.inf)),
                                "LSE": jnp.full(lse_shape, -jnp.inf, precision)},
-                              sorted_indices=frozenset({"Ai"}), deterministic=chain.output.deterministic)
+                              sorted_indices=frozenset({"Ai"}), deterministic=chain.output.deterministic,
+                              check_indices=False)
     if chain.self_loops:
         self_scores = _self_scores(chain, arrays, lse_shape)
         row_max = jnp.maximum(row_max, self_scores)
@@ -70,7 +72,7 @@ def forward(chain: Chain, arrays: dict[str, jax.Array]) -> tuple[jax.Array, jax.
         weights = weights * _kept(chain, arrays, at.dropout_offsets(chain))
     out = _primitive.bind(chain.output.statement,
                           {**arrays, "S": weights, "O": jnp.zeros(chain.output.lhs.shape, precision)},
-                          **chain.output.modes, zero_lhs=True)
+                          **chain.output.modes, zero_lhs=True, check_indices=False)
     if chain.self_loops:
         self_weights = jnp.exp(self_scores - shift)
         totals = totals + self_weights

@@ -6,10 +6,10 @@ of sequences come packed end to end (`query_starts`), so one call serves decodin
 prefill (a whole prompt) and chunked prefill (a piece of a prompt after a cached prefix) alike; every length is
 traced, so one compile serves every batch of the same shapes.
 
-This module checks the arguments (before tracing where it can) and computes the attention with XLA: a loop over
-logical pages, each step gathering the page of every query token's sequence and folding its scores into an online
-softmax, so memory stays at one page per token whatever the lengths. Pages past a sequence's length (and, under
-`causal` and `window`, those no query of it can see) are not read.
+This module checks the arguments (before tracing where it can) and writes the call as the attention chain
+(`jinsum.attention`) over a block mask whose key blocks are the pages of the pool: the page table is the mask's
+column index, so the chain's kernels (and, off CUDA, its unfused statements) read the pages in place. Pages past a
+sequence's length, and under `causal` and `window` those none of a query block's tokens can see, are not read.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import numpy as np
 from jax.experimental import checkify
 
 from jinsum import _config
-from jinsum._attention._api import scale_value
+from jinsum._attention import _block_mask
+from jinsum._attention._api import attention, scale_value
 from jinsum.formats._convert import is_concrete
 
 WHERE = "jinsum.paged_attention"
@@ -145,6 +146,7 @@ def _check_values(page_table, kv_lengths, starts, num_pages: int, page_size: int
         if first[0] < 0 or (counts < 0).any():
             raise ValueError(f"{WHERE}: query_starts must be non-decreasing offsets from 0 or more; got "
                              f"{first.tolist()}")
+        seen = {}  # page -> (sequence, logical page) of its first reader
         for b in range(len(lengths)):
             if not 0 <= lengths[b] <= capacity:
                 raise ValueError(f"{WHERE}: kv_lengths[{b}] = {lengths[b]} is outside [0, {capacity}], the tokens "
@@ -157,6 +159,12 @@ def _check_values(page_table, kv_lengths, starts, num_pages: int, page_size: int
             if bad.size:
                 raise ValueError(f"{WHERE}: page_table[{b}, {bad[0]}] = {read[bad[0]]} is outside [0, {num_pages}) "
                                  f"(the pages of k_pages), and sequence {b}'s {lengths[b]} tokens read it")
+            for p, page in enumerate(read):
+                b0, p0 = seen.setdefault(int(page), (b, p))
+                if p0 != p:
+                    raise ValueError(f"{WHERE}: page {page} is logical page {p0} of sequence {b0} and logical page "
+                                     f"{p} of sequence {b}; a page several sequences read (a shared prefix) must sit "
+                                     "at the same logical index in each")
     elif _config.check_indices.value:
         checkify.check(jnp.all((kv_lengths >= 0) & (kv_lengths <= capacity)),
                        f"{WHERE}: kv_lengths holds a length outside [0, {capacity}], the tokens the table's pages hold")
@@ -164,70 +172,120 @@ def _check_values(page_table, kv_lengths, starts, num_pages: int, page_size: int
                        "offsets from 0 or more")
         checkify.check(jnp.all((q_len <= kv_lengths) | (kv_lengths == 0)), f"{WHERE}: a sequence has more new "
                        "tokens than kv_lengths: the cache must hold the new tokens too")
-        read = jnp.arange(page_table.shape[1]) * page_size < kv_lengths[:, None]
+        logical = jnp.arange(page_table.shape[1], dtype=jnp.int32)
+        read = logical * page_size < kv_lengths[:, None]
         checkify.check(jnp.all(~read | ((page_table >= 0) & (page_table < num_pages))),
                        f"{WHERE}: page_table holds a page outside [0, {num_pages}) in an entry that is read")
+        at = jnp.full(num_pages, -1, jnp.int32).at[jnp.where(read, page_table, num_pages)].set(
+            jnp.broadcast_to(logical, page_table.shape), mode="drop")
+        checkify.check(jnp.all(~read | (at[jnp.clip(page_table, 0, num_pages - 1)] == logical)),
+                       f"{WHERE}: a page several sequences read sits at different logical indices (a shared "
+                       "prefix must sit at the same logical index in each)")
 
 
-# --- the computation ----------------------------------------------------------------------------------------------
+# --- the computation: the attention chain over the pages -------------------------------------------------------
 
 def _attend(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, scale, window, score_mod):
-    """The attention, a loop over logical pages with an online softmax (float32, or float64 for float64 inputs)."""
-    tokens, hq, dim = q.shape
-    num_pages, page_size, hkv, _ = k_pages.shape
-    batch, max_pages = page_table.shape
-    group = hq // hkv
-    dtype = jnp.promote_types(jnp.promote_types(q.dtype, k_pages.dtype), jnp.float32)
-    kv_lengths = jnp.clip(kv_lengths, 0, max_pages * page_size)
+    """`jinsum.attention` over the pages (`laid_out`), its rows taken back to the tokens' heads."""
+    queries, keys, values, mask, modify, back = laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts,
+                                                         causal=causal, window=window, score_mod=score_mod)
+    return back(attention(queries, keys, values, mask, scale=scale, score_mod=modify))
 
-    # Each token's sequence, and its position in it (`sequence == batch`: padding past the last sequence).
+
+def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, window, score_mod):
+    """The paged call as the attention chain takes it: `(queries, keys, values, mask, score_mod, back)`, where
+    `back` takes the chain's output rows to `(T, Hq, E)`. A block mask whose key blocks are pages.
+
+    The keys are the pool itself, `(P * page_size, Hkv, D)` (a reshape: nothing is copied), so a key block is a
+    page and a query block's slots are its sequence's pages, `Ak = page_table[sequence]`. The queries are laid out
+    with the query heads of a kv head's group along the rows: row `(token, r)` of sequence `b` holds query head
+    `h * group + r` of kv head `h`, so each page is read once per kv head for all the heads that share it, and
+    each sequence's rows start a block of their own. A slot is full where every token of its query block sees the
+    whole page, partial (masked in registers from the keys' positions) where some token sees some of it, empty
+    (never read) elsewhere, past the sequence's length included."""
+    tokens, heads, dim = q.shape
+    num_pages, page_size, kv_heads, _ = k_pages.shape
+    batch, max_pages = page_table.shape
+    group = heads // kv_heads
+    rows_per_sequence = -(-tokens * group // max(batch, 1))
+    bm = 16 if rows_per_sequence <= 16 else 64 if rows_per_sequence <= 64 else 128  # (16: Tensor Cores' least)
+    blocks = -(-tokens * group // bm) + batch  # each sequence's rows start a block: fewer than one padded each
+    kv_lengths = jnp.clip(kv_lengths, 0, max_pages * page_size)
+    new = starts[1:] - starts[:-1]
+    own = -(-(new * group) // bm)  # blocks of each sequence
+    first = jnp.cumsum(own) - own
+
+    # Each token's sequence and position, and its rows.
     t = jnp.arange(tokens, dtype=jnp.int32)
     sequence = jnp.searchsorted(starts[1:], t, side="right").astype(jnp.int32)
     real = (t >= starts[0]) & (sequence < batch)
     sequence = jnp.minimum(sequence, batch - 1)
-    q_len = starts[1:] - starts[:-1]
-    position = kv_lengths[sequence] - q_len[sequence] + (t - starts[sequence])
-    length = jnp.where(real, kv_lengths[sequence], 0)
-    # The keys a token sees: [lowest, highest].
-    highest = jnp.minimum(position, length - 1) if causal else length - 1
-    lowest = jnp.maximum(position - window + 1, 0) if window is not None else jnp.zeros_like(position)
-    first_page = jnp.min(jnp.where(real & (highest >= lowest), lowest, max_pages * page_size)) // page_size
-    last_page = jnp.max(jnp.where(real, highest, -1)) // page_size  # (floor of -1 is -1: no page)
+    index = t - starts[sequence]
+    position = kv_lengths[sequence] - new[sequence] + index
+    row = (jnp.where(real, first[sequence] * bm + index * group, blocks * bm)[:, None]
+           + jnp.arange(group, dtype=jnp.int32))
+    # Row (t, r) holds query head h * group + r of kv head h.
+    queries = jnp.zeros((blocks * bm, kv_heads, dim), q.dtype).at[row.reshape(-1)].set(
+        q.reshape(tokens, kv_heads, group, dim).transpose(0, 2, 1, 3).reshape(tokens * group, kv_heads, dim),
+        mode="drop")
+    padding = jnp.iinfo(jnp.int32).min // 2
+    row_position = jnp.full(blocks * bm, padding, jnp.int32).at[row].set(position[:, None], mode="drop")
+    row_length = jnp.zeros(blocks * bm, jnp.int32).at[row].set(kv_lengths[sequence][:, None], mode="drop")
+    row_sequence = jnp.zeros(blocks * bm, jnp.int32).at[row].set(sequence[:, None], mode="drop")
+    row_head = jnp.zeros(blocks * bm, jnp.int32).at[row].set(jnp.arange(group, dtype=jnp.int32)[None, :],
+                                                             mode="drop")
 
-    queries = q.astype(dtype).reshape(tokens, hkv, group, dim) * jnp.asarray(scale, dtype)
-    head = (jnp.arange(hkv)[:, None] * group + jnp.arange(group)[None, :])[None, :, :, None]
-    modify = None if score_mod is None else jnp.vectorize(score_mod)
+    # Each query block's sequence and the positions of its first and last tokens; each slot's page and flag.
+    i = jnp.arange(blocks, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(jnp.cumsum(own), i, side="right").astype(jnp.int32), batch - 1)
+    used = i < own.sum()
+    within = (i - first[owner]) * bm
+    low = kv_lengths[owner] - new[owner] + within // group
+    high = kv_lengths[owner] - new[owner] + jnp.minimum((within + bm - 1) // group, new[owner] - 1)
+    length = kv_lengths[owner][:, None]
+    key = jnp.arange(max_pages, dtype=jnp.int32)[None, :] * page_size  # (first key of each logical page)
+    last_key = key + page_size - 1
+    full = last_key < length
+    some = key < length
+    if causal:
+        full &= last_key <= low[:, None]
+        some &= key <= high[:, None]
+    if window is not None:
+        full &= key > high[:, None] - window
+        some &= last_key > low[:, None] - window
+    pages = page_table[owner]
+    in_range = (pages >= 0) & (pages < num_pages)
+    flags = jnp.where(used[:, None] & in_range & some, jnp.where(full, 2, 1), 0)
+    # The logical page of each physical page that is read (a page read by several sequences must sit at the same
+    # logical index in each: a shared prefix), for the keys' positions in the mask and in score_mod.
+    read = jnp.arange(max_pages)[None, :] * page_size < kv_lengths[:, None]
+    logical = jnp.zeros(num_pages, jnp.int32).at[jnp.where(read, page_table, num_pages)].set(
+        jnp.broadcast_to(jnp.arange(max_pages, dtype=jnp.int32), page_table.shape), mode="drop")
 
-    def page_step(p, carry):
-        running_max, total, acc = carry
-        page = page_table[sequence, p]
-        in_range = (page >= 0) & (page < num_pages)
-        page = jnp.clip(page, 0, num_pages - 1)
-        key = p * page_size + jnp.arange(page_size, dtype=jnp.int32)[None, :]  # (1, page_size)
-        seen = in_range[:, None] & (key >= lowest[:, None]) & (key <= highest[:, None])  # (T, page_size)
-        keys = k_pages[page].astype(dtype)  # (T, page_size, Hkv, D)
-        values = jnp.where(seen[:, :, None, None], v_pages[page].astype(dtype), 0)
-        scores = jnp.einsum("thgd,tshd->thgs", queries, keys, precision=jax.lax.Precision.HIGHEST)
-        if modify is not None:
-            scores = modify(scores, sequence[:, None, None, None], head, position[:, None, None, None],
-                            key[:, None, None, :]).astype(dtype)
-        scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
-        new_max = jnp.maximum(running_max, scores.max(-1))
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0)
-        weights = jnp.exp(scores - safe_max[..., None])
-        rescale = jnp.exp(running_max - safe_max)  # (0 where nothing was seen yet)
-        total = total * rescale + weights.sum(-1)
-        acc = acc * rescale[..., None] + jnp.einsum("thgs,tshe->thge", weights, values,
-                                                    precision=jax.lax.Precision.HIGHEST)
-        return new_max, total, acc
+    def key_position(kv_idx):
+        return logical[kv_idx // page_size] * page_size + kv_idx % page_size
 
-    def step(carry, p):
-        carry = jax.lax.cond((p >= first_page) & (p <= last_page), lambda c: page_step(p, c), lambda c: c, carry)
-        return carry, None
+    def mask_mod(b, h, q_idx, kv_idx):
+        kv = key_position(kv_idx)
+        seen = kv < row_length[q_idx]
+        if causal:
+            seen &= kv <= row_position[q_idx]
+        if window is not None:
+            seen &= row_position[q_idx] - kv < window
+        return seen
 
-    values_dim = v_pages.shape[-1]
-    start = (jnp.full((tokens, hkv, group), -jnp.inf, dtype), jnp.zeros((tokens, hkv, group), dtype),
-             jnp.zeros((tokens, hkv, group, values_dim), dtype))
-    _, total, acc = jax.lax.scan(step, start, jnp.arange(max_pages, dtype=jnp.int32))[0]
-    out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1)[..., None], 0)
-    return out.reshape(tokens, hq, values_dim).astype(q.dtype)
+    modify = None
+    if score_mod is not None:
+        def modify(score, b, h, q_idx, kv_idx):
+            return score_mod(score, row_sequence[q_idx], h * group + row_head[q_idx], row_position[q_idx],
+                             key_position(kv_idx))
+
+    mask = _block_mask.from_blocks(mask_mod, jnp.repeat(i, max_pages), jnp.where(flags > 0, pages, 0).reshape(-1),
+                                   flags.reshape(-1), (blocks * bm, num_pages * page_size), (bm, page_size),
+                                   where=WHERE)
+    def back(out):  # (rows, Hkv, E) -> (T, group, Hkv, E) -> (T, Hq, E)
+        out = jnp.where(real[:, None, None, None], out[jnp.minimum(row, blocks * bm - 1)], 0)
+        return out.transpose(0, 2, 1, 3).reshape(tokens, heads, -1)
+
+    return (queries, k_pages.reshape(num_pages * page_size, kv_heads, dim),
+            v_pages.reshape(num_pages * page_size, kv_heads, -1), mask, modify, back)

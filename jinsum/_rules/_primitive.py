@@ -54,11 +54,11 @@ def bind(statement: Statement, arrays: Mapping[str, jax.Array], *, check_indices
     skips `jinsum.check_indices` (for derived index arrays that mark what is absent with -1)."""
     spec = make_spec(statement, arrays, **flags)
     if check_indices and _config.check_indices.value:
-        _check_indices(spec, arrays)
+        check_index_arrays(spec, arrays)
     return jinsum_p.bind(*(arrays[n] for n in spec.arguments), spec=spec)
 
 
-def _check_indices(spec: Spec, arrays: Mapping[str, jax.Array]) -> None:
+def check_index_arrays(spec: Spec, arrays: Mapping[str, jax.Array]) -> None:
     """`checkify` checks that the traced index arrays lie in range of what they address, and that declared-sorted
     ones do not decrease (`jinsum.check_indices`; concrete arrays are checked on the host, before tracing)."""
     for access in spec.statement.accesses:
