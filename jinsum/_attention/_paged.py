@@ -274,11 +274,9 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
             seen &= row_position[q_idx] - kv < window
         return seen
 
-    modify = None
-    if score_mod is not None:
-        def modify(score, b, h, q_idx, kv_idx):
-            return score_mod(score, row_sequence[q_idx], h * group + row_head[q_idx], row_position[q_idx],
-                             key_position(kv_idx))
+    def modify(score, b, h, q_idx, kv_idx):  # (the user's score_mod, in positions of the sequence)
+        return score_mod(score, row_sequence[q_idx], h * group + row_head[q_idx], row_position[q_idx],
+                         key_position(kv_idx))
 
     mask = _block_mask.from_blocks(mask_mod, jnp.repeat(i, max_pages), jnp.where(flags > 0, pages, 0).reshape(-1),
                                    flags.reshape(-1), (blocks * bm, num_pages * page_size), (bm, page_size),
@@ -288,4 +286,4 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
         return out.transpose(0, 2, 1, 3).reshape(tokens, heads, -1)
 
     return (queries, k_pages.reshape(num_pages * page_size, kv_heads, dim),
-            v_pages.reshape(num_pages * page_size, kv_heads, -1), mask, modify, back)
+            v_pages.reshape(num_pages * page_size, kv_heads, -1), mask, None if score_mod is None else modify, back)
