@@ -276,3 +276,23 @@ def test_hopper_backward_with_long_rows_and_keys_in_pieces(dim, rng):
     out, lse, dq, dk, dv = _reference_attention(*flat[:3], allowed, flat[3])
     for name, got, want in zip(("out", "dq", "dk", "dv"), run(q, k, v, d_out), (out, dq, dk, dv)):
         assert_allclose(got, want[0], jnp.bfloat16, err_msg=name)
+
+
+@pytest.mark.parametrize("page,heads,kv_heads,dim", [(16, 32, 8, 128), (64, 8, 1, 64)])
+def test_paged_attention_on_the_gpu(page, heads, kv_heads, dim, rng):
+    # jinsum.paged_attention's generated kernels (pages as key blocks: Triton form at 16, Hopper form at 64 where it
+    # applies) against float64, bf16: decoding, then a ragged prefill after cached prefixes, windowed.
+    from test_paged_attention import paged, reference  # noqa: PLC0415
+
+    k_pages, v_pages, table, lengths = paged(rng, [300, 1, 64, 129, 0], page, kv_heads, dim, dtype=jnp.bfloat16)
+    q = rng.standard_normal((5, heads, dim)).astype(jnp.bfloat16)
+    out = jax.jit(jinsum.paged_attention)(q, k_pages, v_pages, table, lengths)
+    expected = reference(q, k_pages, v_pages, table, lengths, np.arange(6))
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=3e-2, rtol=0)
+    new = np.array([40, 1, 64, 7, 0], np.int32)
+    starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q = rng.standard_normal((starts[-1], heads, dim)).astype(jnp.bfloat16)
+    out = jax.jit(lambda *a: jinsum.paged_attention(*a[:5], query_starts=a[5], window=100))(
+        q, k_pages, v_pages, table, lengths, starts)
+    expected = reference(q, k_pages, v_pages, table, lengths, starts, window=100)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=3e-2, rtol=0)
