@@ -281,6 +281,7 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
     mask = _block_mask.from_blocks(mask_mod, jnp.repeat(i, max_pages), jnp.where(flags > 0, pages, 0).reshape(-1),
                                    flags.reshape(-1), (blocks * bm, num_pages * page_size), (bm, page_size),
                                    where=WHERE)
+
     def back(out):  # (rows, Hkv, E) -> (T, group, Hkv, E) -> (T, Hq, E)
         out = jnp.where(real[:, None, None, None], out[jnp.minimum(row, blocks * bm - 1)], 0)
         return out.transpose(0, 2, 1, 3).reshape(tokens, heads, -1)
