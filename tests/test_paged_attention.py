@@ -384,3 +384,22 @@ def test_generated_kernels_in_the_interpreter(page, new, rng):
     out = back(unpad(jnp.asarray(_chain_triton.interpret_forward(chain, arrays)[0])))
     expected = reference(q, k_pages, v_pages, table, lengths, starts, window=6)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=4e-3, rtol=0)
+
+
+def test_gradients_and_vmap(rng):
+    # Differentiable in q and both pools (the chain's backward; float64 against finite differences), and vmap over
+    # several query sets sharing one cache equals a loop.
+    from jax.test_util import check_grads  # noqa: PLC0415
+
+    with jax.enable_x64(True):
+        k_pages, v_pages, table, lengths = paged(rng, [7, 3], 4, 1, 4, dtype=np.float64)
+        starts = np.array([0, 2, 3], np.int32)
+        q = rng.standard_normal((3, 2, 4))
+
+        def f(q, k_pages, v_pages):
+            return jinsum.paged_attention(q, k_pages, v_pages, table, lengths, query_starts=starts, window=5)
+
+        check_grads(jax.jit(f), (q, k_pages, v_pages), order=1, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+        queries = rng.standard_normal((3, 3, 2, 4))
+        batched = jax.vmap(f, in_axes=(0, None, None))(queries, k_pages, v_pages)
+        np.testing.assert_allclose(batched, np.stack([f(x, k_pages, v_pages) for x in queries]), atol=1e-12)

@@ -61,7 +61,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
         arrays (`jnp.asarray(slopes)[h]`).
 
     Returns:
-      `(T, Hq, E)` in the dtype of `q`; a sequence with no keys (`kv_lengths == 0`) gets zeros.
+      `(T, Hq, E)` in the dtype of `q`; a sequence with no keys (`kv_lengths == 0`) gets zeros. Differentiable in
+      `q`, `k_pages` and `v_pages`, and batched by `jax.vmap`, as `jinsum.attention` (which runs it) is.
 
     Errors: shapes and dtypes are checked before tracing. Outside `jit`, a page index outside `[0, P)` in an
     entry that is read, a length past the table's capacity, fewer cached tokens than new ones or decreasing
