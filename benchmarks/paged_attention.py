@@ -25,7 +25,8 @@ Systems:
 - cuDNN over packed segments (prefill; JAX's internal `fused_attention_stablehlo` entry point, the prompts' tokens
   and keys contiguous, `q_offsets` / `kv_offsets`); a GPU only.
 Every system's output is compared with jinsum's (max abs difference); on `--smoke` jinsum's is also compared with
-a float64 NumPy reference. Timing: `jinsum.timing.time_calls`. Bandwidth: the K and V bytes of the attended
+a float64 NumPy reference. On a GPU, jinsum's kernels are printed with their device times
+(`jinsum.timing.kernel_times`). Timing: `jinsum.timing.time_calls`. Bandwidth: the K and V bytes of the attended
 tokens, each read once, over the time, against the device's HBM (`HBM_TBPS`); prefill also TFLOP/s over the
 attended (query, key) pairs (4 x pairs x D x Hq).
 """
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jinsum
-from jinsum.timing import time_calls
+from jinsum.timing import kernel_times, time_calls
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -207,6 +208,9 @@ def run(w: Workload, calls: int, smoke: bool, pallas: dict) -> None:
     if row is None:
         return
     ours = jax.jit(paged)(*args)
+    if jax.default_backend() == "gpu":  # where jinsum's device time goes, kernel by kernel
+        kernels = sorted(kernel_times(jax.jit(paged), *args, calls=calls).items(), key=lambda kv: -kv[1])
+        print("    kernels:", ", ".join(f"{name[:40]} {1e6 * t:.0f} us" for name, t in kernels[:6]))
     if smoke:
         error = float(np.abs(np.asarray(ours, np.float64) - reference(w, data)).max())
         print(f"  jinsum against float64 NumPy: max abs diff {error:.1e}")
