@@ -154,8 +154,8 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
     rows = nb * nh * lb
     capacity = rows * sb if capacity is None else check_int(where, "capacity (or None for every block)", capacity,
                                                             minimum=1)
+    user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
     if classify is None:
-        user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
         flags = _every_element(user, captured, (L, S), (bm, bk), (nb, nh, lb, sb))
     else:
         flags = jnp.asarray(classify((nb, nh, lb, sb)))
@@ -178,8 +178,8 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
     if _config.check_indices.value:
         checkify.check(~overflow, f"{where}: more attending blocks than capacity = {capacity}; those "
                        "past it were dropped (raise the capacity)")
-    return _made(mask_mod, position // sb, jnp.where(used, position % sb, 0), jnp.where(used, flags[position], 0),
-                 overflow, (L, S), (bm, bk), batch=batch, heads=heads, where=where)
+    return _made(mask_mod, user, captured, position // sb, jnp.where(used, position % sb, 0),
+                 jnp.where(used, flags[position], 0), overflow, (L, S), (bm, bk), batch=batch, heads=heads, where=where)
 
 
 def from_blocks(mask_mod: Callable, Ai: jax.Array, Ak: jax.Array, flags: jax.Array, shape: tuple[int, int],
@@ -188,14 +188,15 @@ def from_blocks(mask_mod: Callable, Ai: jax.Array, Ak: jax.Array, flags: jax.Arr
     each query block's slots are its sequence's pages): `Ai` `(capacity,)` non-decreasing block rows, `Ak`
     `(capacity,)` block columns, `flags` `(capacity,)` 2 full, 1 partial (`mask_mod` decides), 0 a padding slot.
     The same for every batch element and head."""
-    return _made(mask_mod, Ai.astype(jnp.int32), Ak.astype(jnp.int32), flags.astype(jnp.int8), jnp.asarray(False),
-                 shape, block, batch=None, heads=None, where=where)
-
-
-def _made(mask_mod, Ai, Ak, flags, overflow, shape, block, *, batch, heads, where) -> BlockMask:
-    """The `BlockMask` of classified slots, `mask_mod` traced in the coordinates of the laid-out sequence."""
-    (L, S), (bm, bk) = shape, block
     user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
+    return _made(mask_mod, user, captured, Ai.astype(jnp.int32), Ak.astype(jnp.int32), flags.astype(jnp.int8),
+                 jnp.asarray(False), shape, block, batch=None, heads=None, where=where)
+
+
+def _made(mask_mod, user, captured, Ai, Ak, flags, overflow, shape, block, *, batch, heads, where) -> BlockMask:
+    """The `BlockMask` of classified slots: `user` and `captured` are `mask_mod` traced as written, and it is traced
+    again in the coordinates of the laid-out sequence."""
+    (L, S), (bm, bk) = shape, block
     laid_out = _laid_out(mask_mod, (L, S), (bm, bk), (-(-L // bm), -(-S // bk)), batch, heads)
     traced, _ = _elementwise.trace(laid_out, "mask_mod", where)
     return BlockMask(Ai, Ak[:, None], flags[:, None], overflow, captured, shape=(L, S), block=(bm, bk), batch=batch,

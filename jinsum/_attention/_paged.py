@@ -138,50 +138,64 @@ def _check_shapes(q, k_pages, v_pages, page_table, kv_lengths, query_starts, win
 
 
 def _check_values(page_table, kv_lengths, starts, num_pages: int, page_size: int) -> None:
-    """The index arrays against what they address: an error naming the sequence where they are concrete, `checkify`
-    checks under `jinsum.check_indices` where they are traced."""
+    """The index arrays against what they address: an error naming the sequence and entry where they are concrete,
+    `checkify` checks under `jinsum.check_indices` where they are traced."""
     capacity = page_table.shape[1] * page_size
     q_len = starts[1:] - starts[:-1]
+    logical = jnp.arange(page_table.shape[1], dtype=jnp.int32)
     if all(is_concrete(x) for x in (page_table, kv_lengths, starts)):
         table, lengths, first, counts = (np.asarray(x) for x in (page_table, kv_lengths, starts, q_len))
         if first[0] < 0 or (counts < 0).any():
             raise ValueError(f"{WHERE}: query_starts must be non-decreasing offsets from 0 or more; got "
                              f"{first.tolist()}")
-        seen = {}  # page -> (sequence, logical page) of its first reader
-        for b in range(len(lengths)):
-            if not 0 <= lengths[b] <= capacity:
-                raise ValueError(f"{WHERE}: kv_lengths[{b}] = {lengths[b]} is outside [0, {capacity}], the tokens "
-                                 f"{page_table.shape[1]} pages of {page_size} hold")
-            if counts[b] > lengths[b] > 0:
-                raise ValueError(f"{WHERE}: sequence {b} has {counts[b]} new tokens but kv_lengths[{b}] = "
-                                 f"{lengths[b]}: the cache must hold the new tokens too (append them first)")
-            read = table[b, :-(-lengths[b] // page_size)]
-            bad = np.flatnonzero((read < 0) | (read >= num_pages))
-            if bad.size:
-                raise ValueError(f"{WHERE}: page_table[{b}, {bad[0]}] = {read[bad[0]]} is outside [0, {num_pages}) "
-                                 f"(the pages of k_pages), and sequence {b}'s {lengths[b]} tokens read it")
-            for p, page in enumerate(read):
-                b0, p0 = seen.setdefault(int(page), (b, p))
-                if p0 != p:
-                    raise ValueError(f"{WHERE}: page {page} is logical page {p0} of sequence {b0} and logical page "
-                                     f"{p} of sequence {b}; a page several sequences read (a shared prefix) must sit "
-                                     "at the same logical index in each")
+        for b in np.flatnonzero((lengths < 0) | (lengths > capacity))[:1]:
+            raise ValueError(f"{WHERE}: kv_lengths[{b}] = {lengths[b]} is outside [0, {capacity}], the tokens "
+                             f"{page_table.shape[1]} pages of {page_size} hold")
+        for b in np.flatnonzero((counts > lengths) & (lengths > 0))[:1]:
+            raise ValueError(f"{WHERE}: sequence {b} has {counts[b]} new tokens but kv_lengths[{b}] = "
+                             f"{lengths[b]}: the cache must hold the new tokens too (append them first)")
+        read = np.asarray(logical) * page_size < lengths[:, None]
+        for b, p in np.argwhere(read & ((table < 0) | (table >= num_pages)))[:1]:
+            raise ValueError(f"{WHERE}: page_table[{b}, {p}] = {table[b, p]} is outside [0, {num_pages}) (the pages "
+                             f"of k_pages), and sequence {b}'s {lengths[b]} tokens read it")
+        at = np.asarray(logical_pages(page_table, jnp.asarray(read), num_pages))
+        for b, p in np.argwhere(read & (at[np.clip(table, 0, num_pages - 1)] != np.asarray(logical)))[:1]:
+            other, at_other = np.argwhere(read & (table == table[b, p]) & (np.asarray(logical) == at[table[b, p]]))[0]
+            raise ValueError(f"{WHERE}: page {table[b, p]} is logical page {p} of sequence {b} and logical page "
+                             f"{at_other} of sequence {other}; a page several sequences read (a shared prefix) "
+                             "must sit at the same logical index in each")
     elif _config.check_indices.value:
+        read = logical * page_size < kv_lengths[:, None]
         checkify.check(jnp.all((kv_lengths >= 0) & (kv_lengths <= capacity)),
                        f"{WHERE}: kv_lengths holds a length outside [0, {capacity}], the tokens the table's pages hold")
         checkify.check(jnp.all(q_len >= 0) & (starts[0] >= 0), f"{WHERE}: query_starts must be non-decreasing "
                        "offsets from 0 or more")
         checkify.check(jnp.all((q_len <= kv_lengths) | (kv_lengths == 0)), f"{WHERE}: a sequence has more new "
                        "tokens than kv_lengths: the cache must hold the new tokens too")
-        logical = jnp.arange(page_table.shape[1], dtype=jnp.int32)
-        read = logical * page_size < kv_lengths[:, None]
         checkify.check(jnp.all(~read | ((page_table >= 0) & (page_table < num_pages))),
                        f"{WHERE}: page_table holds a page outside [0, {num_pages}) in an entry that is read")
-        at = jnp.full(num_pages, -1, jnp.int32).at[jnp.where(read, page_table, num_pages)].set(
-            jnp.broadcast_to(logical, page_table.shape), mode="drop")
+        at = logical_pages(page_table, read, num_pages)
         checkify.check(jnp.all(~read | (at[jnp.clip(page_table, 0, num_pages - 1)] == logical)),
                        f"{WHERE}: a page several sequences read sits at different logical indices (a shared "
                        "prefix must sit at the same logical index in each)")
+
+
+def logical_pages(page_table, read, num_pages: int) -> jax.Array:
+    """Each physical page's logical index in the entries of `page_table` that `read` marks (the last such entry's
+    where several name it), -1 for pages none reads."""
+    return jnp.full(num_pages, -1, jnp.int32).at[jnp.where(read, page_table, num_pages)].set(
+        jnp.broadcast_to(jnp.arange(page_table.shape[1], dtype=jnp.int32), page_table.shape), mode="drop")
+
+
+def token_sequences(starts, tokens: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each of `tokens` packed tokens' sequence (`starts`: `(n + 1,)` offsets), its index in that sequence, and
+    whether it is a sequence's at all (tokens past the last sequence are padding); the sequence clipped into range."""
+    count = starts.shape[0] - 1
+    t = jnp.arange(tokens, dtype=jnp.int32)
+    sequence = jnp.searchsorted(starts[1:], t, side="right").astype(jnp.int32)
+    real = (t >= starts[0]) & (sequence < count)
+    sequence = jnp.minimum(sequence, count - 1)
+    return sequence, t - starts[sequence], real
 
 
 # --- the computation: the attention chain over the pages -------------------------------------------------------
@@ -217,11 +231,7 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
     first = jnp.cumsum(own) - own
 
     # Each token's sequence and position, and its rows.
-    t = jnp.arange(tokens, dtype=jnp.int32)
-    sequence = jnp.searchsorted(starts[1:], t, side="right").astype(jnp.int32)
-    real = (t >= starts[0]) & (sequence < batch)
-    sequence = jnp.minimum(sequence, batch - 1)
-    index = t - starts[sequence]
+    sequence, index, real = token_sequences(starts, tokens)
     position = kv_lengths[sequence] - new[sequence] + index
     row = (jnp.where(real, first[sequence] * bm + index * group, blocks * bm)[:, None]
            + jnp.arange(group, dtype=jnp.int32))
@@ -259,9 +269,7 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
     flags = jnp.where(used[:, None] & in_range & some, jnp.where(full, 2, 1), 0)
     # The logical page of each physical page that is read (a page read by several sequences must sit at the same
     # logical index in each: a shared prefix), for the keys' positions in the mask and in score_mod.
-    read = jnp.arange(max_pages)[None, :] * page_size < kv_lengths[:, None]
-    logical = jnp.zeros(num_pages, jnp.int32).at[jnp.where(read, page_table, num_pages)].set(
-        jnp.broadcast_to(jnp.arange(max_pages, dtype=jnp.int32), page_table.shape), mode="drop")
+    logical = logical_pages(page_table, key < kv_lengths[:, None], num_pages)
 
     def key_position(kv_idx):
         return logical[kv_idx // page_size] * page_size + kv_idx % page_size

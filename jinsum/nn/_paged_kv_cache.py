@@ -24,6 +24,8 @@ from jax.experimental import checkify
 
 import jinsum
 from jinsum import _config
+from jinsum._attention._paged import token_sequences
+from jinsum.formats._convert import is_concrete
 
 WHERE = "jinsum.nn.PagedKVCache"
 
@@ -130,12 +132,9 @@ class PagedKVCache:
         lengths = self.lengths.at[slot].set(jnp.where(accepted, new, old), mode="drop")
 
         # Each token's page and slot in it (tokens of sequences not accepted, or past the last one: dropped).
-        t = jnp.arange(k.shape[0], dtype=jnp.int32)
-        owner = jnp.searchsorted(starts[1:], t, side="right").astype(jnp.int32)
-        written = (t >= starts[0]) & (owner < counts.shape[0])
-        owner = jnp.minimum(owner, counts.shape[0] - 1)
+        owner, index, written = token_sequences(starts, k.shape[0])
         written &= accepted[owner]
-        position = old[owner] + t - starts[owner]
+        position = old[owner] + index
         target = page_table[jnp.minimum(slot[owner], self.max_sequences - 1),
                             jnp.clip(position // page_size, 0, max_pages - 1)]
         target = jnp.where(written, target, self.k_pages.shape[0])
@@ -145,7 +144,7 @@ class PagedKVCache:
             v_pages=self.v_pages.at[target, position % page_size].set(v.astype(self.v_pages.dtype), mode="drop"),
             overflow=self.overflow | jnp.any(slot_ok & ~accepted))
         refused = slot_ok & ~accepted
-        if all(not isinstance(x, jax.core.Tracer) for x in (refused, new, extra, self.num_free)):
+        if all(is_concrete(x) for x in (refused, new, extra, self.num_free)):
             if np.asarray(refused).any():
                 i = int(np.flatnonzero(np.asarray(refused))[0])
                 held = int(np.asarray(new)[i])
@@ -208,7 +207,7 @@ class PagedKVCache:
         if starts.shape != (n + 1,) or not jnp.issubdtype(starts.dtype, jnp.integer):
             raise ValueError(f"{WHERE}.{method}: query_starts must be integers (n + 1,) = ({n + 1},), offsets of the "
                              f"sequences' tokens; got {starts.dtype}{list(starts.shape)}")
-        if not isinstance(starts, jax.core.Tracer):
+        if is_concrete(starts):
             values = np.asarray(starts)
             if values[0] < 0 or (np.diff(values) < 0).any() or values[-1] > k.shape[0]:
                 raise ValueError(f"{WHERE}.{method}: query_starts must be non-decreasing offsets in [0, T = "
@@ -217,7 +216,7 @@ class PagedKVCache:
 
     def _check_ids(self, sequence_ids, method: str) -> None:
         """Slots must be distinct (two entries for one slot would take its pages twice)."""
-        if not isinstance(sequence_ids, jax.core.Tracer):
+        if is_concrete(sequence_ids):
             ids = np.asarray(sequence_ids)
             ids = ids[ids >= 0]
             if (ids >= self.max_sequences).any():
