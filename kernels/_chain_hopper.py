@@ -98,24 +98,38 @@ class _Writer:
     def _context(self) -> str:
         """What the partitions receive beside the tiles (scalars and pointers only)."""
         kind = self.plan.kind
-        first, order = ("k0", ["p_perm"]) if kind == "dkdv" else ("q0", [])  # (over keys: the transposed order)
+        first, order = ("k0", ["p_perm"]) if kind == "dkdv" else ("q0", ["p_Ak"])  # (over keys: the transposed order)
         own = {"forward": [self.pointer("LSE"), *(self.pointer(n) for n in ("part_m", "part_l", "part_acc"))],
                "dq": ["p_LSE", "p_Drow", "o_part_dq"], "dkdv": ["p_LSE", "p_Drow", "o_part_dk", "o_part_dv"]}[kind]
         names = [first, *self.grid, "p_flags", *order, *(self.pointer(c) for c in self.captures), "segment", "tile",
-                 "part", "glin", *own, *(self.pointer(n) for n in DESCRIBED[kind])]
+                 "part", "end", "glin", *own, *(self.pointer(n) for n in DESCRIBED[kind])]
         return ", ".join(names)
 
     def _scores(self) -> list[str]:
-        chain = self.chain
+        chain, span = self.chain, self.plan.config.span
         body = [f"{self._context()} = context",
                 f"s = s * {chain.scale * (LOG2E if chain.score_mod is None else 1.0)!r}",
-                "q_idx = (q0 + rows_of(s, c))[:, None]", "kv_idx = (key + columns_of(s))[None, :]"]
+                "q_idx = (q0 + rows_of(s, c))[:, None]"]
+        if span > 1:  # a tile of `span` entries: each key's entry, block and flag (0 past the item's end)
+            bk = chain.block[1]
+            body += ["cols = columns_of(s)", f"at = entry + cols // {bk}", "inside = at < end",
+                     "blocks = tl.load(p_Ak + at, mask=inside, other=0)",
+                     "flag = tl.load(p_flags + at, mask=inside, other=0)",
+                     f"flag = tl.where((blocks >= 0) & (blocks < {chain.keys}), flag, 0)",
+                     f"kv_idx = (blocks * {bk} + cols % {bk})[None, :]"]
+        else:
+            body.append("kv_idx = (key + columns_of(s))[None, :]")
         coordinates = [self.b, self.h, "q_idx", "kv_idx"]
         if chain.score_mod is not None:
             lines, (value, *_), _ = elementwise_lines(chain.score_mod.value.jaxpr, ["s", *coordinates], "sm",
                                                       "tl.float32", self._capture_args(chain.score_captures))
             body += lines + [f"s = {value} * {LOG2E!r}"]
-        body += ["flag = tl.load(p_flags + entry)", *self._mask("col", chain.keys), "return s"]
+        if span > 1:
+            body += self._mask_rules(["if gl.min(flag, axis=0) != 2:  # a partial tile",
+                                      "    allowed = (flag != 0)[None, :]"])
+        else:
+            body += ["flag = tl.load(p_flags + entry)", *self._mask("col", chain.keys)]
+        body.append("return s")
         return _function("chain_scores(s, c: gl.constexpr, key, entry, col, context)",
                          "Raw products -> scores in units of log2(e), -inf where masked.", body)
 
@@ -123,9 +137,13 @@ class _Writer:
         """Where the block's `flag` says it is partial, or the other side's block index `block` is out of
         `[0, blocks)`: the scores `s` -inf where masked (the block's flag, `mask_mod` in registers at `q_idx`,
         `kv_idx`, the causal rule)."""
+        return self._mask_rules([
+            f"if (flag != 2) | ({block} < 0) | ({block} >= {blocks}):  # a partial block (or one out of range)",
+            f"    allowed = (flag != 0) & ({block} >= 0) & ({block} < {blocks})"])
+
+    def _mask_rules(self, body: list[str]) -> list[str]:
+        """`body` (the branch of a partial tile and its `allowed`), then `mask_mod` and the causal rule in it."""
         chain = self.chain
-        body = [f"if (flag != 2) | ({block} < 0) | ({block} >= {blocks}):  # a partial block (or one out of range)",
-                f"    allowed = (flag != 0) & ({block} >= 0) & ({block} < {blocks})"]
         if chain.mask_mod is not None:
             lines, (value,), _ = elementwise_lines(chain.mask_mod.value.jaxpr, [self.b, self.h, "q_idx", "kv_idx"],
                                                    "mm", "tl.float32", self._capture_args(chain.mask_captures))
@@ -183,12 +201,13 @@ class _Writer:
             count = shape[block_dim] * shape[offset_dim]
             stride = int(np.prod(shape[offset_dim + 1:], dtype=np.int64))
             rows = 64 if (like in ("Q", "O") or self.plan.kind == "dkdv") else self.plan.block_k
+            box = min(rows, chain.block[1]) if like in ("K", "V") and self.plan.config.span > 1 else rows  # (a page)
             width = 64 if name in ("O", "dQ", "dK", "dV") else self.head
             columns = self.head * (self.chain.group_size if grouped and r.head_group else 1)
             body += [f"{'if' if k == 0 else 'elif'} name == {name!r}:",
                      f"    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([{rows}, {self.head}], dtype)",
                      f"    return tma.make_tensor_descriptor({self.pointer(name)} + {offset(shape, positions)}, "
-                     f"shape=[{count}, {columns}], strides=[{stride}, 1], block_shape=[{rows}, {width}], "
+                     f"shape=[{count}, {columns}], strides=[{stride}, 1], block_shape=[{box}, {width}], "
                      "layout=layout)"]
         return _function("chain_descriptor(name: gl.constexpr, context)",
                          "The TMA descriptor of tensor `name` for this program.", body)
@@ -305,19 +324,20 @@ class _Writer:
     def _kernel(self) -> list[str]:
         plan, chain = self.plan, self.chain
         bm, bk = chain.block
-        width = plan.block_k
+        width, span = plan.block_k, plan.config.span
         tiles = bm // HOPPER_ROWS
         body = self._work_item(f"{plan.items - 1} - pid // {tiles}  # the last work items first", tiles, "rows")
         body += ["if segment >= 0:",
                  f"    q0 = segment * {bm} + tile * {HOPPER_ROWS}  # the program's first query position",
+                 f"    steps = (end - begin + {span - 1}) // {span}" if span > 1 else
                  f"    steps = (end - begin) * {bk // width}",
                  f"    context = ({self._context()})"]
-        sizes = f"{bk // width}, {bk}, {width}, {self.head}, {plan.config.num_stages}"
+        sizes = f"{max(1, bk // width)}, {bk}, {width}, {self.head}, {plan.config.num_stages}"
         if plan.kind == "forward":
-            body.append(f"    attention_rows(chain_descriptor, (p_Ak, begin, steps), q0, context, chain_scores, "
-                        f"chain_epilogue, p_Q.dtype.element_ty, {sizes})")
+            body.append(f"    attention_rows(chain_descriptor, (p_Ak, begin, steps, end - 1), q0, context, "
+                        f"chain_scores, chain_epilogue, p_Q.dtype.element_ty, {sizes})")
         else:
-            body.append(f"    attention_row_gradients(chain_descriptor, (p_Ak, begin, steps), q0, context, "
+            body.append(f"    attention_row_gradients(chain_descriptor, (p_Ak, begin, steps, end - 1), q0, context, "
                         f"chain_scores, chain_row_stats, chain_row_gradient_epilogue, p_Q.dtype.element_ty, {sizes})")
         what = "forward kernel" if plan.kind == "forward" else "backward over rows (dQ)"
         return self._kernel_function(f"{what}, Hopper form; {HOPPER_ROWS} rows x {width} keys a tile", body)

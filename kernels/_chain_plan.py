@@ -39,6 +39,9 @@ from jinsum.kernels._plan import INT32_LIMIT, Fallback, _pow2
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453
 KINDS = ("forward", "combine", "dq", "dq_sum", "dkdv", "dkdv_sum")
 SUMS = ("combine", "dq_sum", "dkdv_sum")  # kernels over the long segments only, merging their pieces
+# Programs (work items times grid assignments) a chain's kernel should have to fill a GPU: about 8 per SM of an
+# H100 or H200 (132 SMs). Fewer, and long rows are cut into more pieces (`default_chain_config`).
+FILL = 1024
 # Widest head and value sizes a program keeps in registers.
 MAX_WIDTH = 256
 
@@ -51,6 +54,9 @@ class ChainConfig:
     block_k: int = 0
     entries: int = 0  # lanes template: stored entries gathered per iteration
     chunk: int = 0  # stored entries (blocks) per work item: longer rows and keys are split into pieces
+    # Dot forward over blocks narrower than a key tile (the pages of a paged cache): a key tile gathers the keys of
+    # `span` consecutive stored entries of the row (`block_k = span * block width`). 1: a tile within one block.
+    span: int = 0
     num_warps: int = 0
     num_stages: int = 0
     # Dot template: read the tiles of Q, K, V, dO through TMA descriptors (Hopper; `chain_config` sets it there)
@@ -243,8 +249,8 @@ def make_chain_plan(chain: Chain, kind: str, config: ChainConfig = ChainConfig()
     plan = dataclasses.replace(plan, config=default_chain_config(dataclasses.replace(
         plan, config=dataclasses.replace(config, hopper=False))))
     if hopper and hopper_fallback(plan) is None:
-        if kind == "forward":  # 128 query rows a program, key tiles of 128 (or 64)
-            rows, width = HOPPER_ROWS, 128 if block[1] % 128 == 0 else 64
+        if kind == "forward":  # 128 query rows a program, key tiles of 128 (or 64; or `span` narrower blocks)
+            rows, width = HOPPER_ROWS, 128 if block[1] % 128 == 0 else 64 if block[1] % 64 == 0 else plan.block_k
             stages = _hopper_stages(2 * 64 * head_dim * 2, 2 * width * head_dim * 2)
         elif kind == "dq":  # 128 query rows a program (and their dO), key tiles of 64: dS beside dQ in registers
             rows, width = HOPPER_ROWS, 64
@@ -279,12 +285,23 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
             "dq": (128, 32, 8, 3) if wide else (64, 64, 4, 2),
             "dkdv": (64, 64, 4, 2 if wide else 3)}.get(kind, (256, 256, 4, 2))
         changes["block_m"] = config.block_m or _pow2(bm, 16, rows)
-        changes["block_k"] = config.block_k or _pow2(bk, 16, cols)
+        changes["span"] = config.span or _span(plan, cols)
+        changes["block_k"] = (changes["span"] * bk if changes["span"] > 1 else
+                              config.block_k or _pow2(bk, 16, cols))
         # Rows (keys) longer than `chunk` blocks are cut into pieces, so that a few long ones (BigBird's global
         # rows) do not hold back the launch; each piece costs its partial results in scratch and a merge. Pieces
         # of at least twice the mean segment: rows of causal attention run whole (DESIGN.md, issue 42).
+        # Where the programs are fewer than `FILL` (decoding a few long sequences over a paged cache), rows are cut
+        # finer, down to 16 blocks, so that their pieces fill the GPU (flash-decoding).
         mean = plan.chain.entries / max(1, plan.segments)
-        changes["chunk"] = config.chunk or _pow2(math.ceil(2 * mean), 16, 1 << 12)
+        chunk = _pow2(math.ceil(2 * mean), 16, 1 << 12)
+        programs = plan.segments * plan.grid_size
+        if programs < FILL:
+            chunk = min(chunk, _pow2(math.ceil(plan.chain.entries * plan.grid_size / FILL), 16, 1 << 12))
+        changes["chunk"] = config.chunk or chunk
+        if changes["span"] > 1:  # gathered key tiles: 8 warps for 128 rows (at 4 they spill), 3 stages for fewer
+            #                        (decoding; DESIGN.md, "Paged attention is the attention chain over the pages")
+            warps, stages = (8, 2) if changes["block_m"] >= 128 else (4, 3)
         changes["num_warps"] = config.num_warps or warps
         changes["num_stages"] = config.num_stages or stages
     else:  # tiles of heads x entries x features of about 4096 elements, two warps: many programs in flight hide
@@ -300,6 +317,18 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
         changes["num_stages"] = config.num_stages or 1
         changes["block_m"] = changes["block_k"] = 1
     return dataclasses.replace(config, **changes)
+
+
+def _span(plan: ChainPlan, cols: int) -> int:
+    """Stored entries per key tile of a dot forward: enough blocks to fill a tile of `cols` keys where blocks are
+    narrower (a paged cache's pages of 16 keys: tiles of 16 keep the Tensor Cores and the loads short), 1
+    elsewhere. Blocks of a power of two, without dropout (counted per block element), a key padding mask, self
+    loops or a mask per element (read per block)."""
+    chain, bk = plan.chain, plan.chain.block[1]
+    if (plan.kind != "forward" or bk >= cols or bk & (bk - 1) or chain.dropout or chain.key_mask is not None
+            or chain.self_loops or len(chain.mask.indices) > 2):
+        return 1
+    return cols // bk
 
 
 # --- the Hopper form ----------------------------------------------------------------------------------------------
@@ -326,8 +355,9 @@ def hopper_fallback(plan: ChainPlan) -> str | None:
     if head != value or head not in HOPPER_HEADS:
         return f"heads of {head} and values of {value} (the Hopper form takes equal sizes of {HOPPER_HEADS})"
     bm, bk = chain.block
-    if plan.kind in ("forward", "dq") and (bm % HOPPER_ROWS or bk % 64):
-        return f"blocks of {bm} x {bk} (the Hopper form takes multiples of {HOPPER_ROWS} x 64)"
+    if plan.kind in ("forward", "dq") and (bm % HOPPER_ROWS or (bk * max(1, plan.config.span)) % 64):
+        return (f"blocks of {bm} x {bk} (the Hopper form takes multiples of {HOPPER_ROWS} x 64, or key tiles of 64 "
+                "blocks narrower)")
     if plan.kind == "dkdv" and (bm % 64 or bk % HOPPER_ROWS):
         return f"blocks of {bm} x {bk} (the Hopper form of the backward takes multiples of 64 x {HOPPER_ROWS})"
     for what, present in (("dropout", chain.dropout), ("a key padding mask", chain.key_mask is not None),

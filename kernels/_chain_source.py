@@ -105,6 +105,7 @@ class _Writer:
         self.starts: dict[str, str] = {}  # each tile axis's first position
         self.described = described(plan)
         self.dot = plan.template == "dot"
+        self.span = plan.config.span if self.dot else 1  # stored entries per key tile (`ChainConfig.span`)
         self.own = plan.own_axis
         self.score_axes = ("m", "k") if self.dot else ("h", "j")
         self.acc_type = "tl.float64" if self.chain.operand["Q"].dtype == np.float64 else "tl.float32"
@@ -255,6 +256,9 @@ class _Writer:
         for var, axis in roles.items():
             if var is not None:
                 self.env[var] = _Bound(f"v_{axis}", axis)
+        if self.span > 1:  # a key's offset in its block (the tile holds `span` blocks)
+            self.emit(f"v_o = v_k % {chain.block[1]}")
+            self.env[r.key_offset] = _Bound("v_o", "k")
         if plan.kind not in SUMS:
             if chain.dropout:
                 self.emit("seed = tl.load(p_seed)")
@@ -275,6 +279,8 @@ class _Writer:
     def _size(self, axis: str) -> int:
         if axis == "h":
             return self.chain.output.extent[self.chain.roles.head]
+        if axis == "k" and self.span > 1:  # a tile of whole blocks
+            return self.plan.block_k
         return self.chain.block[0 if axis == "m" else 1]
 
     def _axis(self, axis: str, start: str, block: int, size: int | str) -> None:
@@ -296,6 +302,8 @@ class _Writer:
         if not self.dot:
             return self.indented(f"for j in tl.range(begin, end, {plan.config.entries}, num_stages={stages}):")
         tiles = plan.tiles(self._inner_axis)
+        if self.span > 1:
+            return self.indented(f"for j in tl.range(begin, end, {self.span}, num_stages={stages}):")
         if tiles == 1:
             return self.indented(f"for j in tl.range(begin, end, num_stages={stages}):")
         return self.indented(f"for step in tl.range(begin * {tiles}, end * {tiles}, num_stages={stages}):")
@@ -307,6 +315,8 @@ class _Writer:
         Returns (entry, positions, allowed)."""
         permutation = "p_perm" if by_key else None
         r, slots = self.chain.roles, self.chain.scores.extent[self.chain.roles.slot]
+        if self.span > 1:
+            return self._bind_span(own, r, slots)
         if self.dot:
             tiles = self.plan.tiles(self._inner_axis)
             if tiles > 1:
@@ -335,6 +345,24 @@ class _Writer:
             return "entry", positions, None
         return "entry", positions, self._allowed(row, col, positions)
 
+    def _bind_span(self, own: _Bound, r, slots: int) -> tuple[str, tuple[str, str], str]:
+        """`_bind_entries` for a key tile of `span` stored entries `[j, j + span)` (forward): each key's entry,
+        block and flag along `k`. An entry past the item's end, or whose block is out of range, has flag 0: its
+        keys are neither read nor attended to."""
+        self.emit(f"entry = j + v_k // {self.chain.block[1]}")
+        self.emit("inside = entry < end")
+        self.emit(f"v_g = entry // {slots}" if slots > 1 else "v_g = entry")
+        self.emit(f"v_p = entry % {slots}" if slots > 1 else "v_p = 0")
+        self.env[r.group], self.env[r.slot] = _Bound("v_g", "k"), _Bound("v_p", "k")
+        self.emit("col = tl.load(p_Ak + entry, mask=inside, other=0)")
+        self.env["Ak[g,p]"] = col = _Bound("col", "k")
+        self.emit("flag = tl.load(p_flags + entry, mask=inside, other=0)")
+        self.helpers.add("in_range")
+        self.emit("flag = tl.where(in_range(col, keys), flag, 0)")
+        positions = self._positions(own, col)
+        self._mask_args = (own, col, positions, "flag")
+        return "entry", positions, None
+
     def _gather(self, access: str, name: str, source: str, extent: str) -> _Bound:
         """`name` = the index `access` (`Ak[g,p]`: a key, `Ai[g]`: a row) of the current entry (tile of
         entries), read from `source` at the loop position (`p_Ak` in entry order, `p_key_rows` in key order)."""
@@ -352,7 +380,7 @@ class _Writer:
         if self.dot:
             bm, bk = self.chain.block
             self.emit(f"qpos = {row.expression} * {bm} + v_m")
-            self.emit(f"kpos = {col.expression} * {bk} + v_k")
+            self.emit(f"kpos = {col.expression} * {bk} + {'v_o' if self.span > 1 else 'v_k'}")
             return "qpos[:, None]", "kpos[None, :]"
         return (self.spread(row.expression, row.axis, self.score_axes),
                 self.spread(col.expression, col.axis, self.score_axes))
@@ -481,9 +509,12 @@ class _Writer:
         row, col, positions, flag = self._mask_args
         edges = self._edges(row, col)
         checks = [e for e in edges if e.startswith("in_range")]
-        branch = " | ".join([f"({flag} != 2)"] + [f"~{c}" for c in checks])
+        if self.span > 1:  # (a flag per key: `_bind_span`)
+            branch, attends = f"tl.min({flag}, 0) != 2", f"({flag} != 0)[None, :]"
+        else:
+            branch, attends = " | ".join([f"({flag} != 2)"] + [f"~{c}" for c in checks]), f"({flag} != 0)"
         with self.indented(f"if {branch}:  # a partial block (or one out of range): its elements' mask"):
-            self.emit(f"allowed = {' & '.join(edges + [f'({flag} != 0)'])}")
+            self.emit(f"allowed = {' & '.join(edges + [attends])}")
             if self._element_mask:
                 self._read_mask(self.score_axes)
             if self.chain.key_mask is not None:  # (a full block's keys are valid: see `_chain_route.schedule`)
@@ -647,7 +678,7 @@ class _Writer:
                     self._online_softmax(None, v, ("h", "e"), "entries + segment")
             with self._entries_loop():
                 entry, positions, allowed = self._bind_entries(row)
-                mask = None if self.dot else "allowed[:, :, None]"
+                mask = "(flag != 0)[:, None]" if self.span > 1 else None if self.dot else "allowed[:, :, None]"
                 k = self.load("K", axes["K"], native=self.dot, mask=mask)
                 v = self.load("V", axes["V"], native=self.dot, mask=mask)
                 self._scores(q, k, positions, slope=False, q_axes=axes["Q"], k_axes=axes["K"])

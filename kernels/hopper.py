@@ -14,7 +14,8 @@ generated kernels that import it (`jinsum.kernels._chain_hopper` writes the atte
   and values (FlashAttention-3's intra-warpgroup overlap): the softmax of tile `n` runs while that product does.
 
 A program's work is a list of key tiles (`steps`: the entries `[begin, end)` of a block row, each `T` tiles of
-`BLOCK_N` keys, at the key block `Ak[entry]`), so causal, document, windowed and block-sparse patterns run the same
+`BLOCK_N` keys, at the key block `Ak[entry]`; or, for blocks narrower than a tile, `BLOCK_N / BK` entries a tile,
+each block loaded into its rows of the tile), so causal, document, windowed and block-sparse patterns run the same
 loop; which tiles need their mask evaluated is the generated `scores_fn`'s business (its flag). The backward over
 keys walks the transposed pattern the same way, with the roles of queries and keys exchanged.
 
@@ -51,10 +52,32 @@ def weights_layout(head):
 
 @gluon.jit
 def key_tile(p_Ak, begin, step, T: gl.constexpr, BK: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Step `step` of a work item: its entry, the entry's key block and the tile's first key position."""
-    entry = begin + step // T
-    col = gl.load(p_Ak + entry)
-    return entry, col, col * BK + (step % T) * BLOCK_N
+    """Step `step` of a work item: its entry, the entry's key block and the tile's first key position. A tile wider
+    than a block (`BLOCK_N > BK`: the pages of a paged cache) holds the blocks of entries `[entry, entry +
+    BLOCK_N / BK)`; the entry and block returned are its first."""
+    if BLOCK_N > BK:
+        entry = begin + step * (BLOCK_N // BK)
+        col = gl.load(p_Ak + entry)
+        return entry, col, col * BK
+    else:
+        entry = begin + step // T
+        col = gl.load(p_Ak + entry)
+        return entry, col, col * BK + (step % T) * BLOCK_N
+
+
+@gluon.jit
+def _load_tile(desc, p_Ak, entry, key, last, bar, tile, BK: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The TMA loads of one key (value) tile into `tile`, arriving on `bar`: rows `key` onwards, or for a tile of
+    several blocks, each entry's block into its `BK` rows (past the item's `last` entry, that entry's block again:
+    read, and masked by the scores)."""
+    if BLOCK_N > BK:
+        mbarrier.expect(bar, (BLOCK_N // BK) * desc.block_type.nbytes)
+        for t in gl.static_range(BLOCK_N // BK):
+            col = gl.load(p_Ak + gl.minimum(entry + t, last))
+            tma.async_copy_global_to_shared(desc, [col * BK, 0], bar, tile.slice(t * BK, BK))
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [key, 0], bar, tile)
 
 
 @gluon.jit
@@ -67,7 +90,7 @@ def _producer(descriptor_fn: gl.constexpr, smem, bars, work, q_row, context, T: 
     v_desc = descriptor_fn("V", context)
     q_smem, k_smem, v_smem = smem[0], smem[1], smem[2]
     q_bar, k_full, k_empty, v_full, v_empty, turn = bars
-    p_Ak, begin, steps = work
+    p_Ak, begin, steps, last = work
     if GRADIENT:
         do_desc = descriptor_fn("dO", context)
     for c in gl.static_range(2):
@@ -81,11 +104,9 @@ def _producer(descriptor_fn: gl.constexpr, smem, bars, work, q_row, context, T: 
         entry, col, key = key_tile(p_Ak, begin, n, T, BK, BLOCK_N)
         # (an empty barrier starts "phase 1 complete": the first pass through the ring does not wait)
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
-        mbarrier.expect(k_full.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [key, 0], k_full.index(stage), k_smem.index(stage))
+        _load_tile(k_desc, p_Ak, entry, key, last, k_full.index(stage), k_smem.index(stage), BK, BLOCK_N)
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_full.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [key, 0], v_full.index(stage), v_smem.index(stage))
+        _load_tile(v_desc, p_Ak, entry, key, last, v_full.index(stage), v_smem.index(stage), BK, BLOCK_N)
 
 
 @gluon.jit
@@ -131,7 +152,7 @@ def _consumer(c: gl.constexpr, descriptor_fn: gl.constexpr, smem, bars, work, q_
     """Consumer `c`: query rows `[q_row + 64 c, + 64)` against every step's key tile, then `epilogue_fn`."""
     q_smem, k_smem, v_smem = smem
     q_bar, k_full, k_empty, v_full, v_empty, turn = bars
-    p_Ak, begin, steps = work
+    p_Ak, begin, steps, last = work
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD)
     q_tile = q_smem.index(c)
@@ -180,8 +201,8 @@ def attention_rows(descriptor_fn: gl.constexpr, work, q_row, context, scores_fn:
                    epilogue_fn: gl.constexpr, DTYPE: gl.constexpr, T: gl.constexpr, BK: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD: gl.constexpr, STAGES: gl.constexpr):
     """128 query rows (`q_row` onwards in the view of `descriptor_fn("Q", context)`) attending to the key tiles of
-    `work = (p_Ak, begin, steps)`: two consumer warpgroups and a producer warp (the kernel is launched with
-    `num_warps=4`, the first consumer's; the compiled kernel has 12).
+    `work = (p_Ak, begin, steps, last)` (`last`: the item's last entry): two consumer warpgroups and a producer
+    warp (the kernel is launched with `num_warps=4`, the first consumer's; the compiled kernel has 12).
 
     `descriptor_fn(name, context)` makes the TMA descriptor of "Q", "K", "V" or "O" (a layout of
     `NVMMASharedLayout.get_default_for` over 64-row query tiles and BLOCK_N-row key tiles of DTYPE). Each
@@ -245,7 +266,7 @@ def _gradient_consumer(c: gl.constexpr, smem, bars, work, q_row, context, scores
     value tiles, then `epilogue_fn`."""
     q_smem, k_smem, v_smem, do_smem = smem
     q_bar, k_full, k_empty, v_full, v_empty, turn = bars
-    p_Ak, begin, steps = work
+    p_Ak, begin, steps, last = work
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     q_tile = q_smem.index(c)
     do_tile = do_smem.index(c)
