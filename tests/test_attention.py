@@ -533,6 +533,21 @@ def test_a_fused_forward_keeps_its_work_lists_when_the_backward_runs_unfused(rng
     assert work["key_items"].shape[0] == 0  # (no backward kernel reads them)
 
 
+def test_row_work_items_skip_the_empty_blocks_at_either_end_of_a_row():
+    """A row's work covers its blocks from the first that attends to the last (a paged cache's causal rows hold
+    every page of the table, the later ones empty); a row with none gets one empty item (its output zeros). The
+    same on the host and traced, with long rows in pieces."""
+    block = jinsum.block_mask(lambda b, h, i, j: i >= j, 64, 64, 16)
+    chain, _, _ = _attention.build_chain(*(jnp.zeros((64, 1, 16), jnp.float16),) * 3, block)
+    plan = make_chain_plan(chain, "forward", ChainConfig(chunk=2))
+    rows = np.repeat(np.arange(3), 4)
+    flags = np.array([0, 2, 1, 0, 0, 0, 0, 0, 1, 0, 0, 1], np.int8)
+    for xp in (np, jnp):
+        items, _ = _chain_route.row_items(plan, {"Ai": xp.asarray(rows), "flags": xp.asarray(flags)}, xp)
+        work = {tuple(item[:3]) for item in np.asarray(items).tolist() if item[0] >= 0}
+        assert work == {(0, 1, 3), (1, 4, 4), (2, 8, 10), (2, 10, 12), (3, 12, 12)}, work  # (row 3: no blocks)
+
+
 # --- attention ------------------------------------------------------------------------------------------------------
 
 def test_attention_backward_adds_no_dq_atomically(rng):

@@ -129,40 +129,45 @@ def schedule(route: ChainRoute, arrays: dict) -> dict:
         found["perm"] = perm
         # Each transposed entry's row, so that the backward over keys reads it without a dependent gather.
         found["key_rows"] = pattern["Ai"][perm // chain.scores.extent[chain.roles.slot]].astype(xp.int32)
-        found["key_items"], found["key_combine"] = work_items(starts, keys, xp)
+        found["key_items"], found["key_combine"] = work_items(starts[:-1], starts[1:], keys, xp)
     return found
 
 
 def row_items(plan: ChainPlan, env: dict, xp):
-    """Work items over the rows: each row's entries `[first group * P, end group * P)`, without the empty blocks
-    after the last block that attends (a block mask built for a capacity pads its last row with them)."""
+    """Work items over the rows: each row's entries `[first group * P, end group * P)`, and for block patterns
+    only those from its first block that attends to its last (a block mask built for a capacity pads rows with
+    empty blocks; a paged cache's rows hold every page of the table, of which causal rows see the first ones)."""
     slots = plan.chain.scores.extent[plan.chain.roles.slot]
     starts = row_starts(env["Ai"], plan.chain.rows, xp) * slots
+    begins, ends = starts[:-1], starts[1:]
     if plan.template == "dot":
-        flags = env["flags"]
-        used = xp.max(xp.where(flags != 0, xp.arange(flags.shape[0]) + 1, 0)) if flags.shape[0] else 0
-        starts = xp.minimum(starts, used)
-    return work_items(starts, plan, xp)
+        # Blocks that attend before each entry (`seen`), and where that count first reaches each value.
+        seen = xp.concatenate([xp.zeros(1, xp.int32), xp.cumsum(env["flags"] != 0, dtype=xp.int32)])
+        reaches = count_below(seen, seen.shape[0] + 1, xp)
+        some = seen[ends] > seen[begins]
+        begins, ends = (xp.where(some, reaches[seen[begins] + 1] - 1, begins),
+                        xp.where(some, reaches[seen[ends]], begins))
+    return work_items(begins, ends, plan, xp)
 
 
-def work_items(starts, plan: ChainPlan, xp):
-    """Cuts segments (`starts`: segment `s` covers units `[starts[s], starts[s + 1])`) into work items.
+def work_items(begins, ends, plan: ChainPlan, xp):
+    """Cuts segments (segment `s` covers units `[begins[s], ends[s])`) into work items.
 
     Returns `items` `(plan.items, 5)`: segment (or -1: no work), begin, end, scratch slot of a piece of a long
     segment (or -1: the whole segment), piece number; and `combine` `(plan.split_segments, 3)`: each long segment
     (or -1) with its scratch slots `[first, last)`.
     """
     chunk, count = plan.config.chunk, plan.items
-    segments = starts.shape[0] - 1
-    pieces = xp.maximum(1, (starts[1:] - starts[:-1] + chunk - 1) // chunk)
-    ends = xp.cumsum(pieces)
+    segments = begins.shape[0]
+    pieces = xp.maximum(1, (ends - begins + chunk - 1) // chunk)
+    after = xp.cumsum(pieces)  # items up to each segment's last
     item = xp.arange(count)
-    segment = count_below(ends - 1, count, xp)  # the segment of each item: the ends at or below it
+    segment = count_below(after - 1, count, xp)  # the segment of each item: the ends at or below it
     valid = segment < segments
     segment = xp.minimum(segment, segments - 1)
-    piece = item - (ends[segment] - pieces[segment])
-    begin = starts[segment] + piece * chunk
-    end = xp.minimum(begin + chunk, starts[segment + 1])
+    piece = item - (after[segment] - pieces[segment])
+    begin = begins[segment] + piece * chunk
+    end = xp.minimum(begin + chunk, ends[segment])
     split = valid & (pieces[segment] > 1)
     part = xp.where(split, xp.cumsum(split) - 1, -1)
     items = xp.stack([xp.where(valid, segment, -1), begin, end, part, piece], axis=1).astype(xp.int32)
