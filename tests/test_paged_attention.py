@@ -367,21 +367,28 @@ def test_sequences_sharing_a_prefix_page(rng):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the interpreter runs where no GPU is")
-@pytest.mark.parametrize("page,new", [(16, (1, 1, 1)), (4, (9, 1, 5))])
-def test_generated_kernels_in_the_interpreter(page, new, rng):
-    # The chain's kernels the CUDA lowering launches for pages (key blocks of a page, query blocks of 16 or 64 rows
-    # of tokens x grouped heads) in Triton's interpreter (float16: it has no bfloat16) against float64: decoding,
-    # and prefill after cached prefixes, causal with a window.
+@pytest.mark.parametrize("page,new,config", [
+    (16, (1, 1, 1), {}), (4, (9, 1, 5), {}),
+    (16, (1, 1, 1), dict(chunk=2)),  # a row's pieces (flash-decoding)
+    (16, (100, 1, 5), {}),  # a prompt of 100 tokens: query blocks of 128 rows
+])
+def test_generated_kernels_in_the_interpreter(page, new, config, rng):
+    # The chain's kernels the CUDA lowering launches for pages (key blocks of a page, query blocks of 16 to 128 rows
+    # of tokens x grouped heads, key tiles of several pages) in Triton's interpreter (float16: it has no bfloat16)
+    # against float64: decoding, and prefill after cached prefixes, causal with a window.
     pytest.importorskip("torch")
     from jinsum._attention import _api, _chain_triton, _paged  # noqa: PLC0415
+    from jinsum._attention._chain_route import route_chain  # noqa: PLC0415
+    from jinsum.kernels import ChainConfig  # noqa: PLC0415
 
-    k_pages, v_pages, table, lengths = paged(rng, [37, 6, 19], page, 2, 16, dtype=np.float16)
+    k_pages, v_pages, table, lengths = paged(rng, [37 + max(new), 6, 19], page, 2, 16, dtype=np.float16)
     starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     q = rng.standard_normal((starts[-1], 8, 16)).astype(np.float16)
     queries, keys, values, mask, modify, back = _paged.laid_out(
         *map(jnp.asarray, (q, k_pages, v_pages, table, lengths, starts)), causal=True, window=6, score_mod=None)
     chain, arrays, unpad = _api.build_chain(queries, keys, values, mask)
-    out = back(unpad(jnp.asarray(_chain_triton.interpret_forward(chain, arrays)[0])))
+    assert route_chain(chain, ChainConfig(**config)).plan("forward").config.span == 64 // page  # (pages a tile)
+    out = back(unpad(jnp.asarray(_chain_triton.interpret_forward(chain, arrays, ChainConfig(**config))[0])))
     expected = reference(q, k_pages, v_pages, table, lengths, starts, window=6)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=4e-3, rtol=0)
 

@@ -25,6 +25,7 @@ from jinsum import _config
 from jinsum._attention import _block_mask
 from jinsum._attention._api import attention, scale_value
 from jinsum.formats._convert import is_concrete
+from jinsum.formats._row_starts import count_below
 
 WHERE = "jinsum.paged_attention"
 
@@ -192,10 +193,16 @@ def token_sequences(starts, tokens: int) -> tuple[jax.Array, jax.Array, jax.Arra
     whether it is a sequence's at all (tokens past the last sequence are padding); the sequence clipped into range."""
     count = starts.shape[0] - 1
     t = jnp.arange(tokens, dtype=jnp.int32)
-    sequence = jnp.searchsorted(starts[1:], t, side="right").astype(jnp.int32)
+    sequence = _after(starts[1:], tokens)
     real = (t >= starts[0]) & (sequence < count)
     sequence = jnp.minimum(sequence, count - 1)
     return sequence, t - starts[sequence], real
+
+
+def _after(bounds, n: int) -> jax.Array:
+    """For each `i < n`, how many of the sorted `bounds` are at or below it (`searchsorted(bounds, i, "right")`) as
+    a histogram and a sum: `jnp.searchsorted`'s default is a loop that waits on the host at every step."""
+    return count_below(bounds.astype(jnp.int32), n + 1, jnp)[1:]
 
 
 # --- the computation: the attention chain over the pages -------------------------------------------------------
@@ -230,27 +237,25 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
     own = -(-(new * group) // bm)  # blocks of each sequence
     first = jnp.cumsum(own) - own
 
-    # Each token's sequence and position, and its rows.
-    sequence, index, real = token_sequences(starts, tokens)
-    position = kv_lengths[sequence] - new[sequence] + index
-    row = (jnp.where(real, first[sequence] * bm + index * group, blocks * bm)[:, None]
-           + jnp.arange(group, dtype=jnp.int32))
-    # Row (t, r) holds query head h * group + r of kv head h.
-    queries = jnp.zeros((blocks * bm, kv_heads, dim), q.dtype).at[row.reshape(-1)].set(
-        q.reshape(tokens, kv_heads, group, dim).transpose(0, 2, 1, 3).reshape(tokens * group, kv_heads, dim),
-        mode="drop")
-    padding = jnp.iinfo(jnp.int32).min // 2
-    row_position = jnp.full(blocks * bm, padding, jnp.int32).at[row].set(position[:, None], mode="drop")
-    row_length = jnp.zeros(blocks * bm, jnp.int32).at[row].set(kv_lengths[sequence][:, None], mode="drop")
-    row_sequence = jnp.zeros(blocks * bm, jnp.int32).at[row].set(sequence[:, None], mode="drop")
-    row_head = jnp.zeros(blocks * bm, jnp.int32).at[row].set(jnp.arange(group, dtype=jnp.int32)[None, :],
-                                                             mode="drop")
-
-    # Each query block's sequence and the positions of its first and last tokens; each slot's page and flag.
+    # Each query block's sequence, and each row's: row `within` of a sequence's blocks holds its token
+    # `within // group`, query head `h * group + within % group` of kv head `h` (gathered: no scatter).
     i = jnp.arange(blocks, dtype=jnp.int32)
-    owner = jnp.minimum(jnp.searchsorted(jnp.cumsum(own), i, side="right").astype(jnp.int32), batch - 1)
+    owner = jnp.minimum(_after(jnp.cumsum(own), blocks), batch - 1)
     used = i < own.sum()
     within = (i - first[owner]) * bm
+    r = jnp.arange(blocks * bm, dtype=jnp.int32)
+    row_sequence = owner[r // bm]
+    row_within = within[r // bm] + r % bm
+    real_row = used[r // bm] & (row_within < new[row_sequence] * group)
+    token = jnp.where(real_row, starts[row_sequence] + row_within // group, 0)
+    row_head = row_within % group
+    by_group = q.reshape(tokens, kv_heads, group, dim).transpose(0, 2, 1, 3).reshape(tokens * group, kv_heads, dim)
+    queries = jnp.where(real_row[:, None, None], by_group[token * group + row_head], 0)  # (whole rows gathered)
+    padding = jnp.iinfo(jnp.int32).min // 2
+    row_position = jnp.where(real_row, kv_lengths[row_sequence] - new[row_sequence] + row_within // group, padding)
+    row_length = jnp.where(real_row, kv_lengths[row_sequence], 0)
+
+    # Each query block's first and last tokens' positions; each slot's page and flag.
     low = kv_lengths[owner] - new[owner] + within // group
     high = kv_lengths[owner] - new[owner] + jnp.minimum((within + bm - 1) // group, new[owner] - 1)
     length = kv_lengths[owner][:, None]
@@ -291,8 +296,11 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
                                    flags.reshape(-1), (blocks * bm, num_pages * page_size), (bm, page_size),
                                    where=WHERE)
 
+    sequence, index, real = token_sequences(starts, tokens)
+    row = jnp.where(real, first[sequence] * bm + index * group, 0)[:, None] + jnp.arange(group, dtype=jnp.int32)
+
     def back(out):  # (rows, Hkv, E) -> (T, group, Hkv, E) -> (T, Hq, E)
-        out = jnp.where(real[:, None, None, None], out[jnp.minimum(row, blocks * bm - 1)], 0)
+        out = jnp.where(real[:, None, None, None], out[row.reshape(-1)].reshape(tokens, group, kv_heads, -1), 0)
         return out.transpose(0, 2, 1, 3).reshape(tokens, heads, -1)
 
     return (queries, k_pages.reshape(num_pages * page_size, kv_heads, dim),
