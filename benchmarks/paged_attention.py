@@ -2,6 +2,7 @@
 
     python benchmarks/paged_attention.py [--calls 20] [--out benchmarks/results]
     python benchmarks/paged_attention.py --smoke --out /tmp/paged     # CPU: tiny sizes, every system run and checked
+    python benchmarks/paged_attention.py --sweep "num_stages=2;span=8"  # jinsum with other ChainConfigs too
 
 Workloads (bf16; pages of 16 tokens placed at random in the pool, so no sequence's pages are contiguous):
 1. `decode 64 x 4096, 32/8 heads`: one new token for each of 64 sequences of 4,096 cached tokens, 32 query heads
@@ -24,7 +25,8 @@ Systems:
   would not fit);
 - cuDNN over packed segments (prefill; JAX's internal `fused_attention_stablehlo` entry point, the prompts' tokens
   and keys contiguous, `q_offsets` / `kv_offsets`); a GPU only.
-Every system's output is compared with jinsum's (max abs difference); on `--smoke` jinsum's is also compared with
+`--sweep` also times jinsum under each given `jinsum.kernels.ChainConfig` (fields over this GPU's defaults, forced
+around a function jitted afresh), a row each. Every system's output is compared with jinsum's (max abs difference); on `--smoke` jinsum's is also compared with
 a float64 NumPy reference. On a GPU, jinsum's kernels are printed with their device times
 (`jinsum.timing.kernel_times`). Timing: `jinsum.timing.time_calls`. Bandwidth: the K and V bytes of the attended
 tokens, each read once, over the time, against the device's HBM (`HBM_TBPS`); prefill also TFLOP/s over the
@@ -44,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jinsum
+from jinsum.kernels import chain_config, forced_config
 from jinsum.timing import kernel_times, time_calls
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -198,7 +201,7 @@ def cudnn_prefill(w: Workload, data: dict):
     return fn, (data["q"], keys, values)
 
 
-def run(w: Workload, calls: int, smoke: bool, pallas: dict) -> None:
+def run(w: Workload, calls: int, smoke: bool, pallas: dict, sweep: list[dict]) -> None:
     print(f"\n{w.name}: {len(w.lengths)} sequences, {sum(w.lengths):,} cached tokens, {sum(w.new):,} new")
     data = build(w)
     args = tuple(data[n] for n in ("q", "k_pages", "v_pages", "table", "lengths", "starts"))
@@ -208,6 +211,10 @@ def run(w: Workload, calls: int, smoke: bool, pallas: dict) -> None:
     if row is None:
         return
     ours = jax.jit(paged)(*args)
+    for fields in sweep:  # (a fresh function each: JAX's caches do not see a forced configuration)
+        with forced_config(dataclasses.replace(chain_config(), **fields)):
+            RESULTS.attempt(w.name, f"{JINSUM} {fields}", lambda: measure(w, lambda *a: paged(*a), args, calls,
+                                                                          ours)[0])
     if jax.default_backend() == "gpu":  # where jinsum's device time goes, kernel by kernel
         kernels = sorted(kernel_times(jax.jit(paged), *args, calls=calls).items(), key=lambda kv: -kv[1])
         print("    kernels:", ", ".join(f"{name[:40]} {1e6 * t:.0f} us" for name, t in kernels[:6]))
@@ -266,10 +273,12 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny sizes: every system run and checked (CPU)")
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--sweep", default="", help='ChainConfigs to time jinsum with too: "num_stages=3;span=8,chunk=64"')
     args = p.parse_args()
+    sweep = [{k: int(v) for k, v in (f.split("=") for f in text.split(","))} for text in args.sweep.split(";") if text]
     started, pallas = time.time(), {}
     for w in workloads(args.smoke):
-        run(w, 2 if args.smoke else args.calls, args.smoke, pallas)
+        run(w, 2 if args.smoke else args.calls, args.smoke, pallas, sweep)
     write_results(args.out, started)
 
 
