@@ -24,10 +24,13 @@ Systems:
   einsum, masked softmax, einsum: what a JAX user writes without a paged kernel (decoding only: prefill's scores
   would not fit);
 - cuDNN over packed segments (prefill; JAX's internal `fused_attention_stablehlo` entry point, the prompts' tokens
-  and keys contiguous, `q_offsets` / `kv_offsets`); a GPU only.
+  and keys contiguous, `q_offsets` / `kv_offsets`); a GPU only;
+- cuDNN's paged attention (the same module's `paged_attention`: the same pool and page table, the queries padded
+  per sequence outside the timed call); a GPU only.
+FlashInfer has no wheel on the benchmark machine (no network, and none for JAX), so it is not among them.
 `--sweep` also times jinsum under each given `jinsum.kernels.ChainConfig` (fields over this GPU's defaults, forced
-around a function jitted afresh), a row each. Every system's output is compared with jinsum's (max abs difference); on `--smoke` jinsum's is also compared with
-a float64 NumPy reference. On a GPU, jinsum's kernels are printed with their device times
+around a function jitted afresh), a row each. Every system's output is compared with jinsum's (max abs
+difference); on `--smoke` jinsum's is also compared with a float64 NumPy reference. On a GPU, jinsum's kernels are printed with their device times
 (`jinsum.timing.kernel_times`). Timing: `jinsum.timing.time_calls`. Bandwidth: the K and V bytes of the attended
 tokens, each read once, over the time, against the device's HBM (`HBM_TBPS`); prefill also TFLOP/s over the
 attended (query, key) pairs (4 x pairs x D x Hq).
@@ -201,6 +204,29 @@ def cudnn_prefill(w: Workload, data: dict):
     return fn, (data["q"], keys, values)
 
 
+def cudnn_paged(w: Workload, data: dict, calls: int, expected) -> dict:
+    """cuDNN's paged attention (JAX's internal entry point) over the same pool and page table, the queries padded to
+    the most new tokens of a sequence, `(B, T, Hq, D)`, outside the timed call; compared on the real tokens."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415 (internal, GPU only)
+
+    if not w.decode and any(n != m for n, m in zip(w.new, w.lengths)):
+        raise NotImplementedError("a cached prefix: cuDNN's causal mask aligns queries and keys at the start")
+    starts, longest = data["starts_np"], max(w.new)
+    index = np.minimum(starts[:-1, None] + np.arange(longest)[None, :], starts[-1] - 1)
+    mask = cudnn.MaskType.PADDING if w.decode else cudnn.MaskType.PADDING_CAUSAL
+
+    def fn(q, k_pages, v_pages, table, q_len, kv_len):
+        return cudnn.paged_attention(q, k_pages, v_pages, q_len, kv_len, table, table, scale=q.shape[-1] ** -0.5,
+                                     mask_type=mask)
+    args = (data["q"][jnp.asarray(index)], data["k_pages"], data["v_pages"], data["table"][:, None, :, None],
+            jnp.asarray(w.new, jnp.int32), jnp.asarray(w.lengths, jnp.int32))
+    measured, out = measure(w, fn, args, calls)
+    real = np.arange(longest)[None, :] < np.asarray(w.new)[:, None]
+    measured["diff"] = float(jnp.max(jnp.abs(out[real].astype(jnp.float32) - expected[index[real]].astype(
+        jnp.float32))))
+    return measured
+
+
 def run(w: Workload, calls: int, smoke: bool, pallas: dict, sweep: list[dict]) -> None:
     print(f"\n{w.name}: {len(w.lengths)} sequences, {sum(w.lengths):,} cached tokens, {sum(w.new):,} new")
     data = build(w)
@@ -235,6 +261,8 @@ def run(w: Workload, calls: int, smoke: bool, pallas: dict, sweep: list[dict]) -
             fn, cudnn_args = cudnn_prefill(w, data)
             return measure(w, fn, cudnn_args, calls, ours)[0]
         RESULTS.attempt(w.name, "cuDNN packed segments (JAX internal, causal)", cudnn)
+    if jax.default_backend() == "gpu":
+        RESULTS.attempt(w.name, "cuDNN paged attention (JAX internal)", lambda: cudnn_paged(w, data, calls, ours))
 
 
 def pallas_run(w: Workload, data: dict, calls: int, expected, chosen: dict) -> dict:
