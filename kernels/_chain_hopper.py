@@ -7,7 +7,9 @@ previous one) run over the forward's work items, with two functions written from
 
 - `chain_scores`: the raw products of a tile to scores in units of log2(e): the scale, `score_mod` in registers,
   and where the block is not known full (its flag, or a key block out of range), the mask: `mask_mod` in registers
-  (its captured arrays read once per row and column of the tile) and the causal rule;
+  (its captured arrays read once per row and column of the tile) and the causal rule. Over blocks narrower than a
+  key tile (`ChainConfig.span`: a paged cache's pages) a tile holds several entries' blocks, each loaded by a TMA
+  box of its own, and the function reads each column's block and flag;
 - `chain_epilogue`: a whole row's output (through shared memory and TMA) and log-sum-exp, or a piece of a long
   row's running maximum, sum and accumulator for the combine kernel (the Triton form's, unchanged).
 
