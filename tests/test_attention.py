@@ -548,6 +548,25 @@ def test_row_work_items_skip_the_empty_blocks_at_either_end_of_a_row():
         assert work == {(0, 1, 3), (1, 4, 4), (2, 8, 10), (2, 10, 12), (3, 12, 12)}, work  # (row 3: no blocks)
 
 
+def test_rows_are_cut_into_pieces_where_too_few_programs_would_run():
+    """Few rows (decoding a few long sequences) are cut into pieces that fill the GPU (`FILL` programs), while rows
+    that fill it already run whole up to twice the mean row (causal attention's longest rows are not split)."""
+    from jinsum.kernels._chain_plan import FILL  # noqa: PLC0415
+
+    def chunk(queries, keys, heads):
+        mask = jinsum.block_mask(lambda b, h, i, j: i >= 0, queries, keys, 16)
+        q = jnp.zeros((queries, heads, 16), jnp.float16)
+        k = jnp.zeros((keys, heads, 16), jnp.float16)
+        chain, _, _ = _attention.build_chain(q, k, k, mask)
+        plan = make_chain_plan(chain, "forward")
+        return plan.config.chunk, chain.entries, plan.segments * plan.grid_size
+
+    few, entries, programs = chunk(64, 4096, 2)  # 4 rows of 256 blocks, 2 heads: 8 programs whole
+    assert programs < FILL and few * FILL >= entries * 2 and few < entries // 4
+    many, entries, programs = chunk(4096, 1024, 4)  # 256 rows of 64 blocks, 4 heads
+    assert programs >= FILL and many == 2 * entries // 256
+
+
 # --- attention ------------------------------------------------------------------------------------------------------
 
 def test_attention_backward_adds_no_dq_atomically(rng):
