@@ -112,13 +112,15 @@ class _Writer:
         body = [f"{self._context()} = context",
                 f"s = s * {chain.scale * (LOG2E if chain.score_mod is None else 1.0)!r}",
                 "q_idx = (q0 + rows_of(s, c))[:, None]"]
-        if span > 1:  # a tile of `span` entries: each key's entry, block and flag (0 past the item's end)
+        if span > 1:  # a tile of `span` entries: each key's entry and flag (0 past the item's end; the schedule's
+            # flags are 0 where a block is out of range), and where the scores need them, its block and key positions
             bk = chain.block[1]
             body += ["cols = columns_of(s)", f"at = entry + cols // {bk}", "inside = at < end",
-                     "blocks = tl.load(p_Ak + at, mask=inside, other=0)",
-                     "flag = tl.load(p_flags + at, mask=inside, other=0)",
-                     f"flag = tl.where((blocks >= 0) & (blocks < {chain.keys}), flag, 0)",
-                     f"kv_idx = (blocks * {bk} + cols % {bk})[None, :]"]
+                     "flag = tl.load(p_flags + at, mask=inside, other=0)"]
+            positions = ["blocks = tl.load(p_Ak + at, mask=inside, other=0)",
+                         f"kv_idx = (blocks * {bk} + cols % {bk})[None, :]"]
+            if chain.score_mod is not None:
+                body += positions
         else:
             body.append("kv_idx = (key + columns_of(s))[None, :]")
         coordinates = [self.b, self.h, "q_idx", "kv_idx"]
@@ -126,9 +128,10 @@ class _Writer:
             lines, (value, *_), _ = elementwise_lines(chain.score_mod.value.jaxpr, ["s", *coordinates], "sm",
                                                       "tl.float32", self._capture_args(chain.score_captures))
             body += lines + [f"s = {value} * {LOG2E!r}"]
-        if span > 1:
+        if span > 1:  # (a full tile reads no positions: most of a prefill's)
+            read = [] if chain.score_mod is not None or (chain.mask_mod is None and not chain.causal) else positions
             body += self._mask_rules(["if gl.min(flag, axis=0) != 2:  # a partial tile",
-                                      "    allowed = (flag != 0)[None, :]"])
+                                      *("    " + line for line in read), "    allowed = (flag != 0)[None, :]"])
         else:
             body += ["flag = tl.load(p_flags + entry)", *self._mask("col", chain.keys)]
         body.append("return s")

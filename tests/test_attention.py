@@ -548,6 +548,18 @@ def test_row_work_items_skip_the_empty_blocks_at_either_end_of_a_row():
         assert work == {(0, 1, 3), (1, 4, 4), (2, 8, 10), (2, 10, 12), (3, 12, 12)}, work  # (row 3: no blocks)
 
 
+def test_blocks_out_of_range_attend_nowhere_in_the_schedule():
+    """A stored block whose key block is outside the keys (a page index past the pool) gets flag 0, whatever its
+    value says: kernels that skip reading positions in full tiles (the Hopper form over pages) never see it full."""
+    block = jinsum.block_mask(lambda b, h, i, j: i >= 0, 32, 64, 16)
+    chain, _, _ = _attention.build_chain(*(jnp.zeros((n, 1, 16), jnp.float16) for n in (32, 64, 64)), block)
+    arrays = {"Ai": np.array([0, 0, 0, 1, 1, 1]), "Ak": np.array([[0], [4], [-1], [3], [2], [9]]),
+              "Av": np.array([[2], [2], [2], [1], [2], [1]], np.int8)}
+    for xp in (np, jnp):
+        flags = _chain_route.block_flags(chain, {n: xp.asarray(x) for n, x in arrays.items()}, xp)
+        assert np.asarray(flags).tolist() == [2, 0, 0, 1, 2, 0]
+
+
 def test_rows_are_cut_into_pieces_where_too_few_programs_would_run():
     """Few rows (decoding a few long sequences) are cut into pieces that fill the GPU (`FILL` programs), while rows
     that fill it already run whole up to twice the mean row (causal attention's longest rows are not split)."""

@@ -189,7 +189,8 @@ def _first_true(mask, size: int, xp):
 
 
 def block_flags(chain: Chain, env: dict, xp):
-    """Per stored block: 2 if every element attends (no mask to read or evaluate), 1 if some may, 0 if none (int8).
+    """Per stored block: 2 if every element attends (no mask to read or evaluate), 1 if some may, 0 if none or if
+    its block is out of range (int8).
     A pattern of block flags (`Av[g,p]`, from `jinsum.block_mask`) gives them; a pattern of elements, its values
     (and then, with a `mask_mod`, no block is full without evaluating it)."""
     if env["Av"].ndim == 2:
@@ -199,6 +200,8 @@ def block_flags(chain: Chain, env: dict, xp):
         any_, all_ = nonzero.any(axis=(1, 2)), nonzero.all(axis=(1, 2))
         if chain.mask_mod is not None:
             all_ = all_ & False
+    inside = (env["Ak"] >= 0) & (env["Ak"] < chain.keys)  # (a block out of range attends nowhere: never read)
+    any_, all_ = any_ & inside, all_ & inside
     if chain.causal:  # blocks wholly below the diagonal stay full; wholly above it, empty
         bm, bk = chain.block
         first_query, first_key = env["Ai"][:, None] * bm, env["Ak"] * bk
