@@ -14,6 +14,11 @@ Workloads (bf16; pages of 16 tokens placed at random in the pool, so no sequence
    slower than cuDNN's packed segments);
 5. `prefill after a 2,048 prefix`: the same prompts after 2,048 cached tokens each (target: within 1.2x of the
    prefill without the prefix plus the time to read the prefix's keys and values at the bandwidth of workload 1).
+Each decode workload is also timed as a model's step runs it (`--layers L`, rows `..., per layer of a step of L`):
+one jitted call of L attention layers, each its own queries over the same page table and lengths (a model's layers
+share them), the time per layer. The pool is shared too (each layer reads it from HBM: it is 10-40x the L2), and
+XLA's contiguous peer is left out there (XLA merges dots that share an operand, which layers with their own keys
+would not).
 
 Systems:
 - jinsum `paged_attention` (`query_starts` packing the tokens of all sequences);
@@ -117,11 +122,14 @@ def build(w: Workload, seed: int = 0) -> dict:
                 jnp.int32), starts=jnp.asarray(starts), table_np=table, starts_np=starts)
 
 
-def measure(w: Workload, fn, args: tuple, calls: int, expected=None) -> dict:
-    """ms of the jitted `fn(*args)`, the K/V bandwidth and TFLOP/s it reaches, and its difference from `expected`."""
-    compiled = jax.jit(fn)
+def measure(w: Workload, fn, args: tuple, calls: int, expected=None, layers: int = 1) -> dict:
+    """ms of the jitted `fn(*args)`, the K/V bandwidth and TFLOP/s it reaches, and its difference from `expected`;
+    with `layers`, `fn` runs a step of that many layers (`stepped`), its first layer's output compared, and the
+    figures are per layer."""
+    compiled = jax.jit(stepped(fn, layers) if layers > 1 else fn)
     out = compiled(*args)
-    seconds = time_calls(compiled, *args, calls=calls)
+    seconds = time_calls(compiled, *args, calls=calls) / layers
+    out = out[0] if layers > 1 else out
     kv_bytes = sum(w.lengths) * w.kv_heads * w.dim * 2 * 2  # (K and V, bf16, each attended token's once)
     pairs = sum(m * (length - m) + m * (m + 1) // 2 for m, length in zip(w.new, w.lengths))  # (causal)
     hbm = next((tbps for name, tbps in HBM_TBPS.items() if name in device_name()), None)
@@ -131,6 +139,13 @@ def measure(w: Workload, fn, args: tuple, calls: int, expected=None) -> dict:
     if expected is not None:
         measured["diff"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - expected.astype(jnp.float32))))
     return measured, out
+
+
+def stepped(fn, layers: int):
+    """`fn(q, *rest)` as a model's step runs it: `layers` calls, one per layer's queries (`qs[l]`), the rest shared."""
+    def step(qs, *rest):
+        return tuple(fn(qs[layer], *rest) for layer in range(layers))
+    return step
 
 
 def reference(w: Workload, data: dict) -> np.ndarray:
@@ -204,9 +219,10 @@ def cudnn_prefill(w: Workload, data: dict):
     return fn, (data["q"], keys, values)
 
 
-def cudnn_paged(w: Workload, data: dict, calls: int, expected) -> dict:
+def cudnn_paged(w: Workload, data: dict, calls: int, expected, layers: int = 1) -> dict:
     """cuDNN's paged attention (JAX's internal entry point) over the same pool and page table, the queries padded to
-    the most new tokens of a sequence, `(B, T, Hq, D)`, outside the timed call; compared on the real tokens."""
+    the most new tokens of a sequence, `(B, T, Hq, D)`, outside the timed call; compared on the real tokens. It
+    takes a pool of at least `B * max_pages` pages: a smaller one is padded with pages nothing reads."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415 (internal, GPU only)
 
     if not w.decode and any(n != m for n, m in zip(w.new, w.lengths)):
@@ -218,16 +234,19 @@ def cudnn_paged(w: Workload, data: dict, calls: int, expected) -> dict:
     def fn(q, k_pages, v_pages, table, q_len, kv_len):
         return cudnn.paged_attention(q, k_pages, v_pages, q_len, kv_len, table, table, scale=q.shape[-1] ** -0.5,
                                      mask_type=mask)
-    args = (data["q"][jnp.asarray(index)], data["k_pages"], data["v_pages"], data["table"][:, None, :, None],
-            jnp.asarray(w.new, jnp.int32), jnp.asarray(w.lengths, jnp.int32))
-    measured, out = measure(w, fn, args, calls)
+    short = max(0, data["table_np"].size - data["k_pages"].shape[0])
+    k_pages, v_pages = (jnp.pad(data[n], ((0, short), (0, 0), (0, 0), (0, 0))) for n in ("k_pages", "v_pages"))
+    q = data["qs"][:, jnp.asarray(index)] if layers > 1 else data["q"][jnp.asarray(index)]
+    args = (q, k_pages, v_pages, data["table"][:, None, :, None], jnp.asarray(w.new, jnp.int32),
+            jnp.asarray(w.lengths, jnp.int32))
+    measured, out = measure(w, fn, args, calls, layers=layers)
     real = np.arange(longest)[None, :] < np.asarray(w.new)[:, None]
     measured["diff"] = float(jnp.max(jnp.abs(out[real].astype(jnp.float32) - expected[index[real]].astype(
         jnp.float32))))
     return measured
 
 
-def run(w: Workload, calls: int, smoke: bool, pallas: dict, sweep: list[dict]) -> None:
+def run(w: Workload, calls: int, smoke: bool, pallas: dict, sweep: list[dict], layers: int) -> None:
     print(f"\n{w.name}: {len(w.lengths)} sequences, {sum(w.lengths):,} cached tokens, {sum(w.new):,} new")
     data = build(w)
     args = tuple(data[n] for n in ("q", "k_pages", "v_pages", "table", "lengths", "starts"))
@@ -263,9 +282,28 @@ def run(w: Workload, calls: int, smoke: bool, pallas: dict, sweep: list[dict]) -
         RESULTS.attempt(w.name, "cuDNN packed segments (JAX internal, causal)", cudnn)
     if jax.default_backend() == "gpu":
         RESULTS.attempt(w.name, "cuDNN paged attention (JAX internal)", lambda: cudnn_paged(w, data, calls, ours))
+    if w.decode and layers > 1:
+        run_layers(w, data, calls, pallas, layers, ours)
 
 
-def pallas_run(w: Workload, data: dict, calls: int, expected, chosen: dict) -> dict:
+def run_layers(w: Workload, data: dict, calls: int, pallas: dict, layers: int, expected) -> None:
+    """The decode workload as a step of `layers` layers runs it: each system's time per layer (see the docstring)."""
+    name = f"{w.name}, per layer of a step of {layers}"
+    data["qs"] = jnp.concatenate([data["q"][None], jax.random.normal(
+        jax.random.key(layers), (layers - 1, *data["q"].shape), data["q"].dtype)])
+    args = tuple(data[n] for n in ("qs", "k_pages", "v_pages", "table", "lengths", "starts"))
+    paged = lambda q, kp, vp, table, lengths, starts: jinsum.paged_attention(  # noqa: E731
+        q, kp, vp, table, lengths, query_starts=starts)
+    RESULTS.attempt(name, JINSUM, lambda: measure(w, paged, args, calls, expected, layers)[0])
+    if jax.default_backend() == "gpu" and (w.heads // w.kv_heads) >= 16:
+        RESULTS.attempt(name, "JAX Pallas GPU paged_attention", lambda: pallas_run(w, data, calls, expected, pallas,
+                                                                                    layers))
+    if jax.default_backend() == "gpu":
+        RESULTS.attempt(name, "cuDNN paged attention (JAX internal)", lambda: cudnn_paged(w, data, calls, expected,
+                                                                                           layers))
+
+
+def pallas_run(w: Workload, data: dict, calls: int, expected, chosen: dict, layers: int = 1) -> dict:
     """Pallas's layout `(Hkv, P, page, D)` made outside the timed call; the fastest of `PALLAS_CONFIGS` on the
     first workload, kept in `chosen` for the rest."""
     k, v = (jnp.moveaxis(data[n], 2, 0) for n in ("k_pages", "v_pages"))
@@ -278,7 +316,9 @@ def pallas_run(w: Workload, data: dict, calls: int, expected, chosen: dict) -> d
             except Exception as error:  # noqa: BLE001 (a configuration it refuses)
                 print(f"  Pallas {config}: {type(error).__name__}: {str(error)[:100]}")
         chosen["config"] = PALLAS_CONFIGS[min(tried, key=tried.get)]
-    measured = measure(w, pallas_decode(chosen["config"]), args, calls, expected)[0]
+    if layers > 1:
+        args = (data["qs"], *args[1:])
+    measured = measure(w, pallas_decode(chosen["config"]), args, calls, expected, layers)[0]
     return {**measured, "note": ", ".join(f"{k}={v}" for k, v in chosen["config"].items())}
 
 
@@ -301,12 +341,13 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny sizes: every system run and checked (CPU)")
     p.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    p.add_argument("--layers", type=int, default=8, help="decode also timed per layer of a step of this many")
     p.add_argument("--sweep", default="", help='ChainConfigs to time jinsum with too: "num_stages=3;span=8,chunk=64"')
     args = p.parse_args()
     sweep = [{k: int(v) for k, v in (f.split("=") for f in text.split(","))} for text in args.sweep.split(";") if text]
     started, pallas = time.time(), {}
     for w in workloads(args.smoke):
-        run(w, 2 if args.smoke else args.calls, args.smoke, pallas, sweep)
+        run(w, 2 if args.smoke else args.calls, args.smoke, pallas, sweep, 2 if args.smoke else args.layers)
     write_results(args.out, started)
 
 
