@@ -694,9 +694,8 @@ def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
                                                example.edges_with_self_loops(edge_index, nodes))}
     for system, (conv, graph) in systems.items():
         model = example.GAT(conv, 128, 40, heads=4, hidden=64, dropout=0.6, rngs=nnx.Rngs(0))
-        os.environ["JINSUM_FUSE"] = "0" if "unfused" in system else "1"
-        run = step_of(model, graph)  # (compiles now, so the switch applies)
-        os.environ.pop("JINSUM_FUSE")
+        with jinsum.fuse("unfused" not in system):
+            run = step_of(model, graph)  # (compiles now, under the setting)
         timed = RESULTS.attempt(name, system, lambda run=run: {"ms": 1e3 * time_calls(run, calls=calls)})
         if timed is not None and system.startswith("jinsum") and OPTS.on_gpu:
             breakdown(run, ())

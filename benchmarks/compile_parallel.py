@@ -25,6 +25,7 @@ KINDS = ("serial", "threads", "processes")
 
 def _payloads(count: int) -> list[tuple[str, dict, dict]]:
     """`count` distinct kernels (source, signature, constants): the Hopper forms of four grouped products."""
+    import jinsum  # noqa: PLC0415
     from jinsum._frontend import _einsum  # noqa: PLC0415
     from jinsum._lowering._route import route  # noqa: PLC0415
     from jinsum._rules import _primitive  # noqa: PLC0415
@@ -39,8 +40,8 @@ def _payloads(count: int) -> list[tuple[str, dict, dict]]:
                         H=jax.ShapeDtypeStruct((6, rows, n), dtype))
         statement, arrays, flags = _einsum.prepare("H[g,p,h] += X[Ak[g,p],c] * W[Ai[g],c,h]", operands,
                                                    sorted_indices=("Ai",), allow_tf32=None)
-        os.environ["JINSUM_SMALL_TERMS"] = "0"
-        plan = route(_primitive.make_spec(statement, arrays, **flags), config=KernelConfig(hopper=True)).plan
+        with jinsum.small_terms(0):
+            plan = route(_primitive.make_spec(statement, arrays, **flags), config=KernelConfig(hopper=True)).plan
         signature = {f"p_{name}": types[str(plan.spec.operand[name].dtype)] for name in kernel_inputs(plan)}
         signature |= {"p_out": types[str(plan.spec.lhs.dtype)], "scratch": "*u8"}
         constants = dict(BLOCK_M=plan.config.block_m, BLOCK_N=plan.config.block_n, BLOCK_K=64, WINDOW=1,

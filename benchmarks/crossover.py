@@ -7,13 +7,12 @@ Each jitted call runs 4 chained SpMMs and their gradient for a random cotangent 
 the per-statement launch cost inside one executable counts, as it does in a training step. Prints, per lowering,
 ms per call of back-to-back calls (the two lowerings in interleaved rounds: calls this small are the host's, whose
 speed drifts) and of the device's own time, and the number of terms (rows x k x F) per statement, which
-`jinsum._lowering._route.SMALL_TERMS` is chosen from.
+the default of `jinsum.small_terms` is chosen from.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
@@ -54,11 +53,10 @@ def main() -> None:
             x = jnp.asarray(rng.normal(size=(rows, features)), jnp.float32)
             cotangent = jnp.asarray(rng.normal(size=(rows, features)), jnp.float32)
             steps = {}
-            for name, lowering in (("triton", "1"), ("xla", "0")):
-                os.environ["JINSUM_TRITON"] = lowering  # read when the statement is lowered: compiled here
-                os.environ["JINSUM_SMALL_TERMS"] = "0"  # a kernel for every size in the Triton column
-                jax.clear_caches()  # (JAX caches a jaxpr's lowering: else both columns run the first's route)
-                compiled = jax.jit(chained).lower(A, x, cotangent).compile()
+            for name, kernels in (("triton", True), ("xla", False)):
+                # (a kernel for every size in the Triton column; the settings are in JAX's cache keys)
+                with jinsum.triton(kernels), jinsum.small_terms(0):
+                    compiled = jax.jit(chained).lower(A, x, cotangent).compile()
                 steps[name] = lambda compiled=compiled: compiled(A, x, cotangent)
             wall = time_interleaved(steps, calls=args.calls)
             device = {name: device_time(step, calls=args.calls) for name, step in steps.items()}
@@ -66,8 +64,6 @@ def main() -> None:
                          f"{device['xla'] / device['triton']:14.2f}" if device["triton"] else "(no GPU trace)")
             print(f"{rows:8d} {features:4d} {rows * args.fanout * features:12,d} {1e3 * wall['triton']:10.3f} "
                   f"{1e3 * wall['xla']:8.3f} {on_device}", flush=True)
-    os.environ.pop("JINSUM_TRITON")
-    os.environ.pop("JINSUM_SMALL_TERMS")
 
 
 if __name__ == "__main__":

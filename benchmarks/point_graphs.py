@@ -41,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jinsum  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum.timing import time_calls  # noqa: E402
 
@@ -71,17 +72,23 @@ def dense_radius(pos, r, width):
 
 def compiled_with(env: dict[str, str], fn, *inputs):
     """`jax.jit(fn)` compiled for `inputs` with the environment variables `env` set while it is traced (where
-    `jinsum.nn.knn` reads `JINSUM_TRITON` and `JINSUM_KNN_CONFIG`)."""
+    `jinsum.nn.knn` reads `JINSUM_KNN_CONFIG`, a sweep's override that JAX's caches do not see: a fresh function)."""
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        return jax.jit(fn).lower(*inputs).compile()
+        return jax.jit(lambda *a: fn(*a)).lower(*inputs).compile()
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+
+
+def without_kernel(fn, *inputs):
+    """`jax.jit(fn)` compiled for `inputs` under `jinsum.triton(False)`: kNN's tiled XLA path on a GPU."""
+    with jinsum.triton(False):
+        return jax.jit(fn).lower(*inputs).compile()
 
 
 def knn_rows(args, pos: np.ndarray, torch) -> list[tuple]:
@@ -96,7 +103,7 @@ def knn_rows(args, pos: np.ndarray, torch) -> list[tuple]:
     }
     if jax.default_backend() == "gpu":
         systems["jinsum knn, batch vector, tiled XLA path"] = (
-            compiled_with({"JINSUM_TRITON": "0"}, lambda x, b: jnn.knn(x, args.k, b), flat, batch), (flat, batch))
+            without_kernel(lambda x, b: jnn.knn(x, args.k, b), flat, batch), (flat, batch))
     for config in args.knn_configs:
         try:
             systems[f"jinsum knn, batch vector, {config}"] = (

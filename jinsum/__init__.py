@@ -23,6 +23,9 @@ from jinsum._attention import paged_attention as paged_attention
 from jinsum._autotune import autotune as autotune
 from jinsum._config import check_indices as check_indices
 from jinsum._config import deterministic as deterministic
+from jinsum._config import fuse as fuse
+from jinsum._config import small_terms as small_terms
+from jinsum._config import triton as triton
 from jinsum._frontend._einsum import einsum as einsum
 from jinsum._inspect import triton_source as triton_source
 from jinsum._lang import ExpressionError as ExpressionError

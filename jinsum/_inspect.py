@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator
 
 import jax
 import jax.numpy as jnp
 
+from jinsum import _config
 from jinsum._attention import _chain_primitive, _chain_route
 from jinsum._frontend import _einsum
-from jinsum._lowering._route import follow, route
+from jinsum._lowering._route import TRITON_OFF, follow, route
 from jinsum._rules import _primitive
 
 
@@ -60,7 +62,7 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
 
     - `triton_source(expression, **operands)`: the kernel of one indirect Einsum, with `einsum`'s arguments
       (plus an optional `jinsum.kernels.KernelConfig`). Raises `ValueError` with the reason when the statement
-      runs on the XLA lowering (too small for a kernel to pay, `JINSUM_SMALL_TERMS`, or no kernel for it). In
+      runs on the XLA lowering (too small for a kernel to pay, `jinsum.small_terms`, or no kernel for it). In
       deterministic mode, a scatter shows the kernels of the statements it is rewritten into; a product of three
       factors split in two (`contracted_first`), the kernels of both.
     - `triton_source(fn, *args)`: every generated kernel that `fn(*args)` lowers to, in order (statements and
@@ -99,8 +101,22 @@ def triton_source(target: str | Callable, /, *args, config=None, sorted_indices:
     if found.rewritten or found.pairwise:  # the statements it is rewritten or split into (see `_routes`)
         return triton_source(lambda ops: _primitive.bind(statement, ops, **flags), arrays, config=config)
     if not found.kernel:
-        raise ValueError(f"jinsum: {statement} has no generated kernel: {found.reason}")
+        raise ValueError(f"jinsum.triton_source: {statement} has no generated kernel: {_why(spec, found.reason)}")
     return f"# {statement}\n{_legend(spec)}{kernels.generate(found.plan)}"
+
+
+def _why(spec, reason: str) -> str:
+    """Why a statement runs on XLA's lowering, and how to see its kernel anyway where a setting is the reason."""
+    if reason == "small":
+        terms = math.prod(spec.extent.values())
+        extents = " x ".join(f"{v}={n}" for v, n in spec.extents)
+        return (f"on CUDA it runs on XLA's lowering, since its {terms:,} terms ({extents}) are fewer than "
+                f"jinsum.small_terms = {_config.small_terms.value:,}, below which a launch costs more than the kernel "
+                "saves. Call triton_source under `with jinsum.small_terms(0):` to see the kernel it would get "
+                "(and run it that way to launch it).")
+    if reason == TRITON_OFF:
+        return f"{reason}; call triton_source under `with jinsum.triton(True):` to see its kernel."
+    return reason
 
 
 def _legend(spec) -> str:

@@ -22,8 +22,8 @@ if os.environ.get("CI"):
 # Without a GPU, generated Triton kernels run in Triton's interpreter (on torch CPU tensors). This must be set
 # before any @triton.jit function is defined, hence here, before the test modules import jinsum's kernels.
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
-# On a GPU, statements too small for a kernel to pay run on XLA's lowering (`jinsum._lowering._route.SMALL_TERMS`);
-# the tests' inputs are all small, and they are there to test the kernels.
+# On a GPU, statements too small for a kernel to pay run on XLA's lowering (`jinsum.small_terms`, read from this
+# variable when jinsum is imported); the tests' inputs are all small, and they are there to test the kernels.
 os.environ.setdefault("JINSUM_SMALL_TERMS", "0")
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"

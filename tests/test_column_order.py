@@ -84,19 +84,19 @@ def test_spmm_gradient_runs_over_the_columns_and_equals_the_dense_one(rng):
         check_grads(lambda v: T.with_values(v) @ B, (T.Av,), order=1, modes=("rev",))
 
 
-def test_derivatives_in_column_order_keep_their_kernel_on_small_inputs(rng, monkeypatch):
-    """On CUDA a small statement runs on XLA's lowering (`SMALL_TERMS`), but not a derivative in column order:
-    XLA would add each hub column's entries atomically, one after another."""
+def test_derivatives_in_column_order_keep_their_kernel_on_small_inputs(rng):
+    """On CUDA a small statement runs on XLA's lowering (`jinsum.small_terms`), but not a derivative in column
+    order: XLA would add each hub column's entries atomically, one after another."""
     from jinsum._lowering import _route  # noqa: PLC0415
-    monkeypatch.setenv("JINSUM_SMALL_TERMS", str(1 << 40))
     A, _ = _matrix(rng)
     T, B = A.with_transpose(), jnp.ones((23, 6))
     [forward] = specs_in(lambda B: T @ B, B)
     [backward] = _column_order_specs(jax.grad(lambda B: jnp.sum(T @ B)), B)
-    assert (forward.by_columns, backward.by_columns) == (False, True)
-    assert (_route.small(forward), _route.small(backward)) == (True, False)
     [atomic] = [s for s in specs_in(jax.grad(lambda B: jnp.sum(A @ B)), B) if s.lhs.name != "Out"]
-    assert not atomic.by_columns and _route.small(atomic)
+    assert (forward.by_columns, backward.by_columns) == (False, True)
+    with jinsum.small_terms(1 << 40):
+        assert (_route.small(forward), _route.small(backward)) == (True, False)
+        assert not atomic.by_columns and _route.small(atomic)
 
 
 def test_the_order_serves_spmv_sddmm_dense_axes_and_the_notation(rng):

@@ -149,8 +149,7 @@ def test_document_mask_built_on_the_device(heads, kv_heads, dim, dtype, rng):
     fused = jax.jit(run)
     assert KERNEL_NODE in fused.lower(q, k, v, table, doc, d_out).as_text()
     results = fused(q, k, v, table, doc, d_out)
-    with pytest.MonkeyPatch.context() as patch:  # the unfused chain (float32 inputs: a new trace)
-        patch.setenv("JINSUM_FUSE", "0")
+    with jinsum.fuse(False):  # the unfused chain
         wide = [x.astype(jnp.float32) for x in (q, k, v)]
         expected = jax.jit(run)(*wide, table, doc, d_out.astype(jnp.float32))
     for name, a, b in zip(["out", "dq", "dk", "dv", "dtable"], results, expected):

@@ -1,6 +1,6 @@
 """Formats built inside `jit` and sampled mini-batches through real generated kernels on a CUDA GPU, against the
 host-built formats and float64. Run with `pytest -m gpu` on a machine with a GPU and jax-triton; skipped elsewhere.
-(conftest sets `JINSUM_SMALL_TERMS=0`, so every statement here is a kernel, not XLA's lowering.)"""
+(conftest sets `jinsum.small_terms` to 0, so every statement here is a kernel, not XLA's lowering.)"""
 
 import warnings
 
@@ -55,7 +55,7 @@ def test_device_built_spmm_and_gradient_in_kernels(features, rng):
     np.testing.assert_allclose(np.asarray(grad), dense.T @ cotangent, rtol=2e-4, atol=2e-3)
 
 
-def test_sampled_two_layer_aggregation_in_kernels(rng, monkeypatch):
+def test_sampled_two_layer_aggregation_in_kernels(rng):
     """A sampled batch's two-layer sum aggregation and its gradient: kernels against the XLA lowering (the same
     sample: the key fixes it), with and without the tables' column order."""
     nodes = 5000
@@ -74,8 +74,8 @@ def test_sampled_two_layer_aggregation_in_kernels(rng, monkeypatch):
 
     for with_transpose in (False, True):
         value, grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)(features, with_transpose)
-        monkeypatch.setenv("JINSUM_TRITON", "0")  # read when a statement is lowered: a new jit lowers anew
-        expected_value, expected_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)(features, with_transpose)
-        monkeypatch.delenv("JINSUM_TRITON")
+        with jinsum.triton(False):
+            expected_value, expected_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)(features,
+                                                                                               with_transpose)
         np.testing.assert_allclose(float(value), float(expected_value), rtol=1e-4)
         np.testing.assert_allclose(np.asarray(grad), np.asarray(expected_grad), rtol=1e-3, atol=1e-4)

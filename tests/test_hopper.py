@@ -11,7 +11,6 @@ import os
 import re
 import subprocess
 import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -226,7 +225,7 @@ def _grouped_route(expression=_GATHERED, dtype=jnp.bfloat16, groups=6, rows=128,
         spec = _primitive.make_spec(statement, arrays, epilogue=traced, **flags)
     else:
         spec = _primitive.make_spec(statement, arrays, **flags)
-    with mock.patch.dict(os.environ, JINSUM_SMALL_TERMS="0"):
+    with jinsum.small_terms(0):
         return route(spec, config=config)
 
 
@@ -265,7 +264,7 @@ def test_an_input_gradient_stores_its_products_in_the_hopper_form_then_adds_them
                          dX=jax.ShapeDtypeStruct((300, 128), jnp.bfloat16)),
         sorted_indices=("Ai",), allow_tf32=None)
     spec = _primitive.make_spec(statement, arrays, **flags)
-    with mock.patch.dict(os.environ, JINSUM_SMALL_TERMS="0"):
+    with jinsum.small_terms(0):
         found = route(spec, config=GROUPED_HOPPER)
         products, scatter = found.pairwise
         assert str(products.statement) == "products[g,p,c] += dH[g,p,h] * W[Ai[g],c,h]"
@@ -285,7 +284,7 @@ def _weight_gradient(n=384, config=GROUPED_HOPPER):
              X=jnp.zeros((500, 128), jnp.bfloat16), dH=jnp.zeros((6, 128, n), jnp.bfloat16),
              dW=jax.ShapeDtypeStruct((3, 128, n), jnp.bfloat16)),
         sorted_indices=("Ai",), allow_tf32=None)
-    with mock.patch.dict(os.environ, JINSUM_SMALL_TERMS="0"):
+    with jinsum.small_terms(0):
         found = route(_primitive.make_spec(statement, arrays, **flags), config=config)
         return found, found.pairwise and route(found.pairwise[1], config=config)
 
@@ -369,7 +368,7 @@ def test_a_mixture_of_experts_step_runs_its_products_in_the_hopper_form_on_sm90(
         routing = route_tokens(logits, 2).combine.astype(jnp.bfloat16)
         return routed_mlp(x, routing, w_up, w_down, w_gate=w_gate).astype(jnp.float32).sum()
 
-    with mock.patch.dict(os.environ, JINSUM_SMALL_TERMS="0"):
+    with jinsum.small_terms(0):
         source = jinsum.triton_source(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w_up, w_gate, w_down,
                                       config=GROUPED_HOPPER)
     kernels = source.split("# ---- ")[1:]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jinsum
 import jinsum.graphs as jg
 from jinsum._lowering import _knn, _launch
 from jinsum._lowering._knn import KnnConfig
@@ -138,11 +139,10 @@ def test_knn_through_the_kernel_path_jit_vmap_and_grad(rng):
 
 # --- real kernels ---------------------------------------------------------------------------------------------------
 
-def _both_paths(fn, *inputs, monkeypatch):
-    """`jax.jit(fn)(*inputs)` through the kernel and through the tiled XLA path (`JINSUM_TRITON=0` while tracing)."""
+def _both_paths(fn, *inputs):
+    """`jax.jit(fn)(*inputs)` through the kernel and through the tiled XLA path (`jinsum.triton(False)`)."""
     found = np.asarray(jax.jit(fn)(*inputs))
-    with monkeypatch.context() as patch:
-        patch.setenv("JINSUM_TRITON", "0")
+    with jinsum.triton(False):
         expected = np.asarray(jax.jit(fn)(*inputs))
     return found, expected
 
@@ -150,7 +150,7 @@ def _both_paths(fn, *inputs, monkeypatch):
 @on_gpu
 @pytest.mark.parametrize("dim", [3, 20, 64])
 @pytest.mark.parametrize("loop", [False, True], ids=["no_loop", "loop"])
-def test_gpu_kernel_equals_xla_on_a_grid(rng, dim, loop, monkeypatch):
+def test_gpu_kernel_equals_xla_on_a_grid(rng, dim, loop):
     """Integer coordinates (exact distances, many ties): the kernel and the tiled XLA path agree exactly, over a
     sorted batch vector of 24 clouds of 1-699 points with padding points, over the same unsorted, and vmapped."""
     batch = np.repeat(np.arange(24), rng.integers(1, 700, 24)).astype(np.int32)
@@ -162,33 +162,32 @@ def test_gpu_kernel_equals_xla_on_a_grid(rng, dim, loop, monkeypatch):
         return jg.knn(p, k, b, loop)
 
     assert _launch.KERNEL_NODE in jax.jit(knn).lower(pos, batch).as_text()
-    np.testing.assert_array_equal(*_both_paths(knn, pos, batch, monkeypatch=monkeypatch))
+    np.testing.assert_array_equal(*_both_paths(knn, pos, batch))
     shuffled = rng.permutation(batch.size)
-    np.testing.assert_array_equal(*_both_paths(knn, pos[shuffled], batch[shuffled], monkeypatch=monkeypatch))
+    np.testing.assert_array_equal(*_both_paths(knn, pos[shuffled], batch[shuffled]))
     clouds = rng.integers(-4, 5, (4, 1000, dim)).astype(np.float32)
-    np.testing.assert_array_equal(*_both_paths(jax.vmap(lambda p: jg.knn(p, k, None, loop)), clouds,
-                                               monkeypatch=monkeypatch))
+    np.testing.assert_array_equal(*_both_paths(jax.vmap(lambda p: jg.knn(p, k, None, loop)), clouds))
 
 
 @on_gpu
 @pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
-def test_gpu_kernel_half_precision_and_wide_k(rng, dtype, monkeypatch):
+def test_gpu_kernel_half_precision_and_wide_k(rng, dtype):
     """Half-precision positions (read as stored, measured in float32, as the XLA path upcasts) and k = 100 (a
     running top-k of 128 slots)."""
     batch = np.repeat(np.arange(5), [300, 90, 1, 700, 257]).astype(np.int32)
     pos = rng.integers(-3, 4, (batch.size, 8)).astype(dtype)
-    np.testing.assert_array_equal(*_both_paths(lambda p, b: jg.knn(p, 100, b), pos, batch, monkeypatch=monkeypatch))
+    np.testing.assert_array_equal(*_both_paths(lambda p, b: jg.knn(p, 100, b), pos, batch))
 
 
 @on_gpu
 @pytest.mark.parametrize("dim", [3, 64])
-def test_gpu_kernel_matches_xla_on_random_points(rng, dim, monkeypatch):
+def test_gpu_kernel_matches_xla_on_random_points(rng, dim):
     """16 clouds of 1,024 normal points and one cloud of 20,000: the same neighbours as the XLA path but for near
     ties in float32 (the two round their distances differently), and the same distances."""
     pos = rng.standard_normal((16 * 1024 + 20_000, dim)).astype(np.float32)
     batch = np.concatenate([np.repeat(np.arange(16), 1024), np.full(20_000, 16)]).astype(np.int32)
     k = 20
-    found, expected = _both_paths(lambda p, b: jg.knn(p, k, b), pos, batch, monkeypatch=monkeypatch)
+    found, expected = _both_paths(lambda p, b: jg.knn(p, k, b), pos, batch)
     assert (found >= 0).all()
     assert (found == expected).mean() > 0.99
     distance = ((pos[:, None, :].astype(np.float64) - pos[found]) ** 2).sum(-1)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinsum import _config
 from jinsum._lang._chain import Chain
 from jinsum.formats._row_starts import count_below, row_starts
 from jinsum.kernels import ChainConfig, ChainPlan, Fallback, chain_config, generate_chain, make_chain_plan
@@ -33,8 +33,8 @@ from jinsum.kernels import ChainConfig, ChainPlan, Fallback, chain_config, gener
 SCHEDULE = ("row_items", "row_combine", "flags", "perm", "key_rows", "key_items", "key_combine")
 FORWARD, BACKWARD = ("forward", "combine"), ("dq", "dq_sum", "dkdv", "dkdv_sum")
 EMPTY = "an empty pattern"
-# Switches that keep chains unfused (JINSUM_FUSE=0: statements in kernels, chains unfused).
-SWITCHES = ("JINSUM_TRITON", "JINSUM_FUSE")
+# Settings that keep chains unfused (`jinsum.fuse(False)`: statements in kernels, chains unfused).
+SWITCHES = (("jinsum.triton", _config.triton), ("jinsum.fuse", _config.fuse))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ChainRoute:
 
 def route_chain(chain: Chain, config: ChainConfig | None = None) -> ChainRoute:
     """The route of `chain` with `config` (else `chain_config()`: a forced one, or the defaults)."""
-    switched = tuple(s for s in SWITCHES if os.environ.get(s, "1") == "0")
+    switched = tuple(name for name, setting in SWITCHES if not setting.value)
     return _route(chain, config or chain_config(), switched)
 
 
@@ -76,7 +76,7 @@ def _route(chain: Chain, config: ChainConfig, switched: tuple[str, ...]) -> Chai
 def _plans(chain: Chain, kinds, config: ChainConfig, switched) -> tuple[ChainPlan, ...] | Fallback:
     """The plans of the chain's `kinds` of kernels, or the first `Fallback`."""
     if switched:
-        return Fallback(f"{switched[0]}=0")
+        return Fallback(f"{switched[0]} is off")
     if chain.entries == 0 or chain.rows == 0 or chain.keys == 0:
         return Fallback(EMPTY)
     found = []

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinsum import _config
 from jinsum._lowering import _launch
 
 # Neighbours per point the kernel keeps in registers (a (block_m, next power of two) int64 tile); past this, the
@@ -109,8 +110,8 @@ def _run_kernel(launcher: _launch.Launcher, pos, batch, starts, ends, *, k: int,
 
 def usable(pos_dtype, n: int, k: int) -> bool:
     """Whether `knn` may take the kernel path: float32 or half positions, `k <= MAX_K`, and jax-triton (or the
-    interpreter), unless `JINSUM_TRITON=0`."""
-    if os.environ.get("JINSUM_TRITON", "1") == "0" or np.dtype(pos_dtype) not in KERNEL_DTYPES:
+    interpreter), unless `jinsum.triton` is off."""
+    if not _config.triton.value or np.dtype(pos_dtype) not in KERNEL_DTYPES:
         return False
     if k > MAX_K or n > MAX_POINTS:
         return False

@@ -18,23 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import jax.numpy as jnp
 import numpy as np
 
+from jinsum import _config
 from jinsum._lang import Access, Operand, Spec, Var, check, tensor_names, variables, walk
 from jinsum._rules import _derive, _deterministic
 from jinsum._rules._primitive import apply_epilogue, split_epilogue
 from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, statement_config, tuned_config
 
-# Below this many terms (the product of every variable's extent: rows x slots x features for an SpMM) a statement
-# runs on XLA's lowering on CUDA too: the launch cost more than the kernel saved (the crossover measured by
-# `benchmarks/crossover.py`, DESIGN.md; again with kernels as nodes of the step's CUDA graph, where it held).
-# Derivatives in column order keep their kernel at any size: XLA's scatter adds a hub column's entries atomically
-# one after another, where the kernel sums them in registers.
-# `JINSUM_SMALL_TERMS=0` sends every statement to a kernel (the tests do, to test the kernels).
-SMALL_TERMS = 1 << 24
 # How much cheaper a term of a Tensor Core (dot) plan is than one of a lanes plan, to order the ways of splitting a
 # product of three factors (`contracted_first`): H100 dense bf16 989 TFLOP/s against a few tens for gathered
 # multiply-adds on CUDA cores. A rough ratio: it only ranks splits whose costs differ by their shapes.
@@ -44,8 +37,9 @@ TENSOR_CORE_RATIO = 16
 # bf16, hand-written, 56 tiles (4096 x 14336, 8 experts) 4.59 ms gathered in the loop against 0.08 + 3.29
 # beforehand; 3 tiles (2048 x 768, 128 experts) 0.97 against 0.29 + 0.68 (DESIGN.md).
 GATHER_FIRST_TILES = 8
+TRITON_OFF = "jinsum.triton is off"
 # Reasons for XLA's lowering that are choices, not shortcomings of the code generator: they do not warn.
-CHOSEN = ("not CUDA", "JINSUM_TRITON=0", "small")
+CHOSEN = ("not CUDA", TRITON_OFF, "small")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +79,10 @@ def has_work(plan: KernelPlan) -> bool:
 
 
 def small(spec: Spec) -> bool:
-    """Whether `spec` is too small for a launched kernel to pay (`SMALL_TERMS`). Deterministic mode keeps its
-    kernels (XLA's scatter-add on a GPU adds atomically), and so do derivatives in column order."""
-    limit = int(os.environ.get("JINSUM_SMALL_TERMS", SMALL_TERMS))
-    return not (spec.deterministic or spec.by_columns) and math.prod(spec.extent.values()) < limit
+    """Whether `spec` is too small for a launched kernel to pay (`jinsum.small_terms`). Deterministic mode keeps
+    its kernels (XLA's scatter-add on a GPU adds atomically), and so do derivatives in column order (XLA's scatter
+    adds a hub column's entries atomically one after another, where the kernel sums them in registers)."""
+    return not (spec.deterministic or spec.by_columns) and math.prod(spec.extent.values()) < _config.small_terms.value
 
 
 def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = None, rewrite: bool = True) -> Route:
@@ -97,8 +91,8 @@ def route(spec: Spec, *, kernels: bool = True, config: KernelConfig | None = Non
     statement as written (one that its rewrite derived: sorted, and never split again)."""
     if not kernels:
         plan = Fallback("not CUDA")
-    elif os.environ.get("JINSUM_TRITON", "1") == "0":
-        plan = Fallback("JINSUM_TRITON=0")
+    elif not _config.triton.value:
+        plan = Fallback(TRITON_OFF)
     elif small(spec):  # (never a deterministic statement)
         plan = Fallback("small")
     else:
