@@ -1,11 +1,11 @@
-# Two entry points for a fresh machine: `make demo` and `make test`. Both first build .venv (once per
-# change of pyproject.toml) with jinsum installed in editable mode and its nn and test extras.
+# Entry points for a fresh machine: `make demo`, `make test` (ruff, then pytest) and `make lint`. Each first builds
+# .venv (once per change of pyproject.toml) with jinsum installed in editable mode and its nn and test extras.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/gcn/main.py --dataset cora
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
 	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 clean:

@@ -200,7 +200,7 @@ def run_workload(args, label: str, systems: dict, compiled: dict, reference) -> 
     for name, (one, sync, to_check) in list(systems.items()):
         try:
             errors[name] = worst_error(to_check(one()), reference)
-        except Exception as error:  # a system that fails is a row, not the end of the run
+        except Exception as error:  # noqa: BLE001 (a system that fails is a row, not the end of the run)
             traceback.print_exc()
             RESULTS.record(label, name, note=failure(error))
             del systems[name]

@@ -187,7 +187,7 @@ def time_passes(steps, calls) -> dict:
         for system, _note, train, state, inputs in steps:
             try:
                 timed.setdefault(system, []).append(time_step(train, state, *inputs, calls=calls))
-            except Exception:  # a system that fails is a row, not the end of the run
+            except Exception:  # noqa: BLE001 (a system that fails is a row, not the end of the run)
                 traceback.print_exc()
     return timed
 

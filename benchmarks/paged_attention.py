@@ -34,11 +34,11 @@ Systems:
   per sequence outside the timed call); a GPU only.
 FlashInfer has no wheel on the benchmark machine (no network, and none for JAX), so it is not among them.
 `--sweep` also times jinsum under each given `jinsum.kernels.ChainConfig` (fields over this GPU's defaults, forced
-around a function jitted afresh), a row each. Every system's output is compared with jinsum's (max abs
-difference); on `--smoke` jinsum's is also compared with a float64 NumPy reference. On a GPU, jinsum's kernels are printed with their device times
-(`jinsum.timing.kernel_times`). Timing: `jinsum.timing.time_calls`. Bandwidth: the K and V bytes of the attended
-tokens, each read once, over the time, against the device's HBM (`HBM_TBPS`); prefill also TFLOP/s over the
-attended (query, key) pairs (4 x pairs x D x Hq).
+around a function jitted afresh), a row each. Every system's output is compared with jinsum's (max abs difference);
+on `--smoke` jinsum's is also compared with a float64 NumPy reference. On a GPU, jinsum's kernels are printed with
+their device times (`jinsum.timing.kernel_times`). Timing: `jinsum.timing.time_calls`. Bandwidth: the K and V bytes
+of the attended tokens, each read once, over the time, against the device's HBM (`HBM_TBPS`); prefill also TFLOP/s
+over the attended (query, key) pairs (4 x pairs x D x Hq).
 """
 
 from __future__ import annotations

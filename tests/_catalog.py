@@ -120,7 +120,7 @@ def _grouped_matmul(rng, dtype, E=3, T=29, C=16, H=24, G=5, P=16):
                 X=_values(rng, (T, C), dtype), W=_values(rng, (E, C, H), dtype))
 
 
-def _scatter_set(rng, dtype, M=9, I=6, N=4):
+def _scatter_set(rng, dtype, M=9, I=6, N=4):  # noqa: E741 (the statement's names)
     return dict(C=_values(rng, (M, N), dtype), P=rng.permutation(M)[:I].astype(np.int32),
                 X=_values(rng, (I, N), dtype))
 

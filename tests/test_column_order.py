@@ -140,7 +140,8 @@ def test_vmap_keeps_the_order_for_batched_features_and_drops_it_for_batched_valu
         check_vmap(per_values, (values, Bs[0]), (0, None))
         # A batch of values may have other zeros than the order lists: its entries are no longer trusted.
         def batched_values(B, A=T):
-            with_values = lambda v: jinsum.GroupCOO.tree_unflatten((A.shape, A.nnz), (A.Ai, A.Ak, v, A.transposed, None))
+            def with_values(v):
+                return jinsum.GroupCOO.tree_unflatten((A.shape, A.nnz), (A.Ai, A.Ak, v, A.transposed, None))
             return jnp.sum(jax.vmap(lambda v: with_values(v) @ B)(values) ** 2)
 
         assert not _column_order_specs(jax.grad(batched_values), Bs[0])

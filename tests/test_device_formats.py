@@ -349,8 +349,8 @@ def test_eager_products_and_attention_refuse_an_overflowed_format(rng):
     mask = _block_mask(rng, (4, 4), 0.5)
     blocks = jax.jit(lambda m: jinsum.BlockGroupCOO.from_block_mask(m, block_shape=(8, 8), capacity=3))(mask)
     assert graph.overflow and blocks.overflow
-    refused = r"jinsum: the {} overflowed: it was built under jit with room for {} {}, .* dropped .* rebuild it with a " \
-              r"larger capacity \({}"
+    refused = (r"jinsum: the {} overflowed: it was built under jit with room for {} {}, .* dropped .* rebuild it "
+               r"with a larger capacity \({}")
     for A, x, message in ((graph, rng.normal(size=(8, 3)), refused.format("GroupCOO", num - 2, "distinct entries",
                                                                           "GroupCOO.from_edge_index")),
                           (blocks, rng.normal(size=(32, 3)), refused.format("BlockGroupCOO", 3, "blocks",

@@ -811,7 +811,7 @@ def test_block_group_coo_converter_errors(call, error, match):
 def test_host_argsort_is_numpys_stable_argsort(keys, spare_bins):
     """The host builders' counting sort (SciPy's CSR -> CSC) orders equal keys as they came, like NumPy's stable
     sort, with unused bins and empty input."""
-    from jinsum.formats._build import host_argsort
+    from jinsum.formats._build import host_argsort  # noqa: PLC0415
 
     key = np.asarray(keys, np.int64)
     bins = (int(key.max()) + 1 if key.size else 1) + spare_bins

@@ -202,7 +202,7 @@ def test_threads_compiling_the_same_kernels_at_once(cache):
 AUTOTUNE_WRITER = textwrap.dedent("""
     import sys
     import numpy as np
-    from jinsum._rules import _primitive
+    from jinsum._rules import _primitive  # noqa: PLC0415
     from jinsum._lang import parse
     from jinsum.kernels import KernelConfig, store_tuned_config
 
@@ -249,7 +249,7 @@ def _front_end_inputs(triton, rows: int = 300):
 
     import jinsum  # noqa: PLC0415
     from jinsum._frontend import _einsum  # noqa: PLC0415
-    from jinsum._rules import _primitive
+    from jinsum._rules import _primitive  # noqa: PLC0415
     from jinsum.kernels import KernelConfig, generate, load_kernel, make_plan  # noqa: PLC0415
 
     A = jinsum.GroupCOO.from_scipy(sp.random(rows, 200, 0.05, random_state=0, dtype=np.float32))

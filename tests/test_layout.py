@@ -106,7 +106,8 @@ def test_top_level_holds_only_the_surface_and_tools():
     """New stages get a folder: the private modules left at the top are the configuration and the tools."""
     top = {p.stem for p in (ROOT / "jinsum").glob("*.py")}
     assert top == {"__init__", "_config", "_inspect", "_autotune", "testing", "timing"}, (
-        f"jinsum/ holds top-level modules {sorted(top)}: put a new stage's modules in a subpackage named after the stage, and add it to STAGES")
+        f"jinsum/ holds top-level modules {sorted(top)}: put a new stage's modules in a subpackage named after the "
+        "stage, and add it to STAGES")
 
 
 def test_public_imports_load_only_modules_of_the_tree():

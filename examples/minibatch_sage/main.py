@@ -30,8 +30,9 @@ one call (a `lax.scan`), and the data-parallel run goes fastest as one process p
 device; in one process, one host thread dispatches them all). On a machine of two GPUs (2 x H200: 1.98x one GPU's
 seeds per second, `benchmarks/minibatch.py --processes 2`):
 
-    CUDA_VISIBLE_DEVICES=0 python examples/minibatch_sage/main.py --steps-per-call 8 --coordinator localhost:1234 --num-processes 2 --process-id 0
-    CUDA_VISIBLE_DEVICES=1 python examples/minibatch_sage/main.py --steps-per-call 8 --coordinator localhost:1234 --num-processes 2 --process-id 1
+    ARGS="--steps-per-call 8 --coordinator localhost:1234 --num-processes 2"
+    CUDA_VISIBLE_DEVICES=0 python examples/minibatch_sage/main.py $ARGS --process-id 0
+    CUDA_VISIBLE_DEVICES=1 python examples/minibatch_sage/main.py $ARGS --process-id 1
 
 Every process builds the same graph, features and batches (the same seed), places them on the mesh of all
 processes' devices and runs the same step; each prints the table (the data-parallel run only).
@@ -66,11 +67,11 @@ class JinsumSAGE(nnx.Module):
         self.convs = nnx.List([jinsum.nn.SAGEConv(i, o, rngs=rngs) for i, o in zip(sizes[:-1], sizes[1:])])
 
     def __call__(self, features, sample):
-        x_src, x_dst = sample.inputs(features)
+        x, x_dst = sample.inputs(features)  # (x: the current hop's sources)
         for i, (conv, A) in enumerate(zip(self.convs, sample.adjacencies)):
             if i:  # a hop's destinations are the first rows of its sources
-                x_src, x_dst = x, x[: A.shape[0]]
-            x = conv((x_src, x_dst), A)
+                x_dst = x[: A.shape[0]]
+            x = conv((x, x_dst), A)
             x = jax.nn.relu(x) if i < len(self.convs) - 1 else x
         return x
 
@@ -85,16 +86,16 @@ class SegmentSAGE(nnx.Module):
         self.roots = nnx.List([nnx.Linear(i, o, rngs=rngs) for i, o in pairs])
 
     def __call__(self, features, sample):
-        x_src, x_dst = sample.inputs(features)
+        x, x_dst = sample.inputs(features)  # (x: the current hop's sources)
         for i, (lin, root, A) in enumerate(zip(self.neighbors, self.roots, sample.adjacencies)):
             if i:
-                x_src, x_dst = x, x[: A.shape[0]]
+                x_dst = x[: A.shape[0]]
             n_dst, k = A.Ak.shape  # the sampled table: k neighbours per destination, value 0 where padding
             src, valid = A.Ak.reshape(-1), (A.Av != 0).reshape(-1)
             dst = jnp.repeat(jnp.arange(n_dst), k)
-            messages = jnp.where(valid[:, None], x_src[src], 0)
+            messages = jnp.where(valid[:, None], x[src], 0)
             total = jax.ops.segment_sum(messages, dst, n_dst, indices_are_sorted=True)
-            degree = jax.ops.segment_sum(valid.astype(x_src.dtype), dst, n_dst, indices_are_sorted=True)
+            degree = jax.ops.segment_sum(valid.astype(x.dtype), dst, n_dst, indices_are_sorted=True)
             x = lin(total / jnp.maximum(degree, 1)[:, None]) + root(x_dst)
             x = jax.nn.relu(x) if i < len(self.neighbors) - 1 else x
         return x
@@ -385,7 +386,8 @@ def main(argv=None) -> None:
     rows = []
     sampling = dict(outer_sources="graph")  # (the first layer reads the feature table in place: module docstring)
     # Several processes (one per GPU, each dispatching its own): only the data-parallel run, over all their devices.
-    runs = [] if processes > 1 else [("jinsum SAGEConv", JinsumSAGE, None), ("plain JAX segment_sum", SegmentSAGE, None)]
+    runs = [] if processes > 1 else [("jinsum SAGEConv", JinsumSAGE, None),
+                                     ("plain JAX segment_sum", SegmentSAGE, None)]
     devices = jax.devices()[: args.devices or len(jax.devices())]
     if len(devices) > 1 and args.batch % len(devices) == 0:  # each device samples its share of the seeds
         mesh = jax.sharding.Mesh(np.array(devices), ("data",))

@@ -38,9 +38,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
     For query `i` and head `h`, `out[i, h] = sum_j softmax_j(s_ij) v[j, h]` over the keys `j` that `i` attends to,
     with `s_ij = score_mod(scale * q[i, h] . k[j, h], b, h, i, j)`. Query `i` attends to key `j` where the pattern
     stores `(i, j)` with a nonzero value and, if given, `mask_mod(b, h, i, j)` holds, `i >= j` (`causal`) and
-    `key_padding_mask[b, j]`. A query that attends to nothing gets 0 (and its log-sum-exp is +inf). The whole chain (scores, transform, masks,
-    online softmax, dropout, weighted sum) is one generated kernel on CUDA; its gradient is the FlashAttention-2
-    backward (scores recomputed from the saved log-sum-exp), also generated kernels.
+    `key_padding_mask[b, j]`. A query that attends to nothing gets 0 (and its log-sum-exp is +inf). The whole
+    chain (scores, transform, masks, online softmax, dropout, weighted sum) is one generated kernel on CUDA; its
+    gradient is the FlashAttention-2 backward (scores recomputed from the saved log-sum-exp), also generated
+    kernels.
 
     Args:
       q: `(L, H, D)` queries, or `(B, L, H, D)` with a batch axis.

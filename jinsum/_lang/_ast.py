@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Union
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Access:
         return f"{self.tensor}[{','.join(map(str, self.indices))}]"
 
 
-Index = Union[Var, Access]
+Index = Var | Access
 
 
 REDUCTIONS = {"sum": "+=", "max": "max=", "min": "min="}  # a reduction's name -> its operator

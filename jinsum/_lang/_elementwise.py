@@ -11,13 +11,13 @@ Three kinds, two of them FlexAttention's:
   outputs) and the element's position, one int32 per dimension of the output (`C[Ai[g],n]`: `(value, row, n)`),
   applied to every element before it is stored (bias, activation, residual, scaling).
 
-All are written with `jax.numpy` on scalars. They may close over Python numbers and concrete scalars (compiled
-in as literals) and over arrays, concrete or traced (document ids, sequence lengths, ALiBi slopes, a bias table,
-a traced window size), read with integer scalar indices (`doc[q_idx]`, `bias[h, q_idx - kv_idx]`, `lengths[0]`). Such arrays are *captures*: they
-become operands of the attention primitive (traced, batched and, for floating ones read by a `score_mod`,
-differentiated like the others), and a kernel reads them with one load per index vector, in registers. Only the
-captures' shapes and dtypes are part of a traced function's identity, so new document ids (new values of the same
-shape) reuse every compiled kernel.
+All are written with `jax.numpy` on scalars. They may close over Python numbers and concrete scalars (compiled in as
+literals) and over arrays, concrete or traced (document ids, sequence lengths, ALiBi slopes, a bias table, a traced
+window size), read with integer scalar indices (`doc[q_idx]`, `bias[h, q_idx - kv_idx]`, `lengths[0]`). Such arrays
+are *captures*: they become operands of the attention primitive (traced, batched and, for floating ones read by a
+`score_mod`, differentiated like the others), and a kernel reads them with one load per index vector, in registers.
+Only the captures' shapes and dtypes are part of a traced function's identity, so new document ids (new values of
+the same shape) reuse every compiled kernel.
 
 For the kernels, a `score_mod` is also traced as `(value, slope, partials...)`: its derivative with respect to the
 score, and with respect to each read of a floating capture (the backward adds `dL/dvalue * partial` into that
@@ -53,8 +53,8 @@ _CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "remat",
 
 @dataclasses.dataclass(frozen=True)
 class Elementwise:
-    """A traced `score_mod`, `mask_mod` or `epilogue`. Equal transforms (same jaxpr, same constants, captures of the same
-    shapes) compare and hash equal, so a jitted layer that builds a new lambda on every call hits every cache.
+    """A traced `score_mod`, `mask_mod` or `epilogue`. Equal transforms (same jaxpr, same constants, captures of
+    the same shapes) compare and hash equal, so a jitted layer that builds a new lambda on every call hits every cache.
 
     Attributes:
       kind: "score_mod", "mask_mod" or "epilogue".
@@ -307,7 +307,8 @@ def _with_derivatives(value, specs):
 def _evaluate(jaxpr, consts, operands, count: int, on_read):
     """Evaluates `jaxpr` on `operands` (the first `count` of them captures) by binding its equations, as
     `jax.core.eval_jaxpr` does, except that every read of a capture (a `dynamic_slice`) is
-    `on_read(capture, load) -> value`, `load()` performing it. Calls that receive a capture are inlined so that their reads are seen."""
+    `on_read(capture, load) -> value`, `load()` performing it. Calls that receive a capture are inlined so that
+    their reads are seen."""
     env = {}
     capture_of = {}
 
@@ -370,7 +371,8 @@ def _check_equations(jaxpr, captures: set, what: str) -> None:
         if eqn.primitive.name in _CALLS:
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             inner = getattr(inner, "jaxpr", inner)
-            _check_equations(inner, {v for v, a in zip(inner.invars, eqn.invars) if not hasattr(a, "val") and a in captures}, what)
+            passed = {v for v, a in zip(inner.invars, eqn.invars) if not hasattr(a, "val") and a in captures}
+            _check_equations(inner, passed, what)
             continue
         for var in eqn.invars:
             if _holds(var, captures):

@@ -502,8 +502,8 @@ class GroupCOO(GroupedFormat):
     def to_bcoo(self) -> jsparse.BCOO:
         """A ``BCOO`` holding every one of the ``G * P`` slots, padding included.
 
-        Padding slots are zero-valued entries (at columns that hold entries), so the matrix is equal, but the BCOO is not
-        duplicate-free (``unique_indices=False``) and ``nse = G * P``. Keeping every slot makes this traceable;
+        Padding slots are zero-valued entries (at columns that hold entries), so the matrix is equal, but the BCOO is
+        not duplicate-free (``unique_indices=False``) and ``nse = G * P``. Keeping every slot makes this traceable;
         call ``.sum_duplicates()`` on the result to compact it outside ``jit``.
         """
         rows = jnp.broadcast_to(self.Ai[:, None], self.Ak.shape)
