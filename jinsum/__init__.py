@@ -38,5 +38,8 @@ from jinsum.formats import GroupCOO as GroupCOO
 from jinsum.formats import default_group_size as default_group_size
 
 __version__ = "0.1.0"
-from jinsum import sampling as sampling
-from jinsum import shard as shard
+# The subpackages without Flax load with jinsum (`jinsum.graphs.adjacency(...)` after `import jinsum`);
+# `jinsum.nn` needs Flax and loads on `import jinsum.nn`.
+from jinsum import graphs as graphs  # noqa: E402
+from jinsum import sampling as sampling  # noqa: E402
+from jinsum import shard as shard  # noqa: E402

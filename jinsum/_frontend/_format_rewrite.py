@@ -21,7 +21,7 @@ import numpy as np
 from jinsum._rules import _primitive
 from jinsum._lang import ColumnOrder, parse
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.formats._base import GroupedFormat
+from jinsum.formats._base import PRODUCTS
 from jinsum.formats._convert import check_not_overflowed
 
 
@@ -207,5 +207,4 @@ def _format_rmatmul(self, other):
     return _matmul({1: "k,ki->i", 2: "mk,ki->mi"}, self, other, (other, self))
 
 
-GroupedFormat.__matmul__ = _format_matmul
-GroupedFormat.__rmatmul__ = _format_rmatmul
+PRODUCTS.update(matmul=_format_matmul, rmatmul=_format_rmatmul)

@@ -1,11 +1,17 @@
 """What both grouped formats share: their pytree reconstruction, copies with fields replaced, and the properties
 read off their arrays.
 
-`A @ B` is attached by `jinsum._frontend._format_rewrite`, which implements products over formats (the way JAX attaches
-array methods from the modules that implement them): the formats do not import the einsum machinery.
+`A @ B` is a method of the formats that runs the products of `jinsum._frontend._format_rewrite`, which registers them
+in `PRODUCTS` when jinsum is imported: the formats sit below the einsum machinery and do not import it (as the
+primitive does not import its lowerings, which register themselves on it).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+# `"matmul"` and `"rmatmul"`: `f(format, dense)`, registered by `jinsum._frontend._format_rewrite`.
+PRODUCTS: dict[str, Callable] = {}
 
 
 class GroupedFormat:
@@ -13,6 +19,15 @@ class GroupedFormat:
 
     __slots__ = ()
     __array_ufunc__ = None  # NumPy then defers `ndarray @ A` to `A.__rmatmul__` instead of converting `A`
+
+    def __matmul__(self, other):
+        """`A @ x`, `A @ B` for a dense vector or matrix: the format's SpMV / SpMM (`jinsum.einsum("ik,kn->in", A,
+        B)`), differentiable, batched and lowered like any statement."""
+        return PRODUCTS["matmul"](self, other)
+
+    def __rmatmul__(self, other):
+        """`x @ A`, `B @ A` for a dense vector or matrix (`jinsum.einsum("mk,ki->mi", B, A)`)."""
+        return PRODUCTS["rmatmul"](self, other)
 
     @classmethod
     def tree_unflatten(cls, aux, children):

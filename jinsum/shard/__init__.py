@@ -23,5 +23,3 @@ from jinsum.shard._partition import HaloPlan as HaloPlan
 from jinsum.shard._partition import Layout as Layout
 from jinsum.shard._partition import Partitioned as Partitioned
 from jinsum.shard._partition import partition as partition
-
-Partitioned.__matmul__ = matmul

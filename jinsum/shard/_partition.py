@@ -158,6 +158,11 @@ class Partitioned:
     def tree_flatten(self):
         return (self.local, self.remote, self.send), (self.mesh, self.axis, self.shape, self.layout, self.plan)
 
+    def __matmul__(self, x):
+        """`A @ x` for row-sharded `x`: `jinsum.shard.matmul(A, x)`."""
+        from jinsum.shard._ops import matmul  # noqa: PLC0415 (the products import this module)
+        return matmul(self, x)
+
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(*children, *aux)
