@@ -472,12 +472,14 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
 
 def grouped_hopper_fallback(plan: KernelPlan) -> str:
     """Why `plan` has no Hopper form ("" if it has one). The forms, in 16-bit floats:
+
     - a grouped product: a dot plan whose groups are tiles of its output's rows, each times its group's matrix,
       into zeros, `H[g,p,n] += X[Ak[g,p],k] * W[Ai[g],k,n]` (the rows gathered) or `H[g,p,n] += X[g,p,k] *
       W[Ai[g],k,n]` (in grouped order), the matrices stored either way round (`W[Ai[g],n,k]`: an input gradient's
       products), an epilogue or none: a mixture of experts' projections and HeteroLinear;
     - a grouped sum: each row's product of its groups' rows, `dW[Ai[g],m,n] += X[g,k,m] * dH[g,k,n]` into zeros
-      (`Ai` sorted, the rows in grouped order: a weight gradient after `gathered_first`), m in tiles of 128."""
+      (`Ai` sorted, the rows in grouped order: a weight gradient after `gathered_first`), m in tiles of 128.
+    """
     spec, dot = plan.spec, plan.dot
     statement = spec.statement
     if plan.template != "dot":

@@ -57,6 +57,7 @@ def kernel_scratch(plan: KernelPlan) -> int:
 def described(plan: KernelPlan) -> dict[str, View]:
     """The dot factors (by role, "a" / "b") the kernel reads through TMA descriptors (with
     `KernelConfig.descriptors`): those whose tile is exactly one box of a row-major view, i.e.
+
     - the two tile variables index the operand directly, once each, the later one at its last dimension of more
       than one element (so it has stride 1);
     - a tile never crosses its variable's extent where the box past it would read a neighbour's elements instead
@@ -65,6 +66,7 @@ def described(plan: KernelPlan) -> dict[str, View]:
       fills the rest of a box past the view's own edges with zeros, as the masked pointer load;
     - rows of a multiple of 16 bytes, columns of the box at least 16 bytes (and every column offset a multiple of
       16 bytes), box sides of at most `MAX_BOX` elements, and 1 to 2^31 - 2 rows.
+
     An index out of its range moves the box past the last row (zeros, as the masked pointer load)."""
     if not (plan.config.descriptors and plan.template == "dot"):
         return {}

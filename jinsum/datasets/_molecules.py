@@ -20,8 +20,8 @@ def molecules(count: int, *, min_nodes: int = 10, max_nodes: int = 50, max_rings
     pooling sees.
 
     Returns:
-      A list of dicts `{"x": float32 (n, features), "edge_index": int32 (2, 2 (n - 1 + r)), "y": int32 r}`, the
-      graphs `jinsum.graphs.GraphLoader` reads.
+      A list of dicts, the graphs `jinsum.graphs.GraphLoader` reads: `"x"` float32 `(n, features)`,
+      `"edge_index"` int32 `(2, 2 (n - 1 + r))` and `"y"` the int32 `r`.
     """
     count = check_int("molecules", "count", count)
     if not 2 <= min_nodes <= max_nodes or not 0 <= max_rings or not 1 <= atom_types <= features:
