@@ -1,16 +1,17 @@
-# Entry points for a fresh machine: `make demo`, `make test` (ruff, then pytest) and `make lint`. Each first builds
-# .venv (once per change of pyproject.toml) with jinsum installed in editable mode and its nn and test extras.
+# Entry points for a fresh machine: `make demo`, `make test` (ruff, then pytest), `make lint` and `make docs`. Each
+# first builds .venv (once per change of pyproject.toml) with jinsum installed in editable mode and its nn, test and
+# docs extras.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint docs venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[nn,test]'
+	$(BIN)/python -m pip install -q -e '.[nn,test,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -21,8 +22,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs/_build/html/index.html"
+
 test: lint
 	$(BIN)/python -m pytest -n 2 --dist worksteal
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info docs/_build
