@@ -32,8 +32,8 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], *, calls: int = 20
                      sync: Callable = jax.block_until_ready) -> dict[str, float]:
     """Median seconds per call of each of `fns` (functions of no arguments, by name), over `rounds` rounds: each
     round times `calls` back-to-back calls of each function, closed by one `sync`, in an order that rotates from
-    round to round. A small step's time is the host's, which drifts by tens of percent over a minute
-    (DESIGN.md, issue 44); measured one after another, two systems would each get their own minute."""
+    round to round. A small step's time is the host's, which drifts by tens of percent over a minute (DESIGN.md,
+    "Measure warm and interleaved"); measured one after another, two systems would each get their own minute."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):

@@ -290,7 +290,8 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
                               config.block_k or _pow2(bk, 16, cols))
         # Rows (keys) longer than `chunk` blocks are cut into pieces, so that a few long ones (BigBird's global
         # rows) do not hold back the launch; each piece costs its partial results in scratch and a merge. Pieces
-        # of at least twice the mean segment: rows of causal attention run whole (DESIGN.md, issue 42).
+        # of at least twice the mean segment: rows of causal attention run whole (DESIGN.md, "The kernels' forms
+        # and when each is chosen").
         # Where the programs are fewer than `FILL` (decoding a few long sequences over a paged cache), rows are cut
         # finer, down to 16 blocks, so that their pieces fill the GPU (flash-decoding).
         mean = plan.chain.entries / max(1, plan.segments)

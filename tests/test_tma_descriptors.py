@@ -233,8 +233,8 @@ def test_statement_kernels_launch_with_their_name_and_scratch(rng):
 
 @interpreted
 def test_statements_read_tiles_by_pointers_unless_tuned_to_descriptors(rng, monkeypatch):
-    """Descriptors lost on SparseLinear's 32 x 32 blocks on an H200 (DESIGN.md, issue 42): the default reads
-    tiles by pointers on any device; `jinsum.autotune` tries descriptors too where the GPU has TMA, and a stored
+    """Descriptors lost on SparseLinear's 32 x 32 blocks on an H200 (DESIGN.md, "Measured and not kept"): the default
+    reads tiles by pointers on any device; `jinsum.autotune` tries descriptors too where the GPU has TMA, and a stored
     or forced configuration keeps its own value."""
     operands = CASES[1].make(rng, np.float16)
     operands["Ak"] = np.clip(operands["Ak"], 0, 2)

@@ -218,8 +218,9 @@ def _as_block_flags(pattern: BlockGroupCOO, *, causal: bool, mask_mod: bool) -> 
     """A block pattern known on the host whose blocks hold no zero the causal rule does not mask anyway (as
     `jinsum.nn.block_pattern`'s), as one flag per block, as a block mask is read: the kernels then never read its
     elements. (They would read them on a partial block only, but that read's 64-bit address tile costs registers,
-    spilled in every iteration, full blocks included: DESIGN.md, issue 42.) Blocks without a nonzero element get
-    flag 0; with `mask_mod`, no block is full (the kernels evaluate it on every block but empty ones)."""
+    spilled in every iteration, full blocks included: DESIGN.md, "Attention masks as block flags".) Blocks without
+    a nonzero element get flag 0; with `mask_mod`, no block is full (the kernels evaluate it on every block but
+    empty ones)."""
     if not all(is_concrete(x) for x in (pattern.Ai, pattern.Ak, pattern.Av)):
         return pattern
     (bm, bk), nonzero = pattern.block_shape, np.asarray(pattern.Av) != 0  # (G, bm, bk, P), on the host

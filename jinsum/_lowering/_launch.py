@@ -6,10 +6,10 @@ per output; aliased outputs are their input's buffer), with two targets:
   jinsum's persistent cache of compiled kernels in front of them, `_kernel_cache`), or, for a Gluon kernel (the
   Hopper form, `jinsum.kernels.hopper`), by Triton's own compiler (its front end writes TTGIR, past jax-triton's
   TTIR steps), and launched as XLA's own kernel node (`KERNEL_NODE`), not as jax-triton's custom call: XLA's
-  command buffers (CUDA graphs) capture a kernel node like one of its fusions, where each jax-triton call split them
-  and returned to the host between the pieces (a small training step issued in 0.27 instead of 0.45 ms: DESIGN.md,
-  issue 44). A Gluon kernel's warp-specialised partitions add warps to the launch's: the node gets the compiled
-  kernel's count;
+  command buffers (CUDA graphs) capture a kernel node like one of its fusions, where each jax-triton call split
+  them and returned to the host between the pieces (a small training step issued in 0.27 instead of 0.45 ms:
+  DESIGN.md, "Kernels are XLA kernel nodes"). A Gluon kernel's warp-specialised partitions add warps to the
+  launch's: the node gets the compiled kernel's count;
 - `INTERPRETER`: Triton's interpreter on CPU (tests: needs `TRITON_INTERPRET=1` set before Triton kernels are
   first defined, and torch). NumPy arrays in and out; traced arrays through a host callback. Outputs that the
   kernel must write start as NaN (-7 for integers), so an element it leaves unwritten shows.
