@@ -87,7 +87,7 @@ K_CHUNK = 1024
 # ... unless the output has this many elements or more: then its tiles alone fill the GPU, and the chunks' float32
 # atomics (and the cast after them) cost more than the reuse saves. Issue 43's grouped products (H200, kernel time):
 # 16,384 x 14,336 outputs (k = 4,096) in 4 chunks 5.41 ms, unchunked 2.95; 131,072 x 768 (k = 2,048) in 2 chunks
-# 1.12 ms (and 0.16 for the cast), unchunked see DESIGN.md.
+# 1.12 ms (and 0.16 for the cast), unchunked: benchmarks/README.md, "Mixtures of experts".
 CHUNK_ELEMENTS = 1 << 22
 # A weight gradient walking its rows' positions (`KernelPlan.window_in_k`) with fewer row programs than this (rows x
 # output tiles) takes windows of groups instead, about this many (twice an H100's 132 SMs). HeteroLinear, 16 types

@@ -78,7 +78,7 @@ def _capability() -> float:
 def tuned_config(spec: Spec) -> KernelConfig | None:
     """The configuration to lower `spec` with: the one being timed, else a stored one, else None. (The
     defaults read a statement's tiles by pointers: `jinsum.autotune` tries TMA descriptors where the GPU has
-    them, and stores them where they win; DESIGN.md, issue 42.)"""
+    them, and stores them where they win; DESIGN.md, "Measured and not kept".)"""
     forced = _OVERRIDE.get()
     if isinstance(forced, KernelConfig):
         return forced

@@ -33,8 +33,8 @@ from jinsum.graphs._adjacency import adjacency
 # A batch's adjacency carries its column order (a sort of the batch's edges on the device, every step) only where
 # some node of the dataset has more edges than this. The order lets a transpose (the gradient with respect to node
 # features) sum a hub's entries in registers instead of adding them atomically one after another; without hubs
-# the atomic addition costs little and the sort and the transpose's index are the step's overhead (DESIGN.md,
-# "Molecule batches without the column order").
+# the atomic addition costs little and the sort and the transpose's index are the step's overhead (benchmarks/README.md,
+# "Batches of small graphs").
 COLUMN_ORDER_DEGREE = 32
 
 
