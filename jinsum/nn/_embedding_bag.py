@@ -35,6 +35,7 @@ from flax.nnx.nn.linear import default_embed_init
 
 from jinsum.graphs import Bags, bags
 from jinsum.graphs._bags import check_padding_idx
+from jinsum.nn._dtypes import check_dtypes, compute_dtype
 from jinsum.nn._graph import aggregate, aggregate_extreme, floating_features, row_sums
 from jinsum.nn._sizes import layer_sizes
 
@@ -106,11 +107,15 @@ class EmbeddingBag(nnx.Module):
           num_embeddings, features: the table's shape.
           mode: "sum", "mean" (torch's default) or "max".
           padding_idx, include_last_offset: as for `jinsum.graphs.bags` (torch's).
-          dtype: of the computation (default: the table's); param_dtype: of the table.
+          dtype: the computation's dtype (the table's rows, or `rows`, are cast to it, as `nnx.Embed` casts
+            them; the sums accumulate as their statements do, in float32 for bfloat16); None: JAX's promotion of
+            the table and `rows` (`jinsum.nn._dtypes`), `param_dtype` for rows taken from the table.
+          param_dtype: the table's dtype.
           embedding_init: the table's initializer (`nnx.Embed`'s default).
           rngs: initialises the table.
         """
         _check_mode("EmbeddingBag", mode, False)
+        check_dtypes("EmbeddingBag", dtype, param_dtype)
         num_embeddings, features = layer_sizes("EmbeddingBag", num_embeddings=num_embeddings, features=features)
         table = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
         if padding_idx is not None:
@@ -119,7 +124,7 @@ class EmbeddingBag(nnx.Module):
         self.embedding = nnx.Param(table)
         self.num_embeddings, self.features, self.mode = num_embeddings, features, mode
         self.padding_idx, self.include_last_offset = padding_idx, include_last_offset
-        self.dtype = dtype or param_dtype
+        self.dtype = dtype
 
     def bags(self, indices, offsets=None, per_sample_weights=None, *, unique: bool = False) -> Bags:
         """`jinsum.graphs.bags` with this layer's table size, `padding_idx` and `include_last_offset`."""
@@ -127,7 +132,7 @@ class EmbeddingBag(nnx.Module):
                     padding_idx=self.padding_idx, include_last_offset=self.include_last_offset, unique=unique)
 
     def __call__(self, indices, offsets=None, per_sample_weights=None, *, rows: jax.Array | None = None) -> jax.Array:
-        """`(B, features)` in `dtype`.
+        """`(B, features)` in `dtype` (None: the table's, promoted with `rows`').
 
         Args:
           indices, offsets, per_sample_weights: a batch in torch's reading (`jinsum.graphs.bags`); or `indices` bags
@@ -150,4 +155,5 @@ class EmbeddingBag(nnx.Module):
         table = self.embedding[...]
         if batch.rows is not None and rows is None:
             rows = batch.take(table)
-        return embedding_bag(jnp.asarray(table if rows is None else rows, self.dtype), batch, self.mode)
+        values = table if rows is None else rows  # (rows: the table's, passed to be differentiated)
+        return embedding_bag(jnp.asarray(values, compute_dtype(self.dtype, values, table)), batch, self.mode)

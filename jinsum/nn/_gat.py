@@ -13,6 +13,7 @@ import jinsum
 from jinsum.formats import GroupCOO
 from jinsum.graphs import EdgeList
 from jinsum.nn._dropout import dropout_seed
+from jinsum.nn._dtypes import check_dtypes
 from jinsum.nn._edges import (SoftmaxSums, attend, edges_of, expect_edges, feature_sums_over, is_edge_adjacency,
                               mean_features)
 from jinsum.nn._graph import expect_adjacency, node_features
@@ -30,6 +31,7 @@ class GATConv(nnx.Module):
     - scores by the rank-2 trick: with per-head `X_i = [s_dst_i, 1]` and `Y_j = [1, s_src_j]`, the dot product
       `X_i . Y_j = s_dst_i + s_src_j`, and `score_mod` is the LeakyReLU;
     - a stable softmax over each node's in-edges, attention dropout, and the weighted sum of `h`;
+
     on CUDA one generated kernel (and its FlashAttention-2-style backward), elsewhere the unfused statements.
 
     The adjacency's values only say which entries are edges (nonzero); their weights and multiplicities are
@@ -73,12 +75,14 @@ class GATConv(nnx.Module):
           edge_dim: width of the edge features that enter the scores (edge by edge: an `EdgeList` or an
             `edge_adjacency`).
           use_bias: add a learned bias to the output.
-          dtype: the computation's dtype (features and weights are cast to it, as `nnx.Linear` does; sparse
-            products accumulate in float32); None: JAX's promotion of input and parameters.
-          param_dtype: dtype of the parameters.
+          dtype: the computation's dtype (features, weights and edge features are cast to it, as `nnx.Linear`
+            casts them; sparse products accumulate as their statements do, in float32 for bfloat16); None: JAX's
+            promotion of the input and the parameters (`jinsum.nn._dtypes`).
+          param_dtype: the parameters' dtype.
           rngs: initialises the parameters and seeds the dropout.
         """
         out_features, heads = layer_sizes("GATConv", out_features=out_features, heads=heads)
+        check_dtypes("GATConv", dtype, param_dtype)
         in_src, in_dst = feature_pair("GATConv", in_features)
         if edge_dim is not None:
             (edge_dim,) = layer_sizes("GATConv", edge_dim=edge_dim)

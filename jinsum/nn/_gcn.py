@@ -9,7 +9,8 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.nn._graph import aggregate, expect_adjacency, floating_features, row_sums, transform_first
+from jinsum.nn._dtypes import check_dtypes, compute_dtype, promote
+from jinsum.nn._graph import aggregate, expect_adjacency, row_sums, transform_first
 from jinsum.nn._sizes import layer_sizes
 
 
@@ -82,12 +83,14 @@ class GCNConv(nnx.Module):
           improved: self loops of weight 2, `A + 2I` (Kipf & Welling's "renormalisation trick", PyG's `improved`).
           normalize: apply the symmetric normalisation `D^-1/2 . D^-1/2`; without it the layer is
             `(A [+ I]) x W + b`.
-          dtype: the computation's dtype (features and weights are cast to it, as `nnx.Linear` does; sparse
-            products accumulate in float32); None: JAX's promotion of input and parameters.
-          param_dtype: dtype of the parameters.
+          dtype: the computation's dtype (features, weights and the adjacency's values are cast to it, as
+            `nnx.Linear` casts them; sparse products accumulate as their statements do, in float32 for bfloat16);
+            None: JAX's promotion of the input and the parameters (`jinsum.nn._dtypes`).
+          param_dtype: the parameters' dtype.
           rngs: initialises the weight.
         """
         in_features, out_features = layer_sizes("GCNConv", in_features=in_features, out_features=out_features)
+        check_dtypes("GCNConv", dtype, param_dtype)
         self.linear = nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                  rngs=rngs)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
@@ -101,7 +104,7 @@ class GCNConv(nnx.Module):
         if transform_first(A, self.linear.in_features, self.linear.out_features):
             return self._propagate(A, self.linear(x), bias)
         # The propagation is linear and acts on rows, so it commutes with `W`: it runs on the narrower side.
-        dtype = self.linear.dtype or jnp.result_type(x, self.linear.kernel[...])
+        dtype = compute_dtype(self.linear.dtype, x, self.linear.kernel[...])
         out = self.linear(self._propagate(A, x.astype(dtype), None))
         return out if bias is None else out + bias.astype(out.dtype)
 
@@ -124,17 +127,33 @@ class SGConv(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, K: int = 1, add_self_loops: bool = True,
-                 use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 use_bias: bool = True, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        """Creates the linear layer.
+
+        Args:
+          in_features, out_features: feature sizes of the input and the output.
+          K: the number of propagations.
+          add_self_loops: propagate with `A + I` instead of `A`.
+          use_bias: the linear layer's bias.
+          dtype: the computation's dtype (features, weights and the adjacency's values are cast to it, as
+            `nnx.Linear` casts them; sparse products accumulate as their statements do, in float32 for bfloat16);
+            None: JAX's promotion of the input and the parameters (`jinsum.nn._dtypes`).
+          param_dtype: the parameters' dtype.
+          rngs: initialises the weight.
+        """
         in_features, out_features = layer_sizes("SGConv", in_features=in_features, out_features=out_features)
         (K,) = layer_sizes("SGConv", 0, K=K)
+        check_dtypes("SGConv", dtype, param_dtype)
         self.K, self.self_loops = K, 1.0 if add_self_loops else 0.0
-        self.linear = nnx.Linear(in_features, out_features, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        self.linear = nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                                 rngs=rngs)
 
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
         """`x` `(N, in_features)`, `A` `(N, N)` -> `(N, out_features)`."""
         expect_adjacency("SGConv", A, x, (GroupCOO, BlockGroupCOO), self.linear.in_features)
-        x = floating_features(x, self.linear.kernel[...])
-        scale = gcn_scale(A, x.dtype, self.self_loops)
+        x = promote(self.linear.dtype, x, self.linear.kernel[...])[0]
+        # (degrees summed in float32 at least, as GCNConv's: a hub's degree is not exact in bfloat16)
+        scale = gcn_scale(A, jnp.promote_types(x.dtype, jnp.float32), self.self_loops)
         for _ in range(self.K):
             x = gcn_propagate(A, x, scale, self.self_loops)
         return self.linear(x)
@@ -148,17 +167,28 @@ class APPNP(nnx.Module):
       >>> y = jinsum.nn.APPNP(K=10, alpha=0.1)(mlp(x), A)
     """
 
-    def __init__(self, K: int, alpha: float, *, add_self_loops: bool = True):
+    def __init__(self, K: int, alpha: float, *, add_self_loops: bool = True, dtype=None):
+        """Sets the propagation (no parameters).
+
+        Args:
+          K: the number of propagations.
+          alpha: the teleport probability, in `[0, 1]`.
+          add_self_loops: propagate with `A + I` instead of `A`.
+          dtype: the computation's dtype (features and the adjacency's values are cast to it; sparse products
+            accumulate as their statements do, in float32 for bfloat16); None: the features' dtype (integer
+            features cast to float32, as `nnx.Linear` casts them; `jinsum.nn._dtypes`).
+        """
         (K,) = layer_sizes("APPNP", 0, K=K)
         if not 0 <= alpha <= 1:
             raise ValueError(f"APPNP: alpha must be in [0, 1], got {alpha}")
-        self.K, self.alpha, self.self_loops = K, alpha, 1.0 if add_self_loops else 0.0
+        check_dtypes("APPNP", dtype)
+        self.K, self.alpha, self.self_loops, self.dtype = K, alpha, 1.0 if add_self_loops else 0.0, dtype
 
     def __call__(self, x: jax.Array, A: GroupCOO | BlockGroupCOO) -> jax.Array:
         """`x` `(N, F)`, `A` `(N, N)` -> `(N, F)`."""
         expect_adjacency("APPNP", A, x, (GroupCOO, BlockGroupCOO))
-        x = floating_features(x)
-        scale = gcn_scale(A, x.dtype, self.self_loops)
+        (x,) = promote(self.dtype, x)
+        scale = gcn_scale(A, jnp.promote_types(x.dtype, jnp.float32), self.self_loops)  # (as GCNConv's degrees)
         h = x
         for _ in range(self.K):
             h = (1 - self.alpha) * gcn_propagate(A, h, scale, self.self_loops) + self.alpha * x

@@ -29,6 +29,7 @@ import jinsum
 from jinsum import _config
 from jinsum.formats import GroupCOO
 from jinsum.formats._build import row_lengths
+from jinsum.nn._dtypes import check_dtypes, compute_dtype
 from jinsum.nn._moe import combined, gathered_product, slot_columns
 from jinsum.nn._routing import routed_group_size
 
@@ -74,8 +75,9 @@ class HeteroLinear(nnx.Module):
           in_features, out_features: the sizes of `x`'s last axis and of the output's.
           num_types: `T`, the number of types (and of weight matrices).
           bias: add a learned bias per type.
-          dtype: the computation's dtype (inputs and parameters are cast to it; products accumulate in float32);
-            None: JAX's promotion of the input and the parameters.
+          dtype: the computation's dtype (inputs and parameters are cast to it, as `nnx.Linear` casts them;
+            products accumulate as their statements do, in float32 for bfloat16); None: JAX's promotion of the
+            input and the parameters (`jinsum.nn._dtypes`).
           param_dtype: the parameters' dtype.
           weight_init: initialiser of the `(T, in, out)` weight. The default is PyG's (`U(+-1/sqrt(in))`); PyG's
             `weight_initializer="glorot"` is `nnx.initializers.glorot_uniform(in_axis=-2, out_axis=-1,
@@ -88,6 +90,7 @@ class HeteroLinear(nnx.Module):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{_WHERE}: {name} must be a positive int, got {value!r}")
         self.in_features, self.out_features, self.num_types = int(in_features), int(out_features), int(num_types)
+        check_dtypes(_WHERE, dtype, param_dtype)
         self.dtype = dtype
         self.weight = nnx.Param(weight_init(rngs.params(), (num_types, in_features, out_features), param_dtype))
         if bias_init is None:
@@ -104,7 +107,7 @@ class HeteroLinear(nnx.Module):
         x, type_vec = jnp.asarray(x), jnp.asarray(type_vec)
         self._check_inputs(x, type_vec)
         weight, bias = jnp.asarray(self.weight[...]), None if self.bias is None else jnp.asarray(self.bias[...])
-        dtype = self.dtype or jnp.result_type(x, weight, *(() if bias is None else (bias,)))
+        dtype = compute_dtype(self.dtype, x, weight, bias)
         A = rows_by_type(type_vec, self.num_types).astype(dtype)
         epilogue = None
         if bias is not None:  # each group's type's bias, added to its rows' products in the product's kernel

@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jinsum.formats._convert import check_int
+from jinsum.nn._dtypes import check_dtypes, compute_dtype
 from jinsum.nn._expert_parallel import devices_along, expert_parallel_mlp
 from jinsum.nn._moe import ACTIVATIONS, routed_mlp
 from jinsum.nn._routing import check_routing, route_tokens
@@ -67,9 +68,10 @@ class MoE(nnx.Module):
           balance_coef: the load balancing loss's weight; 0.01 is Switch's `alpha` (Fedus et al., 2021).
           z_coef: the router z-loss's weight; 0.001 is ST-MoE's `c_z` (Zoph et al., 2022).
           group_size: tokens per group of the routing matrix (a later kernel's row tile); None: the builder's rule.
-          dtype: the experts' computation dtype (inputs, weights and combine weights are cast to it; products
-            accumulate in float32); None: JAX's promotion of the input and the parameters. The router always runs
-            in at least float32.
+          dtype: the experts' computation dtype (inputs, weights and combine weights are cast to it, as
+            `nnx.Linear` casts them; products accumulate as their statements do, in float32 for bfloat16); None:
+            JAX's promotion of the input and the parameters (`jinsum.nn._dtypes`). The router always runs in at
+            least float32.
           param_dtype: the parameters' dtype.
           kernel_init: the experts' initialiser, for `(E, fan_in, fan_out)` arrays.
           mesh, axis: split the experts and the tokens over this axis of this mesh (both or neither; the experts
@@ -82,6 +84,7 @@ class MoE(nnx.Module):
         in_features = check_int(where, "in_features", in_features, minimum=1)
         hidden_features = check_int(where, "hidden_features", hidden_features, minimum=1)
         check_routing(where, num_experts, top_k, capacity_factor)
+        check_dtypes(where, dtype, param_dtype)
         self.in_features, self.hidden_features = in_features, hidden_features
         self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
         if (mesh is None) != (axis is None):
@@ -121,7 +124,7 @@ class MoE(nnx.Module):
             logits = jax.shard_map(lambda t, w: t @ w, mesh=self.mesh, in_specs=(split, P()), out_specs=split)(
                 jax.reshard(tokens_router, NamedSharding(self.mesh, split)), self.router.kernel[...])
         weights = [w[...] for w in (self.w_up, self.w_down, *(() if self.w_gate is None else (self.w_gate,)))]
-        dtype = self.dtype or jnp.result_type(x, *weights)
+        dtype = compute_dtype(self.dtype, x, *weights)
         w_up, w_down = self.w_up[...].astype(dtype), self.w_down[...].astype(dtype)
         w_gate = None if self.w_gate is None else self.w_gate[...].astype(dtype)
         if self.mesh is not None:

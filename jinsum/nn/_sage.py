@@ -10,8 +10,8 @@ from flax import nnx
 
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.nn._aggregation import AGGREGATIONS, multi_aggregate
-from jinsum.nn._graph import (aggregate, expect_adjacency, floating_features, node_features, row_sums,
-                              transform_first)
+from jinsum.nn._dtypes import check_dtypes, promote
+from jinsum.nn._graph import aggregate, expect_adjacency, node_features, row_sums, transform_first
 from jinsum.nn._sizes import feature_pair, layer_sizes
 
 
@@ -19,6 +19,7 @@ class SAGEConv(nnx.Module):
     """`out_i = W_l aggr_{j -> i} x_j + W_r x_i + b`, optionally L2-normalised (PyG's `SAGEConv`).
 
     Aggregations over each node's in-edges:
+
     - `"mean"` (the default), weighted by the edge values: `(A @ x)_i / deg_i` with `deg = rowsum(A)` (the number of
       in-edges for an unweighted graph), one sorted segment sum `D[Ai[g]] += Av[g,p]` and one SpMM;
     - `"sum"`: `(A @ x)_i`, weighted by the edge values;
@@ -26,6 +27,7 @@ class SAGEConv(nnx.Module):
       ignored); its gradient goes to each output element's first maximal neighbour;
     - `"min"`, `"var"`, `"std"`, or a list of aggregations concatenated (PNA's `["mean", "max", "min", "std"]`;
       `jinsum.nn.multi_aggregate`).
+
     Nodes without in-edges aggregate 0. Sums and means commute with `W_l`, so they run in whichever order does fewer
     multiply-adds: on a square graph, the SpMM on the narrower of `x` and `x W_l`; on a sampled bipartite layer
     (many more sources than destinations) usually the SpMM first. The maximum takes `x` (or its projection).
@@ -52,11 +54,13 @@ class SAGEConv(nnx.Module):
           project: first replace the neighbours' features by `ReLU(W_p x + b_p)` (a learned `in -> in` layer).
           use_bias: add a learned bias `b`.
           root_weight: add the node's own transformed features `W_r x_i`.
-          dtype: the computation's dtype (features and weights are cast to it, as `nnx.Linear` does; sparse
-            products accumulate in float32); None: JAX's promotion of input and parameters.
-          param_dtype: dtype of the parameters.
+          dtype: the computation's dtype (features, weights and the adjacency's values are cast to it, as
+            `nnx.Linear` casts them; sparse products accumulate as their statements do, in float32 for bfloat16);
+            None: JAX's promotion of the input and the parameters (`jinsum.nn._dtypes`).
+          param_dtype: the parameters' dtype.
           rngs: initialises the weights.
         """
+        check_dtypes("SAGEConv", dtype, param_dtype)
         aggrs = [aggr] if isinstance(aggr, str) else list(aggr)
         if not aggrs or any(a not in AGGREGATIONS for a in aggrs):
             raise ValueError(f"SAGEConv: aggr must be one of {AGGREGATIONS} or a list of them, got {aggr!r}")
@@ -80,11 +84,7 @@ class SAGEConv(nnx.Module):
         x_src, x = node_features("SAGEConv", x)
         expect_adjacency("SAGEConv", A, x, formats, self.in_features[1], sources=x_src,
                          source_features=self.in_features[0])
-        if self.dtype is not None:
-            x_src, x = x_src.astype(self.dtype), x.astype(self.dtype)
-        else:  # (integer features: the sparse products take the dtype the layer's linear maps promote them to)
-            kernel = self.lin_neighbors.kernel[...]
-            x_src, x = floating_features(x_src, kernel), floating_features(x, kernel)
+        x_src, x, _ = promote(self.dtype, x_src, x, self.lin_neighbors.kernel[...])
         neighbors = x_src if self.project is None else jax.nn.relu(self.project(x_src))
         if not linear:
             out = self.lin_neighbors(multi_aggregate(A, neighbors, self.aggrs))

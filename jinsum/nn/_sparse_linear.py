@@ -26,6 +26,7 @@ from flax.nnx.nn.linear import default_kernel_init
 import jinsum
 from jinsum.formats import BlockGroupCOO, GroupCOO
 from jinsum.formats._convert import check_block_shape
+from jinsum.nn._dtypes import check_dtypes, compute_dtype
 from jinsum.nn._sizes import layer_sizes
 
 
@@ -85,14 +86,16 @@ class SparseLinear(nnx.Module):
             `block_shape`.
           block_shape: `(bi, bo)` dividing `(in_features, out_features)`: dense blocks of `W`; None: elements.
           use_bias: add a learned bias `b` `(out_features,)`.
-          dtype: the computation's dtype (inputs and weights are cast to it; products accumulate in float32);
-            None: JAX's promotion of the input and the parameters.
+          dtype: the computation's dtype (inputs and parameters are cast to it, as `nnx.Linear` casts them;
+            products accumulate as their statements do, in float32 for bfloat16); None: JAX's promotion of the
+            input and the parameters (`jinsum.nn._dtypes`).
           param_dtype: the parameters' dtype.
           kernel_init, bias_init: initialisers, as `nnx.Linear`'s.
           rngs: draws the initial values.
         """
         in_features, out_features = layer_sizes("SparseLinear", in_features=in_features, out_features=out_features)
         block_shape = None if block_shape is None else check_block_shape("SparseLinear", block_shape)
+        check_dtypes("SparseLinear", dtype, param_dtype)
         self.in_features, self.out_features = in_features, out_features
         self.dtype, self.block_shape = dtype, block_shape
         structure = _structure(pattern, in_features, out_features, block_shape)
@@ -123,7 +126,7 @@ class SparseLinear(nnx.Module):
             raise ValueError(f"SparseLinear: expected x of shape (..., {self.in_features}) (in_features), got "
                              f"{jnp.shape(x)}")
         weight, bias = self.weight, None if self.bias is None else self.bias[...]
-        dtype = self.dtype or jnp.result_type(x, weight.dtype, *(() if bias is None else (bias,)))
+        dtype = compute_dtype(self.dtype, x, weight.Av, bias)
         rows = x.reshape(-1, self.in_features).astype(dtype)
         if self.block_shape is None:
             # Elements: `Y^T = W^T X^T`, the SpMM over features-major operands, whose lanes (the batch) read
