@@ -14,6 +14,7 @@ from jinsum.formats import GroupCOO
 from jinsum.formats._convert import check_int
 from jinsum.graphs import knn
 from jinsum.nn._edge_conv import edge_messages, largest_message
+from jinsum.nn._dtypes import check_dtypes, promote
 from jinsum.nn._graph import floating_features, row_sums
 
 AGGREGATIONS = ("max", "mean", "sum", "add")
@@ -41,18 +42,25 @@ class DynamicEdgeConv(nnx.Module):
       >>> y = conv(pos, batch)              # pos (N, 3), batch (N,) each point's cloud -> (N, 64)
     """
 
-    def __init__(self, nn: Callable[[jax.Array], jax.Array], k: int, aggr: str = "max"):
-        """Wraps the message function.
+    def __init__(self, nn: Callable[[jax.Array], jax.Array], k: int, aggr: str = "max", *, dtype=None):
+        """Wraps the message function (the layer has no parameters of its own).
 
         Args:
-          nn: the message function `h`, from `(..., 2 F)` to `(..., F')` (an MLP, e.g. `nnx.Sequential`).
+          nn: the message function `h`, from `(..., 2 F)` to `(..., F')` (an MLP, e.g. `nnx.Sequential`); it
+            computes by its own `dtype` (build it with the layer's for one dtype throughout).
           k: neighbours per point, the point itself included.
           aggr: `"max"`, `"mean"` or `"sum"` (`"add"`) over each point's neighbours.
+          dtype: the dtype of the layer's own arithmetic: the features are cast to it before the edge features
+            `[x_i, x_j - x_i]`, and `nn`'s messages before the aggregation (which accumulates as its statement
+            does, in float32 for bfloat16). The kNN search reads the features as given, so that a lower
+            precision does not change the neighbours. None: the features' dtype (integer features cast to
+            float32, as `nnx.Linear` casts them) and the messages as `nn` makes them (`jinsum.nn._dtypes`).
         """
         where = "jinsum.nn.DynamicEdgeConv"
         if aggr not in AGGREGATIONS:
             raise ValueError(f"{where}: aggr must be one of {AGGREGATIONS}, got {aggr!r}")
-        self.nn, self.k, self.aggr = nn, check_int(where, "k", k, minimum=1), aggr
+        check_dtypes(where, dtype)
+        self.nn, self.k, self.aggr, self.dtype = nn, check_int(where, "k", k, minimum=1), aggr, dtype
 
     def __call__(self, x: jax.Array, batch: jax.Array | None = None) -> jax.Array:
         """`x` `(N, F)` (the first layer's: positions), `batch` `(N,)` each point's batch element (negative: a
@@ -61,11 +69,12 @@ class DynamicEdgeConv(nnx.Module):
         if x.ndim != 2:
             raise ValueError(f"jinsum.nn.DynamicEdgeConv: expected node features (N, F), got shape {tuple(x.shape)}")
         neighbors = knn(jax.lax.stop_gradient(x), self.k, batch, loop=True)
+        (x,) = promote(self.dtype, x)
         A = GroupCOO.from_neighbors(neighbors, num_sources=x.shape[0], dtype=x.dtype)
         if self.aggr == "max":
-            out = largest_message(A, x, x, self.nn)
+            out = largest_message(A, x, x, self.nn, dtype=self.dtype)
             return jnp.where(out == -jnp.inf, 0, out)
-        messages = edge_messages(A, x, x, self.nn, padding=0)
+        messages = edge_messages(A, x, x, self.nn, padding=0, dtype=self.dtype)
         out = jinsum.einsum("C[Ai[g],n] += M[g,p,n]", A=A, M=messages,
                             C=jax.ShapeDtypeStruct((x.shape[0], messages.shape[-1]), messages.dtype))
         if self.aggr != "mean":

@@ -3,10 +3,13 @@ nonlinearity, hence edge by edge."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jinsum.nn._dtypes import check_dtypes
 from jinsum.nn._edges import SoftmaxSums, attend, edges_of, expect_edges, feature_sums_over, mean_features
 from jinsum.nn._sizes import layer_sizes
 from jinsum.shard import Partitioned, per_part
@@ -34,21 +37,39 @@ class GATv2Conv(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, heads: int = 1, concat: bool = True,
                  negative_slope: float = 0.2, add_self_loops: bool = True, edge_dim: int | None = None,
-                 share_weights: bool = False, use_bias: bool = True, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        """Creates `lin_l`, `lin_r` (the same layer with `share_weights`), `att`, `lin_edge` and `bias`."""
+                 share_weights: bool = False, use_bias: bool = True, dtype=None, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        """Creates `lin_l`, `lin_r` (the same layer with `share_weights`), `att`, `lin_edge` and `bias`.
+
+        Args:
+          in_features: feature size of the input.
+          out_features: feature size of each head.
+          heads: number of attention heads `H`.
+          concat: concatenate the heads' outputs (`H * out_features`), else average them.
+          negative_slope: slope of the LeakyReLU inside the scores.
+          add_self_loops: every node attends to itself (stored self loops are replaced).
+          edge_dim: width of the edge features that enter the scores (projected by `lin_edge`).
+          share_weights: one layer for the sources and the destinations (`lin_r` is `lin_l`).
+          use_bias: biases on `lin_l`, `lin_r` and the output.
+          dtype: the computation's dtype (features, weights and edge features are cast to it, as `nnx.Linear`
+            casts them; the softmax sums accumulate as their statements do, in float32 for bfloat16); None: JAX's
+            promotion of the input and the parameters (`jinsum.nn._dtypes`).
+          param_dtype: the parameters' dtype.
+          rngs: initialises the parameters.
+        """
         in_features, out_features, heads = layer_sizes("GATv2Conv", in_features=in_features,
                                                        out_features=out_features, heads=heads)
         if edge_dim is not None:
             (edge_dim,) = layer_sizes("GATv2Conv", edge_dim=edge_dim)
+        check_dtypes("GATv2Conv", dtype, param_dtype)
         self.heads, self.out_features, self.concat = heads, out_features, concat
         self.negative_slope, self.add_self_loops = negative_slope, add_self_loops
         width = heads * out_features
-        self.lin_l = nnx.Linear(in_features, width, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
-        self.lin_r = self.lin_l if share_weights else nnx.Linear(in_features, width, use_bias=use_bias,
-                                                                 param_dtype=param_dtype, rngs=rngs)
+        linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.lin_l = linear(in_features, width, use_bias=use_bias)
+        self.lin_r = self.lin_l if share_weights else linear(in_features, width, use_bias=use_bias)
         self.att = nnx.Param(nnx.initializers.glorot_uniform()(rngs.params(), (heads, out_features), param_dtype))
-        self.lin_edge = (nnx.Linear(edge_dim, width, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-                         if edge_dim is not None else None)
+        self.lin_edge = linear(edge_dim, width, use_bias=False) if edge_dim is not None else None
         self.bias = nnx.Param(jnp.zeros((width if concat else out_features,), param_dtype)) if use_bias else None
 
     def __call__(self, x: jax.Array, edges, edge_attr: jax.Array | None = None) -> jax.Array:
@@ -59,6 +80,7 @@ class GATv2Conv(nnx.Module):
                      None if self.lin_edge is None else self.lin_edge.in_features)
         n = x.shape[0]
         left, right = self.lin_l(x).reshape(n, H, C), self.lin_r(x).reshape(n, H, C)
+        att = self.att[...].astype(left.dtype)  # (the computation's dtype, which the linear maps chose)
         lin_edge = () if self.lin_edge is None else nnx.split(self.lin_edge)
         initial = ()  # (the self loops' sums, where the layer adds them)
         if self.add_self_loops:  # (stored self loops are replaced by one per node)
@@ -66,7 +88,7 @@ class GATv2Conv(nnx.Module):
             if self.lin_edge is not None:
                 means = mean_features(feature_sums_over("GATv2Conv", edges, edge_attr))
                 own = own + self.lin_edge(means).reshape(n, H, C)
-            initial = tuple(SoftmaxSums.own(self._score(own, self.att[...]), left))
+            initial = tuple(SoftmaxSums.own(self._score(own, att), left))
 
         def attend_part(part, right, *rest, out=None):
             start, (left, att, *edge_state) = rest[:len(initial)], rest[len(initial):]
@@ -79,14 +101,14 @@ class GATv2Conv(nnx.Module):
                 scores = jnp.where((view.src == view.dst)[:, None], -jnp.inf, scores)
             return attend(view, scores, left, out if out is not None else SoftmaxSums(*start) if start else None)
 
-        replicated = (self.att[...], *lin_edge[1:])
+        replicated = (att, *lin_edge[1:])
         if isinstance(edges, Partitioned):
             sums = per_part(attend_part, edges, rows=(right, *initial), columns=(left,), replicated=replicated)
         else:
             sums = attend_part(edges, right, *initial, left, *replicated)
         out = SoftmaxSums(*sums).result()
         out = out.reshape(n, H * C) if self.concat else out.mean(axis=1)
-        return out if self.bias is None else out + self.bias[...]
+        return out if self.bias is None else out + self.bias[...].astype(out.dtype)
 
     def _score(self, pairs: jax.Array, att: jax.Array) -> jax.Array:
         return (jax.nn.leaky_relu(pairs, self.negative_slope) * att).sum(-1)

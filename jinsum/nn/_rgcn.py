@@ -8,6 +8,7 @@ from flax import nnx
 
 import jinsum
 from jinsum.graphs import RelationalGraph
+from jinsum.nn._dtypes import check_dtypes, compute_dtype
 from jinsum.nn._hetero_linear import rows_by_type
 from jinsum.nn._moe import combined
 from jinsum.nn._sizes import layer_sizes
@@ -40,7 +41,7 @@ class RGCNConv(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, num_relations: int, num_bases: int | None = None,
                  num_blocks: int | None = None, aggr: str = "mean", root_weight: bool = True, use_bias: bool = True,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
@@ -52,9 +53,13 @@ class RGCNConv(nnx.Module):
           aggr: `"mean"` (PyG's default: each relation's messages averaged, `1 / c_{i,r}`) or `"add"` (summed).
           root_weight: add the node's own transformed features `x_i W_0`.
           use_bias: add a learned bias `b`.
-          param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
+          dtype: the computation's dtype (features, weights, the edges' norms and the adjacency's values are cast
+            to it, as `nnx.Linear` casts them; sparse products accumulate as their statements do, in float32 for
+            bfloat16); None: JAX's promotion of the input and the parameters (`jinsum.nn._dtypes`).
+          param_dtype: the parameters' dtype.
           rngs: initialises the weights.
         """
+        check_dtypes("RGCNConv", dtype, param_dtype)
         if aggr not in ("mean", "add"):
             raise ValueError(f"RGCNConv: aggr must be 'mean' or 'add', got {aggr!r}")
         in_features, out_features, num_relations = layer_sizes(
@@ -63,7 +68,7 @@ class RGCNConv(nnx.Module):
             (num_bases,) = layer_sizes("RGCNConv", num_bases=num_bases)
         if num_blocks is not None:
             (num_blocks,) = layer_sizes("RGCNConv", num_blocks=num_blocks)
-        self.in_features, self.num_relations, self.aggr = in_features, num_relations, aggr
+        self.in_features, self.num_relations, self.aggr, self.dtype = in_features, num_relations, aggr, dtype
         # Fan-in is the input features (axis -2) of every relation or basis weight.
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         if num_bases is not None and num_blocks is not None:
@@ -83,8 +88,8 @@ class RGCNConv(nnx.Module):
             self.weight = nnx.Param(init(rngs.params(), (num_bases, in_features, out_features), param_dtype))
             self.comp = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (num_relations, num_bases),
                                                                   param_dtype))
-        self.root = (nnx.Linear(in_features, out_features, use_bias=False, param_dtype=param_dtype, rngs=rngs)
-                     if root_weight else None)
+        self.root = (nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs) if root_weight else None)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
     def __call__(self, x: jax.Array, graph: RelationalGraph | Partitioned) -> jax.Array:
@@ -99,7 +104,7 @@ class RGCNConv(nnx.Module):
             out = self._messages(x, graph)
         if self.root is not None:
             out = out + self.root(x)
-        return out if self.bias is None else out + self.bias[...]
+        return out if self.bias is None else out + self.bias[...].astype(out.dtype)
 
     def _messages(self, x: jax.Array, graph: RelationalGraph) -> jax.Array:
         if not isinstance(graph, RelationalGraph):
@@ -125,7 +130,7 @@ class RGCNConv(nnx.Module):
     def _messages_by_edge(self, x: jax.Array, graph: RelationalGraph, norm: jax.Array) -> jax.Array:
         """Each edge's source by its relation's weight, the edges grouped by relation (the class docstring)."""
         weight = self.weight[...]
-        dtype = jnp.result_type(x, weight)
+        dtype = compute_dtype(self.dtype, x, weight)
         by_relation = rows_by_type(graph.rel, self.num_relations).astype(dtype)  # (R, E): the edges of each relation
         messages = jinsum.einsum("M[g,p,f] += X[C[Ak[g,p]],c] * W[Ai[g],c,f]", A=by_relation, C=graph.src,
                                  X=x.astype(dtype), W=weight.astype(dtype),
@@ -138,7 +143,7 @@ class RGCNConv(nnx.Module):
         """`H` `(N, R or bases, out_features)`: every node by every relation (or basis) in one dense product, so
         that each edge gathers a single row of H. Edge by edge, `X[C[e],c] * W[T[e],c,f]` would cost c times more
         work and, on the XLA lowering, gather a whole weight matrix per edge."""
-        dtype = jnp.result_type(x, weight)
+        dtype = compute_dtype(self.dtype, x, weight)
         if self.num_blocks is None:
             return jnp.einsum("nc,rcf->nrf", x.astype(dtype), weight.astype(dtype)), dtype
         # each block by its block of the weight (sizes spelt out: -1 is ambiguous for 0 nodes)
@@ -153,15 +158,16 @@ class RGCNConv(nnx.Module):
         if A.dense_shape != (self.num_relations,):
             raise ValueError(f"RGCNConv: expected a partitioned relational_adjacency with {self.num_relations} "
                              f"relations (shape (N, N, {self.num_relations})), got {A!r}")
-        dtype = jnp.result_type(x, self.weight[...])
+        dtype = compute_dtype(self.dtype, x, self.weight[...])
+        wide = jnp.promote_types(dtype, jnp.float32)  # (counts in float32 at least: exact where bfloat16 is not)
 
         def counts(part, out=None):
-            zeros = jax.ShapeDtypeStruct((part.shape[0], self.num_relations), dtype) if out is None else out
-            return jinsum.einsum("C[Ai[g],r] += Av[g,p,r]", C=zeros, A=part.astype(dtype))
+            zeros = jax.ShapeDtypeStruct((part.shape[0], self.num_relations), wide) if out is None else out
+            return jinsum.einsum("C[Ai[g],r] += Av[g,p,r]", C=zeros, A=part.astype(wide))
 
         if self.aggr == "mean":
             c = per_part(counts, A)
-            scale = 1 / jnp.where(c > 0, c, 1)
+            scale = (1 / jnp.where(c > 0, c, 1)).astype(dtype)
         else:
             scale = jnp.ones((x.shape[0], self.num_relations), dtype)
         comp = () if self.comp is None else (self.comp[...].astype(dtype),)

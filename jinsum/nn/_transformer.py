@@ -11,6 +11,7 @@ from flax import nnx
 
 import jinsum
 from jinsum.formats import GroupCOO
+from jinsum.nn._dtypes import check_dtypes
 from jinsum.nn._graph import expect_adjacency, node_features
 from jinsum.nn._sizes import feature_pair, layer_sizes
 
@@ -35,16 +36,32 @@ class TransformerConv(nnx.Module):
 
     def __init__(self, in_features: int | tuple[int, int], out_features: int, *, heads: int = 1,
                  concat: bool = True, beta: bool = False, root_weight: bool = True, use_bias: bool = True,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
-        """Creates `lin_query`, `lin_key`, `lin_value` (with biases), `lin_skip` and `lin_beta`, as PyG names them."""
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        """Creates `lin_query`, `lin_key`, `lin_value` (with biases), `lin_skip` and `lin_beta`, as PyG names them.
+
+        Args:
+          in_features: feature size of the input; `(F_src, F_dst)` for a bipartite graph.
+          out_features: feature size of each head.
+          heads: number of attention heads `H`.
+          concat: concatenate the heads' outputs (`H * out_features`), else average them.
+          beta: gate the skip connection (`lin_beta`; with `root_weight`).
+          root_weight: add the skip connection `W_s x_i` (`lin_skip`).
+          use_bias: the skip connection's bias.
+          dtype: the computation's dtype (features and weights are cast to it, as `nnx.Linear` casts them; the
+            attention accumulates as its statements do, in float32 for bfloat16); None: JAX's promotion of the
+            input and the parameters (`jinsum.nn._dtypes`).
+          param_dtype: the parameters' dtype.
+          rngs: initialises the parameters.
+        """
         out_features, heads = layer_sizes("TransformerConv", out_features=out_features, heads=heads)
+        check_dtypes("TransformerConv", dtype, param_dtype)
         in_src, in_dst = feature_pair("TransformerConv", in_features)
         in_dst = in_src if in_dst is None else in_dst
         self.heads, self.out_features, self.concat = heads, out_features, concat
         width = heads * out_features
 
         def linear(a, b, bias=True):
-            return nnx.Linear(a, b, use_bias=bias, param_dtype=param_dtype, rngs=rngs)
+            return nnx.Linear(a, b, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
         self.lin_query = linear(in_dst, width)
         self.lin_key, self.lin_value = linear(in_src, width), linear(in_src, width)
