@@ -26,6 +26,7 @@ from jinsum._attention import block_mask as block_mask  # re-exported: jinsum.nn
 from jinsum.formats import BlockGroupCOO
 from jinsum.formats._convert import check_int
 from jinsum.nn._dropout import dropout_seed
+from jinsum.nn._dtypes import check_dtypes
 from jinsum.nn._paged_kv_cache import PagedKVCache
 from jinsum.nn._sizes import layer_sizes
 
@@ -228,7 +229,7 @@ class BlockSparseAttention(nnx.Module):
     def __init__(self, in_features: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, out_features: int | None = None, causal: bool = False,
                  window: int | None = None, block: int = 128, dropout: float = 0.0, use_bias: bool = True,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         """Creates the parameters.
 
         Args:
@@ -245,10 +246,14 @@ class BlockSparseAttention(nnx.Module):
           dropout: dropout rate on the attention weights while the module is not in `eval()` mode (draws from
             the `dropout` stream of `rngs`, else its default stream).
           use_bias: the projections have biases.
-          param_dtype: dtype of the parameters; the computation follows JAX's promotion of input and parameters.
+          dtype: the computation's dtype (the input and the projections' weights are cast to it, as
+            `nnx.Linear` casts them; the attention accumulates as its statements do, in float32 for bfloat16);
+            None: JAX's promotion of the input and the parameters (`jinsum.nn._dtypes`).
+          param_dtype: the parameters' dtype.
           rngs: initialises the projections and seeds the dropout.
         """
         where = "BlockSparseAttention"  # every argument checked here, not at the first call
+        check_dtypes(where, dtype, param_dtype)
         in_features, num_heads, block = layer_sizes(where, in_features=in_features, num_heads=num_heads, block=block)
         optional = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, out_features=out_features, window=window)
         num_kv_heads, head_dim, out_features, window = (
@@ -267,9 +272,9 @@ class BlockSparseAttention(nnx.Module):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.causal, self.window, self.block = causal, window, block
         self.qkv = nnx.Linear(in_features, (num_heads + 2 * num_kv_heads) * head_dim, use_bias=use_bias,
-                              param_dtype=param_dtype, rngs=rngs)
+                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.out = nnx.Linear(num_heads * head_dim, in_features if out_features is None else out_features,
-                              use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+                              use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, pattern: BlockGroupCOO | BlockMask | None = None, *,

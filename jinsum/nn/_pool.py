@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 import jinsum
+from jinsum.nn._dtypes import check_dtypes, promote
 from jinsum.nn._graph import floating_features
 
 
@@ -52,16 +53,26 @@ class AttentionalAggregation(nnx.Module):
       >>> readout = pool(h, batch.node_graph(), batch.budget.graphs)           # (G, 64)
     """
 
-    def __init__(self, gate_nn: Callable[[jax.Array], jax.Array], nn: Callable[[jax.Array], jax.Array] | None = None):
-        """`gate_nn` maps `(N, F)` to `(N, 1)` (one weight per node) or `(N, F')` (one per channel, the width of
-        `nn`'s output); `nn` transforms the rows before the sum (None: the rows as they are)."""
-        self.gate_nn, self.nn = gate_nn, nn
+    def __init__(self, gate_nn: Callable[[jax.Array], jax.Array], nn: Callable[[jax.Array], jax.Array] | None = None,
+                 *, dtype=None):
+        """Wraps the gate and the transform (the layer has no parameters of its own).
+
+        Args:
+          gate_nn: maps `(N, F)` to `(N, 1)` (one weight per node) or `(N, F')` (one per channel, the width of
+            `nn`'s output). It computes by its own `dtype`, as `nn` does (build them with the layer's for one
+            dtype throughout).
+          nn: transforms the rows before the sum (None: the rows as they are).
+          dtype: the dtype of the layer's own arithmetic, the softmax and the weighted sum (the gates and the rows
+            are cast to it; the pools accumulate as their statements do, in float32 for bfloat16); None: JAX's
+            promotion of the gates and the rows (`jinsum.nn._dtypes`).
+        """
+        check_dtypes("AttentionalAggregation", dtype)
+        self.gate_nn, self.nn, self.dtype = gate_nn, nn, dtype
 
     def __call__(self, x: jax.Array, batch: jax.Array, num_graphs: int) -> jax.Array:
         """`x` `(N, F)`, `batch` `(N,)` sorted -> `(num_graphs, F')`."""
         x, batch = _checked("AttentionalAggregation", x, batch, num_graphs)
-        gate = self.gate_nn(x)
-        x = x if self.nn is None else self.nn(x)
+        gate, x = promote(self.dtype, self.gate_nn(x), x if self.nn is None else self.nn(x))
         if gate.ndim != 2 or gate.shape[0] != x.shape[0] or gate.shape[1] not in (1, x.shape[1]):
             raise ValueError(f"AttentionalAggregation: gate_nn must give (N, 1) or (N, {x.shape[1]}), got "
                              f"{tuple(gate.shape)}")
