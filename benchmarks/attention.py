@@ -8,7 +8,7 @@ Attention workloads (`--workloads`, comma-separated; all by default): bf16, batc
 timed forward and forward+backward (`jax.vjp` / `torch.autograd.grad` of the output against a random cotangent).
 
 1. `bigbird`: block-sparse attention, 16 heads of 64, BigBird pattern (1 local, 1 global and 2 random blocks per
-   block row: `jinsum.nn.block_pattern`), at each of `--lengths`:
+   block row: `jinsum.block_pattern`), at each of `--lengths`:
    - jinsum fused: `jinsum.attention` (one generated kernel, plus the combine of the split global row; the
      FlashAttention-2 backward);
    - jinsum unfused: the same chain as separate statements (block SDDMM, segment max/sum, block SpMM);
@@ -17,7 +17,7 @@ timed forward and forward+backward (`jax.vjp` / `torch.autograd.grad` of the out
    - dense cuDNN: `jax.nn.dot_product_attention(implementation="cudnn")`.
 2. `document`: causal attention within packed documents: one sequence of 16,384 positions cut into 15 documents of
    random (seeded) lengths, 16 heads of 64:
-   - jinsum fused (mask prebuilt): `jinsum.nn.sequence_mask(L, 128, document_ids=doc, causal=True)` built once and
+   - jinsum fused (mask prebuilt): `jinsum.sequence_mask(L, 128, document_ids=doc, causal=True)` built once and
      closed over by the jitted function (its work lists are then computed on the host, once), as Flex's block
      mask is built once outside its timed call;
    - jinsum fused (mask prebuilt, tight capacity): the same mask from `jinsum.block_mask` with exactly as many slots
@@ -100,6 +100,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jinsum  # noqa: E402
+import jinsum.graphs as jg  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum import _attention  # noqa: E402
 from jinsum._attention import _chain_reference, _chain_route  # noqa: E402
@@ -403,7 +404,7 @@ def _causal():
 # --- 1. block-sparse attention (BigBird) --------------------------------------------------------------------------
 
 def block_attention(length: int, heads: int = 16, dim: int = 64, block: int = BLOCK) -> None:
-    pattern = jnn.block_pattern(length, block, local_blocks=1, global_blocks=1, random_blocks=2, seed=0)
+    pattern = jinsum.block_pattern(length, block, local_blocks=1, global_blocks=1, random_blocks=2, seed=0)
     blocks = (length // block) ** 2
     flops = _flops(pattern.nnz * block * block, heads, dim)
     name = f"block attention L={length} ({100 * pattern.nnz / blocks:.1f}% blocks)"
@@ -459,7 +460,7 @@ def document_attention(length: int, documents: int, heads: int, dim: int) -> Non
     doc = jnp.asarray(doc_np)
     arrays = _inputs(1, length, heads, heads, dim)
 
-    prebuilt = jnn.sequence_mask(length, BLOCK, document_ids=doc, causal=True)
+    prebuilt = jinsum.sequence_mask(length, BLOCK, document_ids=doc, causal=True)
     attending = int(jnp.count_nonzero(prebuilt.flags))
     tight = jinsum.block_mask(_document_causal(doc), length, length, BLOCK, capacity=attending)
     if bool(prebuilt.overflow) or bool(tight.overflow):
@@ -468,7 +469,7 @@ def document_attention(length: int, documents: int, heads: int, dim: int) -> Non
           f"blocks attend ({prebuilt.capacity} slots in sequence_mask's mask)")
 
     def on_device(q, k, v, doc):
-        return jinsum.attention(q, k, v, jnn.sequence_mask(length, BLOCK, document_ids=doc, causal=True))
+        return jinsum.attention(q, k, v, jinsum.sequence_mask(length, BLOCK, document_ids=doc, causal=True))
 
     outputs = {}
     time_jax(name, "jinsum fused (mask prebuilt)", lambda q, k, v: jinsum.attention(q, k, v, prebuilt), arrays,
@@ -510,7 +511,7 @@ def document_mask_build(length: int, documents: int, doc_np: np.ndarray, attendi
     """The block mask alone: jinsum on the device, Flex's `create_block_mask`, and the host way."""
     name = f"document mask build L={length} ({documents} docs)"
     print(f"\n{name}")
-    build = jax.jit(lambda doc: jnn.sequence_mask(length, BLOCK, document_ids=doc, causal=True))
+    build = jax.jit(lambda doc: jinsum.sequence_mask(length, BLOCK, document_ids=doc, causal=True))
     doc = jnp.asarray(doc_np)
     RESULTS.attempt(name, "jinsum sequence_mask (jit)", lambda: {"ms": 1e3 * time_calls(build, doc, calls=OPTS.calls)},
                     note=f"{attending} blocks attend")
@@ -549,11 +550,11 @@ def window_attention(length: int, window: int, heads: int, dim: int) -> None:
     flops = _flops(int(np.minimum(np.arange(length) + 1, window).sum()), heads, dim)
     name = f"sliding window {window} causal L={length} ({heads}x{dim})"
     arrays = _inputs(2, length, heads, heads, dim)
-    prebuilt = jnn.sequence_mask(length, BLOCK, causal=True, window=window)
+    prebuilt = jinsum.sequence_mask(length, BLOCK, causal=True, window=window)
     print(f"\n{name}: {int(jnp.count_nonzero(prebuilt.flags))} blocks attend ({prebuilt.capacity} slots)")
 
     def on_device(q, k, v):
-        return jinsum.attention(q, k, v, jnn.sequence_mask(length, BLOCK, causal=True, window=window))
+        return jinsum.attention(q, k, v, jinsum.sequence_mask(length, BLOCK, causal=True, window=window))
 
     outputs = {}
     time_jax(name, "jinsum fused (mask prebuilt)", lambda q, k, v: jinsum.attention(q, k, v, prebuilt), arrays,
@@ -577,9 +578,9 @@ def causal_attention(kind: str, length: int, heads: int, kv_heads: int, dim: int
     name = f"{kind} causal L={length} ({heads_shown} x{dim})"
     arrays = _inputs(3, length, heads, kv_heads, dim)
     group = heads // kv_heads
-    mask = jnn.sequence_mask(length, BLOCK, causal=True)
+    mask = jinsum.sequence_mask(length, BLOCK, causal=True)
     # Issue 42: the same attention through a block pattern (the README's way), every causal block stored.
-    pattern = jnn.block_pattern(length, BLOCK, local_blocks=length // BLOCK, causal=True)
+    pattern = jinsum.block_pattern(length, BLOCK, local_blocks=length // BLOCK, causal=True)
     print(f"\n{name}: {int(jnp.count_nonzero(mask.flags))} blocks attend")
     print(f"  sequence_mask(L, {BLOCK}, causal=True): {_block_classes(arrays, mask, causal=False)}")
     print(f"  block_pattern(L, {BLOCK}, local_blocks={length // BLOCK}, causal=True) with causal=True: "
@@ -685,7 +686,7 @@ def gat_step(scale: int, calls: int, sweep: list[ChainConfig]) -> None:
         compiled = jax.jit(step).lower(state, x, y, graph).compile()
         return lambda: compiled(state, x, y, graph)
 
-    adjacency = jnn.adjacency(edge_index, nodes)
+    adjacency = jg.adjacency(edge_index, nodes)
     systems = {"jinsum GATConv (fused)": (jnn.GATConv, adjacency),
                "jinsum GATConv (fused), dtype=bfloat16": (functools.partial(jnn.GATConv, dtype=jnp.bfloat16),
                                                           adjacency),

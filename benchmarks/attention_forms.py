@@ -3,7 +3,7 @@ forward and both backward kernels) against the Triton form, the same chains and 
 
     python benchmarks/attention_forms.py [--calls 20] [--out benchmarks/results]
 
-Workloads (bf16, batch 1, blocks of 128, masks from `jinsum.nn.sequence_mask`): causal attention within 15 packed
+Workloads (bf16, batch 1, blocks of 128, masks from `jinsum.sequence_mask`): causal attention within 15 packed
 documents at 16,384 positions (16 heads of 64, and of 128), a causal sliding window of 1,024 at 32,768 (16 x 64),
 causal grouped-query attention at 8,192 (32 query and 8 key/value heads of 128) and causal multi-head attention at
 8,192 (16 x 128). Each form is forced with `jinsum.kernels.forced_config` while its function is first traced, so
@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jinsum
-import jinsum.nn as jnn
 from jinsum.kernels import ChainConfig, forced_config
 from jinsum.kernels._chain_plan import HOPPER_HEADS
 from jinsum.timing import time_interleaved
@@ -51,11 +50,12 @@ def workloads():
         doc = _documents(16384, 15)
         pairs = sum(n * (n + 1) // 2 for n in np.bincount(doc))
         yield (f"documents L=16384 (15 docs, 16x{dim})", 16384, 16, 16, dim,
-               jnn.sequence_mask(16384, 128, document_ids=jnp.asarray(doc), causal=True), pairs)
+               jinsum.sequence_mask(16384, 128, document_ids=jnp.asarray(doc), causal=True), pairs)
     window = 1024
-    yield ("window 1024 L=32768 (16x64)", 32768, 16, 16, 64, jnn.sequence_mask(32768, 128, causal=True, window=window),
+    yield ("window 1024 L=32768 (16x64)", 32768, 16, 16, 64,
+           jinsum.sequence_mask(32768, 128, causal=True, window=window),
            sum(min(i + 1, window) for i in range(32768)))
-    causal = jnn.sequence_mask(8192, 128, causal=True)
+    causal = jinsum.sequence_mask(8192, 128, causal=True)
     yield "gqa causal L=8192 (32q/8kv x128)", 8192, 32, 8, 128, causal, 8192 * 8193 // 2
     yield "dense causal L=8192 (16x128)", 8192, 16, 16, 128, causal, 8192 * 8193 // 2
 

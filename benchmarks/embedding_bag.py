@@ -10,7 +10,7 @@ permutation; the most popular one is some 7% of all lookups) or are uniform (`--
 `(B, F)` bags), and forward+backward (the output and the gradient with respect to the table that an optimiser
 takes: the dense `(rows, F)` array, or the rows a batch touches). Systems:
 
-- jinsum: `jinsum.nn.bags(ids, offsets)` built on the device in every call, then `embedding_bag`; its dense
+- jinsum: `jinsum.graphs.bags(ids, offsets)` built on the device in every call, then `embedding_bag`; its dense
   gradient runs over the lookups in column order (gathers summed per row, no atomics). "sparse rows":
   `bags(..., unique=True)` and the gradient with respect to `bags.take(table)`: `(bags.rows, (U, F))`;
 - plain JAX: gathers `table[ids]` and a sorted `jax.ops.segment_sum` (`segment_max` for max; the mean over the
@@ -84,7 +84,7 @@ def padded(batches):
 # --- the systems ----------------------------------------------------------------------------------------------------
 
 def jinsum_forward(table, ids, offsets, mode):
-    return jinsum.nn.embedding_bag(table, jinsum.nn.bags(ids, offsets, num_embeddings=table.shape[0]), mode)
+    return jinsum.nn.embedding_bag(table, jinsum.graphs.bags(ids, offsets, num_embeddings=table.shape[0]), mode)
 
 
 def segment_forward(table, ids, offsets, mode):
@@ -119,7 +119,7 @@ def with_gradient(forward, mode):
 def jinsum_sparse_rows(mode):
     """`(table, cotangent, ids, offsets) -> (output, (rows, gradient of the rows))`, jitted."""
     def run(table, cotangent, ids, offsets):
-        bags = jinsum.nn.bags(ids, offsets, num_embeddings=table.shape[0], unique=True)
+        bags = jinsum.graphs.bags(ids, offsets, num_embeddings=table.shape[0], unique=True)
         out, vjp = jax.vjp(lambda rows: jinsum.nn.embedding_bag(rows, bags, mode), bags.take(table))
         return out, (bags.rows, vjp(cotangent)[0])
     return jax.jit(run)

@@ -6,7 +6,7 @@ Data: `jinsum.datasets.molecules` (10-50 atoms, a random tree plus 0-3 rings, ab
 32 features). Model (the example `examples/graph_classification`): GIN with `--layers` layers of `--hidden`, sum
 pooling, a linear head, Adam. Systems:
 
-- jinsum: `jinsum.nn.GraphLoader` (every batch padded to one budget), `GINConv` on `batch.adjacency()` (built on the
+- jinsum: `jinsum.graphs.GraphLoader` (every batch padded to one budget), `GINConv` on `batch.adjacency()` (built on the
   device inside the step), `global_add_pool`;
 - plain JAX, jraph's reading: the same padded batches, a gather and `jax.ops.segment_sum` per layer;
 - PyG: `torch_geometric.loader.DataLoader` (a new `Batch` per step), `GINConv`, `global_add_pool`, on CUDA.
@@ -81,14 +81,14 @@ def main() -> None:
     started = time.time()
     graphs = molecules(args.graphs, seed=0)
     features, classes = graphs[0]["x"].shape[1], 4
-    loader = jinsum.nn.GraphLoader(graphs, args.batch, shuffle=True)
+    loader = jinsum.graphs.GraphLoader(graphs, args.batch, shuffle=True)
     steps_per_epoch = len(loader)
     print(f"{args.graphs} molecule-like graphs, {steps_per_epoch} batches of {args.batch}: {loader.budget}")
     rows, losses = [], {}  # (a row: `system`, `ms` a step and the columns of COLUMNS)
 
     for name in SYSTEMS:
         step, _, state = train_step(GIN(name, features, args.hidden, args.layers, classes, rngs=nnx.Rngs(0)), 1e-3)
-        first = next(iter(jinsum.nn.GraphLoader(graphs[: args.batch], args.batch, budget=loader.budget)))
+        first = next(iter(jinsum.graphs.GraphLoader(graphs[: args.batch], args.batch, budget=loader.budget)))
         losses[name] = float(step(jax.tree.map(jnp.copy, state), first)[1])  # (the step donates its state)
         box = [state]
 

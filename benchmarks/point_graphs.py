@@ -1,4 +1,4 @@
-"""Graphs computed on the device from points (`jinsum.nn.knn`, `radius_graph`) and a DGCNN training step, against
+"""Graphs computed on the device from points (`jinsum.graphs.knn`, `radius_graph`) and a DGCNN training step, against
 plain JAX and torch.
 
     python benchmarks/point_graphs.py [--clouds 16] [--points 1024] [--k 20] [--dims 3 64] [--radius 0.5]
@@ -9,7 +9,7 @@ Clouds of random points (standard normal). Systems, every one timed the same way
 torch's with `torch.cuda.synchronize` as the sync), torch's only where torch has CUDA (torch_cluster does not
 install from the index):
 
-- kNN, the k nearest neighbours of every point within its cloud, for each of `--dims`: `jinsum.nn.knn` with PyG's
+- kNN, the k nearest neighbours of every point within its cloud, for each of `--dims`: `jinsum.graphs.knn` with PyG's
   `batch` vector over all the points and vmapped over the clouds (on CUDA both are one Triton kernel, each row
   block scanning its own cloud's points), its tiled XLA path with the batch vector (`JINSUM_TRITON=0`, GPU only:
   it tiles every pair of clouds), plain JAX (a dense `(P, P)` distance matrix per cloud and `lax.top_k`), and
@@ -17,7 +17,7 @@ install from the index):
   strings, e.g. `block_m=32,block_n=32,num_warps=1`); `--knn-large N ...` times `N` points (D = 3) as one cloud
   and as clouds of `--points`, one call each;
 - radius graphs over 3-D positions, the first `--max-neighbors` points within `--radius` of each point in index
-  order (torch_cluster's rule on CUDA): `jinsum.nn.radius_graph` with the batch vector and vmapped, plain JAX (a
+  order (torch_cluster's rule on CUDA): `jinsum.graphs.radius_graph` with the batch vector and vmapped, plain JAX (a
   dense distance matrix per cloud, the first points within reach by `lax.top_k` over their ids), and torch `cdist`
   + `topk` over the ids;
 - a DGCNN training step on all the clouds (3-D; the model of `examples/point_cloud`: three dynamic edge
@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jinsum  # noqa: E402
-import jinsum.nn as jnn  # noqa: E402
+import jinsum.graphs as jg  # noqa: E402
 from jinsum.timing import time_calls  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -72,7 +72,8 @@ def dense_radius(pos, r, width):
 
 def compiled_with(env: dict[str, str], fn, *inputs):
     """`jax.jit(fn)` compiled for `inputs` with the environment variables `env` set while it is traced (where
-    `jinsum.nn.knn` reads `JINSUM_KNN_CONFIG`, a sweep's override that JAX's caches do not see: a fresh function)."""
+    `jinsum.graphs.knn` reads `JINSUM_KNN_CONFIG`, a sweep's override that JAX's caches do not see: a fresh
+    function)."""
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -97,17 +98,17 @@ def knn_rows(args, pos: np.ndarray, torch) -> list[tuple]:
     flat, batch = jnp.asarray(pos.reshape(-1, dim)), jnp.repeat(jnp.arange(args.clouds), args.points)
     clouds = jnp.asarray(pos)
     systems = {
-        "jinsum knn, batch vector": (jax.jit(lambda x, b: jnn.knn(x, args.k, b)), (flat, batch)),
-        "jinsum knn, vmapped over clouds": (jax.jit(jax.vmap(lambda x: jnn.knn(x, args.k))), (clouds,)),
+        "jinsum knn, batch vector": (jax.jit(lambda x, b: jg.knn(x, args.k, b)), (flat, batch)),
+        "jinsum knn, vmapped over clouds": (jax.jit(jax.vmap(lambda x: jg.knn(x, args.k))), (clouds,)),
         "plain JAX dense + top_k, vmapped": (jax.jit(jax.vmap(lambda x: dense_knn(x, args.k))), (clouds,)),
     }
     if jax.default_backend() == "gpu":
         systems["jinsum knn, batch vector, tiled XLA path"] = (
-            without_kernel(lambda x, b: jnn.knn(x, args.k, b), flat, batch), (flat, batch))
+            without_kernel(lambda x, b: jg.knn(x, args.k, b), flat, batch), (flat, batch))
     for config in args.knn_configs:
         try:
             systems[f"jinsum knn, batch vector, {config}"] = (
-                compiled_with({"JINSUM_KNN_CONFIG": config}, lambda x, b: jnn.knn(x, args.k, b), flat, batch),
+                compiled_with({"JINSUM_KNN_CONFIG": config}, lambda x, b: jg.knn(x, args.k, b), flat, batch),
                 (flat, batch))
         except ValueError as error:  # (a shape the kernel cannot take at this D, e.g. tl.dot under 16 rows)
             print(f"D = {dim}, {config}: {error}", file=sys.stderr)
@@ -126,7 +127,7 @@ def knn_rows(args, pos: np.ndarray, torch) -> list[tuple]:
 
 
 def large_knn_rows(args) -> list[tuple]:
-    """`(graph, D, system, ms)` of `jinsum.nn.knn` on `--knn-large` points (D = 3): one cloud, and clouds of
+    """`(graph, D, system, ms)` of `jinsum.graphs.knn` on `--knn-large` points (D = 3): one cloud, and clouds of
     `--points` with the batch vector; one call each (the one-cloud case is quadratic)."""
     rows = []
     rng = np.random.default_rng(2)
@@ -134,8 +135,8 @@ def large_knn_rows(args) -> list[tuple]:
         pos = jnp.asarray(rng.standard_normal((n, 3)).astype(np.float32))
         batch = jnp.arange(n, dtype=jnp.int32) // args.points
         graph = f"kNN, k = {args.k}, {n:,} points"
-        one = jax.jit(lambda x: jnn.knn(x, args.k))
-        many = jax.jit(lambda x, b: jnn.knn(x, args.k, b))
+        one = jax.jit(lambda x: jg.knn(x, args.k))
+        many = jax.jit(lambda x, b: jg.knn(x, args.k, b))
         rows.append((graph, 3, "jinsum knn, one cloud", time_calls(one, pos, calls=1, rounds=1, warmup=1) * 1e3))
         rows.append((graph, 3, f"jinsum knn, clouds of {args.points}, batch vector",
                      time_calls(many, pos, batch, calls=1, rounds=3, warmup=1) * 1e3))
@@ -150,9 +151,9 @@ def radius_rows(args, pos: np.ndarray, torch) -> list[tuple]:
     clouds = jnp.asarray(pos)
     systems = {
         "jinsum radius_graph, batch vector": (
-            jax.jit(lambda x, b: jnn.radius_graph(x, r, b, max_num_neighbors=width)), (flat, batch)),
+            jax.jit(lambda x, b: jg.radius_graph(x, r, b, max_num_neighbors=width)), (flat, batch)),
         "jinsum radius_graph, vmapped over clouds": (
-            jax.jit(jax.vmap(lambda x: jnn.radius_graph(x, r, max_num_neighbors=width))), (clouds,)),
+            jax.jit(jax.vmap(lambda x: jg.radius_graph(x, r, max_num_neighbors=width))), (clouds,)),
         "plain JAX dense + top_k over ids, vmapped": (jax.jit(jax.vmap(lambda x: dense_radius(x, r, width))),
                                                       (clouds,)),
     }
@@ -212,7 +213,7 @@ def main() -> None:
     pos = rng.standard_normal((args.clouds, args.points, 3)).astype(np.float32)
     rows += radius_rows(args, pos, torch)
     rows += dgcnn_rows(args, pos, torch)
-    _, count = jnn.radius(pos.reshape(-1, 3), args.radius, jnp.repeat(jnp.arange(args.clouds), args.points),
+    _, count = jg.radius(pos.reshape(-1, 3), args.radius, jnp.repeat(jnp.arange(args.clouds), args.points),
                           args.max_neighbors)
     preamble = (f"{versions_text()}; `{command(__file__)}`: {args.clouds} clouds of {args.points} points (standard "
                 f"normal); {100 * np.mean(np.asarray(count) > args.max_neighbors):.1f}% of the points have more than "

@@ -3,7 +3,7 @@ same run, same timing method, and a model too wide for one GPU.
 
     python benchmarks/sharded.py [--scale 22] [--features 128] [--wide 8192] [--chunks 3] [--out benchmarks/results]
 
-Graph: R-MAT (directed, Graph500 parameters; scale 22: 4.2M nodes, ~64M edges), `jinsum.nn.adjacency`.
+Graph: R-MAT (directed, Graph500 parameters; scale 22: 4.2M nodes, ~64M edges), `jinsum.graphs.adjacency`.
 - SpMM `A @ X`, X float32 `(N, features)`: one GPU on the whole matrix, against `P @ X` on the partition over all
   GPUs (`jinsum.shard.partition`), its exchange in one piece and in `--chunks` chunks (less memory, less overlap).
   Timing: `jinsum.timing.time_calls` for both; memory per device: XLA's analysis

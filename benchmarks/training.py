@@ -9,11 +9,11 @@ graph of the same size (no hubs) and PubMed (the real graph, shipped; random fea
 (PubMed: 128 -> 256 -> 3), ReLU, dropout 0.5; one step is forward, backward and an Adam update
 (`_training.train_step`). Systems:
 
-- jinsum's `GCNConv` / `SAGEConv` on `jinsum.nn.adjacency` (which carries the entries in column order, so the
+- jinsum's `GCNConv` / `SAGEConv` on `jinsum.graphs.adjacency` (which carries the entries in column order, so the
   gradient with respect to node features is an owned-row SpMM), and the same without the column order (that
   gradient adds every edge's product atomically); both again in deterministic mode (`jinsum.deterministic`: no
   atomics; without the column order the gradient sorts the edges by column in every step); GCN also on its
-  normalised adjacency computed once on the host (`jinsum.nn.gcn_norm`, as PyG's `cached=True`);
+  normalised adjacency computed once on the host (`jinsum.graphs.gcn_norm`, as PyG's `cached=True`);
 - the same models on gathers and a sorted `jax.ops.segment_sum` (`_training.segment_convs`), and GCN on a
   `jax.experimental.sparse` BCOO;
 - PyG's `GCNConv` / `SAGEConv` (where torch_geometric is installed) on a CSR `adj_t` (`torch.sparse_csr_tensor`),
@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jinsum  # noqa: E402
+import jinsum.graphs as jg  # noqa: E402
 import jinsum.nn as jnn  # noqa: E402
 from jinsum.datasets import load_planetoid, rmat  # noqa: E402
 from jinsum.timing import kernel_times, time_calls, time_interleaved  # noqa: E402
@@ -144,7 +145,7 @@ def time_jax_systems(workload: str, systems: dict[str, tuple[Callable[[], Callab
 
 
 def without_column_order(A: jinsum.GroupCOO) -> jinsum.GroupCOO:
-    """`A` without the entries in column order that `jnn.adjacency` builds: its transpose adds atomically."""
+    """`A` without the entries in column order that `jg.adjacency` builds: its transpose adds atomically."""
     Ai, Ak, Av, _, overflow = A.tree_flatten()[0]
     return type(A).tree_unflatten(A.tree_flatten()[1], (Ai, Ak, Av, None, overflow))
 
@@ -156,7 +157,7 @@ def model(conv, x, classes):
 
 def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str], dtype: str = "float32") -> None:
     classes = int(y.max()) + 1
-    adjacency = jnn.adjacency(edge_index, nodes)
+    adjacency = jg.adjacency(edge_index, nodes)
     SegmentGCNConv, SegmentSAGEConv = segment_convs()
     if dtype != "float32":  # mixed precision: the jinsum and plain JAX layers compute in dtype (float32 parameters)
         run_mixed_precision(name, x, y, calls, models, adjacency, dtype, SegmentGCNConv, SegmentSAGEConv,
@@ -183,7 +184,7 @@ def run_graph(name, edge_index, nodes, x, y, calls: int, models: list[str], dtyp
 
             # (the normalisation summed once on the host, as plain JAX's weights and PyG's cached=True are)
             systems["jinsum, gcn_norm once"] = (functools.partial(jnn.GCNConv, normalize=False, add_self_loops=False),
-                                                jnn.gcn_norm(edge_index, nodes), True)
+                                                jg.gcn_norm(edge_index, nodes), True)
             src, dst, weight = with_loops
             systems["BCOO"] = (BCOOGCNConv, sparse.BCOO((weight, jnp.stack([dst, src], 1)), shape=(nodes, nodes)),
                                False)

@@ -19,6 +19,8 @@ only _lang/; _lowering/ registers itself on the primitive, so _rules/ never impo
 from jinsum._attention import BlockMask as BlockMask
 from jinsum._attention import attention as attention
 from jinsum._attention import block_mask as block_mask
+from jinsum._attention import block_pattern as block_pattern
+from jinsum._attention import sequence_mask as sequence_mask
 from jinsum._attention import paged_attention as paged_attention
 from jinsum._autotune import autotune as autotune
 from jinsum._config import check_indices as check_indices

@@ -7,7 +7,7 @@ generated kernel imports are in `helpers`. On sm_90, kernels that have one take 
 warp-specialised Gluon programs (`hopper`, the building blocks; `_chain_hopper`, the attention forward and backward
 written over them; `_grouped_hopper`, grouped products). Reads only the notation (`jinsum._lang`).
 
-Hand-written kernels sit beside the generator: `knn_kernel` (`_knn`, the k nearest neighbours of `jinsum.nn.knn`,
+Hand-written kernels sit beside the generator: `knn_kernel` (`_knn`, the k nearest neighbours of `jinsum.graphs.knn`,
 launched through `jinsum._lowering._knn`), imported on first use since it imports Triton, which is optional.
 """
 

@@ -1,4 +1,4 @@
-"""The hand-written `@triton.jit` kernel of `jinsum.nn.knn`: the `k` nearest neighbours of every point.
+"""The hand-written `@triton.jit` kernel of `jinsum.graphs.knn`: the `k` nearest neighbours of every point.
 
 Launched by `jinsum._lowering._knn` (jax-triton on CUDA, Triton's interpreter in tests), which computes each row
 block's column range `[starts[r], ends[r])` from the batch vector first. One program owns `BLOCK_M` points (rows)
@@ -14,7 +14,7 @@ and walks the columns of its range `BLOCK_N` at a time, as FlashAttention walks 
   through `tl.dot` in full float32 (`input_precision="ieee"`: TF32 would reorder close neighbours), clamped at 0.
   That form's rounding depends on how the product is computed (in the interpreter: NumPy's BLAS, whose kernel
   depends on the CPU), so distances within a few ulps of `|x|^2 + |y|^2` of each other, coincident points
-  included, may be ordered either way (`jinsum.nn.knn` documents it).
+  included, may be ordered either way (`jinsum.graphs.knn` documents it).
 - **Keys.** A candidate is one int64, `bits(distance) << 32 | column`: the bits of a non-negative float order as
   the floats do, so the smallest key is the nearest point and, among equal distances, the lowest index (the XLA
   path's tie rule), whatever order the columns come in. Other elements, the point itself (unless `LOOP`), padding

@@ -384,7 +384,7 @@ def test_descriptor_loads_where_the_layout_allows(rng):
     """With `descriptors` (Hopper), the Tensor Core operands whose tiles are whole boxes of a row-major view are
     read through TMA descriptors (the kernel takes its global scratch last, under its own name); a head size the
     tile pads is read by pointers."""
-    from jinsum.nn import sequence_mask  # noqa: PLC0415 (imports flax)
+    from jinsum import sequence_mask  # noqa: PLC0415 (imports flax)
 
     mask = sequence_mask(256, 128, causal=True)
     config = ChainConfig(descriptors=True)
@@ -402,10 +402,10 @@ def test_descriptor_loads_where_the_layout_allows(rng):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_host_patterns_without_holes_are_read_as_block_flags(causal, rng):
-    """`jinsum.nn.block_pattern`'s blocks hold zeros only where the causal rule masks anyway: the kernels read one
+    """`jinsum.block_pattern`'s blocks hold zeros only where the causal rule masks anyway: the kernels read one
     flag per block, never its elements, with the same results; a traced pattern, or one with a zero the rule does
     not mask, keeps its elements; with a mask_mod, no block is full."""
-    from jinsum.nn import block_pattern as nn_block_pattern  # noqa: PLC0415 (imports flax)
+    from jinsum import block_pattern as nn_block_pattern  # noqa: PLC0415 (imports flax)
 
     pattern = nn_block_pattern(96, 16, local_blocks=1, global_blocks=1, random_blocks=1, causal=causal)
     q, k, v = _qkv(rng, 96, 96)
@@ -436,7 +436,7 @@ def test_host_patterns_without_holes_are_read_as_block_flags(causal, rng):
 def test_blocks_are_classified_per_batch_element_of_the_key_padding_mask(traced, rng):
     """With a key padding mask the kernels read it on partial blocks only: for each batch element, a block whose
     keys are all valid stays full, one with some is partial, one with none attends nowhere (concrete or traced)."""
-    from jinsum.nn import sequence_mask  # noqa: PLC0415 (imports flax)
+    from jinsum import sequence_mask  # noqa: PLC0415 (imports flax)
 
     mask = sequence_mask(64, 16)  # every block full
     q, k, v = _qkv(rng, 64, 64, batch=2)
@@ -652,7 +652,7 @@ def test_block_sparse_attention_layer_with_batch_causal_and_key_padding(rng):
 
     import jinsum.nn  # noqa: PLC0415
 
-    pattern = jinsum.nn.block_pattern(64, 16, local_blocks=1, global_blocks=1, random_blocks=1, causal=True)
+    pattern = jinsum.block_pattern(64, 16, local_blocks=1, global_blocks=1, random_blocks=1, causal=True)
     layer = jinsum.nn.BlockSparseAttention(12, num_heads=2, head_dim=8, causal=True, rngs=nnx.Rngs(0))
     x = rng.standard_normal((3, 64, 12)).astype(np.float32)
     keep = rng.random((3, 64)) < 0.8

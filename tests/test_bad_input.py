@@ -12,7 +12,8 @@ from torch_geometric.nn.conv.gcn_conv import gcn_norm as pyg_gcn_norm
 
 import jinsum
 from jinsum.graphs import GraphLoader, adjacency, batch_graphs, gcn_norm
-from jinsum.nn import HeteroLinear, MoE, route_tokens, sequence_mask
+from jinsum import sequence_mask
+from jinsum.nn import HeteroLinear, MoE, route_tokens
 
 
 # --- Zero tokens, rows and graphs: empty results -------------------------------------------------------------------
@@ -79,7 +80,7 @@ def test_route_tokens_group_size_names_route_tokens():
     (64, 16, 0, ValueError, r"window \(or None for no window\) must be an int >= 1, got 0"),
 ])
 def test_sequence_mask_sizes(length, block, window, error, message):
-    with pytest.raises(error, match=rf"^jinsum.nn.sequence_mask: {message}"):
+    with pytest.raises(error, match=rf"^jinsum.sequence_mask: {message}"):
         sequence_mask(length, block, document_ids=jnp.zeros(max(length, 1), jnp.int32)[:length], window=window)
 
 
@@ -202,7 +203,7 @@ def test_attention_with_a_per_batch_mask_and_unbatched_q_says_what_to_pass():
     q = jnp.ones((64, 2, 8))
     mask = sequence_mask(64, 16, document_ids=jnp.zeros((2, 64), jnp.int32))
     with pytest.raises(ValueError, match=r"one mask per batch element for a batch of 2 \(jinsum.block_mask's batch=, "
-                                         r"or \(B, L\) document ids in jinsum.nn.sequence_mask\), but got q of shape "
+                                         r"or \(B, L\) document ids in jinsum.sequence_mask\), but got q of shape "
                                          r"\(64, 2, 8\) \(no batch axis: a batch of 1\); pass q, k and v with a "
                                          "leading batch axis of 2"):
         jinsum.attention(q, q, q, mask)

@@ -115,9 +115,9 @@ def test_block_mask_sizes(kwargs, error, message):
 
 
 def test_sequence_mask_takes_numpy_integers():
-    expected = jnn.sequence_mask(8, 4, causal=True, window=3)
+    expected = jinsum.sequence_mask(8, 4, causal=True, window=3)
     for length, block, window in [(np.int64(8), 4, 3), (8, np.int64(4), 3), (8, 4, np.int64(3))]:
-        mask = jnn.sequence_mask(length, block, causal=True, window=window)
+        mask = jinsum.sequence_mask(length, block, causal=True, window=window)
         assert mask.shape == (8, 8) and mask.block == (4, 4)
         np.testing.assert_array_equal(mask.to_dense(), expected.to_dense())
 
@@ -139,11 +139,11 @@ BLOCK_PATTERN_ERRORS = [
 def test_block_pattern_takes_ints_only():
     """A float or None is refused by name (1.5 local blocks ran as 1, 2.5 random ones as 2); NumPy integers count."""
     for args, kwargs, error, message in BLOCK_PATTERN_ERRORS:
-        with pytest.raises(error, match="^block_pattern: " + message):
-            jnn.block_pattern(*args, **kwargs)
-    pattern = jnn.block_pattern(np.int64(16), np.int64(4), local_blocks=np.int64(0), global_blocks=np.int32(1),
+        with pytest.raises(error, match="^jinsum.block_pattern: " + message):
+            jinsum.block_pattern(*args, **kwargs)
+    pattern = jinsum.block_pattern(np.int64(16), np.int64(4), local_blocks=np.int64(0), global_blocks=np.int32(1),
                                 random_blocks=np.int64(1), seed=np.int64(3))
-    expected = jnn.block_pattern(16, 4, local_blocks=0, global_blocks=1, random_blocks=1, seed=3)
+    expected = jinsum.block_pattern(16, 4, local_blocks=0, global_blocks=1, random_blocks=1, seed=3)
     np.testing.assert_array_equal(pattern.todense(), expected.todense())
 
 

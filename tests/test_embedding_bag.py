@@ -391,7 +391,7 @@ def test_errors(rng):
     compact = jg.bags(flat, np.array([0]), num_embeddings=V, unique=True)
     with pytest.raises(ValueError, match=r"U = 3 rows that bags built with unique=True read \(pass bags.take"):
         jnn.embedding_bag(table, compact, "sum")
-    with pytest.raises(ValueError, match="build them with jinsum.nn.bags\\(..., unique=True\\)"):
+    with pytest.raises(ValueError, match="build them with jinsum.graphs.bags\\(..., unique=True\\)"):
         plain.take(table)
     with pytest.raises(ValueError, match=r"expected an update of shape \(U, F\) = \(3, 4\)"):
         compact.scatter_add(table, np.ones((2, F)))

@@ -32,7 +32,7 @@ RUNS = {
     "minibatch_sage/main.py": (["--smoke", "--steps-per-call", "2"], ["jinsum SAGEConv", "plain JAX segment_sum",
                                                                       "PyG SAGEConv (host sampler)",
                                                                       "jinsum SAGEConv, 4 devices (data parallel)"]),
-    "block_sparse_attention/main.py": (["--smoke"], ["jinsum block_sparse_attention", "dense dot_product_attention"]),
+    "block_sparse_attention/main.py": (["--smoke"], ["jinsum attention", "dense dot_product_attention"]),
     "sharded_gcn/main.py": (["--smoke", "--chunks", "2"], ["1 device:", "4 devices:", "speed-up"]),
     "spmm_cora.py": ([16], ["jinsum (A @ H)", "jax.experimental.sparse BCOO"]),
     "point_cloud/main.py": (["--smoke"], ["jinsum DynamicEdgeConv", "PyG EdgeConv + cdist kNN"]),

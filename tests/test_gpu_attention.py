@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jinsum
-import jinsum.nn as jnn
+import jinsum.graphs as jg
 from jinsum import _attention
 from jinsum._lowering._launch import KERNEL_NODE
 from jinsum._attention import _chain_reference
@@ -74,7 +74,7 @@ def test_fused_forward_and_backward_on_gpu(fmt, case, dtype, rng):
 
 def test_bigbird_attention_at_scale(rng):
     """Blocks of 128, 64-wide heads, a global row of 32 blocks split into pieces: bf16 against float32."""
-    pattern = jnn.block_pattern(4096, 128, local_blocks=1, global_blocks=1, random_blocks=2)
+    pattern = jinsum.block_pattern(4096, 128, local_blocks=1, global_blocks=1, random_blocks=2)
     q, k, v = (rng.standard_normal((4096, 4, 64)).astype(np.float32) for _ in range(3))
     expected = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, pattern))(q, k, v)
     bf16 = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, pattern))(*(x.astype(jnp.bfloat16) for x in (q, k, v)))
@@ -85,7 +85,7 @@ def test_graph_attention_with_hub_rows_at_scale(rng):
     """A power-law graph whose hub rows span many pieces (atomics in the backward, a combine in the forward)."""
     rows = np.minimum(rng.zipf(1.6, 60_000), 3000) - 1
     cols = rng.integers(0, 3000, 60_000)
-    A = jnn.adjacency(np.stack([cols, rows]), 3000)
+    A = jg.adjacency(np.stack([cols, rows]), 3000)
     q, k, v = (rng.standard_normal((3000, 4, s)).astype(np.float32) for s in (2, 2, 64))
     kwargs = dict(score_mod=leaky, self_loops=True)
     d_out = rng.standard_normal((3000, 4, 64)).astype(np.float32)
@@ -98,7 +98,7 @@ def test_graph_attention_with_hub_rows_at_scale(rng):
 def test_graph_attention_with_the_pattern_as_an_argument(transposed, rng):
     """A pattern passed to the jitted function: its schedule is XLA ops (with the transposed index: no sort)."""
     rows = np.minimum(rng.zipf(1.6, 20_000), 1000) - 1
-    A = jnn.adjacency(np.stack([rng.integers(0, 1000, 20_000), rows]), 1000)
+    A = jg.adjacency(np.stack([rng.integers(0, 1000, 20_000), rows]), 1000)
     if not transposed:
         A = A.with_values(A.Av)
     q, k, v = (rng.standard_normal((1000, 4, s)).astype(np.float32) for s in (2, 2, 64))
@@ -139,7 +139,7 @@ def test_document_mask_built_on_the_device(heads, kv_heads, dim, dtype, rng):
     d_out = jnp.asarray(rng.standard_normal((length, heads, dim)), dtype)
 
     def attend(q, k, v, table, doc):
-        mask = jnn.sequence_mask(length, 128, document_ids=doc, causal=True)
+        mask = jinsum.sequence_mask(length, 128, document_ids=doc, causal=True)
         return jinsum.attention(q, k, v, mask, score_mod=lambda s, b, h, i, j: s + table[h, i - j + length])
 
     def run(q, k, v, table, doc, t):
@@ -165,7 +165,7 @@ def test_block_mask_per_batch_and_sliding_window_on_gpu(rng):
     length, batch = 700, 3
     docs = jnp.stack([_documents(rng, length, n) for n in (2, 5, 9)])
     q, k, v = (jnp.asarray(rng.standard_normal((batch, length, 4, 64)), jnp.bfloat16) for _ in range(3))
-    mask = jnn.sequence_mask(length, 128, document_ids=docs, causal=True, window=200)
+    mask = jinsum.sequence_mask(length, 128, document_ids=docs, causal=True, window=200)
     out = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, mask))(q, k, v)
     i, j = np.meshgrid(np.arange(length), np.arange(length), indexing="ij")
     d = np.asarray(docs)
@@ -257,7 +257,7 @@ def test_hopper_backward_with_long_rows_and_keys_in_pieces(dim, rng):
     if not is_hopper():
         pytest.skip("the Hopper form runs on sm_90 only")
     length = 4096
-    pattern = jnn.block_pattern(length, 128, local_blocks=1, global_blocks=1, random_blocks=2)
+    pattern = jinsum.block_pattern(length, 128, local_blocks=1, global_blocks=1, random_blocks=2)
     q = jnp.asarray(rng.standard_normal((length, 4, dim)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((length, 2, dim)), jnp.bfloat16) for _ in range(2))
     d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)

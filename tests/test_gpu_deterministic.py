@@ -11,6 +11,7 @@ import scipy.sparse as sp
 from flax import nnx
 
 import jinsum
+import jinsum.graphs as jg
 import jinsum.nn as jnn
 from jinsum.datasets import rmat
 
@@ -85,7 +86,7 @@ MODELS = {
 def test_training_steps(layer, rng):
     """Two Adam steps (forward, backward, update) on R-MAT 14 made undirected: losses and final state."""
     n = 1 << 14
-    A = jnn.adjacency(rmat(14, 16, undirected=True), n)
+    A = jg.adjacency(rmat(14, 16, undirected=True), n)
     x = jnp.asarray(rng.standard_normal((n, 32), dtype=np.float32))
     y = jnp.asarray(rng.integers(0, 7, n))
     model = MODELS[layer](nnx.Rngs(0))

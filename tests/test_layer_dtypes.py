@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jinsum.graphs as jg
+
 import jinsum.nn as jnn
 from jinsum.testing import assert_allclose
 
@@ -47,11 +49,11 @@ def _mlp(a, b, **kw):
 def _cases():
     """name -> (make(**dtypes) -> module, inputs (float32 features first, or integer ids), call(module, *inputs))."""
     edge_index = _graph()
-    A, edges = jnn.adjacency(edge_index, N), jnn.edge_list(edge_index, N)
+    A, edges = jg.adjacency(edge_index, N), jg.edge_list(edge_index, N)
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((N, F)), jnp.float32)
     edge_attr = jnp.asarray(rng.standard_normal((E, 3)), jnp.float32)
-    rel = jnn.relational_graph(edge_index[0], edge_index[1], rng.integers(0, 3, E), N, 3)
+    rel = jg.relational_graph(edge_index[0], edge_index[1], rng.integers(0, 3, E), N, 3)
     rngs = lambda: nnx.Rngs(0)  # noqa: E731  (the same parameters for every dtype)
     on_graph = lambda m, x: m(x, A)  # noqa: E731
     return {
@@ -190,7 +192,7 @@ def test_wrapping_layers_apply_dtype_to_their_own_arithmetic():
     casts what it computes itself (GIN's sums, EdgeConv's messages, the attentional softmax), whatever the wrapped
     modules' dtypes."""
     edge_index = _graph()
-    A, edges = jnn.adjacency(edge_index, N), jnn.edge_list(edge_index, N)
+    A, edges = jg.adjacency(edge_index, N), jg.edge_list(edge_index, N)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((N, F)), jnp.float32)
     same = lambda h: h  # noqa: E731
     half = jnp.bfloat16

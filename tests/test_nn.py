@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jinsum
+import jinsum.graphs as jg
 import jinsum.nn as jnn
 from jinsum.testing import assert_allclose
 
@@ -66,10 +67,10 @@ def _close(actual, expected, rtol=1e-5, atol=1e-5):
 
 def test_adjacency_sums_duplicates_and_adds_missing_self_loops(rng):
     edge_index, values = _graph(rng, weighted=True)
-    A = jnn.adjacency(edge_index, N, values=values, group_size=2)
+    A = jg.adjacency(edge_index, N, values=values, group_size=2)
     _close(A.todense(), _dense(edge_index, values))
     assert A.group_size == 2
-    looped = jnn.adjacency(edge_index, N, values=values, self_loops=True)
+    looped = jg.adjacency(edge_index, N, values=values, self_loops=True)
     expected = _dense(edge_index, values)
     expected[np.diag_indices(N)] = np.where(np.diag(expected) == 0, 1, np.diag(expected))
     _close(looped.todense(), expected)
@@ -94,7 +95,7 @@ def test_gcn_matches_dense(rng, add_self_loops, normalize, weighted, out_feature
     conv = _randomize(jnn.GCNConv(F_IN, out_features, add_self_loops=add_self_loops, normalize=normalize,
                                   rngs=nnx.Rngs(0)), rng)
     x = _features(rng, N, F_IN)
-    out = _apply(conv, x, jnn.adjacency(edge_index, N, values=values, group_size=4))  # with padding slots
+    out = _apply(conv, x, jg.adjacency(edge_index, N, values=values, group_size=4))  # with padding slots
     _close(out, _gcn_reference(conv, x, _dense(edge_index, values), add_self_loops, normalize))
 
 
@@ -107,7 +108,7 @@ def test_gcn_sage_gin_take_a_block_adjacency(rng):
     for conv in (jnn.GCNConv(F_IN, 4, rngs=rngs), jnn.SAGEConv(F_IN, 4, rngs=rngs),
                  jnn.GINConv(nnx.Linear(F_IN, 4, rngs=rngs))):
         conv = _randomize(conv, rng)
-        _close(_apply(conv, x, blocks), _apply(conv, x, jnn.adjacency(edge_index, N, values=values)))
+        _close(_apply(conv, x, blocks), _apply(conv, x, jg.adjacency(edge_index, N, values=values)))
 
 
 # --- SAGE, GIN -------------------------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_sage_matches_dense(rng, out_features):
     mean = A @ np.asarray(x) / np.where(deg != 0, deg, 1)
     expected = (mean @ np.asarray(conv.lin_neighbors.kernel[...])
                 + np.asarray(x) @ np.asarray(conv.lin_root.kernel[...]) + np.asarray(conv.bias[...]))
-    _close(_apply(conv, x, jnn.adjacency(edge_index, N, values=values)), expected)
+    _close(_apply(conv, x, jg.adjacency(edge_index, N, values=values)), expected)
 
 
 @pytest.mark.parametrize("n_src, f_in, f_out, transform_first", [(40, 6, 3, False), (6, 6, 3, True)])
@@ -149,7 +150,7 @@ def test_sage_without_root_or_bias(rng):
     edge_index, _ = _graph(rng)
     conv = _randomize(jnn.SAGEConv(F_IN, 4, root_weight=False, use_bias=False, rngs=nnx.Rngs(0)), rng)
     x = _features(rng, N, F_IN)
-    out = _apply(conv, x, jnn.adjacency(edge_index, N))
+    out = _apply(conv, x, jg.adjacency(edge_index, N))
     assert conv.lin_root is None and conv.bias is None
     _close(out[:2], np.zeros((2, 4)))  # nodes 0 and 1 have no in-edges
 
@@ -163,7 +164,7 @@ def test_gin_matches_dense(rng, train_eps):
     eps = conv.eps[...] if train_eps else 0.3
     assert isinstance(conv.eps, nnx.Param) == train_eps
     expected = mlp((1 + eps) * x + jnp.asarray(_dense(edge_index, values), jnp.float32) @ x)
-    _close(_apply(conv, x, jnn.adjacency(edge_index, N, values=values)), expected)
+    _close(_apply(conv, x, jg.adjacency(edge_index, N, values=values)), expected)
 
 
 # --- GAT -------------------------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ def test_gat_matches_dense(rng, heads, concat, add_self_loops):
     conv = _randomize(jnn.GATConv(F_IN, 4, heads=heads, concat=concat, add_self_loops=add_self_loops,
                                   rngs=nnx.Rngs(0)), rng, scale=1.0)
     x = _features(rng, N, F_IN)
-    out = _apply(conv, x, jnn.adjacency(edge_index, N, values=values, group_size=2))
+    out = _apply(conv, x, jg.adjacency(edge_index, N, values=values, group_size=2))
     assert out.shape == (N, heads * 4 if concat else 4)
     expected = _gat_reference(conv, x, _dense(edge_index, values), heads=heads, out_features=4, concat=concat,
                               add_self_loops=add_self_loops)
@@ -200,7 +201,7 @@ def test_gat_matches_dense(rng, heads, concat, add_self_loops):
 
 def test_gat_dropout_drops_attention_in_training_only(rng):
     edge_index, _ = _graph(rng)
-    A = jnn.adjacency(edge_index, N)
+    A = jg.adjacency(edge_index, N)
     conv = jnn.GATConv(F_IN, 4, heads=2, dropout=0.5, rngs=nnx.Rngs(0, dropout=1))
     x = _features(rng, N, F_IN)
     first, second = _apply(conv, x, A), _apply(conv, x, A)
@@ -220,7 +221,7 @@ def test_rgcn_matches_dense(rng, num_bases):
     src[:2], dst[:2], rel[:2] = 4, 5, 1  # a duplicate edge
     conv = _randomize(jnn.RGCNConv(F_IN, 4, num_relations=R, num_bases=num_bases, rngs=nnx.Rngs(0)), rng)
     x = _features(rng, N, F_IN)
-    out = _apply(conv, x, jnn.relational_graph(src, dst, rel, N, R))
+    out = _apply(conv, x, jg.relational_graph(src, dst, rel, N, R))
     weight = np.asarray(conv.weight[...], np.float64)
     if num_bases is not None:
         weight = np.einsum("rb,bcf->rcf", conv.comp[...], weight)
@@ -233,7 +234,7 @@ def test_rgcn_matches_dense(rng, num_bases):
 
 
 def test_relational_graph_sorts_and_normalises():
-    g = jnn.relational_graph(np.array([0, 1, 2, 3]), np.array([2, 0, 2, 2]), np.array([1, 0, 1, 0]), 4, 2)
+    g = jg.relational_graph(np.array([0, 1, 2, 3]), np.array([2, 0, 2, 2]), np.array([1, 0, 1, 0]), 4, 2)
     np.testing.assert_array_equal(g.dst, [0, 2, 2, 2])
     np.testing.assert_array_equal(g.src, [1, 0, 2, 3])
     np.testing.assert_allclose(g.norm, [1, 0.5, 0.5, 1])
@@ -244,7 +245,7 @@ def test_relational_graph_sorts_and_normalises():
 # --- block-sparse attention ------------------------------------------------------------------------------------
 
 def test_block_pattern_band_global_random():
-    p = jnn.block_pattern(48, 4, local_blocks=1, global_blocks=2, random_blocks=2, seed=3)
+    p = jinsum.block_pattern(48, 4, local_blocks=1, global_blocks=2, random_blocks=2, seed=3)
     dense = np.asarray(p.todense())
     blocks = dense.reshape(12, 4, 12, 4).any(axis=(1, 3))
     assert p.group_size == 1 and p.block_shape == (4, 4) and p.nnz == blocks.sum()
@@ -253,12 +254,12 @@ def test_block_pattern_band_global_random():
     assert blocks[np.abs(i - j) <= 1].all() and blocks[:2].all() and blocks[:, :2].all()
     band_or_global = (np.abs(i - j) <= 1) | (i < 2) | (j < 2)
     assert ((blocks & ~band_or_global).sum(1)[2:] == 2).all()  # 2 random blocks in every non-global row
-    again = jnn.block_pattern(48, 4, local_blocks=1, global_blocks=2, random_blocks=2, seed=3)
+    again = jinsum.block_pattern(48, 4, local_blocks=1, global_blocks=2, random_blocks=2, seed=3)
     np.testing.assert_array_equal(again.todense(), dense)
 
 
 def test_block_pattern_causal():
-    p = jnn.block_pattern(40, 5, local_blocks=2, global_blocks=1, random_blocks=1, causal=True)
+    p = jinsum.block_pattern(40, 5, local_blocks=2, global_blocks=1, random_blocks=1, causal=True)
     dense = np.asarray(p.todense())
     np.testing.assert_array_equal(np.triu(dense, 1), 0)
     assert (np.diag(dense) == 1).all()
@@ -274,9 +275,9 @@ def _attention_reference(q, k, v, mask):
 @pytest.mark.parametrize("causal", [False, True])
 def test_block_sparse_attention_matches_masked_dense(rng, causal):
     L, H, D = 64, 2, 8
-    pattern = jnn.block_pattern(L, 8, local_blocks=1, global_blocks=1, random_blocks=1, causal=causal)
+    pattern = jinsum.block_pattern(L, 8, local_blocks=1, global_blocks=1, random_blocks=1, causal=causal)
     q, k, v = (_features(rng, L, H, D) for _ in range(3))
-    out = jax.jit(jnn.block_sparse_attention)(q, k, v, pattern)
+    out = jax.jit(jinsum.attention)(q, k, v, pattern)
     _close(out, _attention_reference(q, k, v, np.asarray(pattern.todense()) != 0), rtol=1e-4)
 
 
@@ -287,7 +288,7 @@ def test_block_sparse_attention_ragged_lengths_and_element_mask(rng):
     mask[np.arange(L), np.arange(L) % S] = True  # every query attends somewhere
     pattern = jinsum.BlockGroupCOO.from_dense(mask.astype(np.float32), block_shape=(4, 3), group_size=2)
     q, k, v = _features(rng, L, H, 6), _features(rng, S, H, 6), _features(rng, S, H, 5)
-    out = jax.jit(jnn.block_sparse_attention)(q, k, v, pattern)
+    out = jax.jit(jinsum.attention)(q, k, v, pattern)
     scores = np.einsum("lhd,shd->hls", q, k) / np.sqrt(6)
     scores = np.where(mask[None], scores, -np.inf)
     alpha = np.exp(scores - scores.max(-1, keepdims=True))
@@ -297,7 +298,7 @@ def test_block_sparse_attention_ragged_lengths_and_element_mask(rng):
 
 def test_block_sparse_attention_module(rng):
     L, E = 32, 12
-    pattern = jnn.block_pattern(L, 8, local_blocks=1, causal=True)
+    pattern = jinsum.block_pattern(L, 8, local_blocks=1, causal=True)
     attn = _randomize(jnn.BlockSparseAttention(E, 3, head_dim=4, out_features=7, rngs=nnx.Rngs(0)), rng)
     x = _features(rng, L, E)
     qkv = (x @ attn.qkv.kernel[...] + attn.qkv.bias[...]).reshape(L, 9, 4)
@@ -324,17 +325,17 @@ def test_gradients(rng):
     edge_index, values = _graph(rng, num_nodes=7, num_edges=14, weighted=True)
     src, dst, rel = rng.integers(0, 7, 14), rng.integers(1, 7, 14), rng.integers(0, 2, 14)
     with jax.enable_x64(True):
-        A = jnn.adjacency(edge_index, 7, values=values)  # float32 values: the layers compute in float64
+        A = jg.adjacency(edge_index, 7, values=values)  # float32 values: the layers compute in float64
         x = _features(rng, 7, 3, dtype=np.float64)
         rngs = nnx.Rngs(0)
         f64 = dict(param_dtype=jnp.float64, rngs=rngs)
         _check_model_grads(jnn.GCNConv(3, 2, **f64), x, A)
         _check_model_grads(jnn.GATConv(3, 2, heads=2, **f64), x, A)
         _check_model_grads(jnn.RGCNConv(3, 2, num_relations=2, num_bases=2, **f64), x,
-                           jnn.relational_graph(src, dst, rel, 7, 2))
-        pattern = jnn.block_pattern(12, 4, local_blocks=1, causal=True)
+                           jg.relational_graph(src, dst, rel, 7, 2))
+        pattern = jinsum.block_pattern(12, 4, local_blocks=1, causal=True)
         q, k, v = (_features(rng, 12, 2, 3, dtype=np.float64) for _ in range(3))
-        jax.test_util.check_grads(jax.jit(lambda q, k, v: jnn.block_sparse_attention(q, k, v, pattern)), (q, k, v),
+        jax.test_util.check_grads(jax.jit(lambda q, k, v: jinsum.attention(q, k, v, pattern)), (q, k, v),
                                   order=1, modes=["rev"])
 
 
@@ -342,13 +343,13 @@ def test_gradients(rng):
 
 def test_vmap_over_feature_batches_equals_a_loop(rng):
     edge_index, values = _graph(rng, weighted=True)
-    A = jnn.adjacency(edge_index, N, values=values)
-    g = jnn.relational_graph(edge_index[0], edge_index[1], rng.integers(0, 2, edge_index.shape[1]), N, 2)
+    A = jg.adjacency(edge_index, N, values=values)
+    g = jg.relational_graph(edge_index[0], edge_index[1], rng.integers(0, 2, edge_index.shape[1]), N, 2)
     rngs = nnx.Rngs(0)
     cases = [(jnn.GCNConv(F_IN, 3, rngs=rngs), A), (jnn.SAGEConv(F_IN, 3, rngs=rngs), A),
              (jnn.GINConv(nnx.Linear(F_IN, 3, rngs=rngs)), A), (jnn.GATConv(F_IN, 3, heads=2, rngs=rngs), A),
              (jnn.RGCNConv(F_IN, 3, num_relations=2, rngs=rngs), g),
-             (jnn.BlockSparseAttention(F_IN, 1, head_dim=2, rngs=rngs), jnn.block_pattern(N + 1, 4))]
+             (jnn.BlockSparseAttention(F_IN, 1, head_dim=2, rngs=rngs), jinsum.block_pattern(N + 1, 4))]
     for model, graph in cases:
         length = N + 1 if isinstance(graph, jinsum.BlockGroupCOO) else N
         xs = _features(rng, 3, length, F_IN)
@@ -376,7 +377,7 @@ def test_training_reduces_the_loss(rng, make):
     labels = np.repeat([0, 1], n // 2)
     src, dst = rng.integers(0, n, 200), rng.integers(0, n, 200)
     keep = (labels[src] == labels[dst]) | (rng.random(200) < 0.1)
-    A = jnn.adjacency(np.stack([src[keep], dst[keep]]), n)
+    A = jg.adjacency(np.stack([src[keep], dst[keep]]), n)
     x = jnp.asarray(rng.standard_normal((n, F_IN)) + 0.5 * labels[:, None], jnp.float32)
     model = _TwoLayer(make, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(0.02), wrt=nnx.Param)
@@ -402,15 +403,15 @@ def test_a_raw_edge_index_is_refused_with_a_pointer_to_adjacency(rng):
     rngs = nnx.Rngs(0)
     for conv in (jnn.GCNConv(F_IN, 3, rngs=rngs), jnn.SAGEConv(F_IN, 3, rngs=rngs),
                  jnn.GINConv(nnx.Linear(F_IN, 3, rngs=rngs)), jnn.GATConv(F_IN, 3, rngs=rngs)):
-        with pytest.raises(TypeError, match=r"got an array int\d+\[2, 30\].*jinsum\.nn\.adjacency\(edge_index"):
+        with pytest.raises(TypeError, match=r"got an array int\d+\[2, 30\].*jinsum\.graphs\.adjacency\(edge_index"):
             conv(x, jnp.asarray(edge_index))
-        with pytest.raises(TypeError, match=r"jinsum\.nn\.adjacency"):  # also inside jit, on a tracer
+        with pytest.raises(TypeError, match=r"jinsum\.graphs\.adjacency"):  # also inside jit, on a tracer
             _apply(conv, x, jnp.asarray(edge_index))
 
 
 def test_layer_argument_errors(rng):
     edge_index, _ = _graph(rng)
-    A = jnn.adjacency(edge_index, N)
+    A = jg.adjacency(edge_index, N)
     rngs = nnx.Rngs(0)
     with pytest.raises(ValueError, match=r"N = 6 rows"):
         jnn.GCNConv(F_IN, 3, rngs=rngs)(_features(rng, 6, F_IN), A)
@@ -419,13 +420,13 @@ def test_layer_argument_errors(rng):
             np.asarray(A.todense()), block_shape=(2, 2)))
     with pytest.raises(TypeError, match=r"relational_graph"):
         jnn.RGCNConv(F_IN, 3, num_relations=2, rngs=rngs)(_features(rng, N, F_IN), A)
-    with pytest.raises(TypeError, match=r"BlockGroupCOO, got GroupCOO"):
-        q = _features(rng, N, 1, 2)
-        jnn.block_sparse_attention(q, q, q, A)
+    with pytest.raises(TypeError, match=r"BlockSparseAttention: expected the pattern as a jinsum\.BlockMask or "
+                       r"jinsum\.BlockGroupCOO, got GroupCOO"):
+        jnn.BlockSparseAttention(F_IN, num_heads=2, block=4, rngs=rngs)(_features(rng, N, F_IN), A)
     with pytest.raises(ValueError, match=r"rel\[1\] = 5 is out of range"):
-        jnn.relational_graph([0, 1], [1, 0], [0, 5], 3, 2)
+        jg.relational_graph([0, 1], [1, 0], [0, 5], 3, 2)
     with pytest.raises(ValueError, match=r"block_pattern: seq_len must be a multiple of block"):
-        jnn.block_pattern(30, 8)
+        jinsum.block_pattern(30, 8)
     for conv in (jnn.GCNConv(F_IN, 3, rngs=rngs), jnn.SAGEConv(F_IN, 3, rngs=rngs), jnn.GATConv(F_IN, 3, rngs=rngs)):
         name = type(conv).__name__
         with pytest.raises(ValueError, match=rf"{name}: expected node features of shape \(N, {F_IN}\) \(the "
@@ -438,18 +439,18 @@ def test_layer_argument_errors(rng):
 def test_edge_adjacency_errors(rng):
     edge_index, _ = _graph(rng)
     attr = rng.standard_normal((edge_index.shape[1], 2)).astype(np.float32)
-    E = jnn.edge_adjacency(edge_index, N, attr)
+    E = jg.edge_adjacency(edge_index, N, attr)
     assert E.shape == (N, N, 3) and E.nnz == edge_index.shape[1]  # duplicate edges stay separate entries
     x, rngs = _features(rng, N, F_IN), nnx.Rngs(0)
     with pytest.raises(ValueError, match=r"expected floating edge features \(E, D\) = \(30, D\), got float32\[29, 2\]"):
-        jnn.edge_adjacency(edge_index, N, attr[:-1])
+        jg.edge_adjacency(edge_index, N, attr[:-1])
     with pytest.raises(ValueError, match=r"GINEConv: expected an edge_adjacency whose edges carry 3 features"):
         jnn.GINEConv(nnx.Linear(F_IN, 3, rngs=rngs), edge_dim=3, in_features=F_IN, rngs=rngs)(x, E)
     with pytest.raises(ValueError, match=r"GATv2Conv: expected an edge_adjacency .* over the 11 rows of x, got x \(6"):
         jnn.GATv2Conv(F_IN, 3, edge_dim=2, rngs=rngs)(x[:6], E)
-    with pytest.raises(TypeError, match=r"GATv2Conv: expected the edges as a jinsum.nn.EdgeList .* or a "
-                                        r"jinsum.nn.edge_adjacency"):
-        jnn.GATv2Conv(F_IN, 3, rngs=rngs)(x, jnn.adjacency(edge_index, N))
+    with pytest.raises(TypeError, match=r"GATv2Conv: expected the edges as a jinsum.graphs.EdgeList .* or a "
+                                        r"jinsum.graphs.edge_adjacency"):
+        jnn.GATv2Conv(F_IN, 3, rngs=rngs)(x, jg.adjacency(edge_index, N))
     with pytest.raises(ValueError, match=r"carries its edge features in its values; pass no edge_attr"):
         jnn.GATv2Conv(F_IN, 3, edge_dim=2, rngs=rngs)(x, E, attr)
     with pytest.raises(NotImplementedError, match=r"attention weights come in the edge index's order"):
@@ -463,7 +464,7 @@ def test_mixed_precision_layers_match_float32(layer, rng):
     """`dtype=bfloat16` with float32 parameters: bfloat16 outputs (and sparse products) within bfloat16's tolerance
     of the float32 layer, float32 parameter gradients close to the float32 layer's."""
     edge_index, _ = _graph(rng)
-    A = jnn.adjacency(edge_index, N)
+    A = jg.adjacency(edge_index, N)
     x = _features(rng, N, 6)
     make = {"GCNConv": lambda **kw: jnn.GCNConv(6, 5, **kw), "SAGEConv": lambda **kw: jnn.SAGEConv(6, 5, **kw),
             "SAGEConv-max": lambda **kw: jnn.SAGEConv(6, 5, aggr="max", **kw),

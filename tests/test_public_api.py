@@ -9,6 +9,8 @@ import pathlib
 import re
 import types
 
+import jax
+import jax.extend
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -31,7 +33,7 @@ def public_names(name: str) -> dict[str, object]:
         if isinstance(obj, types.ModuleType) or n == "annotations":
             continue
         if not (home.startswith("jinsum") or type(obj).__module__.startswith("jax._src.config")
-                or isinstance(obj, (str, tuple, int))):
+                or isinstance(obj, (str, tuple, int, jax.extend.core.Primitive))):
             continue
         found[f"{name}.{n}"] = obj
     return found

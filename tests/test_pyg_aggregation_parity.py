@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jinsum.graphs as jg
+
 import jinsum.nn as jnn
 
 from conftest import ON_GPU
@@ -61,7 +63,7 @@ def test_sage(aggr, normalize, project, rng):
         if project:
             _copy_linear(ours.project, theirs.lin)
         edge_index = _edges(rng)
-        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jnn.adjacency(edge_index, N), edge_index)
+        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jg.adjacency(edge_index, N), edge_index)
 
 
 @pytest.mark.parametrize("mlp", [False, True], ids=["linear", "mlp"])
@@ -82,7 +84,7 @@ def test_edge_conv(mlp, rng):
             ours = jnn.EdgeConv(F_IN, F_OUT, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
             _copy_linear(ours.nn, theirs.nn)
         edge_index = _edges(rng)
-        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jnn.adjacency(edge_index, N), edge_index)
+        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jg.adjacency(edge_index, N), edge_index)
 
 
 def _graphs(rng, count=5):
@@ -98,7 +100,7 @@ def test_global_pools(pool, rng):
     import torch_geometric.nn.pool as pyg_pool  # noqa: PLC0415
 
     edges, sizes = _graphs(rng)
-    A, batch = jnn.batch_graphs(edges, sizes)
+    A, batch = jg.batch_graphs(edges, sizes)
     with jax.enable_x64(True):
         x = rng.standard_normal((sum(sizes), 3))
         probe = rng.standard_normal((len(sizes), 3))
@@ -114,7 +116,7 @@ def test_global_pools(pool, rng):
 
 def test_batch_graphs_is_block_diagonal(rng):
     edges, sizes = _graphs(rng)
-    A, batch = jnn.batch_graphs(edges, sizes)
+    A, batch = jg.batch_graphs(edges, sizes)
     offsets = np.cumsum([0, *sizes])
     dense = np.zeros((offsets[-1],) * 2)
     for e, o in zip(edges, offsets):
@@ -125,7 +127,7 @@ def test_batch_graphs_is_block_diagonal(rng):
 
 def test_pool_and_batch_errors(rng):
     with pytest.raises(ValueError, match="graph 1 has 3 nodes"):
-        jnn.batch_graphs([np.zeros((2, 0), int), np.array([[0], [3]])], [2, 3])
+        jg.batch_graphs([np.zeros((2, 0), int), np.array([[0], [3]])], [2, 3])
     with pytest.raises(ValueError, match="batch must be sorted"):
         jnn.global_add_pool(jnp.ones((3, 2)), jnp.array([1, 0, 1]), 2)
     with pytest.raises(TypeError, match="num_graphs must be a Python int"):
@@ -162,7 +164,7 @@ def test_propagation_layers(layer, rng):
             ours = jnn.GraphConv(F_IN, out, aggr=aggr, **f64)
             _copy_linear(ours.lin_rel, theirs.lin_rel)
             _copy_linear(ours.lin_root, theirs.lin_root)
-        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jnn.adjacency(edge_index, N, values=weights),
+        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jg.adjacency(edge_index, N, values=weights),
                  edge_index, weights)
 
 
@@ -180,7 +182,7 @@ def test_gcn_on_its_normalisation_computed_once_equals_pyg(improved, rng):
                            rngs=nnx.Rngs(0))
         _copy_linear(ours.linear, theirs.lin)
         ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
-        A_hat = jnn.gcn_norm(edge_index, N, values=weights, improved=improved)
+        A_hat = jg.gcn_norm(edge_index, N, values=weights, improved=improved)
         _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, A_hat, edge_index, weights)
 
 
@@ -193,7 +195,7 @@ def test_rgcn(aggr, num_bases, num_blocks, relations, rng):
     edge_index = _edges(rng)
     rel = rng.integers(0, relations, edge_index.shape[1])
     with jax.enable_x64(True):
-        graph = jnn.relational_graph(edge_index[0], edge_index[1], rel, N, relations)  # (its 1 / c in float64)
+        graph = jg.relational_graph(edge_index[0], edge_index[1], rel, N, relations)  # (its 1 / c in float64)
         if num_bases is None and num_blocks is None:
             assert (edge_index.shape[1] < N * relations) == (relations == 40)
         torch.manual_seed(0)
@@ -223,7 +225,7 @@ def test_transformer(heads, concat, beta, rng):
                                    rngs=nnx.Rngs(0))
         _copy_all(ours, theirs, ["lin_query", "lin_key", "lin_value", "lin_skip"] + ["lin_beta"] * beta)
         edge_index = _edges(rng)
-        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jnn.adjacency(edge_index, N), edge_index)
+        _compare(ours, theirs, rng.standard_normal((N, F_IN)), rng, jg.adjacency(edge_index, N), edge_index)
 
 
 @pytest.mark.parametrize("layer", ["SAGEConv mean", "SAGEConv max", "GraphConv add", "TransformerConv", "GATConv",
@@ -259,7 +261,7 @@ def test_bipartite(layer, rng):
             for att in ("att_src", "att_dst"):
                 getattr(ours, att)[...] = jnp.asarray(getattr(theirs, att).detach().numpy()[0])
             ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
-        A = jnn.adjacency(edge_index, (n_src, n_dst))
+        A = jg.adjacency(edge_index, (n_src, n_dst))
         x_src, x_dst = rng.standard_normal((n_src, f_src)), rng.standard_normal((n_dst, f_dst))
         ts, td = torch.tensor(x_src, requires_grad=True), torch.tensor(x_dst, requires_grad=True)
         expected = theirs((ts, td), torch.from_numpy(edge_index))
@@ -295,7 +297,7 @@ def test_gine(edge_dim, rng):
         ours.eps[...] = jnp.asarray(theirs.eps.item())  # (PyG's 0.3 went through float32)
         if edge_dim:
             _copy_linear(ours.lin, theirs.lin)
-        edges = jnn.edge_list(edge_index, N)
+        edges = jg.edge_list(edge_index, N)
         x = rng.standard_normal((N, F_IN))
         attr = rng.standard_normal((edge_index.shape[1], edge_dim or F_IN))
         tx, ta = torch.tensor(x, requires_grad=True), torch.tensor(attr, requires_grad=True)
@@ -322,7 +324,7 @@ def test_gatv2(heads, concat, self_loops, edge_dim, share, rng):
         _copy_all(ours, theirs, ["lin_l", "lin_r"] + ["lin_edge"] * bool(edge_dim))
         ours.att[...] = jnp.asarray(theirs.att.detach().numpy()[0])
         ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
-        edges = jnn.edge_list(edge_index, N)
+        edges = jg.edge_list(edge_index, N)
         x = rng.standard_normal((N, F_IN))
         attr = rng.standard_normal((edge_index.shape[1], edge_dim)) if edge_dim else None
         tx = torch.tensor(x, requires_grad=True)
@@ -351,7 +353,7 @@ def test_gat_edge_by_edge(heads, concat, self_loops, edge_dim, rng):
         if edge_dim:
             _copy_linear(ours.lin_edge, theirs.lin_edge)
         ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
-        edges = jnn.edge_list(edge_index, N)
+        edges = jg.edge_list(edge_index, N)
         x = rng.standard_normal((N, F_IN))
         attr = rng.standard_normal((edge_index.shape[1], edge_dim)) if edge_dim else None
         tx = torch.tensor(x, requires_grad=True)

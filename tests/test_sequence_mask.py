@@ -1,4 +1,4 @@
-"""`jinsum.nn.sequence_mask`'s block classification from per-block summaries (document id intervals, the causal and
+"""`jinsum.sequence_mask`'s block classification from per-block summaries (document id intervals, the causal and
 window rules on block bounds) against `jinsum.block_mask`'s element-wise one and a brute-force NumPy one: the same
 slots for sorted document ids, a superset with the same full blocks for unsorted ones, never past the capacity;
 attention through it against the dense float64 reference, compiled once over new document ids."""
@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jinsum
-import jinsum.nn as jnn
 from jinsum.testing import CountingJit, assert_allclose
 from jinsum.testing import dense_attention as reference
 
@@ -66,7 +65,7 @@ def test_classification_from_summaries_equals_the_element_wise_one(seed, length,
 
     @jax.jit
     def both(docs):
-        fast = jnn.sequence_mask(length, block, document_ids=docs, causal=causal, window=window)
+        fast = jinsum.sequence_mask(length, block, document_ids=docs, causal=causal, window=window)
         slow = jinsum.block_mask(rule(docs, causal, window), length, length, block, batch=B, capacity=fast.capacity)
         return fast, slow, fast.to_dense(), slow.to_dense()
 
@@ -106,7 +105,7 @@ def test_attention_through_it_matches_dense_float64_and_compiles_once(case, rng)
 
     @CountingJit
     def step(docs, q, k, v):
-        mask = jnn.sequence_mask(length, block, document_ids=docs, causal=causal, window=window)
+        mask = jinsum.sequence_mask(length, block, document_ids=docs, causal=causal, window=window)
         return jinsum.attention(q, k, v, mask)
 
     with jax.enable_x64(True):

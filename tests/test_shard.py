@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import jinsum
+import jinsum.graphs as jg
 import jinsum.nn as jnn
 import jinsum.shard
 from jinsum.formats import GroupCOO
@@ -406,8 +407,8 @@ def test_edge_layer_on_a_partitioned_edge_adjacency(rng, name):
     n = 41
     layer = EDGE_LAYERS[name]()
     x = rng.standard_normal((n, 6))
-    edges = jnn.edge_list(edge_index, n)
-    A = jnn.edge_adjacency(edge_index, n, attr)
+    edges = jg.edge_list(edge_index, n)
+    A = jg.edge_adjacency(edge_index, n, attr)
     reference = _apply(layer, x, edges, attr)
     np.testing.assert_allclose(_apply(layer, x, A), reference, rtol=1e-10, atol=1e-10)  # the same edges, in a format
     for count in sorted({min(2, len(DEVICES)), len(DEVICES)}):
@@ -429,8 +430,8 @@ def test_rgcn_on_a_partitioned_relational_adjacency(rng):
     n, relations = 37, 3
     src, dst = rng.integers(0, n, (2, 150))
     rel = rng.integers(0, relations, 150)
-    g = jnn.relational_graph(src, dst, rel, n, relations)
-    P = jinsum.shard.partition(jnn.relational_adjacency(g), mesh())
+    g = jg.relational_graph(src, dst, rel, n, relations)
+    P = jinsum.shard.partition(jg.relational_adjacency(g), mesh())
     for aggr in ("mean", "add"):
         conv = jnn.RGCNConv(4, 5, num_relations=relations, aggr=aggr, num_bases=2, rngs=nnx.Rngs(0), param_dtype=jnp.float64)
         x = rng.standard_normal((n, 4))

@@ -176,7 +176,7 @@ def test_fp32_dot_precision_follows_allow_tf32(rng):
 
 def test_attention_precision_follows_jax_default(rng):
     q = jnp.asarray(rng.standard_normal((256, 2, 16)), jnp.float32)
-    mask = jinsum.nn.sequence_mask(256, 64, causal=True)
+    mask = jinsum.sequence_mask(256, 64, causal=True)
     def source():
         return jinsum.triton_source(lambda q: jinsum.attention(q, q, q, mask), q)
     with jax.default_matmul_precision("default"):
@@ -220,13 +220,15 @@ def _layer_specs():
     """The statements of every jinsum.nn layer's forward pass and gradient, on small graphs (and SparseLinear's)."""
     from flax import nnx  # noqa: PLC0415
 
+    import jinsum.graphs as jg  # noqa: PLC0415
+
     import jinsum.nn as jnn  # noqa: PLC0415
 
     rng = np.random.default_rng(3)
     edge_index = np.stack([rng.integers(0, 9, 25), rng.integers(0, 9, 25)])
-    A = jnn.adjacency(edge_index, 9)
+    A = jg.adjacency(edge_index, 9)
     x = jnp.asarray(rng.standard_normal((9, 4)).astype(np.float32))
-    graph = jnn.relational_graph(edge_index[0], edge_index[1], rng.integers(0, 3, 25), 9, 3)
+    graph = jg.relational_graph(edge_index[0], edge_index[1], rng.integers(0, 3, 25), 9, 3)
     rngs = nnx.Rngs(0)
     cases = [(jnn.GCNConv(4, 3, rngs=rngs), A), (jnn.SAGEConv(4, 3, rngs=rngs), A),
              (jnn.GINConv(nnx.Linear(4, 3, rngs=rngs)), A), (jnn.GATConv(4, 3, heads=2, rngs=rngs), A),
@@ -244,8 +246,8 @@ def _layer_specs():
         for spec in specs_in(jax.grad(loss, argnums=(0, 1)), params, x):
             specs.setdefault(str(spec.statement) + repr([o.shape for o in spec.operands]), spec)
     q = jnp.asarray(rng.standard_normal((48, 2, 16)).astype(np.float32))
-    pattern = jnn.block_pattern(48, 16, local_blocks=1, global_blocks=1)
-    attention = lambda q: jnp.sum(jnn.block_sparse_attention(q, q, q, pattern) ** 2)  # noqa: E731
+    pattern = jinsum.block_pattern(48, 16, local_blocks=1, global_blocks=1)
+    attention = lambda q: jnp.sum(jinsum.attention(q, q, q, pattern) ** 2)  # noqa: E731
     for spec in specs_in(jax.grad(attention), q):
         specs.setdefault(str(spec.statement) + repr([o.shape for o in spec.operands]), spec)
     return list(specs.values())

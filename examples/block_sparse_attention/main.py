@@ -1,12 +1,12 @@
 """Block-sparse attention on a long sequence: jinsum against dense masked attention, same results, timed.
 
-A BigBird-style pattern (`jinsum.nn.block_pattern`: each block row attends to its neighbouring blocks, to the
+A BigBird-style pattern (`jinsum.block_pattern`: each block row attends to its neighbouring blocks, to the
 first `--global-blocks` blocks and to `--random-blocks` random blocks; global block rows attend everywhere) over
 a sequence of `--seq-len` positions (4,096 by default; up to 16,384, where dense attention's forward+backward
 needs about 17 GB: add `--passes forward` on a smaller machine). Random queries, keys and values, `--heads`
 heads of `--head-dim`:
 
-- jinsum: `jinsum.nn.block_sparse_attention(q, k, v, pattern)`: one fused chain (`jinsum.attention`): on a GPU one
+- jinsum: `jinsum.attention(q, k, v, pattern)`, one fused chain: on a GPU one
   generated kernel walks each query block's stored key blocks with an online softmax (and the backward is the
   FlashAttention-2 recomputation); elsewhere the chain's statements run unfused. Only the stored blocks are computed.
 - dense: `jax.nn.dot_product_attention(q, k, v, mask=...)` with the same pattern as a boolean (L, L) mask: all L^2
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     # Dense attention at 4,096 positions takes about a second per call on two CPU cores: fewer, longer rounds.
     timing = _common.timing_options(True) if args.smoke else dict(calls=2, rounds=3, warmup=1)
 
-    pattern = jinsum.nn.block_pattern(seq_len, args.block, local_blocks=args.local_blocks,
+    pattern = jinsum.block_pattern(seq_len, args.block, local_blocks=args.local_blocks,
                                       global_blocks=args.global_blocks, random_blocks=args.random_blocks,
                                       seed=args.seed, causal=args.causal)
     mask = jnp.asarray(np.asarray(pattern.todense()) != 0)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     q, k, v, t = (jax.random.normal(key, (seq_len, args.heads, args.head_dim)) for key in keys)
 
     systems = {  # the pattern travels as an argument: a BlockGroupCOO for jinsum, the boolean mask for dense
-        "jinsum block_sparse_attention": (jinsum.nn.block_sparse_attention, pattern),
+        "jinsum attention": (jinsum.attention, pattern),
         "dense dot_product_attention + mask": (lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m),
                                                mask),
     }

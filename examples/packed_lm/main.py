@@ -14,12 +14,12 @@ projection, trained with cross entropy on every position whose next byte is in t
 byte of a document is never predicted from the end of the previous one, and no position attends across
 documents. Systems, the same model trained from the same seed on the same batches (only the attention differs):
 
-- dense causal + document mask: `jinsum.nn.sequence_mask(L, block, document_ids=doc, causal=True)`, one
+- dense causal + document mask: `jinsum.sequence_mask(L, block, document_ids=doc, causal=True)`, one
   `BlockMask` per sequence built on the device in every step and shared by the layers (new document boundaries
   compile nothing); the kernels skip the blocks where no query and key share a document;
 - sliding window + document mask: the same with `window=256` (`L // 4` with `--smoke`): a position sees the 255
   bytes before it in its document;
-- BigBird + document mask: a fixed causal BigBird layout (`jinsum.nn.block_pattern`: 1 local, 1 global and 1
+- BigBird + document mask: a fixed causal BigBird layout (`jinsum.block_pattern`: 1 local, 1 global and 1
   random block per block row), built once on the host and passed as the pattern, with the document ids masking
   inside its blocks (every stored block is computed, whatever the documents);
 - dense causal + document mask, GQA: the first with half as many key/value heads as query heads;
@@ -156,10 +156,10 @@ def validation_batches(documents: list[bytes], batch: int, length: int, count: i
 
 
 def bigbird(length: int, block: int, seed: int) -> tuple[BlockGroupCOO, float]:
-    """The causal BigBird layout of one sequence (`jinsum.nn.block_pattern`, built once on the host, shared by
+    """The causal BigBird layout of one sequence (`jinsum.block_pattern`, built once on the host, shared by
     the batch) and the share of the block grid it stores. Each sequence's document ids mask inside its blocks
     (`BlockSparseAttention(x, pattern, document_ids=(B, L) ids)`: a `mask_mod` reading `doc[b, q]`)."""
-    layout = jinsum.nn.block_pattern(length, block, local_blocks=1, global_blocks=1, random_blocks=1, seed=seed,
+    layout = jinsum.block_pattern(length, block, local_blocks=1, global_blocks=1, random_blocks=1, seed=seed,
                                      causal=True)
     return layout, layout.num_groups / (length // block) ** 2
 
@@ -242,7 +242,7 @@ class ByteLM(nnx.Module):
 
     def mask(self, documents: jax.Array) -> jinsum.BlockMask:
         """The block mask of `documents` `(B, L)` (causal, windowed if the model is), one per sequence."""
-        return jinsum.nn.sequence_mask(documents.shape[-1], self.block, document_ids=documents, causal=True,
+        return jinsum.sequence_mask(documents.shape[-1], self.block, document_ids=documents, causal=True,
                                        window=self.window)
 
 

@@ -85,7 +85,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
       least 1 (the scores would carry nothing, and the default scale is undefined).
 
     Example:
-      >>> pattern = jinsum.nn.block_pattern(4096, 128, local_blocks=1, global_blocks=1, random_blocks=2)
+      >>> pattern = jinsum.block_pattern(4096, 128, local_blocks=1, global_blocks=1, random_blocks=2)
       >>> out = jinsum.attention(q, k, v, pattern, causal=True)            # q, k, v: (4096, 16, 64)
       >>> out = jinsum.attention(x, y, h, adjacency, score_mod=lambda s, b, h, i, j: jax.nn.leaky_relu(s, 0.2))
     """
@@ -216,7 +216,7 @@ class _Blocks(NamedTuple):
 
 def _as_block_flags(pattern: BlockGroupCOO, *, causal: bool, mask_mod: bool) -> BlockGroupCOO | _Blocks:
     """A block pattern known on the host whose blocks hold no zero the causal rule does not mask anyway (as
-    `jinsum.nn.block_pattern`'s), as one flag per block, as a block mask is read: the kernels then never read its
+    `jinsum.block_pattern`'s), as one flag per block, as a block mask is read: the kernels then never read its
     elements. (They would read them on a partial block only, but that read's 64-bit address tile costs registers,
     spilled in every iteration, full blocks included: DESIGN.md, "Attention masks as block flags".) Blocks without
     a nonzero element get flag 0; with `mask_mod`, no block is full (the kernels evaluate it on every block but
@@ -259,7 +259,7 @@ def _lay_out(mask: BlockMask, q, k, v, key_padding_mask, score_mod):
     if mask.batch is not None and mask.batch != size:
         raise ValueError(f"jinsum.attention: the block mask holds one mask per batch element for a batch of "
                          f"{mask.batch} (jinsum.block_mask's batch=, or (B, L) document ids in "
-                         f"jinsum.nn.sequence_mask), but got {given}; pass q, k and v with a leading batch axis of "
+                         f"jinsum.sequence_mask), but got {given}; pass q, k and v with a leading batch axis of "
                          f"{mask.batch}, or build the mask for a batch of {size}")
     if mask.batch is None and size > 1:
         raise ValueError(f"jinsum.attention: the block mask holds one mask per head (heads={mask.heads}) for a "
@@ -333,7 +333,7 @@ def _check_arguments(q, k, v, pattern, dropout, self_loops) -> None:
     if not isinstance(pattern, (GroupCOO, BlockGroupCOO, BlockMask)):
         raise TypeError(f"jinsum.attention: expected the pattern as a jinsum.GroupCOO, jinsum.BlockGroupCOO or "
                         f"jinsum.BlockMask, got {type(pattern).__name__}; build one with jinsum.block_mask(mask_mod, "
-                        "L, S, block), jinsum.nn.block_pattern, jinsum.nn.adjacency or BlockGroupCOO.from_dense(mask, "
+                        "L, S, block), jinsum.block_pattern, jinsum.graphs.adjacency or BlockGroupCOO.from_dense(mask, "
                         "block_shape=...)")
     shapes = f"q {tuple(np.shape(q))}, k {tuple(np.shape(k))}, v {tuple(np.shape(v))}, pattern {pattern!r}"
     ndim = np.ndim(q)

@@ -1,7 +1,7 @@
 """Block masks built on the device from a `mask_mod`: which (query block, key block) pairs attend, and how.
 
 `block_mask(mask_mod, L, S, block)` evaluates `mask_mod(b, h, q_idx, kv_idx)` over every `bm x bk` tile (one fused
-XLA reduction over broadcast iotas, nothing of size `L x S` kept; `jinsum.nn.sequence_mask`, which knows its rule's
+XLA reduction over broadcast iotas, nothing of size `L x S` kept; `jinsum.sequence_mask`, which knows its rule's
 structure, classifies from per-block summaries instead, through the same builder) and classifies each block as
 empty, full (every element attends: the kernels read and evaluate nothing) or partial (the kernels evaluate
 `mask_mod` in registers). The attending blocks, in row-major order, are packed into `capacity` slots (a running
@@ -120,7 +120,7 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
         `checkify` error under `jinsum.check_indices`.
 
     Returns:
-      A `BlockMask` to pass as the pattern of `jinsum.attention` (or `jinsum.nn.block_sparse_attention`), which
+      A `BlockMask` to pass as the pattern of `jinsum.attention` (or of `jinsum.nn.BlockSparseAttention`), which
       then applies `mask_mod` too.
 
     Example:
@@ -138,7 +138,7 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
 
     `classify(grid)`, given `grid = (nb, nh, lb, sb)`, returns the flags `(nb * nh * lb, sb)` (any integer dtype:
     2 full, 1 partial, 0 empty, rows laid out as `BlockMask` numbers them) from what it knows of `mask_mod`'s
-    structure (`jinsum.nn.sequence_mask`: per-block summaries of document ids and the position rules), with no
+    structure (`jinsum.sequence_mask`: per-block summaries of document ids and the position rules), with no
     pass over the elements. A block it calls full must be full (the kernels evaluate nothing there: positions
     past `L`, `S` included, so an edge block is never full); one it calls partial may attend nowhere (the kernels
     evaluate `mask_mod` there), at the cost of a slot. Without it every element of every block is evaluated.

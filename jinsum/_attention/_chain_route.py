@@ -12,7 +12,7 @@ the key padding mask, if any, holds every key of the block in every batch elemen
 the primitive is bound, once for the forward and the backward: on the host with NumPy when the pattern is concrete
 (a pattern closed over by a jitted function costs nothing per call), else as XLA ops in the traced program (where
 layers sharing one adjacency share them): then the transposed order is the argsort of the keys, unless the
-`GroupCOO` carries it (`GroupCOO.with_transpose`, built on the host by `jinsum.nn.adjacency`). A segment (row or
+`GroupCOO` carries it (`GroupCOO.with_transpose`, built on the host by `jinsum.graphs.adjacency`). A segment (row or
 key) of `L` entries is `max(1, ceil(L / chunk))` work items.
 """
 

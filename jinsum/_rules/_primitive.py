@@ -87,6 +87,9 @@ def check_index_arrays(spec: Spec, arrays: Mapping[str, jax.Array]) -> None:
 
 
 jinsum_p = Primitive("jinsum")
+jinsum_p.__doc__ = """The primitive every indirect Einsum binds: its parameter `spec` is the checked statement (a
+`Spec`), its operands the statement's arrays in `spec.arguments` order. Its JVP, transpose and batching rules (this
+module) derive statements and bind it again; its lowerings are registered by `jinsum._lowering`."""
 
 
 # --- evaluation --------------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ class GroupCOO(GroupedFormat):
       Av: floating ``(G, P, *dense_shape)``, the value of each slot.
 
       transposed: a :class:`TransposedIndex` of the entries in column order, or None: built on request by
-        :meth:`with_transpose` (``jinsum.nn.adjacency`` does), and by the device builders.
+        :meth:`with_transpose` (``jinsum.graphs.adjacency`` does), and by the device builders.
       overflow: for a format built on the device for a capacity (``from_edge_index(..., capacity=C)``), a boolean
         scalar array, True when the input held more entries than the capacity (the rest were not kept); None for
         a format built on the host. Only a build under tracing can set it (an eager one raises instead): check it

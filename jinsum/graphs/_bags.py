@@ -70,7 +70,7 @@ class Bags:
         """Raises a clear error unless these bags index the rows they touch (`unique=True`) of `table`."""
         if self.rows is None:
             raise ValueError(f"{where}: these bags index the table's ids directly; build them with "
-                             "jinsum.nn.bags(..., unique=True) to read and update only the rows they touch")
+                             "jinsum.graphs.bags(..., unique=True) to read and update only the rows they touch")
         if jnp.ndim(table) != 2 or jnp.shape(table)[0] != self.num_embeddings:
             raise ValueError(f"{where}: expected the table (num_embeddings, F) with num_embeddings = "
                              f"{self.num_embeddings}, got shape {jnp.shape(table)}")

@@ -1,66 +1,26 @@
-"""Flax NNX graph and attention layers whose sparse work is indirect Einsums (needs `pip install 'jinsum[nn]'`).
+"""Flax NNX layers whose sparse work is indirect Einsums (needs `pip install 'jinsum[nn]'`), with PyG's and Flax's
+conventions: every layer takes `dtype=` (the computation's) and, where it has parameters, `param_dtype=`.
 
-Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight`, built once on the host and passed to every call:
+Graphs are `jinsum.GroupCOO` adjacencies `A[dst, src] = weight` from `jinsum.graphs` (which needs no Flax), built once
+on the host and passed to every call:
 
     A = jinsum.graphs.adjacency(edge_index, num_nodes=N)      # edge_index (2, E): sources, destinations
     conv = jinsum.nn.GCNConv(F, 64, rngs=nnx.Rngs(0))
     y = nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A)
 
-Layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv` (mean, sum, max, ... or several),
-`GINConv` (SpMM; also on a `BlockGroupCOO`), `GINEConv` (edge features, on an `edge_list`), `GraphConv`,
-`EdgeConv` (`max=`), `GATConv` (SDDMM, edge softmax, multi-head SpMM; on an `edge_list`: edge features and
-attention weights), `GATv2Conv` (edge by edge, on an `edge_list`), `TransformerConv` (the same fused attention as
-GAT), `RGCNConv` on a `RelationalGraph`, and `BlockSparseAttention` on a `block_pattern` or on masks of packed
-documents built on the device (`sequence_mask`, `block_mask`). SAGE, GraphConv and
-TransformerConv take a bipartite `(x_src, x_dst)` with `adjacency(edge_index, (N_src, N_dst))`. Many small graphs
-(batched by `GraphLoader` or `batch_graphs`): `global_add_pool` / `global_mean_pool` / `global_max_pool` /
-`AttentionalAggregation`. `DynamicEdgeConv` (DGCNN: EdgeConv over a kNN graph that each call rebuilds from its
-input, tiled, never an `(N, N)` distance matrix).
-Sparse weights: `SparseLinear` (a linear layer over a fixed element or block pattern, learned values;
-`random_pattern`). Typed and routed weights: `HeteroLinear` (PyG's: one matrix per node or edge type), `MoE` (a
-mixture of experts: `route_tokens` builds the routing on the device, `routed_mlp` / `routed_linear` run the
-experts as statements over it, `expert_parallel_mlp` with the experts split over a mesh axis). Recommendation:
-`EmbeddingBag` (torch's: sum, mean or max over bags of ids, the bags built on the device by `bags`;
-`embedding_bag` on a table or on only the rows a batch touches, `sparse_adagrad` to update those). Serving:
-`PagedKVCache` (keys and values in pages of a shared pool, allocated and freed on the device; `attend` runs
-`jinsum.paged_attention` over it).
-The graph layers, the pools, the aggregations and `embedding_bag` take integer features (counts, one-hot codes),
-cast to float as `nnx.Linear` casts them; zero nodes or edges give the empty result or the self loops alone.
-Several devices: GCN, SGConv, APPNP, SAGE, GIN, GraphConv, EdgeConv, GAT, TransformerConv and RGCN (on a
-`relational_adjacency`) take a `jinsum.shard.partition` of the adjacency; GINE, GATv2 and GAT with edge features a
-partition of an `edge_adjacency` (the edges one by one, their features in its values).
-
-The graph data the layers read (`adjacency`, `gcn_norm`, `edge_list` / `EdgeList`, `edge_adjacency`,
-`relational_graph` / `RelationalGraph` / `relational_adjacency`, `GraphLoader` / `GraphBatch` / `GraphBudget`,
-`batch_graphs`, `knn` / `knn_graph` / `radius` / `radius_graph`, `bags` / `Bags`) is `jinsum.graphs`', which needs
-no Flax; it is re-exported here.
+Graph layers (PyG's names and semantics): `GCNConv`, `SGConv`, `APPNP`, `SAGEConv`, `GINConv`, `GINEConv`,
+`GraphConv`, `EdgeConv`, `DynamicEdgeConv`, `GATConv`, `GATv2Conv`, `TransformerConv`, `RGCNConv`; pooling and
+aggregation: `global_add_pool`, `global_mean_pool`, `global_max_pool`, `AttentionalAggregation`, `aggregate_by`,
+`multi_aggregate`. Attention: `BlockSparseAttention` (over `jinsum.block_pattern`, `jinsum.block_mask` or
+`jinsum.sequence_mask` patterns; `generate` serves it over a `PagedKVCache`). Sparse weights: `SparseLinear`
+(`random_pattern`, `SparsityPattern`). Typed and routed weights: `HeteroLinear`, `MoE` (`route_tokens`, `Routing`,
+`routed_mlp`, `routed_linear`, `expert_parallel_mlp`). Recommendation: `EmbeddingBag`, `embedding_bag`,
+`sparse_adagrad`. Several devices: the graph layers take a `jinsum.shard.partition` of their adjacency.
 """
 
-from jinsum.graphs import Bags as Bags
-from jinsum.graphs import EdgeList as EdgeList
-from jinsum.graphs import GraphBatch as GraphBatch
-from jinsum.graphs import GraphBudget as GraphBudget
-from jinsum.graphs import GraphLoader as GraphLoader
-from jinsum.graphs import RelationalGraph as RelationalGraph
-from jinsum.graphs import adjacency as adjacency
-from jinsum.graphs import bags as bags
-from jinsum.graphs import batch_graphs as batch_graphs
-from jinsum.graphs import edge_adjacency as edge_adjacency
-from jinsum.graphs import edge_list as edge_list
-from jinsum.graphs import gcn_norm as gcn_norm
-from jinsum.graphs import knn as knn
-from jinsum.graphs import knn_graph as knn_graph
-from jinsum.graphs import radius as radius
-from jinsum.graphs import radius_graph as radius_graph
-from jinsum.graphs import relational_adjacency as relational_adjacency
-from jinsum.graphs import relational_graph as relational_graph
 from jinsum.nn._aggregation import aggregate_by as aggregate_by
 from jinsum.nn._aggregation import multi_aggregate as multi_aggregate
 from jinsum.nn._attention import BlockSparseAttention as BlockSparseAttention
-from jinsum.nn._attention import block_mask as block_mask
-from jinsum.nn._attention import block_pattern as block_pattern
-from jinsum.nn._attention import block_sparse_attention as block_sparse_attention
-from jinsum.nn._attention import sequence_mask as sequence_mask
 from jinsum.nn._dynamic_edge_conv import DynamicEdgeConv as DynamicEdgeConv
 from jinsum.nn._edge_conv import EdgeConv as EdgeConv
 from jinsum.nn._embedding_bag import EmbeddingBag as EmbeddingBag

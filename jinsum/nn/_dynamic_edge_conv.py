@@ -25,7 +25,7 @@ class DynamicEdgeConv(nnx.Module):
     each point by Euclidean distance between the input features, within its batch element, the point itself among
     them (at distance 0, as PyG's kNN).
 
-    Each call builds the graph from `x`: `jinsum.nn.knn` (tiled, static shapes: one compile for every input of one
+    Each call builds the graph from `x`: `jinsum.graphs.knn` (tiled, static shapes: one compile for every input of one
     shape) read as a fixed-fanout `GroupCOO.from_neighbors` (no sort), then `EdgeConv`'s messages `h` on the
     `(N, k, 2F)` edge slots and their maximum (`C[Ai[g],n] max= M[g,p,n]`, the gradient to each element's first
     maximal edge), sum or mean over each point's neighbours. Gradients reach `h`'s parameters and `x` through the

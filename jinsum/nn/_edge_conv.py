@@ -30,7 +30,7 @@ class EdgeConv(nnx.Module):
     `A` may be a `jinsum.shard` partition, `x` then laid out by it.
 
     Example:
-      >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=N)
       >>> conv = jinsum.nn.EdgeConv(16, 32, rngs=nnx.Rngs(0))         # h = Linear(32 -> 32)
       >>> y = conv(x, A)                                             # (N, 32)
       >>> mlp = nnx.Sequential(nnx.Linear(32, 64, rngs=rngs), nnx.relu, nnx.Linear(64, 32, rngs=rngs))

@@ -103,8 +103,8 @@ def expect_edge_adjacency(layer: str, graph, x: jax.Array, width: int) -> None:
     """Raises a clear error unless `graph` is an `edge_adjacency` (or a partition of one) over the rows of `x` whose
     edges carry `width` features."""
     if not is_edge_adjacency(graph):
-        raise TypeError(f"{layer}: expected the edges as a jinsum.nn.EdgeList (jinsum.nn.edge_list(edge_index, "
-                        f"num_nodes)) or a jinsum.nn.edge_adjacency (or its partition), got {graph!r}")
+        raise TypeError(f"{layer}: expected the edges as a jinsum.graphs.EdgeList (jinsum.graphs.edge_list(edge_index, "
+                        f"num_nodes)) or a jinsum.graphs.edge_adjacency (or its partition), got {graph!r}")
     rows = graph.padded_rows if isinstance(graph, jinsum.shard.Partitioned) else graph.shape[0]
     if graph.dense_shape != (1 + width,) or x.shape[0] != rows:
         raise ValueError(f"{layer}: expected an edge_adjacency whose edges carry {width} features (values of 1 + "

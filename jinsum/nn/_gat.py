@@ -41,7 +41,7 @@ class GATConv(nnx.Module):
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] != 0` for each edge ->
     `(N, heads * out_features)` if `concat`, else `(N, out_features)` (the mean over heads).
 
-    Edge by edge: given an `EdgeList` (`jinsum.nn.edge_list`) or an `edge_adjacency` instead of `A`, the layer
+    Edge by edge: given an `EdgeList` (`jinsum.graphs.edge_list`) or an `edge_adjacency` instead of `A`, the layer
     computes each edge's score and the softmax sums (a `max=` per node for the shift, sorted segment sums), which
     also take edge features (`edge_dim`: `alpha_ij` gains `a_edge . W_e e_ij`; a self loop's features are the mean
     of the node's in-edges', PyG's `fill_value="mean"`). On an `EdgeList` it returns the attention weights
@@ -51,7 +51,7 @@ class GATConv(nnx.Module):
     ones. No attention dropout on that path.
 
     Example:
-      >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=N)
       >>> gat = jinsum.nn.GATConv(16, 8, heads=4, dropout=0.6, rngs=nnx.Rngs(0))
       >>> y = gat(x, A)                       # (N, 32); gat.eval() turns the attention dropout off
     """
@@ -115,7 +115,8 @@ class GATConv(nnx.Module):
             return self._edge_by_edge(x, A, edge_attr, return_attention_weights)
         if edge_attr is not None or return_attention_weights or self.lin_edge is not None:
             raise TypeError("GATConv: edge features and attention weights need the edges one by one: pass "
-                            "jinsum.nn.edge_list(edge_index, num_nodes) or jinsum.nn.edge_adjacency(edge_index, "
+                            "jinsum.graphs.edge_list(edge_index, num_nodes) or "
+                            "jinsum.graphs.edge_adjacency(edge_index, "
                             "num_nodes, edge_attr) instead of the adjacency")
         x_src, x = node_features("GATConv", x)
         if self.lin_dst is not None and self.add_self_loops:
@@ -149,7 +150,7 @@ class GATConv(nnx.Module):
                      None if self.lin_edge is None else self.lin_edge.in_features)
         if return_attention_weights and not isinstance(edges, EdgeList):
             raise NotImplementedError("GATConv: attention weights come in the edge index's order from an EdgeList "
-                                      "(jinsum.nn.edge_list), not from an edge_adjacency")
+                                      "(jinsum.graphs.edge_list), not from an edge_adjacency")
         if self.dropout.rate > 0 and not self.dropout.deterministic:
             raise NotImplementedError("GATConv: attention dropout runs in the fused path (pass the adjacency, "
                                       "a GroupCOO); on edges one by one, set dropout=0 or call .eval()")

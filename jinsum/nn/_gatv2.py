@@ -31,7 +31,7 @@ class GATv2Conv(nnx.Module):
     `x` then laid out by it) -> `(N, heads * out_features)` if `concat`, else `(N, out_features)`.
 
     Example:
-      >>> edges = jinsum.nn.edge_list(edge_index, num_nodes=N)
+      >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=N)
       >>> y = jinsum.nn.GATv2Conv(16, 8, heads=4, rngs=nnx.Rngs(0))(x, edges)   # (N, 32)
     """
 

@@ -66,7 +66,7 @@ class GCNConv(nnx.Module):
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`.
 
     Example:
-      >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)           # once, on the host
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=N)           # once, on the host
       >>> conv = jinsum.nn.GCNConv(16, 32, rngs=nnx.Rngs(0))
       >>> y = nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A)     # (N, 32)
     """

@@ -20,7 +20,7 @@ class GINConv(nnx.Module):
       >>> rngs = nnx.Rngs(0)
       >>> mlp = nnx.Sequential(nnx.Linear(16, 32, rngs=rngs), nnx.relu, nnx.Linear(32, 32, rngs=rngs))
       >>> gin = jinsum.nn.GINConv(mlp)
-      >>> y = gin(x, jinsum.nn.adjacency(edge_index, num_nodes=N))  # (N, 32)
+      >>> y = gin(x, jinsum.graphs.adjacency(edge_index, num_nodes=N))  # (N, 32)
     """
 
     def __init__(self, mlp: nnx.Module, *, eps: float = 0.0, train_eps: bool = True, dtype=None,

@@ -25,10 +25,10 @@ class GINEConv(nnx.Module):
     `jinsum.shard` partition, `x` then laid out by it) -> whatever `mlp` makes of `(N, F)`.
 
     Example:
-      >>> edges = jinsum.nn.edge_list(edge_index, num_nodes=N)
+      >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=N)
       >>> conv = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=16, rngs=nnx.Rngs(0))
       >>> y = conv(x, edges, edge_attr)                               # edge_attr (E, 4)
-      >>> P = jinsum.shard.partition(jinsum.nn.edge_adjacency(edge_index, N, edge_attr), mesh)
+      >>> P = jinsum.shard.partition(jinsum.graphs.edge_adjacency(edge_index, N, edge_attr), mesh)
       >>> y = conv(P.shard_rows(x), P)                                # the same, over the devices of the mesh
     """
 

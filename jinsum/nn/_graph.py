@@ -44,16 +44,16 @@ def expect_adjacency(layer: str, A, x, formats=(GroupCOO,), in_features: int | N
                else repr(A))
         raise TypeError(
             f"{layer}: expected the adjacency as a {names}, got {got}. Convert an edge index (2, E) once, outside "
-            "the jitted step, with `A = jinsum.nn.adjacency(edge_index, num_nodes)` and pass A to every call")
+            "the jitted step, with `A = jinsum.graphs.adjacency(edge_index, num_nodes)` and pass A to every call")
     if bipartite:
         if len(A.shape) != 2 or A.shape != (x.shape[0], sources.shape[0]):
             raise ValueError(f"{layer}: expected a bipartite adjacency of shape (N_dst, N_src) = "
                              f"{(x.shape[0], sources.shape[0])} with scalar entries, got {A!r}; build it with "
-                             "jinsum.nn.adjacency(edge_index, (N_src, N_dst))")
+                             "jinsum.graphs.adjacency(edge_index, (N_src, N_dst))")
     elif len(A.shape) != 2 or A.shape[0] != A.shape[1] or A.shape[1] != x.shape[0]:
         raise ValueError(
             f"{layer}: expected a square (N, N) adjacency with scalar entries over the N = {x.shape[0]} rows of the "
-            f"node features {tuple(x.shape)}, got {A!r}; build it with jinsum.nn.adjacency(edge_index, N)")
+            f"node features {tuple(x.shape)}, got {A!r}; build it with jinsum.graphs.adjacency(edge_index, N)")
 
 
 def floating_features(x, *like) -> jax.Array:
@@ -105,7 +105,7 @@ def row_sums(A: GroupCOO | BlockGroupCOO, dtype=None) -> jax.Array:
 def aggregate(A: GroupCOO | BlockGroupCOO, h: jax.Array) -> jax.Array:
     """`A @ h` (SpMM over the stored entries), with `A`'s values in `h`'s dtype: `(M, F)` from `h` `(K, F)`.
 
-    An adjacency that carries its entries in column order (`jinsum.nn.adjacency` builds it so) keeps them through
+    An adjacency that carries its entries in column order (`jinsum.graphs.adjacency` builds it so) keeps them through
     the cast: the gradient with respect to `h` is then the forward SpMM's kernel over the transpose instead of an
     atomic addition per edge. On a `Partitioned` (`jinsum.shard`), `h` and the result are row-sharded."""
     if isinstance(A, Partitioned):

@@ -34,7 +34,7 @@ class RGCNConv(nnx.Module):
     Shapes: `x` `(N, in_features)`, `graph` a `RelationalGraph` over `N` nodes -> `(N, out_features)`.
 
     Example:
-      >>> g = jinsum.nn.relational_graph(src, dst, rel, num_nodes=N, num_relations=3)
+      >>> g = jinsum.graphs.relational_graph(src, dst, rel, num_nodes=N, num_relations=3)
       >>> conv = jinsum.nn.RGCNConv(16, 32, num_relations=3, num_bases=2, rngs=nnx.Rngs(0))
       >>> y = conv(x, g)                                             # (N, 32)
     """
@@ -108,8 +108,8 @@ class RGCNConv(nnx.Module):
 
     def _messages(self, x: jax.Array, graph: RelationalGraph) -> jax.Array:
         if not isinstance(graph, RelationalGraph):
-            raise TypeError(f"RGCNConv: expected a jinsum.nn.RelationalGraph, got {type(graph).__name__}. Build it "
-                            "once, outside the jitted step, with jinsum.nn.relational_graph(src, dst, rel, "
+            raise TypeError(f"RGCNConv: expected a jinsum.graphs.RelationalGraph, got {type(graph).__name__}. Build it "
+                            "once, outside the jitted step, with jinsum.graphs.relational_graph(src, dst, rel, "
                             "num_nodes, num_relations)")
         if graph.num_nodes != x.shape[0] or graph.num_relations != self.num_relations:
             raise ValueError(f"RGCNConv: expected a graph over the N = {x.shape[0]} rows of x {tuple(x.shape)} "

@@ -36,7 +36,7 @@ class SAGEConv(nnx.Module):
     `x = (x_src, x_dst)`, `in_features = (F_src, F_dst)` and `A` `(N_dst, N_src)` -> `(N_dst, out_features)`.
 
     Example:
-      >>> A = jinsum.nn.adjacency(edge_index, num_nodes=N)
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=N)
       >>> sage = jinsum.nn.SAGEConv(16, 32, aggr="max", rngs=nnx.Rngs(0))
       >>> y = sage(x, A)                                             # (N, 32)
     """

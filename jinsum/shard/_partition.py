@@ -303,7 +303,7 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
 
     Example:
       >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
-      >>> P = jinsum.shard.partition(jinsum.nn.adjacency(edge_index, N), mesh)
+      >>> P = jinsum.shard.partition(jinsum.graphs.adjacency(edge_index, N), mesh)
       >>> y = P.unshard_rows(P @ P.shard_rows(x))        # == A @ x
     """
     chunks = _check_arguments(A, split, exchange, chunks)
