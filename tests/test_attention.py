@@ -17,7 +17,7 @@ import jinsum
 from jinsum import _attention
 from jinsum._attention import _chain_reference, _chain_route, _chain_triton
 from jinsum.formats._row_starts import count_below
-from jinsum.kernels import ChainConfig, generate_chain, make_chain_plan
+from jinsum.kernels import ChainConfig, Fallback, generate_chain, make_chain_plan
 from jinsum.testing import assert_allclose
 from jinsum.testing import dense_attention as reference_attention
 
@@ -531,6 +531,22 @@ def test_a_fused_forward_keeps_its_work_lists_when_the_backward_runs_unfused(rng
     work = _chain_route.schedule(route, arrays)
     assert work["row_items"].shape[0] == route.plan("forward").items and (work["row_items"][:, 0] >= 0).any()
     assert work["key_items"].shape[0] == 0  # (no backward kernel reads them)
+
+
+@pytest.mark.parametrize("setting", ["triton", "fuse"])
+def test_a_chain_unfused_by_a_setting_runs_unfused_silently(setting):
+    """`jinsum.fuse(False)` (or `jinsum.triton(False)`) routes every chain to its unfused statements, a choice that
+    does not warn; a chain the kernels cannot take does (`FallbackWarning`)."""
+    mask = jinsum.block_mask(lambda b, h, i, j: i >= j, 64, 64, 16)
+    chain, _, _ = _attention.build_chain(*(jnp.zeros((64, 1, 16), jnp.float16),) * 3, mask)
+    with getattr(jinsum, setting)(False):
+        found = _chain_route.route_chain(chain).plans(_chain_route.FORWARD)
+    assert isinstance(found, Fallback) and found.reason == f"jinsum.{setting} is off"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _chain_triton._fallback(chain, found)
+    with pytest.warns(jinsum.FallbackWarning, match="runs unfused: no kernel for it"):
+        _chain_triton._fallback(chain, Fallback("no kernel for it"))
 
 
 def test_row_work_items_skip_the_empty_blocks_at_either_end_of_a_row():

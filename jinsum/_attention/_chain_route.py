@@ -35,6 +35,7 @@ FORWARD, BACKWARD = ("forward", "combine"), ("dq", "dq_sum", "dkdv", "dkdv_sum")
 EMPTY = "an empty pattern"
 # Settings that keep chains unfused (`jinsum.fuse(False)`: statements in kernels, chains unfused).
 SWITCHES = (("jinsum.triton", _config.triton), ("jinsum.fuse", _config.fuse))
+SWITCHED_OFF = tuple(f"{name} is off" for name, _ in SWITCHES)  # (their fallbacks' reasons: choices, not warnings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ def _route(chain: Chain, config: ChainConfig, switched: tuple[str, ...]) -> Chai
 def _plans(chain: Chain, kinds, config: ChainConfig, switched) -> tuple[ChainPlan, ...] | Fallback:
     """The plans of the chain's `kinds` of kernels, or the first `Fallback`."""
     if switched:
-        return Fallback(f"{switched[0]} is off")
+        return Fallback(f"{switched[0]} is off")  # (one of SWITCHED_OFF)
     if chain.entries == 0 or chain.rows == 0 or chain.keys == 0:
         return Fallback(EMPTY)
     found = []

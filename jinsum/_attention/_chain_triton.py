@@ -14,7 +14,8 @@ import jax
 import numpy as np
 
 from jinsum._attention import _chain_reference
-from jinsum._attention._chain_route import BACKWARD, EMPTY, FORWARD, SCHEDULE, ChainRoute, route_chain, schedule
+from jinsum._attention._chain_route import (BACKWARD, EMPTY, FORWARD, SCHEDULE, SWITCHED_OFF, ChainRoute, route_chain,
+                                             schedule)
 from jinsum._lang._chain import Chain
 from jinsum._lowering import _launch
 from jinsum._lowering._triton import FallbackWarning
@@ -23,7 +24,7 @@ from jinsum.kernels import (ChainConfig, ChainPlan, Fallback, chain_inputs, chai
 
 
 def _fallback(chain: Chain, plan: Fallback) -> None:
-    if not plan.reason.endswith("=0") and plan.reason != EMPTY:  # a switch, or no work: nothing to warn of
+    if plan.reason not in (*SWITCHED_OFF, EMPTY):  # a setting, or no work: nothing to warn of
         warnings.warn(f"jinsum: {chain!r} runs unfused: {plan.reason}", FallbackWarning, stacklevel=3)
 
 
