@@ -85,9 +85,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
       least 1 (the scores would carry nothing, and the default scale is undefined).
 
     Example:
-      >>> pattern = jinsum.block_pattern(4096, 128, local_blocks=1, global_blocks=1, random_blocks=2)
-      >>> out = jinsum.attention(q, k, v, pattern, causal=True)            # q, k, v: (4096, 16, 64)
-      >>> out = jinsum.attention(x, y, h, adjacency, score_mod=lambda s, b, h, i, j: jax.nn.leaky_relu(s, 0.2))
+      >>> q = k = v = jnp.ones((256, 4, 16))                                   # (L, H, D)
+      >>> pattern = jinsum.block_pattern(256, 64, local_blocks=1, global_blocks=1, random_blocks=1)
+      >>> jinsum.attention(q, k, v, pattern, causal=True).shape
+      (256, 4, 16)
+      >>> adjacency = jinsum.graphs.adjacency(np.array([[0, 1, 2], [1, 2, 0]]), num_nodes=3)   # a graph's edges
+      >>> x = jnp.ones((3, 1, 8))                                                # (N, H, D)
+      >>> jinsum.attention(x, x, x, adjacency, score_mod=lambda s, b, h, i, j: jax.nn.leaky_relu(s, 0.2)).shape
+      (3, 1, 8)
     """
     chain, arrays, unpad = build_chain(q, k, v, pattern, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
                                        causal=causal, key_padding_mask=key_padding_mask, dropout=dropout, seed=seed,

@@ -124,9 +124,14 @@ def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] 
       then applies `mask_mod` too.
 
     Example:
-      >>> def step(params, tokens, doc):                       # doc: (L,) document id of every position
-      ...     mask = jinsum.block_mask(lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv), L, L, 128)
+      >>> @jax.jit
+      ... def step(q, k, v, doc):                               # doc: (L,) document id of every position
+      ...     L = q.shape[0]
+      ...     mask = jinsum.block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), L, L, 64)
       ...     return jinsum.attention(q, k, v, mask)
+      >>> q = k = v = jnp.ones((256, 2, 16))
+      >>> step(q, k, v, jnp.repeat(jnp.arange(2), 128)).shape               # two documents of 128
+      (256, 2, 16)
     """
     return build(mask_mod, L, S, block, batch=batch, heads=heads, capacity=capacity)
 

@@ -72,7 +72,18 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
     as masked out (never read out of bounds) and lengths are clipped to the table's capacity.
 
     Example:
-      >>> out = jinsum.paged_attention(q, cache.k_pages, cache.v_pages, cache.page_table[ids], cache.lengths[ids])
+      >>> cache = jinsum.nn.PagedKVCache.create(8, 16, 2, 32, max_sequences=4, max_pages_per_sequence=2,
+      ...                                       dtype=jnp.float32)      # pages of 16 tokens, 2 heads of 32
+      >>> @jax.jit
+      ... def decode(cache, q, k, v, ids):                           # a new token for each sequence of `ids`
+      ...     cache = cache.append(k, v, None, ids)
+      ...     return cache, jinsum.paged_attention(q, cache.k_pages, cache.v_pages, cache.page_table[ids],
+      ...                                          cache.lengths[ids])
+      >>> ids, kv = jnp.array([0, 2]), jnp.ones((2, 2, 32))          # sequences 0 and 2
+      >>> q = jnp.ones((2, 4, 32))                                   # (T, Hq, D): 4 query heads over 2
+      >>> cache, out = decode(cache, q, kv, kv, ids)
+      >>> out.shape, cache.lengths
+      ((2, 4, 32), Array([1, 0, 1, 0], dtype=int32))
     """
     q, k_pages, v_pages = (jnp.asarray(x) for x in (q, k_pages, v_pages))
     page_table, kv_lengths = jnp.asarray(page_table), jnp.asarray(kv_lengths)

@@ -44,6 +44,7 @@ def block_pattern(seq_len: int, block: int, *, local_blocks: int = 1, global_blo
     Example:
       >>> pattern = jinsum.block_pattern(1024, 64, local_blocks=1, global_blocks=1, random_blocks=2)
       >>> pattern.nnz                          # stored blocks, out of 16 * 16
+      104
     """
     where = "jinsum.block_pattern"
     seq_len, block = check_int(where, "seq_len", seq_len, minimum=1), check_int(where, "block", block, minimum=1)
@@ -83,7 +84,10 @@ def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = N
     may be kept as partial where nothing attends (the kernels' `mask_mod` masks it), within the same capacity.
 
     Example:
+      >>> doc = jnp.repeat(jnp.arange(4), 1024)                 # four packed documents of 1,024 positions
       >>> mask = jinsum.sequence_mask(4096, 128, document_ids=doc, causal=True, window=1024)
+      >>> mask.shape, mask.block
+      ((4096, 4096), (128, 128))
     """
     where = "jinsum.sequence_mask"
     length, block = check_int(where, "length", length, minimum=1), check_int(where, "block", block, minimum=1)

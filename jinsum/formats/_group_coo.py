@@ -297,9 +297,13 @@ class GroupCOO(GroupedFormat):
 
         Example (a new sampled graph every step, one compile):
           >>> @jax.jit
-          ... def step(edge_index, x):                       # edge_index (2, 4096), padded with -1
-          ...     A = GroupCOO.from_edge_index(edge_index, num_nodes=1000, capacity=4096)
+          ... def step(edge_index, x):                       # edge_index (2, 8), padded with -1
+          ...     A = jinsum.GroupCOO.from_edge_index(edge_index, num_nodes=4, capacity=8)
           ...     return A @ x, A.overflow
+          >>> edge_index = jnp.array([[0, 1, 2, 3, -1, -1, -1, -1], [1, 2, 3, 0, -1, -1, -1, -1]])
+          >>> y, overflow = step(edge_index, jnp.ones((4, 3)))
+          >>> y.shape, bool(overflow)
+          ((4, 3), False)
         """
         where = f"{_FMT}.from_edge_index"
         pair = tuple(num_nodes) if isinstance(num_nodes, (tuple, list)) else (num_nodes, num_nodes)
@@ -457,8 +461,12 @@ class GroupCOO(GroupedFormat):
           dtype, with_transpose: as for :meth:`from_neighbors`.
 
         Example (torch's `EmbeddingBag` reading: bag ``b`` is ``ids[offsets[b]:offsets[b + 1]]``):
-          >>> A = GroupCOO.from_csr(jnp.append(offsets, len(ids)), ids, num_columns=num_embeddings)
-          >>> A @ table                                          # each bag's sum of its rows
+          >>> ids, offsets = jnp.array([4, 1, 4, 7]), jnp.array([0, 3])           # bags {4, 1, 4} and {7}
+          >>> A = jinsum.GroupCOO.from_csr(jnp.append(offsets, len(ids)), ids, num_columns=10)
+          >>> table = jnp.arange(10.0)[:, None] * jnp.ones(3)                     # (10, 3): row r holds r
+          >>> print(A @ table)                                   # each bag's sum of its rows
+          [[9. 9. 9.]
+           [7. 7. 7.]]
         """
         where = f"{_FMT}.from_csr"
         num_columns = check_int(where, "num_columns", num_columns)
@@ -560,9 +568,13 @@ class GroupCOO(GroupedFormat):
         the values keep their zeros, and :meth:`with_values` keeps it (learned values of a fixed structure).
 
         Example:
-          >>> A = jinsum.GroupCOO.from_edge_index(edge_index, num_nodes=N).with_transpose()
-          >>> jax.grad(lambda B: (A @ B).sum())(B)   # A^T dC over A.transposed: each row of dB written once
-          >>> jinsum.attention(q, k, v, A)   # its backward over the keys reads A.transposed: no sort per call
+          >>> A = jinsum.GroupCOO.from_edge_index(np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), num_nodes=4).with_transpose()
+          >>> B = jnp.ones((4, 3))
+          >>> jax.grad(lambda B: (A @ B).sum())(B).shape   # A^T dC over A.transposed: each row of dB written once
+          (4, 3)
+          >>> q = k = v = jnp.ones((4, 1, 8))
+          >>> jinsum.attention(q, k, v, A).shape   # its backward over the keys reads A.transposed: no sort per call
+          (4, 1, 8)
         """
         where = f"{_FMT}.with_transpose"
         if any(isinstance(x, jax.core.Tracer) for x in (self.Ai, self.Ak, self.Av)):

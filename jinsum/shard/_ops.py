@@ -176,8 +176,16 @@ def einsum(subscripts: str, *operands):
     row-sharded result), or the output must be `A`'s subscripts (an SDDMM: `A` with new values).
 
     Example:
+      >>> edge_index = np.array([[0, 1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 0]])   # a ring of 8 nodes
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
+      >>> P = jinsum.shard.partition(jinsum.graphs.adjacency(edge_index, 8), mesh)
+      >>> x = q = k = P.shard_rows(jnp.ones((8, 4)))             # laid out by P's rows
       >>> y = jinsum.shard.einsum("ik,kn->in", P, x)               # P @ x
+      >>> P.unshard_rows(y).shape
+      (8, 4)
       >>> scores = jinsum.shard.einsum("ik,in,kn->ik", P, q, k)    # q_i . k_k at P's entries
+      >>> scores.shape
+      (8, 8)
     """
     if not isinstance(subscripts, str):
         raise TypeError(f"jinsum.shard.einsum: subscripts must be a string of NumPy subscripts (e.g. 'ik,kn->in'), "

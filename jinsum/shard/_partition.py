@@ -303,8 +303,12 @@ def partition(A: GroupCOO | BlockGroupCOO, mesh: Mesh, axis: str | None = None, 
 
     Example:
       >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))
-      >>> P = jinsum.shard.partition(jinsum.graphs.adjacency(edge_index, N), mesh)
-      >>> y = P.unshard_rows(P @ P.shard_rows(x))        # == A @ x
+      >>> A = jinsum.graphs.adjacency(np.array([[0, 1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 0]]), 8)
+      >>> P = jinsum.shard.partition(A, mesh)
+      >>> x = jnp.arange(32.0).reshape(8, 4)
+      >>> y = P.unshard_rows(P @ P.shard_rows(x))
+      >>> bool(jnp.array_equal(y, A @ x))
+      True
     """
     chunks = _check_arguments(A, split, exchange, chunks)
     axis = _mesh_axis(mesh, axis)
