@@ -45,7 +45,10 @@ def adjacency(edge_index, num_nodes: int | tuple[int, int], *, values=None, grou
 
     Example:
       >>> A = jinsum.graphs.adjacency(np.array([[0, 1, 1], [1, 2, 0]]), num_nodes=3)
-      >>> A.todense()   # A[1, 0], A[2, 1], A[0, 1] are 1
+      >>> print(A.todense().astype(int))   # A[1, 0], A[2, 1], A[0, 1] are 1
+      [[0 1 0]
+       [1 0 0]
+       [0 1 0]]
     """
     where = "jinsum.graphs.adjacency"
     if isinstance(num_nodes, tuple):
@@ -77,9 +80,11 @@ def gcn_norm(edge_index, num_nodes: int, *, values=None, improved: bool = False,
     counts an existing self loop of weight `w` as `w + 1`.
 
     Example:
-      >>> A_hat = jinsum.graphs.gcn_norm(edge_index, N)                          # once
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A_hat = jinsum.graphs.gcn_norm(edge_index, 4)                                   # once
       >>> conv = jinsum.nn.GCNConv(16, 32, normalize=False, add_self_loops=False, rngs=nnx.Rngs(0))
-      >>> y = conv(x, A_hat)                                                      # PyG's GCNConv(16, 32)(x, edge_index)
+      >>> conv(x, A_hat).shape                                       # PyG's GCNConv(16, 32)(x, edge_index)
+      (4, 32)
     """
     where = "jinsum.graphs.gcn_norm"
     num_nodes = check_int(where, "num_nodes", num_nodes)

@@ -106,7 +106,10 @@ def bags(indices, offsets=None, per_sample_weights=None, *, num_embeddings: int,
 
     Example:
       >>> b = jinsum.graphs.bags(jnp.array([4, 1, 4, 7]), jnp.array([0, 3]), num_embeddings=10)   # {4, 1, 4}, {7}
-      >>> jinsum.nn.embedding_bag(table, b, "sum")                # (2, F): table[4] * 2 + table[1], table[7]
+      >>> table = jnp.arange(10.0)[:, None] * jnp.ones(3)          # (10, 3): row r holds r
+      >>> print(jinsum.nn.embedding_bag(table, b, "sum"))          # table[4] * 2 + table[1], table[7]
+      [[9. 9. 9.]
+       [7. 7. 7.]]
     """
     where = "jinsum.graphs.bags"
     num_embeddings = check_int(where, "num_embeddings", num_embeddings, minimum=1)

@@ -99,6 +99,10 @@ class GraphBatch:
       ...     A = batch.adjacency()                                   # built on the device
       ...     h = model(batch.x, A)                                   # (N, F)
       ...     return jinsum.nn.global_add_pool(h, batch.node_graph(), batch.budget.graphs)   # (G, F)
+      >>> loader = jinsum.graphs.GraphLoader(jinsum.datasets.molecules(8, features=8), batch_size=4)
+      >>> gin = jinsum.nn.GINConv(nnx.Linear(8, 16, rngs=nnx.Rngs(0)))
+      >>> [predict(gin, batch).shape for batch in loader]
+      [(4, 16), (4, 16)]
     """
 
     x: jax.Array
@@ -175,10 +179,13 @@ class GraphLoader:
     the next graph would pass the node or edge budget; a graph larger than the budget on its own is an error.
 
     Example:
-      >>> loader = jinsum.graphs.GraphLoader(graphs, batch_size=128, shuffle=True)   # budget from the dataset
-      >>> for epoch in range(10):
-      ...     for batch in loader:
-      ...         state, loss = train_step(state, batch)                          # one compile
+      >>> graphs = jinsum.datasets.molecules(20, features=8)                     # dicts of x, edge_index, y
+      >>> loader = jinsum.graphs.GraphLoader(graphs, batch_size=8, shuffle=True)   # budget from the dataset
+      >>> len(loader), loader.budget.graphs
+      (3, 8)
+      >>> for epoch in range(2):
+      ...     for batch in loader:                  # the same shapes every batch: a jitted step compiles once
+      ...         assert batch.x.shape == (loader.budget.nodes, 8)
     """
 
     def __init__(self, graphs: Sequence, batch_size: int, *, budget: GraphBudget | None = None,
@@ -260,9 +267,13 @@ def batch_graphs(edge_indices: Sequence, num_nodes: Sequence[int], *, group_size
       `batch`, node -> graph, sorted.
 
     Example:
-      >>> A, batch = jinsum.graphs.batch_graphs([e0, e1, e2], [n0, n1, n2])
-      >>> h = jinsum.nn.GINConv(mlp)(x, A)                  # every graph at once
-      >>> readout = jinsum.nn.global_add_pool(h, batch, 3)  # (3, F)
+      >>> e0, e1, e2 = np.array([[0], [1]]), np.array([[0, 1], [1, 0]]), np.array([[1, 2], [0, 1]])
+      >>> A, batch = jinsum.graphs.batch_graphs([e0, e1, e2], [2, 2, 3])
+      >>> batch
+      Array([0, 0, 1, 1, 2, 2, 2], dtype=int32)
+      >>> h = jinsum.nn.GINConv(nnx.Linear(4, 8, rngs=nnx.Rngs(0)))(jnp.ones((7, 4)), A)   # every graph at once
+      >>> jinsum.nn.global_add_pool(h, batch, 3).shape
+      (3, 8)
     """
     if len(edge_indices) != len(num_nodes):
         raise ValueError(f"batch_graphs: got {len(edge_indices)} edge indices but {len(num_nodes)} node counts")

@@ -41,8 +41,11 @@ def edge_list(edge_index, num_nodes: int) -> EdgeList:
     """`edge_index` (2, E) (sources, destinations) as an `EdgeList`, on the host: call it once, outside `jit`.
 
     Example:
-      >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=N)
-      >>> y = jinsum.nn.GINEConv(mlp)(x, edges, edge_attr)       # edge_attr (E, F) in edge_index's order
+      >>> edge_index = np.array([[0, 1, 2, 3], [1, 2, 3, 0]])
+      >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=4)
+      >>> x, edge_attr = jnp.ones((4, 16)), jnp.ones((4, 16))       # edge_attr (E, F) in edge_index's order
+      >>> jinsum.nn.GINEConv(nnx.Linear(16, 32, rngs=nnx.Rngs(0)))(x, edges, edge_attr).shape
+      (4, 32)
     """
     src, dst, order, num_nodes = _sorted_edges("jinsum.graphs.edge_list", edge_index, num_nodes)
     return EdgeList(jnp.asarray(src), jnp.asarray(dst), jnp.asarray(order), num_nodes)
@@ -68,9 +71,14 @@ def edge_adjacency(edge_index, num_nodes: int, edge_attr=None, *, group_size: in
     features to the device of its destination), in place of an `EdgeList` and edge features.
 
     Example:
-      >>> A = jinsum.graphs.edge_adjacency(edge_index, N, edge_attr)         # edge_attr (E, 4)
-      >>> P = jinsum.shard.partition(A, mesh)
-      >>> y = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=F, rngs=rngs)(P.shard_rows(x), P)
+      >>> edge_index, edge_attr = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), np.ones((4, 4), np.float32)   # (E, 4)
+      >>> A = jinsum.graphs.edge_adjacency(edge_index, 4, edge_attr)
+      >>> A.shape                                                         # (N, N, 1 + 4)
+      (4, 4, 5)
+      >>> P = jinsum.shard.partition(A, jax.make_mesh((jax.device_count(),), ("x",)))
+      >>> conv = jinsum.nn.GINEConv(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), edge_dim=4, in_features=16, rngs=nnx.Rngs(1))
+      >>> P.unshard_rows(conv(P.shard_rows(jnp.ones((4, 16))), P)).shape
+      (4, 32)
     """
     where = "jinsum.graphs.edge_adjacency"
     src, dst, order, num_nodes = _sorted_edges(where, edge_index, num_nodes)

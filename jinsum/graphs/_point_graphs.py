@@ -178,7 +178,12 @@ def radius(pos, r, batch=None, max_num_neighbors: int = 32, loop: bool = False, 
       accept the cut.
 
     Example:
-      >>> neighbors, count = jinsum.graphs.radius(pos, 0.2, batch)
+      >>> pos = jnp.array([[0.0, 0.0], [0.1, 0.0], [1.0, 1.0]])
+      >>> neighbors, count = jinsum.graphs.radius(pos, 0.2, max_num_neighbors=4)
+      >>> print(neighbors, count)
+      [[ 1 -1 -1 -1]
+       [ 0 -1 -1 -1]
+       [-1 -1 -1 -1]] [1 1 0]
       >>> A = jinsum.GroupCOO.from_neighbors(neighbors, num_sources=pos.shape[0])   # A[i, j] = 1 within reach
     """
     where = "jinsum.graphs.radius"

@@ -51,7 +51,8 @@ def relational_graph(src, dst, rel, num_nodes: int, num_relations: int) -> Relat
       num_relations: `R`; every relation must lie in `[0, R)`.
 
     Example:
-      >>> g = jinsum.graphs.relational_graph(src, dst, rel, num_nodes=N, num_relations=R)
+      >>> src, dst, rel = np.array([0, 1, 2, 2]), np.array([1, 2, 0, 1]), np.array([0, 1, 1, 0])
+      >>> g = jinsum.graphs.relational_graph(src, dst, rel, num_nodes=3, num_relations=2)
     """
     where = "jinsum.graphs.relational_graph"
     num_nodes = check_int(where, "num_nodes", num_nodes)
@@ -80,8 +81,15 @@ def relational_adjacency(graph: RelationalGraph) -> GroupCOO:
     per (destination, source) pair, so it suits graphs of few relations.
 
     Example:
-      >>> P = jinsum.shard.partition(jinsum.graphs.relational_adjacency(g), mesh)
-      >>> y = conv(P.shard_rows(x), P)
+      >>> src, dst, rel = np.array([0, 1, 2, 2]), np.array([1, 2, 0, 1]), np.array([0, 1, 1, 0])
+      >>> g = jinsum.graphs.relational_graph(src, dst, rel, num_nodes=3, num_relations=2)
+      >>> A = jinsum.graphs.relational_adjacency(g)
+      >>> A.shape                                                      # (N, N, R)
+      (3, 3, 2)
+      >>> P = jinsum.shard.partition(A, jax.make_mesh((jax.device_count(),), ("x",)))
+      >>> conv = jinsum.nn.RGCNConv(8, 16, num_relations=2, rngs=nnx.Rngs(0))
+      >>> P.unshard_rows(conv(P.shard_rows(jnp.ones((3, 8))), P)).shape
+      (3, 16)
     """
     where = "jinsum.graphs.relational_adjacency"
     src, dst, rel = (host_array(where, a) for a in (graph.src, graph.dst, graph.rel))
