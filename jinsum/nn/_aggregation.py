@@ -48,7 +48,10 @@ def multi_aggregate(A: GroupCOO, x: jax.Array, aggrs: Sequence[str] | str) -> ja
     of one, as `SAGEConv`'s `aggr` takes it.
 
     Example:
-      >>> h = jinsum.nn.multi_aggregate(A, x, ["mean", "max", "min", "std"])   # PNA's aggregators
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=4)
+      >>> jinsum.nn.multi_aggregate(A, x, ["mean", "max", "min", "std"]).shape   # PNA's aggregators
+      (4, 64)
     """
     names = [aggrs] if isinstance(aggrs, str) else list(aggrs)
     if not names or any(aggr not in AGGREGATIONS for aggr in names):

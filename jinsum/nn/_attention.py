@@ -41,11 +41,15 @@ class BlockSparseAttention(nnx.Module):
     Serving: `generate` runs the same projections over a `PagedKVCache`, for new tokens of many sequences at once.
 
     Example:
-      >>> attn = jinsum.nn.BlockSparseAttention(256, num_heads=8, num_kv_heads=2, causal=True, window=512,
+      >>> attn = jinsum.nn.BlockSparseAttention(32, num_heads=4, num_kv_heads=2, causal=True, window=64, block=32,
       ...                                       rngs=nnx.Rngs(0))
-      >>> y = attn(x, document_ids=doc)                              # x: (8, 4096, 256), doc: (8, 4096)
-      >>> pattern = jinsum.block_pattern(512, 64, local_blocks=1, global_blocks=1)   # or a fixed pattern
-      >>> y = attn(x[:, :512], pattern)
+      >>> x = jnp.ones((2, 128, 32))                                     # (B, L, in_features)
+      >>> doc = jnp.repeat(jnp.arange(4), 64).reshape(2, 128)           # (B, L): two documents per row
+      >>> nnx.jit(lambda attn, x, doc: attn(x, document_ids=doc))(attn, x, doc).shape
+      (2, 128, 32)
+      >>> pattern = jinsum.block_pattern(128, 32, local_blocks=1, global_blocks=1)   # or a fixed pattern
+      >>> nnx.jit(lambda attn, x: attn(x, pattern))(attn, x).shape
+      (2, 128, 32)
     """
 
     def __init__(self, in_features: int, num_heads: int, *, num_kv_heads: int | None = None,

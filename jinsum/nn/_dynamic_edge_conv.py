@@ -37,9 +37,12 @@ class DynamicEdgeConv(nnx.Module):
     Shapes: `x` `(N, F)`, `batch` `(N,)` -> `(N, F')`, `F'` the width of `h`'s output.
 
     Example:
+      >>> rngs = nnx.Rngs(0)
       >>> mlp = nnx.Sequential(nnx.Linear(6, 64, rngs=rngs), nnx.relu, nnx.Linear(64, 64, rngs=rngs))
-      >>> conv = jinsum.nn.DynamicEdgeConv(mlp, k=20)
-      >>> y = conv(pos, batch)              # pos (N, 3), batch (N,) each point's cloud -> (N, 64)
+      >>> conv = jinsum.nn.DynamicEdgeConv(mlp, k=3)
+      >>> pos, batch = jax.random.normal(jax.random.key(0), (8, 3)), jnp.repeat(jnp.arange(2), 4)   # two clouds
+      >>> nnx.jit(lambda conv, pos, batch: conv(pos, batch))(conv, pos, batch).shape   # pos (N, 3), batch (N,)
+      (8, 64)
     """
 
     def __init__(self, nn: Callable[[jax.Array], jax.Array], k: int, aggr: str = "max", *, dtype=None):

@@ -30,11 +30,15 @@ class EdgeConv(nnx.Module):
     `A` may be a `jinsum.shard` partition, `x` then laid out by it.
 
     Example:
-      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=N)
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=4)
       >>> conv = jinsum.nn.EdgeConv(16, 32, rngs=nnx.Rngs(0))         # h = Linear(32 -> 32)
-      >>> y = conv(x, A)                                             # (N, 32)
+      >>> conv(x, A).shape
+      (4, 32)
+      >>> rngs = nnx.Rngs(1)
       >>> mlp = nnx.Sequential(nnx.Linear(32, 64, rngs=rngs), nnx.relu, nnx.Linear(64, 32, rngs=rngs))
-      >>> y = jinsum.nn.EdgeConv(16, 32, nn=mlp, rngs=rngs)(x, A)    # per-edge messages
+      >>> jinsum.nn.EdgeConv(16, 32, nn=mlp, rngs=rngs)(x, A).shape   # per-edge messages
+      (4, 32)
     """
 
     def __init__(self, in_features: int, out_features: int, *, nn: Callable[[jax.Array], jax.Array] | None = None,

@@ -91,9 +91,12 @@ class EmbeddingBag(nnx.Module):
 
     Example:
       >>> emb = jinsum.nn.EmbeddingBag(1000, 64, mode="sum", rngs=nnx.Rngs(0))
-      >>> out = emb(ids, offsets)                                           # (B, 64); or emb(ids_2d) with (B, P)
+      >>> ids, offsets = jnp.array([4, 1, 4, 7]), jnp.array([0, 3])          # bags {4, 1, 4} and {7}
+      >>> emb(ids, offsets).shape                                            # (B, 64); or emb(ids_2d) with (B, P)
+      (2, 64)
       >>> b = emb.bags(ids, offsets, unique=True)                           # the sparse path, in the jitted step:
       >>> rows = b.take(emb.embedding[...])                                 # (U, 64)
+      >>> loss = lambda out: (out ** 2).sum()
       >>> grad = jax.grad(lambda rows: loss(emb(b, rows=rows)))(rows)       # (U, 64)
       >>> emb.embedding[...] = b.scatter_add(emb.embedding[...], -0.1 * grad)
     """

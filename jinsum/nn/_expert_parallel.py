@@ -70,8 +70,15 @@ def expert_parallel_mlp(x: jax.Array, logits: jax.Array, top_k: int, w_up: jax.A
       `balance_loss` and `z_loss`, and `dropped`, the pairs left out over all devices.
 
     Example:
-      >>> mesh = jax.make_mesh((4,), ("x",))
-      >>> y, routing = expert_parallel_mlp(x, x @ w_router, 2, w_up, w_down, w_gate=w_gate, mesh=mesh, axis="x")
+      >>> rng = np.random.default_rng(0)
+      >>> x, w_router = rng.normal(size=(16, 32)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32)
+      >>> w_up, w_gate, w_down = (rng.normal(size=s).astype(np.float32) for s in ((8, 32, 64),) * 2 + ((8, 64, 32),))
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))     # 8 experts and 16 tokens split over the devices
+      >>> mlp = jax.jit(lambda x, logits, w_up, w_down, w_gate: jinsum.nn.expert_parallel_mlp(
+      ...     x, logits, 2, w_up, w_down, w_gate=w_gate, mesh=mesh, axis="x"))
+      >>> y, routing = mlp(x, x @ w_router, w_up, w_down, w_gate)
+      >>> y.shape, routing.experts.shape
+      ((16, 32), (16, 2))
     """
     where = "expert_parallel_mlp"
     devices = devices_along(where, mesh, axis)

@@ -51,9 +51,11 @@ class GATConv(nnx.Module):
     ones. No attention dropout on that path.
 
     Example:
-      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=N)
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=4)
       >>> gat = jinsum.nn.GATConv(16, 8, heads=4, dropout=0.6, rngs=nnx.Rngs(0))
-      >>> y = gat(x, A)                       # (N, 32); gat.eval() turns the attention dropout off
+      >>> gat(x, A).shape                     # (N, heads * 8); gat.eval() turns the attention dropout off
+      (4, 32)
     """
 
     def __init__(self, in_features: int | tuple[int, int], out_features: int, *, heads: int = 1, concat: bool = True,

@@ -31,8 +31,10 @@ class GATv2Conv(nnx.Module):
     `x` then laid out by it) -> `(N, heads * out_features)` if `concat`, else `(N, out_features)`.
 
     Example:
-      >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=N)
-      >>> y = jinsum.nn.GATv2Conv(16, 8, heads=4, rngs=nnx.Rngs(0))(x, edges)   # (N, 32)
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=4)
+      >>> jinsum.nn.GATv2Conv(16, 8, heads=4, rngs=nnx.Rngs(0))(x, edges).shape   # (N, heads * 8)
+      (4, 32)
     """
 
     def __init__(self, in_features: int, out_features: int, *, heads: int = 1, concat: bool = True,

@@ -66,9 +66,11 @@ class GCNConv(nnx.Module):
     Shapes: `x` `(N, in_features)`, `A` `(N, N)` with `A[dst, src] = weight` -> `(N, out_features)`.
 
     Example:
-      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=N)           # once, on the host
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=4)           # once, on the host
       >>> conv = jinsum.nn.GCNConv(16, 32, rngs=nnx.Rngs(0))
-      >>> y = nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A)     # (N, 32)
+      >>> nnx.jit(lambda conv, x, A: conv(x, A))(conv, x, A).shape
+      (4, 32)
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, add_self_loops: bool = True,
@@ -123,7 +125,10 @@ class SGConv(nnx.Module):
     Each propagation is one SpMM (`gcn_propagate`); the degrees are summed once per call.
 
     Example:
-      >>> y = jinsum.nn.SGConv(16, 7, K=2, rngs=nnx.Rngs(0))(x, A)   # (N, 7)
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=4)
+      >>> jinsum.nn.SGConv(16, 7, K=2, rngs=nnx.Rngs(0))(x, A).shape
+      (4, 7)
     """
 
     def __init__(self, in_features: int, out_features: int, *, K: int = 1, add_self_loops: bool = True,
@@ -164,7 +169,10 @@ class APPNP(nnx.Module):
     `h_{k+1} = (1 - alpha) D^-1/2 (A + I) D^-1/2 h_k + alpha x`, `K` times.
 
     Example:
-      >>> y = jinsum.nn.APPNP(K=10, alpha=0.1)(mlp(x), A)
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A, mlp = jinsum.graphs.adjacency(edge_index, num_nodes=4), nnx.Linear(16, 7, rngs=nnx.Rngs(0))
+      >>> jinsum.nn.APPNP(K=10, alpha=0.1)(mlp(x), A).shape
+      (4, 7)
     """
 
     def __init__(self, K: int, alpha: float, *, add_self_loops: bool = True, dtype=None):

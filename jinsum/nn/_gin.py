@@ -20,7 +20,9 @@ class GINConv(nnx.Module):
       >>> rngs = nnx.Rngs(0)
       >>> mlp = nnx.Sequential(nnx.Linear(16, 32, rngs=rngs), nnx.relu, nnx.Linear(32, 32, rngs=rngs))
       >>> gin = jinsum.nn.GINConv(mlp)
-      >>> y = gin(x, jinsum.graphs.adjacency(edge_index, num_nodes=N))  # (N, 32)
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> gin(x, jinsum.graphs.adjacency(edge_index, num_nodes=4)).shape
+      (4, 32)
     """
 
     def __init__(self, mlp: nnx.Module, *, eps: float = 0.0, train_eps: bool = True, dtype=None,

@@ -25,11 +25,16 @@ class GINEConv(nnx.Module):
     `jinsum.shard` partition, `x` then laid out by it) -> whatever `mlp` makes of `(N, F)`.
 
     Example:
-      >>> edges = jinsum.graphs.edge_list(edge_index, num_nodes=N)
-      >>> conv = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=16, rngs=nnx.Rngs(0))
-      >>> y = conv(x, edges, edge_attr)                               # edge_attr (E, 4)
-      >>> P = jinsum.shard.partition(jinsum.graphs.edge_adjacency(edge_index, N, edge_attr), mesh)
-      >>> y = conv(P.shard_rows(x), P)                                # the same, over the devices of the mesh
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> edges, edge_attr = jinsum.graphs.edge_list(edge_index, num_nodes=4), jnp.ones((4, 4))   # edge_attr (E, 4)
+      >>> mlp = nnx.Linear(16, 32, rngs=nnx.Rngs(0))
+      >>> conv = jinsum.nn.GINEConv(mlp, edge_dim=4, in_features=16, rngs=nnx.Rngs(1))
+      >>> conv(x, edges, edge_attr).shape
+      (4, 32)
+      >>> P = jinsum.shard.partition(jinsum.graphs.edge_adjacency(edge_index, 4, edge_attr),
+      ...                            jax.make_mesh((jax.device_count(),), ("x",)))
+      >>> P.unshard_rows(conv(P.shard_rows(x), P)).shape              # the same, over the devices of the mesh
+      (4, 32)
     """
 
     def __init__(self, mlp: nnx.Module, *, eps: float = 0.0, train_eps: bool = False, edge_dim: int | None = None,

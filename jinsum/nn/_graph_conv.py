@@ -24,7 +24,10 @@ class GraphConv(nnx.Module):
     `x = (x_src, x_dst)`, `in_features = (F_src, F_dst)` and `A` `(N_dst, N_src)` -> `(N_dst, out_features)`.
 
     Example:
-      >>> y = jinsum.nn.GraphConv(16, 32, aggr="mean", rngs=nnx.Rngs(0))(x, A)   # (N, 32)
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=4)
+      >>> jinsum.nn.GraphConv(16, 32, aggr="mean", rngs=nnx.Rngs(0))(x, A).shape
+      (4, 32)
     """
 
     def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "add",

@@ -64,7 +64,9 @@ class HeteroLinear(nnx.Module):
 
     Example:
       >>> lin = jinsum.nn.HeteroLinear(16, 32, num_types=3, rngs=nnx.Rngs(0))
-      >>> y = lin(x, type_vec)              # x (N, 16), type_vec int (N,) in [0, 3) -> (N, 32)
+      >>> x, type_vec = jnp.ones((5, 16)), jnp.array([2, 0, 2, 1, 0])   # x (N, 16), type_vec int (N,) in [0, 3)
+      >>> nnx.jit(lambda lin, x, type_vec: lin(x, type_vec))(lin, x, type_vec).shape
+      (5, 32)
     """
 
     def __init__(self, in_features: int, out_features: int, num_types: int, *, bias: bool = True, dtype=None,

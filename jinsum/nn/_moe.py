@@ -58,7 +58,11 @@ def routed_linear(x: jax.Array, combine: GroupCOO, w: jax.Array) -> jax.Array:
       `(tokens, n)`, in the dtype of `x`, `w` and the weights promoted together.
 
     Example:
-      >>> y = routed_linear(x, route_tokens(x @ w_router, 2).combine, w)
+      >>> rng = np.random.default_rng(0)
+      >>> x, w_router = rng.normal(size=(16, 32)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32)
+      >>> w = rng.normal(size=(8, 32, 48)).astype(np.float32)              # (experts, c, n)
+      >>> jinsum.nn.routed_linear(x, jinsum.nn.route_tokens(x @ w_router, 2).combine, w).shape
+      (16, 48)
     """
     dtype = _check_routed("routed_linear", x, combine, w)
     A = combine.astype(dtype)
@@ -122,8 +126,12 @@ def routed_mlp(x: jax.Array, combine: GroupCOO, w_up: jax.Array, w_down: jax.Arr
       `(tokens, c_out)`, in the dtype of the inputs promoted together (products accumulate in float32).
 
     Example:
-      >>> routing = route_tokens(x @ w_router, 2)
-      >>> y = routed_mlp(x, routing.combine, w_up, w_down, w_gate=w_gate)
+      >>> rng = np.random.default_rng(0)
+      >>> x, w_router = rng.normal(size=(16, 32)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32)
+      >>> w_up, w_gate, w_down = (rng.normal(size=s).astype(np.float32) for s in ((8, 32, 64),) * 2 + ((8, 64, 32),))
+      >>> routing = jinsum.nn.route_tokens(x @ w_router, 2)
+      >>> jinsum.nn.routed_mlp(x, routing.combine, w_up, w_down, w_gate=w_gate).shape
+      (16, 32)
     """
     where = "routed_mlp"
     if activation not in ACTIVATIONS:

@@ -40,11 +40,17 @@ class MoE(nnx.Module):
     `w_gate` is None unless `activation="swiglu"`.
 
     Example:
-      >>> moe = jinsum.nn.MoE(512, 1024, num_experts=8, top_k=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-      >>> y, aux_loss = moe(x)                                   # x (batch, length, 512) -> y (batch, length, 512)
-      >>> loss = task_loss(y) + aux_loss
-      >>> mesh = jax.make_mesh((4,), ("x",))                      # experts and tokens split over 4 devices
-      >>> moe = jinsum.nn.MoE(512, 1024, num_experts=8, top_k=2, mesh=mesh, axis="x", rngs=nnx.Rngs(0))
+      >>> moe = jinsum.nn.MoE(32, 64, num_experts=8, top_k=2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((2, 8, 32))                               # (batch, length, in_features)
+      >>> y, aux_loss = nnx.jit(lambda moe, x: moe(x))(moe, x)
+      >>> y.shape, y.dtype, aux_loss.shape
+      ((2, 8, 32), dtype(bfloat16), ())
+      >>> loss = jnp.mean(y.astype(jnp.float32) ** 2) + aux_loss   # the task's loss plus the routing losses
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("x",))    # experts and tokens split over the devices
+      >>> moe = jinsum.nn.MoE(32, 64, num_experts=8, top_k=2, mesh=mesh, axis="x", rngs=nnx.Rngs(0))
+      >>> y, aux_loss = nnx.jit(lambda moe, x: moe(x))(moe, jnp.ones((16, 32)))   # (tokens, in_features)
+      >>> y.shape
+      (16, 32)
     """
 
     def __init__(self, in_features: int, hidden_features: int, num_experts: int, top_k: int, *,

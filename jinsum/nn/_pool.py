@@ -48,9 +48,11 @@ class AttentionalAggregation(nnx.Module):
     `batch`) take no part.
 
     Example:
-      >>> gate = nnx.Linear(64, 1, rngs=rngs)
+      >>> gate = nnx.Linear(64, 1, rngs=nnx.Rngs(0))
       >>> pool = jinsum.nn.AttentionalAggregation(gate)
-      >>> readout = pool(h, batch.node_graph(), batch.budget.graphs)           # (G, 64)
+      >>> h, batch = jnp.ones((5, 64)), jnp.array([0, 0, 0, 1, 1])   # node rows, each node's graph (sorted)
+      >>> pool(h, batch, 2).shape                                    # (num_graphs, 64)
+      (2, 64)
     """
 
     def __init__(self, gate_nn: Callable[[jax.Array], jax.Array], nn: Callable[[jax.Array], jax.Array] | None = None,

@@ -34,9 +34,11 @@ class RGCNConv(nnx.Module):
     Shapes: `x` `(N, in_features)`, `graph` a `RelationalGraph` over `N` nodes -> `(N, out_features)`.
 
     Example:
-      >>> g = jinsum.graphs.relational_graph(src, dst, rel, num_nodes=N, num_relations=3)
+      >>> src, dst, rel = np.array([0, 1, 2, 3]), np.array([1, 2, 3, 0]), np.array([0, 2, 1, 2])
+      >>> g = jinsum.graphs.relational_graph(src, dst, rel, num_nodes=4, num_relations=3)
       >>> conv = jinsum.nn.RGCNConv(16, 32, num_relations=3, num_bases=2, rngs=nnx.Rngs(0))
-      >>> y = conv(x, g)                                             # (N, 32)
+      >>> conv(jnp.ones((4, 16)), g).shape
+      (4, 32)
     """
 
     def __init__(self, in_features: int, out_features: int, *, num_relations: int, num_bases: int | None = None,

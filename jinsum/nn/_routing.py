@@ -155,9 +155,14 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
       A `Routing`.
 
     Example:
-      >>> routing = jax.jit(route_tokens, static_argnums=1)(x @ router_weight, 2)     # logits (T, E)
+      >>> rng = np.random.default_rng(0)
+      >>> x, router_weight = rng.normal(size=(16, 32)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32)
+      >>> routing = jax.jit(jinsum.nn.route_tokens, static_argnums=1)(x @ router_weight, 2)     # logits (T, E)
+      >>> routing.combine.shape                                  # (E, T)
+      (8, 16)
+      >>> w = rng.normal(size=(8, 32, 48)).astype(np.float32)    # one (32, 48) matrix per expert
       >>> y = jinsum.nn.routed_linear(x, routing.combine, w)     # y_t = sum_e A[e, t] x_t W_e
-      >>> loss = task_loss + 0.01 * routing.balance_loss + 0.001 * routing.z_loss
+      >>> loss = jnp.mean(y ** 2) + 0.01 * routing.balance_loss + 0.001 * routing.z_loss
     """
     logits = check_logits("route_tokens", logits)
     num_tokens, num_experts = logits.shape

@@ -36,9 +36,11 @@ class SAGEConv(nnx.Module):
     `x = (x_src, x_dst)`, `in_features = (F_src, F_dst)` and `A` `(N_dst, N_src)` -> `(N_dst, out_features)`.
 
     Example:
-      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=N)
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=4)
       >>> sage = jinsum.nn.SAGEConv(16, 32, aggr="max", rngs=nnx.Rngs(0))
-      >>> y = sage(x, A)                                             # (N, 32)
+      >>> sage(x, A).shape
+      (4, 32)
     """
 
     def __init__(self, in_features: int | tuple[int, int], out_features: int, *, aggr: str = "mean",

@@ -69,10 +69,11 @@ class SparseLinear(nnx.Module):
     construction). Pass a `kernel_init` with a larger scale to keep a sparse layer's output variance.
 
     Example:
-      >>> pattern = jinsum.nn.random_pattern(4096, 4096, 0.1, block_shape=(32, 32))
-      >>> layer = jinsum.nn.SparseLinear(4096, 4096, pattern, block_shape=(32, 32), dtype=jnp.bfloat16,
+      >>> pattern = jinsum.nn.random_pattern(256, 256, 0.1, block_shape=(32, 32))   # 6 of the 8 x 8 blocks
+      >>> layer = jinsum.nn.SparseLinear(256, 256, pattern, block_shape=(32, 32), dtype=jnp.bfloat16,
       ...                                rngs=nnx.Rngs(0))
-      >>> y = layer(x)                                   # x (..., 4096) -> (..., 4096)
+      >>> layer(jnp.ones((4, 256))).shape                # x (..., 256) -> (..., 256)
+      (4, 256)
     """
 
     def __init__(self, in_features: int, out_features: int, pattern, *, block_shape: tuple[int, int] | None = None,

@@ -30,8 +30,11 @@ class TransformerConv(nnx.Module):
     partition (one node set), `x` then laid out by it.
 
     Example:
+      >>> edge_index, x = np.array([[0, 1, 2, 3], [1, 2, 3, 0]]), jnp.ones((4, 16))   # a ring of 4 nodes
+      >>> A = jinsum.graphs.adjacency(edge_index, num_nodes=4)
       >>> conv = jinsum.nn.TransformerConv(16, 8, heads=4, rngs=nnx.Rngs(0))
-      >>> y = conv(x, A)                                                   # (N, 32)
+      >>> conv(x, A).shape                                                 # (N, heads * 8)
+      (4, 32)
     """
 
     def __init__(self, in_features: int | tuple[int, int], out_features: int, *, heads: int = 1,
