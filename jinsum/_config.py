@@ -15,80 +15,47 @@ import numpy as np
 from jax._src import config as _jax_config
 
 
-def _bool_only(switch: str):
-    """A validator refusing what is not a bool: JAX's `bool_state` takes any value for its truth, so that
-    `check_indices('false')` would turn the checks on and `deterministic(2)` pass for True."""
+def _setting(name: str, default, help: str):
+    """The setting `jinsum.<name>`: the JAX option `jinsum_<name>` (environment variable `JINSUM_<NAME>`), in the jit
+    cache key and the trace context, that takes a bool (or, for an int default, an int of 0 or more). JAX's own
+    states take any value for its truth, so that `check_indices('false')` would turn the checks on."""
     def validate(value) -> None:
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{switch} takes a bool (True or False), got {value!r}")
-    return validate
+        if isinstance(default, bool) and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"jinsum.{name} takes a bool (True or False), got {value!r}")
+        if not isinstance(default, bool) and (isinstance(value, bool) or value < 0):
+            raise ValueError(f"jinsum.{name} takes an int of 0 or more, got {value!r}")
+
+    state = _jax_config.bool_state if isinstance(default, bool) else _jax_config.int_state
+    return state(name=f"jinsum_{name}", default=default, help=f"jinsum: {help}", include_in_jit_key=True,
+                 include_in_trace_context=True, validator=validate)
 
 
-deterministic = _jax_config.bool_state(
-    name="jinsum_deterministic",
-    default=False,
-    help="jinsum: bitwise-reproducible results on a given GPU. Generated kernels use no float atomics: sorted "
-         "segment reductions run one program per row segment, and scatters through unsorted index arrays sort "
-         "their entries by target first (a stable sort, so equal targets add in the entries' order).",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-    validator=_bool_only("jinsum.deterministic"),
-)
+deterministic = _setting("deterministic", False, (
+    "bitwise-reproducible results on a given GPU. Generated kernels use no float atomics: sorted segment reductions "
+    "run one program per row segment, and scatters through unsorted index arrays sort their entries by target first "
+    "(a stable sort, so equal targets add in the entries' order)."))
 
-check_indices = _jax_config.bool_state(
-    name="jinsum_check_indices",
-    default=False,
-    help="jinsum: under jit, check every index array against the dimension it addresses (and declared-sorted ones "
-         "for order) with `jax.experimental.checkify` checks; run the function under `checkify.checkify` to get the "
-         "error, naming the array, the position and the bound. Off: out-of-range reads give 0, writes are dropped.",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-    validator=_bool_only("jinsum.check_indices"),
-)
+check_indices = _setting("check_indices", False, (
+    "under jit, check every index array against the dimension it addresses (and declared-sorted ones for order) "
+    "with `jax.experimental.checkify` checks; run the function under `checkify.checkify` to get the error, naming "
+    "the array, the position and the bound. Off: out-of-range reads give 0, writes are dropped."))
 
+triton = _setting("triton", True, (
+    "on CUDA, run statements, fused attention chains and kNN graphs through generated Triton kernels where their "
+    "routes give them one. False: XLA's lowering everywhere, as on other platforms."))
 
-def _non_negative_int(switch: str):
-    def validate(value) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"{switch} takes an int of 0 or more, got {value!r}")
-    return validate
-
-
-triton = _jax_config.bool_state(
-    name="jinsum_triton",
-    default=True,
-    help="jinsum: on CUDA, run statements, fused attention chains and kNN graphs through generated Triton kernels "
-         "where their routes give them one. False: XLA's lowering everywhere, as on other platforms.",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-    validator=_bool_only("jinsum.triton"),
-)
-
-fuse = _jax_config.bool_state(
-    name="jinsum_fuse",
-    default=True,
-    help="jinsum: on CUDA, run an attention chain (scores, softmax, weighted sum and their derivatives) as fused "
-         "kernels. False: as its separate statements, each routed on its own.",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-    validator=_bool_only("jinsum.fuse"),
-)
+fuse = _setting("fuse", True, (
+    "on CUDA, run an attention chain (scores, softmax, weighted sum and their derivatives) as fused kernels. "
+    "False: as its separate statements, each routed on its own."))
 
 # The default of `small_terms`: the crossover below which XLA's lowering beat a launched kernel on CUDA
-# (`benchmarks/crossover.py`, DESIGN.md; again with kernels as nodes of the step's CUDA graph, where it held).
+# (DESIGN.md, "Small statements belong to XLA").
 SMALL_TERMS = 1 << 24
 
-small_terms = _jax_config.int_state(
-    name="jinsum_small_terms",
-    default=SMALL_TERMS,
-    help="jinsum: on CUDA, a statement of fewer terms than this (the product of its variables' extents: rows x "
-         "slots x features for an SpMM) runs on XLA's lowering: its launch would cost more than the kernel saves. "
-         "Derivatives in column order and deterministic statements keep their kernels. 0: a kernel for every "
-         "statement.",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-    validator=_non_negative_int("jinsum.small_terms"),
-)
+small_terms = _setting("small_terms", SMALL_TERMS, (
+    "on CUDA, a statement of fewer terms than this (the product of its variables' extents: rows x slots x features "
+    "for an SpMM) runs on XLA's lowering: its launch would cost more than the kernel saves. Derivatives in column "
+    "order and deterministic statements keep their kernels. 0: a kernel for every statement."))
 
 
 def tf32_allowed(allow_tf32: bool | None) -> bool:
