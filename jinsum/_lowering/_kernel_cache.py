@@ -220,7 +220,7 @@ class FrontEnd:
         except OSError:
             return module
         # Go on with the module parsed from what was stored, as every later process will: the front end's own module
-        # can print differently from its parsed text (on an H100 it did for most chain kernels), and the compiled
+        # can print differently from its parsed text (it did for most chain kernels), and the compiled
         # kernel's key is that text, so a later process would miss every PTX entry the first one wrote.
         return self._parse(path, context) or module
 

@@ -7,7 +7,7 @@ per output; aliased outputs are their input's buffer), with two targets:
   Hopper form, `jinsum.kernels.hopper`), by Triton's own compiler (its front end writes TTGIR, past jax-triton's
   TTIR steps), and launched as XLA's own kernel node (`KERNEL_NODE`), not as jax-triton's custom call: XLA's
   command buffers (CUDA graphs) capture a kernel node like one of its fusions, where each jax-triton call split
-  them and returned to the host between the pieces (a small training step issued in 0.27 instead of 0.45 ms:
+  them and returned to the host between the pieces (a small training step took much longer to issue:
   DESIGN.md, "Kernels are XLA kernel nodes"). A Gluon kernel's warp-specialised partitions add warps to the
   launch's: the node gets the compiled kernel's count;
 - `INTERPRETER`: Triton's interpreter on CPU (tests: needs `TRITON_INTERPRET=1` set before Triton kernels are

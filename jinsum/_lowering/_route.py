@@ -29,8 +29,9 @@ from jinsum._rules._primitive import apply_epilogue, split_epilogue
 from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_plan, statement_config, tuned_config
 
 # How much cheaper a term of a Tensor Core (dot) plan is than one of a lanes plan, to order the ways of splitting a
-# product of three factors (`contracted_first`): H100 dense bf16 989 TFLOP/s against a few tens for gathered
-# multiply-adds on CUDA cores. A rough ratio: it only ranks splits whose costs differ by their shapes.
+# product of three factors (`contracted_first`): Tensor Cores' dense peak is tens of times the rate of gathered
+# multiply-adds on CUDA cores (the peak: benchmarks/README.md, "Sparse weights (`benchmarks/sparse_linear.py`)"). A
+# rough ratio: it only ranks splits whose costs differ by their shapes.
 TENSOR_CORE_RATIO = 16
 # A weight gradient's rows gathered along its reduction (`dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]`) are gathered
 # once beforehand where at least this many tiles along the output's columns would each gather them again: H200,

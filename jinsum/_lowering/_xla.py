@@ -52,8 +52,8 @@ def evaluate(*arrays: jax.Array, spec: Spec, widen_halves: bool = False) -> jax.
         # segment_sum idiom does. A contraction first would run tiny batched matrix products (slow on CPUs).
         # Where one factor alone carries the summed variables (a row sum, `D[Ai[g]] += Av[g,p]`), contracting
         # first is a plain reduction, and the scatter adds one value per group instead of one per entry, whose
-        # atomics on a hub row's address serialise (R-MAT 17's degrees on an H100: the scatter of entries took
-        # 81 us of a step; the GraphSAGE step went from 1.824 to 1.768 ms).
+        # atomics on a hub row's address serialise (a power-law graph's degrees: a few percent of a GraphSAGE
+        # step; benchmarks/README.md, "GNN training steps (`benchmarks/training.py`)").
         accumulator = jnp.promote_types(jnp.result_type(*(a.dtype for a, _ in terms)), jnp.float32)
         product = math.prod(_align(array.astype(accumulator), axes, every) for array, axes in terms)
         product = jnp.broadcast_to(product, [spec.extent[v] for v in every])

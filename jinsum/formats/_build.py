@@ -108,9 +108,11 @@ def rows_of_positions(indptr, length: int, dtype=jnp.int32):
 
 
 # Entries per row (on average) from which a histogram of rows on the device queues its atomic additions on a few
-# counters: H200, HeteroLinear's 262,144 rows of 16 types (16,384 a row), 0.19 ms against 0.007 from the rows' first
-# positions. Below, the histogram is one kernel where the first positions take three (a batch of molecules' step
-# builds its adjacency with ~2 entries a row). The threshold between is not measured.
+# counters: HeteroLinear's 262,144 rows of 16 types (16,384 a row) took far longer counted so than from the rows'
+# first positions (benchmarks/README.md, "Mixtures of experts and grouped products (`moe.py`, `grouped_forms.py`,
+# `hetero_linear.py`)").
+# Below, the histogram is one kernel where the first positions take three (a batch of molecules' step builds its
+# adjacency with ~2 entries a row). The threshold between is not measured.
 CONTENDED_ROW_LENGTH = 64
 
 
@@ -185,9 +187,9 @@ def spread_padding(xp, Ak, stored, num_columns: int):
     a group with none stored at column ``g mod num_columns``.
 
     Padding's value is 0, so any column in range gives the same products; where it points decides what it costs.
-    At one shared column every zero that a gradient adds through ``Ak`` atomically queues on that one row (H200,
-    4,224 x 300 fp32 with 770 padding groups: the gradient 15 against 8 us; a table with 37,000 padded slots 0.40
-    ms against 0.02). A group's own first column is a row the group reads anyway and adds to already.
+    At one shared column every zero that a gradient adds through ``Ak`` atomically queues on that one row: a
+    batch of molecules' gradient nearly twice as slow, a padded fixed-fanout table's an order of magnitude
+    (DESIGN.md, "Padding is data"). A group's own first column is a row the group reads anyway and adds to already.
     """
     if Ak.shape[1] == 0:  # groups of no slots (a fixed-fanout table of fanout 0): nothing to place
         return Ak

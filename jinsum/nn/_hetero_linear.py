@@ -120,9 +120,10 @@ class HeteroLinear(nnx.Module):
                 return value + group_bias[g, o]
         # `Y[Ak[g,p],o] += Av[g,p] * X[Ak[g,p],c] * W[Ai[g],c,o]` as MoE runs it: the rows' products in grouped order
         # (a Tensor Core plan on GPUs), then each into its row. A row has one slot: under `jit` the slots are stored
-        # into their rows (padding, column -1, nowhere), not added (atomically, into float32, cast after: H200,
-        # 262,144 rows of 256, 0.31 ms of a 0.72 ms forward); elsewhere padding keeps its column and is added with
-        # its value, 0. Rows of no type (out of range) stay 0.
+        # into their rows (padding, column -1, nowhere), not added (atomically, into float32, cast after: a large
+        # share of the forward; benchmarks/README.md, "Mixtures of experts and grouped products (`moe.py`,
+        # `grouped_forms.py`, `hetero_linear.py`)"); elsewhere padding keeps its column and is added with its
+        # value, 0. Rows of no type (out of range) stay 0.
         products = gathered_product(A, x.astype(dtype), weight.astype(dtype), epilogue=epilogue)
         out = jax.ShapeDtypeStruct((x.shape[0], self.out_features), dtype)
         columns = slot_columns(A)

@@ -131,8 +131,9 @@ class SparseLinear(nnx.Module):
         rows = x.reshape(-1, self.in_features).astype(dtype)
         if self.block_shape is None:
             # Elements: `Y^T = W^T X^T`, the SpMM over features-major operands, whose lanes (the batch) read
-            # contiguous rows of X^T; row-major, each stored entry would read a column of X (measured on an H100
-            # at 4096^2, 1%, batch 8192: 0.34 ms + 0.12 ms of transposes against 4.3 ms).
+            # contiguous rows of X^T; row-major, each stored entry would read a strided column of X, an order of
+            # magnitude slower than the transposes this costs (benchmarks/README.md, "Sparse weights
+            # (`benchmarks/sparse_linear.py`)").
             y = jinsum.einsum("oi,in->on", weight.astype(dtype), rows.T).T
         else:
             # Blocks: row-major; each block reads a (batch tile, 32) slab of X and multiplies on tensor cores.
