@@ -337,9 +337,9 @@ def _span(plan: ChainPlan, cols: int) -> int:
 HOPPER_ROWS = 128  # query rows (keys over keys) per program: two consumer warpgroups of 64 (`jinsum.kernels.hopper`)
 # The kernels with a Hopper form (`attention_rows`, `attention_row_gradients`, `attention_keys`).
 HOPPER_KINDS = ("forward", "dq", "dkdv")
-# Head sizes the Hopper form takes. At 128 it ran the forward 1.2-2.1x faster than the Triton form on an H200, and
-# forward+backward 1.2-1.5x; at 64 the forward 0.82-0.85x (its 64-row consumer tiles leave the Tensor Cores idle
-# there) and the backward 0.96-0.99x (DESIGN.md, "The Hopper form", "The Hopper form of the backward").
+# Head sizes the Hopper form takes. At 128 it runs the forward and the backward faster than the Triton form; at 64
+# it is slower (its 64-row consumer tiles leave the Tensor Cores idle there), forward and backward (DESIGN.md, "The
+# Hopper form", "The Hopper form of the backward").
 HOPPER_HEADS = (128,)
 HOPPER_DTYPES = ("float16", "bfloat16")
 

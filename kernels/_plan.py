@@ -53,8 +53,8 @@ import numpy as np
 from jinsum._lang import Access, Spec, Var, map_statement, variables, walk
 
 # The Tensor Core product of float32 factors where TensorFloat-32 is not allowed: three TF32 products of each
-# factor's high and low parts (near float32's error), not "ieee", which Triton runs on CUDA cores. H200, attention
-# fwd+bwd, 8 x 2,048 x 4 heads of 64, causal: bfloat16 0.38 ms, TF32 1.07 ms, "ieee" 69 ms (its dK/dV kernel 46).
+# factor's high and low parts (near float32's error), not "ieee", which Triton runs on CUDA cores, tens of times
+# slower than TF32 in attention (DESIGN.md, "Float32 follows JAX's precision").
 PRECISE_FLOAT32 = "tf32x3"
 DESCRIPTOR_BYTES = 128  # a TMA descriptor in Triton's global scratch (the statements' and the attention chains')
 # Operand element counts at or above this need 64-bit offsets.
@@ -64,15 +64,15 @@ INT32_LIMIT = 2**31 - 1
 TILE_LANES = 64
 SHORT_ROWS = 4
 # In deterministic mode a segmented write takes the `tile` schedule only this narrow: the scan along the tile's rows
-# costs more than it saves on wider tiles. SpMM on R-MAT 17 undirected, H100, kernel time, tile against owned:
-# F=16 0.098 / 0.192 ms, F=32 0.149 / 0.198, F=40 0.349 / 0.234, F=64 0.368 / 0.219 (a uniform graph alike).
+# costs more than it saves on wider tiles: the tile wins at 16 and 32 features and loses at 40 and 64
+# (benchmarks/README.md, "Deterministic mode (`jinsum.deterministic`)").
 SCAN_LANES = 32
-# Parallel lanes (an SpMM's features) wider than this are split across programs, one warp each. SpMM F=256 on an
-# H100, kernel time under forced configurations, 256 lanes and 2 warps -> 2 x 128 lanes and 1 warp: R-MAT 17
-# 0.252 -> 0.232 ms, a uniform graph of its size 0.617 -> about 0.48 ms. The tiles are the slow grid axis, so
-# programs running at once gather from one feature slice of the dense operand (better L2 reuse). 64-wide slices
-# are faster still where the gathers have no locality (uniform F=128/256: 0.209/0.395 ms) but slower on power-law
-# graphs, whose hubs stay cached anyway and which then read the index once per slice: `jinsum.autotune` decides.
+# Parallel lanes (an SpMM's features) wider than this are split across programs, one warp each: faster on power-law
+# and uniform graphs alike. The tiles are the slow grid axis, so programs running at once gather from one feature
+# slice of the dense operand (better L2 reuse). 64-wide slices are faster still where the gathers have no locality
+# but slower on power-law graphs, whose hubs stay cached anyway and which then read the index once per slice:
+# `jinsum.autotune` decides (DESIGN.md, "Hub rows and wide features"; benchmarks/README.md, "Results: NVIDIA H100
+# 80GB HBM3 (jax 0.11.2, triton 3.6.0, jax-triton 0.3.1, torch 2.11)").
 WIDE_LANES = 128
 # Loops this short are unrolled (`tl.static_range`), so all their loads are in flight at once.
 UNROLL_LIMIT = 16
@@ -81,8 +81,8 @@ UNROLLED_BODIES = 64
 # A dot plan updating a plain left-hand side whose reduction (the k of its product) is at least twice this long cuts
 # it into chunks of this many terms: each chunk's programs add their partial products atomically, and the chunk is
 # the slow grid axis, so the programs running at once read one chunk of both operands, which stays in L2. A
-# SparseLinear's value gradient (dW of 32 x 32 blocks over a batch of 8,192, H100): windows of blocks each summing the
-# whole batch read 1.77 GB mostly from HBM, 0.843 ms; 8 chunks and a block per program, 0.232 ms.
+# SparseLinear's value gradient, whose windows of blocks each summed the whole batch reading mostly from HBM, got
+# several times faster so (DESIGN.md, "Dot plans").
 K_CHUNK = 1024
 # ... unless the output has this many elements or more: then its tiles alone fill the GPU, and the chunks' float32
 # atomics (and the cast after them) cost more than the reuse saves. Issue 43's grouped products (H200, kernel time):
@@ -90,8 +90,10 @@ K_CHUNK = 1024
 # 1.12 ms (and 0.16 for the cast), unchunked: benchmarks/README.md, "Mixtures of experts".
 CHUNK_ELEMENTS = 1 << 22
 # A weight gradient walking its rows' positions (`KernelPlan.window_in_k`) with fewer row programs than this (rows x
-# output tiles) takes windows of groups instead, about this many (twice an H100's 132 SMs). HeteroLinear, 16 types
-# (4,889 to 77,382 rows each), 256 x 256, H200: 32 row programs 1.32 ms, 258 windows of 16 groups 0.107 ms.
+# output tiles) takes windows of groups instead, about this many (twice the 132 SMs of the GPUs it was tuned on):
+# a few row programs leave the GPU idle behind the longest type's (HeteroLinear's weight gradient, an order of
+# magnitude: benchmarks/README.md, "Mixtures of experts and grouped products (`moe.py`, `grouped_forms.py`,
+# `hetero_linear.py`)").
 SPLIT_ROW_PROGRAMS = 264
 # The Hopper form's group sizes (one consumer warpgroup's 64 rows of wgmma, or both consumers' 128), and the shared
 # memory its ring and output tiles may take (227 KiB a program, less Triton's barriers and a margin).
@@ -220,7 +222,7 @@ class KernelPlan:
         store zeros) and the output's other axes parallel variables; so do carried windows (`carries`), and plans
         updating a plain left-hand side (every element one program's, stored whole: a grouped product in grouped
         order). The launcher then leaves the output unfilled (a zero fill is a measurable share of a block SpMM's
-        time: DESIGN.md, "Dot plans"; 0.11 ms of the Mixtral-like grouped forward's 3.16)."""
+        time: DESIGN.md, "Dot plans")."""
         one_writer = self.row_programs or self.carries or (self.write == "update" and not self.spec.winners)
         return one_writer and self.zeroes_output  # (a segmented write: one indirection)
 
@@ -450,7 +452,7 @@ def make_plan(spec: Spec, config: KernelConfig = KernelConfig()) -> KernelPlan |
     if chunks > 1:
         write = "atomic"  # (several programs add into each output tile)
         # A chunk is work enough for a program: one output tile each, all in flight (the SparseLinear value
-        # gradient above: windows of 8 blocks 0.514 ms, of 2 0.252, of 1 0.232; unchunked 0.843).
+        # gradient above is fastest so: benchmarks/README.md, "Sparse weights (`benchmarks/sparse_linear.py`)").
         config = dataclasses.replace(config, window=given.window or 1)
     plan = KernelPlan(spec, "dot" if dot else "lanes", lanes, rows, dot, grid, window, write_loops, loops, write,
                       config, np.dtype(np.int32) if spec.winners else np.dtype(spec.lhs.dtype))
@@ -563,18 +565,17 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
     # Measured on an H100 (benchmarks/, kernel times):
     # - gathers: one warp per 128 lanes, windows of 8, no software pipelining (SpMM F=128 into zeros, window 4 -> 8:
     #   PubMed 10.3 -> 9.5 us, R-MAT20 1228 -> 1212 us);
-    # - narrow gathers (<= TILE_LANES lanes): a tile of 16 gathered rows, <= 4 warps (SpMM F=32: PubMed 9.6 -> 4.3 us,
-    #   R-MAT17 71 -> 37 us; SDDMM PubMed F=32 9.9 -> 3.8 us; at F=128 the loop is as fast or faster);
+    # - narrow gathers (<= TILE_LANES lanes): a tile of 16 gathered rows, <= 4 warps (about twice as fast for SpMM and
+    #   SDDMM at 32 features; at F=128 the loop is as fast or faster: benchmarks/README.md, "Results: NVIDIA H100
+    #   80GB HBM3 (jax 0.11.2, triton 3.6.0, jax-triton 0.3.1, torch 2.11)");
     # - tl.dot plans: one program per row and n tile (the `rows` schedule: no atomics, so 16-bit outputs stay
     #   16-bit, and no search for the row's end in the loop), two pipeline stages, n tiles of 256 over 32-row blocks
-    #   (block SpMM fp16 4096^3, 32x32 blocks, kernel time: `owned` over windows of 8 groups with 128-wide tiles ->
-    #   `rows` with 256-wide tiles, 5% 0.049 -> 0.048 ms, 20% 0.162 -> 0.143 ms; dense cuBLAS 0.157 ms). A row's
-    #   blocks are one program's work under either schedule, so a long row costs the same.
+    #   (faster than `owned` windows of 8 groups with 128-wide tiles, most at 20% density: DESIGN.md, "Dot plans").
+    #   A row's blocks are one program's work under either schedule, so a long row costs the same.
     changes["schedule"] = config.schedule or ("rows" if dot else "split")
     # - products of wide tiles (m and n at least 128: grouped matmuls, a weight gradient's features) take 128 x 256
-    #   tiles over 8 warps and three stages, as dense GEMMs on Hopper do (issue 43's expert matmul, 4096 -> 14336 in
-    #   groups of 128 rows, H200, hand-written variants of the generated kernel: 64 x 128 / 4 warps / 3 stages
-    #   4.75 ms, 128 x 128 / 8 / 3 3.48 ms, 128 x 256 / 8 / 3 2.96 ms; torch._grouped_mm 3.05 ms).
+    #   tiles over 8 warps and three stages, as dense GEMMs on Hopper do (the fastest of the hand-written variants
+    #   of issue 43's expert matmul, level with torch._grouped_mm: DESIGN.md, "Mixtures of experts").
     if dot:
         wide = min(extent[dot.m], extent[dot.n]) >= 128
         changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 128 if wide else 64)

@@ -65,7 +65,7 @@ def has_tma() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def is_hopper() -> bool:
-    """Whether the default device is a Hopper GPU (sm_90: H100, H200), which runs the Gluon forms."""
+    """Whether the default device is a Hopper GPU (compute capability 9.0), which runs the Gluon forms."""
     return _capability() == 9
 
 
