@@ -135,6 +135,19 @@ def test_layer_with_a_mesh_equals_the_layer_on_one_device(mesh, rng):
         assert forward.traces == 1
 
 
+def test_layer_with_a_mesh_takes_a_batch_the_devices_do_not_divide(mesh, rng):
+    """A (batch, length, features) input whose batch the mesh axis does not divide (2 on 4 devices): the tokens come
+    back from the experts split over the axis and are gathered before taking x's shape, as they were given (a reshape
+    of the split tokens raised XLA's sharding error)."""
+    layer = MoE(7, 5, num_experts=8, top_k=2, mesh=mesh, axis="x", rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((2, 8, 7)), jnp.float32)
+    y, aux_loss = nnx.jit(lambda layer, x: layer(x))(layer, x)
+    flat, flat_aux = nnx.jit(lambda layer, x: layer(x))(layer, x.reshape(16, 7))
+    assert y.shape == (2, 8, 7)
+    np.testing.assert_array_equal(np.asarray(y).reshape(16, 7), np.asarray(flat))
+    assert float(aux_loss) == float(flat_aux)
+
+
 def test_layer_gradients_with_the_tokens_split(mesh, x64, rng):
     """A data-parallel step holds its tokens split over the mesh: the layer's output and every parameter's gradient
     (the router's summed over the devices' tokens) equal the same parameters' on one device."""

@@ -143,6 +143,8 @@ class MoE(nnx.Module):
             y = routed_mlp(tokens.astype(dtype), routing.combine.astype(dtype), w_up, w_down, w_gate=w_gate,
                            activation=self.activation)
         aux_loss = self.balance_coef * routing.balance_loss + self.z_coef * routing.z_loss
+        if self.mesh is not None and jnp.ndim(x) == 3:  # (tokens come back split over the axis, which a batch
+            y = jax.reshard(y, NamedSharding(self.mesh, P()))  # and length need not divide: gathered, as x was)
         y = y.reshape(*x.shape[:-1], self.in_features)
         return (y, aux_loss, routing) if return_routing else (y, aux_loss)
 
