@@ -71,9 +71,10 @@ def test_same_key_same_batch_other_key_other_batch(rng):
     edges, n = _graph(rng)
     graph = CSRGraph.from_edge_index(edges, n)
     seeds = jnp.arange(10)
-    a = sample_neighbors(graph, seeds, (5, 5), jax.random.key(3))
-    b = sample_neighbors(graph, seeds, (5, 5), jax.random.key(3))
-    c = sample_neighbors(graph, seeds, (5, 5), jax.random.key(4))
+    sample = jax.jit(sample_neighbors, static_argnums=2)  # (one program: eagerly each of ~170 operations compiles)
+    a = sample(graph, seeds, (5, 5), jax.random.key(3))
+    b = sample(graph, seeds, (5, 5), jax.random.key(3))
+    c = sample(graph, seeds, (5, 5), jax.random.key(4))
     np.testing.assert_array_equal(np.asarray(a.node_ids), np.asarray(b.node_ids))
     assert not np.array_equal(np.asarray(a.adjacencies[-1].Ak), np.asarray(c.adjacencies[-1].Ak))
 
@@ -125,7 +126,8 @@ def test_an_epoch_of_batches_compiles_once(with_transpose, rng):
         grad = step(graph, seeds, jax.random.key(i))
     assert step.traces == 1
     # the last batch's gradient: each node's feature row counts the sampled paths from it to the seeds
-    sample = sample_neighbors(graph, seeds, (3, 2), jax.random.key(99), with_transpose=with_transpose)
+    sample = jax.jit(lambda seeds, key: sample_neighbors(graph, seeds, (3, 2), key, with_transpose=with_transpose))(
+        seeds, jax.random.key(99))  # (jitted: eagerly each of ~170 operations compiles)
     paths = np.ones((8, 1))
     for A in reversed(sample.adjacencies):
         paths = np.asarray(A.todense()).T @ paths
@@ -140,7 +142,8 @@ def test_sample_feeds_sage_layers_like_pyg_mini_batches(rng):
     edges, n = _graph(rng)
     graph = CSRGraph.from_edge_index(edges, n)
     x = rng.normal(size=(n, 4))
-    sample = sample_neighbors(graph, jnp.array([0, 1, 4]), (3, 2), jax.random.key(7))
+    sample = jax.jit(lambda seeds, key: sample_neighbors(graph, seeds, (3, 2), key))(  # (eagerly: ~170 compiles)
+        jnp.array([0, 1, 4]), jax.random.key(7))
     h = jnp.asarray(x)[jnp.maximum(sample.node_ids, 0)]
     for A in sample.adjacencies:
         counts = A @ jnp.ones((A.shape[1], 1))
@@ -160,9 +163,10 @@ def test_outer_sources_in_graph_ids_equal_the_gathered_sample(replace, rng):
     graph = CSRGraph.from_edge_index(edges, n)
     x = jnp.asarray(rng.normal(size=(n, 4)))
     seeds, key = jnp.array([0, 1, 4, -1]), jax.random.key(5)
-    local = sample_neighbors(graph, seeds, (3, 2), key, replace=replace)
-    direct = sample_neighbors(graph, seeds, (3, 2), key, replace=replace, outer_sources="graph",
-                              with_transpose=(False, True))
+    local, direct = jax.jit(lambda seeds, key: (  # (one program: eagerly each of ~190 operations compiles)
+        sample_neighbors(graph, seeds, (3, 2), key, replace=replace),
+        sample_neighbors(graph, seeds, (3, 2), key, replace=replace, outer_sources="graph",
+                         with_transpose=(False, True))))(seeds, key)
     assert direct.sizes == (n,) + local.sizes[1:] and direct.adjacencies[0].shape == (local.sizes[1], n)
     assert [A.transposed is not None for A in direct.adjacencies] == [False, True]
     np.testing.assert_array_equal(direct.node_ids, local.node_ids[: local.sizes[1]])
@@ -197,7 +201,8 @@ def test_seeds_out_of_range_raise_eagerly_and_are_padding_under_jit(rng):
     padded = sample_neighbors(graph, np.where(seeds == n, -1, seeds), (3, 2), key)
     np.testing.assert_array_equal(np.asarray(traced.node_ids), np.asarray(padded.node_ids))
     assert np.asarray(traced.node_ids)[3] == -1
-    sample_neighbors(graph, np.array([0, n - 1, -1]), (3, 2), key)  # the range's ends: no error
+    # the range's ends: no error (five seeds, as above: the same eager operations, compiled once)
+    sample_neighbors(graph, np.array([0, n - 1, -1, 5, 7]), (3, 2), key)
 
 
 def test_bad_arguments():
