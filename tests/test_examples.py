@@ -21,9 +21,9 @@ from _common import free_port  # noqa: E402  (examples/_common.py)
 RUNS = {
     "gcn/main.py": (["--smoke"], ["jinsum GCNConv", "jax.experimental.sparse BCOO"]),
     "gat/main.py": (["--smoke"], ["jinsum GATConv", "gathers + jax.ops.segment_*"]),
-    "graphsage_gin/main.py": (["--smoke", "--features", "16"], ["pubmed GraphSAGE jinsum", "pubmed GIN segment ops",
-                                            "rmat8 GraphSAGE segment ops", "rmat8 GIN jinsum",
-                                            "pubmed GraphSAGE-max jinsum", "rmat8 GraphSAGE-max segment ops"]),
+    "graphsage_gin/main.py": (["--smoke", "--features", "16", "--hidden", "16"],
+                              ["pubmed GraphSAGE jinsum", "pubmed GIN segment ops", "rmat8 GraphSAGE segment ops",
+                               "rmat8 GIN jinsum", "pubmed GraphSAGE-max jinsum", "rmat8 GraphSAGE-max segment ops"]),
     "graph_classification/main.py": (["--smoke"], ["jinsum GINConv + global_add_pool", "plain JAX segment_sum (padded)",
                                                   "PyG DataLoader + GINConv"]),
     "rgcn/main.py": (["--smoke"], ["jinsum RGCNConv, 6 relations", "segment_sum RGCN, 6 relations",
@@ -42,7 +42,8 @@ RUNS = {
                                    "plain JAX gather + segment_sum"]),
     "packed_lm/main.py": (["--smoke"], ["dense causal + document mask", "sliding window + document mask",
                                         "BigBird + document mask", "dense causal + document mask, MoE FFN"]),
-    "sparse_mlp/main.py": (["--smoke"], ["jinsum SparseLinear, 10% of the weights", "dense nnx.Linear"]),
+    "sparse_mlp/main.py": (["--smoke", "--hidden", "32"],
+                           ["jinsum SparseLinear, 10% of the weights", "dense nnx.Linear"]),
     # (run by test_serve_lm_caches_agree, which also checks the two caches' outputs)
     "serve_lm/main.py": (["--smoke"], ["paged KV cache", "dense KV cache"]),
 }
