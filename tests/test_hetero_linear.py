@@ -62,7 +62,10 @@ def test_matches_pyg_and_a_numpy_loop(case, bias, rng):
 
         graphdef, params = nnx.split(ours)
         out = jax.jit(lambda params, x, t: nnx.merge(graphdef, params)(x, t))(params, x, types)
-        loss = lambda params, x: (nnx.merge(graphdef, params)(x, types) * probe).sum()
+
+        def loss(params, x):
+            return (nnx.merge(graphdef, params)(x, types) * probe).sum()
+
         grad_params, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, jnp.asarray(x))
         tight = {"rtol": 1e-12, "atol": 1e-12}
         weight, bias_rows = theirs.weight.detach().numpy(), np.zeros((num_types, out_features))
@@ -115,7 +118,10 @@ def test_bfloat16_computation_with_float32_parameters(rng):
     out = apply(half)
     assert out.dtype == jnp.bfloat16 and half.weight[...].dtype == jnp.float32
     assert_allclose(out, apply(full), jnp.bfloat16)
-    loss = lambda layer: jnp.sum(jnp.tanh(layer(x, types).astype(jnp.float32)))
+
+    def loss(layer):
+        return jnp.sum(jnp.tanh(layer(x, types).astype(jnp.float32)))
+
     grads_half, grads_full = nnx.jit(nnx.grad(loss))(half), nnx.jit(nnx.grad(loss))(full)
     for g_half, g_full in zip(jax.tree.leaves(grads_half), jax.tree.leaves(grads_full)):
         assert g_half.dtype == jnp.float32

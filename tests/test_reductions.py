@@ -149,7 +149,7 @@ def test_kernels_and_their_winners_match(case, dtype, config, rng):
     pytest.importorskip("torch")
     if dtype == np.float64 and config != "default":
         pytest.skip("float64 once, with the default plan")
-    from jinsum.kernels import KernelConfig
+    from jinsum.kernels import KernelConfig  # noqa: PLC0415 (after the importorskip above)
 
     config = dict(default=KernelConfig(), stress=KernelConfig(block=4, block_rows=2, window=3, num_stages=2),
                   owned=KernelConfig(schedule="owned", window=2), split=KernelConfig(schedule="split"),
@@ -159,7 +159,7 @@ def test_kernels_and_their_winners_match(case, dtype, config, rng):
 
 
 def _check_kernel_and_winners(case, operands, dtype, config):
-    from jinsum._lowering._triton import interpret
+    from jinsum._lowering._triton import interpret  # noqa: PLC0415 (only where torch was found)
 
     statement, arrays, flags = _prepare(case, operands)
     spec = _primitive.make_spec(statement, arrays, **flags)
@@ -211,8 +211,11 @@ def test_grads_away_from_ties(case, rng):
 def test_ties_send_the_whole_gradient_to_the_first_term():
     B = jnp.array([[1.0, 2.0], [1.0, 0.0], [3.0, 2.0]])
     Ak = jnp.array([[0, 1, 2]], jnp.int32)  # one group: row 0 takes the maximum of B's three rows
-    fn = lambda B: jinsum.einsum("C[Ai[g],n] max= B[Ak[g,p],n]", Ai=jnp.zeros(1, jnp.int32), Ak=Ak, B=B,
-                                 C=jax.ShapeDtypeStruct((1, 2), jnp.float32))
+
+    def fn(B):
+        return jinsum.einsum("C[Ai[g],n] max= B[Ak[g,p],n]", Ai=jnp.zeros(1, jnp.int32), Ak=Ak, B=B,
+                             C=jax.ShapeDtypeStruct((1, 2), jnp.float32))
+
     np.testing.assert_array_equal(fn(B), [[3.0, 2.0]])
     np.testing.assert_array_equal(jax.grad(lambda B: fn(B).sum())(B), [[0, 1], [0, 0], [1, 0]])
 
@@ -228,7 +231,10 @@ def test_the_initial_value_keeps_its_gradient_where_it_stands():
 def test_vmap_equals_a_loop(rng):
     operands = extreme_spmm(rng, np.float32)
     expression = "C[Ai[g],n] max= Av[g,p] * B[Ak[g,p],n]"
-    fn = lambda B, Ak: jinsum.einsum(expression, **{**operands, "B": B, "Ak": Ak})
+
+    def fn(B, Ak):
+        return jinsum.einsum(expression, **{**operands, "B": B, "Ak": Ak})
+
     Bs = jnp.stack([operands["B"], -operands["B"]])
     Aks = jnp.stack([operands["Ak"], operands["Ak"][::-1]])
     check_vmap(fn, (Bs, Aks), in_axes=(0, 0))
@@ -241,7 +247,10 @@ def test_vmap_equals_a_loop(rng):
 def test_deterministic_mode_leaves_extrema_as_written(rng):
     case = next(c for c in CASES if c.name == "scatter_max")
     operands, expression = case.make(rng, np.float32), case.expression
-    fn = lambda B: jinsum.einsum(expression, **{**operands, "B": B})
+
+    def fn(B):
+        return jinsum.einsum(expression, **{**operands, "B": B})
+
     with jinsum.deterministic(True):
         [spec] = kernel_specs_in(fn, operands["B"])
         assert str(spec.statement) == expression and spec.deterministic

@@ -433,7 +433,8 @@ def test_rgcn_on_a_partitioned_relational_adjacency(rng):
     g = jg.relational_graph(src, dst, rel, n, relations)
     P = jinsum.shard.partition(jg.relational_adjacency(g), mesh())
     for aggr in ("mean", "add"):
-        conv = jnn.RGCNConv(4, 5, num_relations=relations, aggr=aggr, num_bases=2, rngs=nnx.Rngs(0), param_dtype=jnp.float64)
+        conv = jnn.RGCNConv(4, 5, num_relations=relations, aggr=aggr, num_bases=2, rngs=nnx.Rngs(0),
+                            param_dtype=jnp.float64)
         x = rng.standard_normal((n, 4))
         np.testing.assert_allclose(P.unshard_rows(conv(P.shard_rows(x), P)), conv(x, g), atol=1e-12)
         grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.tanh(conv(x, P)))))(P.shard_rows(x))
