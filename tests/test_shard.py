@@ -134,16 +134,19 @@ def test_two_devices(rng, split):
     np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
 
 
-@pytest.mark.parametrize("devices,chunks", [(3, 2), (2, 24)])
-def test_chunked_exchange_equals_one_device(rng, devices, chunks):
-    """Each shift's rows in chunks (24: more chunks than the 18 rows of the shift, so some pieces are empty): the
-    same products, gradients and bytes moved as in one piece a shift."""
-    A = graph(rng, duplicates=True)
+@pytest.mark.parametrize("devices,chunks,n,edges", [(3, 2, 41, 160), (2, 12, 20, 80)])
+def test_chunked_exchange_equals_one_device(rng, devices, chunks, n, edges):
+    """Each shift's rows in chunks (12: more chunks than the at most 10 rows of a shift of 20 rows over 2 devices, so
+    some pieces are empty; a small graph, as every piece is one more remote matrix to compile): the same products,
+    gradients and bytes moved as in one piece a shift."""
+    A = graph(rng, n=n, edges=edges, duplicates=True)
     whole = jinsum.shard.partition(A, mesh(devices), split="dealt", exchange="halo")
     P = jinsum.shard.partition(A, mesh(devices), split="dealt", chunks=chunks)
     pieces = (devices - 1) * chunks  # (a remote matrix per piece: shift after shift, each cut in chunks)
     assert P.plan.exchange == "halo" and len(P.remote) == pieces and f"in {chunks} chunks" in repr(P)
     assert len(whole.remote) == devices - 1
+    if chunks > 2:  # (more chunks than rows in every shift: empty pieces)
+        assert chunks > max(whole.plan.shift_rows)
     assert sum(P.plan.columns) == P.plan.received_rows == whole.plan.received_rows
     piece, column = P.plan.received_at()  # every row received has one place in one piece
     assert len({(m, k) for m, k in zip(piece.tolist(), column.tolist())}) == P.plan.received_rows
@@ -343,6 +346,16 @@ def _applied(graphdef, state, x, graph, *attr):
     return nnx.merge(graphdef, state)(x, graph, *attr)
 
 
+@nnx.jit
+def _output_and_gradient(layer, x, graph, mask, *attr):
+    """The layer's output and the gradient (in the layer and `x`) of a loss over the rows in `mask`: one compiled
+    program, not one for the output and another for the gradient."""
+    def loss(layer, x):
+        return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph, *attr)), 0))
+
+    return layer(x, graph, *attr), nnx.grad(loss, argnums=(0, 1))(layer, x)
+
+
 @pytest.mark.parametrize("name", LAYERS)
 def test_layer_on_a_partitioned_adjacency(rng, name):
     A = graph(rng)
@@ -350,14 +363,9 @@ def test_layer_on_a_partitioned_adjacency(rng, name):
     layer = LAYERS[name]()
     x = rng.standard_normal((A.shape[0], 6))
     atol = ATTENTION_ATOL if name in ("GAT", "Transformer") else 1e-10
-    np.testing.assert_allclose(P.unshard_rows(_apply(layer, P.shard_rows(x), P)), _apply(layer, x, A), rtol=1e-10,
-                               atol=atol)
-
-    def loss(layer, x, graph, mask):
-        return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph)), 0))
-
-    ours = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, P.shard_rows(x), P, P.row_mask)
-    theirs = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, x, A, np.ones(A.shape[0], bool))
+    out, ours = _output_and_gradient(layer, P.shard_rows(x), P, P.row_mask)
+    expected, theirs = _output_and_gradient(layer, x, A, np.ones(A.shape[0], bool))
+    np.testing.assert_allclose(P.unshard_rows(out), expected, rtol=1e-10, atol=atol)
     np.testing.assert_allclose(P.unshard_rows(ours[1]), theirs[1], rtol=1e-9, atol=atol)
     for a, b in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(theirs[0])):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
@@ -373,10 +381,18 @@ def test_layer_over_several_remote_matrices(rng, name):
     layer = LAYERS[name]()
     x = rng.standard_normal((A.shape[0], 6))
     atol = ATTENTION_ATOL if name == "GAT" else 1e-10
-    np.testing.assert_allclose(P.unshard_rows(_apply(layer, P.shard_rows(x), P)), _apply(layer, x, A), rtol=1e-10,
-                               atol=atol)
-    ours = nnx.jit(nnx.grad(lambda layer, x: jnp.sum(jnp.tanh(P.unshard_rows(layer(x, P))))))(layer, P.shard_rows(x))
-    theirs = nnx.jit(nnx.grad(lambda layer: jnp.sum(jnp.tanh(layer(x, A)))))(layer)
+
+    @nnx.jit  # (the output and the gradient in one compiled program)
+    def ours(layer, x):
+        return layer(x, P), nnx.grad(lambda layer, x: jnp.sum(jnp.tanh(P.unshard_rows(layer(x, P)))))(layer, x)
+
+    @nnx.jit
+    def theirs(layer):
+        return layer(x, A), nnx.grad(lambda layer: jnp.sum(jnp.tanh(layer(x, A))))(layer)
+
+    out, ours = ours(layer, P.shard_rows(x))
+    expected, theirs = theirs(layer)
+    np.testing.assert_allclose(P.unshard_rows(out), expected, rtol=1e-10, atol=atol)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=atol)
 
@@ -409,18 +425,16 @@ def test_edge_layer_on_a_partitioned_edge_adjacency(rng, name):
     x = rng.standard_normal((n, 6))
     edges = jg.edge_list(edge_index, n)
     A = jg.edge_adjacency(edge_index, n, attr)
-    reference = _apply(layer, x, edges, attr)
+    reference, theirs = _output_and_gradient(layer, x, edges, np.ones(n, bool), attr)
     np.testing.assert_allclose(_apply(layer, x, A), reference, rtol=1e-10, atol=1e-10)  # the same edges, in a format
-    for count in sorted({min(2, len(DEVICES)), len(DEVICES)}):
+    counts = sorted({min(2, len(DEVICES)), len(DEVICES)})
+    for count in counts[:-1]:
         P = jinsum.shard.partition(A, mesh(count))
         np.testing.assert_allclose(P.unshard_rows(_apply(layer, P.shard_rows(x), P)), reference, rtol=1e-10,
                                    atol=1e-10)
-
-    def loss(layer, x, graph, mask, *attr):
-        return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph, *attr)), 0))
-
-    ours = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, P.shard_rows(x), P, P.row_mask)
-    theirs = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, x, edges, np.ones(n, bool), attr)
+    P = jinsum.shard.partition(A, mesh(counts[-1]))  # (every device: the output and gradient in one program)
+    out, ours = _output_and_gradient(layer, P.shard_rows(x), P, P.row_mask)
+    np.testing.assert_allclose(P.unshard_rows(out), reference, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(P.unshard_rows(ours[1]), theirs[1], rtol=1e-9, atol=1e-10)
     for a, b in zip(jax.tree.leaves(ours[0]), jax.tree.leaves(theirs[0])):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
