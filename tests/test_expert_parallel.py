@@ -57,15 +57,7 @@ def test_dropless_equals_one_device_and_its_gradients(top_k, mesh, x64, rng):
         routing = route_tokens(logits, top_k)
         return routed_mlp(x, routing.combine, w_up, w_down, w_gate=w_gate), routing
 
-    (y, routing), (expected, reference) = (jax.jit(f)(x, logits, w_up, w_gate, w_down) for f in (sharded, single))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(float(routing.balance_loss), float(reference.balance_loss), rtol=1e-12)
-    np.testing.assert_allclose(float(routing.z_loss), float(reference.z_loss), rtol=1e-12)
-    assert int(routing.dropped) == 0 and routing.combine is None
-    np.testing.assert_array_equal(np.asarray(routing.experts), np.asarray(reference.experts))
-    np.testing.assert_allclose(np.asarray(routing.weights), np.asarray(reference.weights), rtol=1e-12)
-
-    cotangent = jnp.asarray(rng.standard_normal(y.shape))
+    cotangent = jnp.asarray(rng.standard_normal((x.shape[0], w_down.shape[-1])))
 
     def loss(f):
         def value(*args):
@@ -73,8 +65,19 @@ def test_dropless_equals_one_device_and_its_gradients(top_k, mesh, x64, rng):
             return jnp.sum(y * cotangent) + routing.balance_loss + 0.1 * routing.z_loss
         return value
 
-    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2, 3, 4)))(x, logits, w_up, w_gate, w_down)
-    want = jax.jit(jax.grad(loss(single), argnums=(0, 1, 2, 3, 4)))(x, logits, w_up, w_gate, w_down)
+    def output_and_gradients(f):  # (one compiled program for both, not one each)
+        return jax.jit(lambda *args: (f(*args), jax.grad(loss(f), argnums=(0, 1, 2, 3, 4))(*args)))
+
+    ((y, routing), got), ((expected, reference), want) = (
+        output_and_gradients(f)(x, logits, w_up, w_gate, w_down) for f in (sharded, single))
+    assert y.shape == cotangent.shape
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(float(routing.balance_loss), float(reference.balance_loss), rtol=1e-12)
+    np.testing.assert_allclose(float(routing.z_loss), float(reference.z_loss), rtol=1e-12)
+    assert int(routing.dropped) == 0 and routing.combine is None
+    np.testing.assert_array_equal(np.asarray(routing.experts), np.asarray(reference.experts))
+    np.testing.assert_allclose(np.asarray(routing.weights), np.asarray(reference.weights), rtol=1e-12)
+
     for name, a, b in zip(("x", "logits", "w_up", "w_gate", "w_down"), got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12, err_msg=name)
 
