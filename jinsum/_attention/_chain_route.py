@@ -33,9 +33,10 @@ from jinsum.kernels import ChainConfig, ChainPlan, Fallback, chain_config, gener
 SCHEDULE = ("row_items", "row_combine", "flags", "perm", "key_rows", "key_items", "key_combine")
 FORWARD, BACKWARD = ("forward", "combine"), ("dq", "dq_sum", "dkdv", "dkdv_sum")
 EMPTY = "an empty pattern"
-# Settings that keep chains unfused (`jinsum.fuse(False)`: statements in kernels, chains unfused).
-SWITCHES = (("jinsum.triton", _config.triton), ("jinsum.fuse", _config.fuse))
-SWITCHED_OFF = tuple(f"{name} is off" for name, _ in SWITCHES)  # (their fallbacks' reasons: choices, not warnings)
+# Settings that route every chain to its unfused statements, by the reason their fallback gives (a choice, which
+# does not warn). (`jinsum.triton`'s reason is also the statements' route's: this module imports no lowering.)
+SWITCHES = (("jinsum.triton is off", _config.triton), ("jinsum.fuse is off", _config.fuse))
+SWITCHED_OFF = tuple(reason for reason, _ in SWITCHES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class ChainRoute:
 
 def route_chain(chain: Chain, config: ChainConfig | None = None) -> ChainRoute:
     """The route of `chain` with `config` (else `chain_config()`: a forced one, or the defaults)."""
-    switched = tuple(name for name, setting in SWITCHES if not setting.value)
+    switched = tuple(reason for reason, setting in SWITCHES if not setting.value)
     return _route(chain, config or chain_config(), switched)
 
 
@@ -77,7 +78,7 @@ def _route(chain: Chain, config: ChainConfig, switched: tuple[str, ...]) -> Chai
 def _plans(chain: Chain, kinds, config: ChainConfig, switched) -> tuple[ChainPlan, ...] | Fallback:
     """The plans of the chain's `kinds` of kernels, or the first `Fallback`."""
     if switched:
-        return Fallback(f"{switched[0]} is off")  # (one of SWITCHED_OFF)
+        return Fallback(switched[0])
     if chain.entries == 0 or chain.rows == 0 or chain.keys == 0:
         return Fallback(EMPTY)
     found = []
