@@ -271,13 +271,8 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
     """Fills the zero fields of the plan's config with defaults for its template and kind."""
     config, changes = plan.config, {}
     if plan.template == "dot":
-        # Measured on an H100 (bf16, blocks of 128; benchmarks/attention.py), tile (rows x columns, warps,
-        # stages) per kind and head size. Forward, D = 64: 64 x 64, 4, 2 (BigBird 16k 0.36 ms, document mask 16k
-        # 0.34, sliding window 32k 0.52; 128 x 64, 4, 3: 0.36, 0.43, 0.53); D = 128: 128 x 64, 4, 2 (dense causal
-        # 8k: 0.75 ms; 128 x 128, 8, 2: 0.80; 64 x 64: 0.84). Backward: 64 x 64 and 4 warps for dq and dkdv (D =
-        # 128: dkdv 1.23 ms; 128 x 128, 8: 1.52; the FlashAttention-2 tutorial's 32 x 128, 4: 6.1, spilling), 3
-        # stages for dkdv at D = 64 (window 32k 0.82 ms against 0.92), 2 at D = 128 (1.23 against 1.96); dq at
-        # D = 128: 128 x 32, 8, 3 (0.79).
+        # Tiles (rows x columns, warps, stages) per kind and head size, the fastest of those timed with the
+        # configuration forced (DESIGN.md, "Launch defaults").
         (bm, bk), kind = plan.chain.block, plan.kind
         wide = plan.block_d > 64
         rows, cols, warps, stages = {
@@ -306,10 +301,8 @@ def default_chain_config(plan: ChainPlan) -> ChainConfig:
         changes["num_warps"] = config.num_warps or warps
         changes["num_stages"] = config.num_stages or stages
     else:  # tiles of heads x entries x features of about 4096 elements, two warps: many programs in flight hide
-        #    the latency of the gathers (GAT on R-MAT 17, H100: 16 entries and 2 warps 9.0 ms a training step;
-        #    4 warps 11.9, 8 warps 21.2; 8 entries 9.7). The dkdv kernel also reduces along the features (dP) and
-        #    adds to dQ: 8 entries and one warp (its two layers: 2.11 ms; 16 entries, 2 warps 2.40; 16 and 1 2.28;
-        #    4 and 1 2.39; 32 and 2 2.96).
+        #    the latency of the gathers. The dkdv kernel also reduces along the features (dP) and adds to dQ: 8
+        #    entries and one warp (DESIGN.md, "Launch defaults").
         width = plan.block_h * max(plan.block_d, plan.block_e)
         dkdv = plan.kind.startswith("dkdv")
         changes["entries"] = config.entries or (8 if dkdv else _pow2(4096 // width, 8, 128))

@@ -85,9 +85,8 @@ UNROLLED_BODIES = 64
 # several times faster so (DESIGN.md, "Dot plans").
 K_CHUNK = 1024
 # ... unless the output has this many elements or more: then its tiles alone fill the GPU, and the chunks' float32
-# atomics (and the cast after them) cost more than the reuse saves. Issue 43's grouped products (H200, kernel time):
-# 16,384 x 14,336 outputs (k = 4,096) in 4 chunks 5.41 ms, unchunked 2.95; 131,072 x 768 (k = 2,048) in 2 chunks
-# 1.12 ms (and 0.16 for the cast), unchunked: benchmarks/README.md, "Mixtures of experts".
+# atomics (and the cast after them) cost more than the reuse saves (a Mixtral-like grouped product took twice as
+# long in chunks: DESIGN.md, "Dot plans").
 CHUNK_ELEMENTS = 1 << 22
 # A weight gradient walking its rows' positions (`KernelPlan.window_in_k`) with fewer row programs than this (rows x
 # output tiles) takes windows of groups instead, about this many (twice the 132 SMs of the GPUs it was tuned on):
@@ -562,12 +561,10 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
     """Fills the zero fields of `config`: a default that is good on Hopper for the plan's shape."""
     extent = spec.extent
     changes = {}
-    # Measured on an H100 (benchmarks/, kernel times):
-    # - gathers: one warp per 128 lanes, windows of 8, no software pipelining (SpMM F=128 into zeros, window 4 -> 8:
-    #   PubMed 10.3 -> 9.5 us, R-MAT20 1228 -> 1212 us);
+    # Chosen by timing the kernels with the configuration forced (DESIGN.md, "Launch defaults"):
+    # - gathers: one warp per 128 lanes, windows of 8, no software pipelining;
     # - narrow gathers (<= TILE_LANES lanes): a tile of 16 gathered rows, <= 4 warps (about twice as fast for SpMM and
-    #   SDDMM at 32 features; at F=128 the loop is as fast or faster: benchmarks/README.md, "Results: NVIDIA H100
-    #   80GB HBM3 (jax 0.11.2, triton 3.6.0, jax-triton 0.3.1, torch 2.11)");
+    #   SDDMM at 32 features; at F=128 the loop is as fast or faster);
     # - tl.dot plans: one program per row and n tile (the `rows` schedule: no atomics, so 16-bit outputs stay
     #   16-bit, and no search for the row's end in the loop), two pipeline stages, n tiles of 256 over 32-row blocks
     #   (faster than `owned` windows of 8 groups with 128-wide tiles, most at 20% density: DESIGN.md, "Dot plans").
@@ -575,7 +572,7 @@ def default_config(spec: Spec, dot: DotRoles | None, tiles: tuple[str, ...], con
     changes["schedule"] = config.schedule or ("rows" if dot else "split")
     # - products of wide tiles (m and n at least 128: grouped matmuls, a weight gradient's features) take 128 x 256
     #   tiles over 8 warps and three stages, as dense GEMMs on Hopper do (the fastest of the hand-written variants
-    #   of issue 43's expert matmul, level with torch._grouped_mm: DESIGN.md, "Mixtures of experts").
+    #   of a Mixtral-like expert matmul, level with torch._grouped_mm: DESIGN.md, "Mixtures of experts").
     if dot:
         wide = min(extent[dot.m], extent[dot.n]) >= 128
         changes["block_m"] = config.block_m or _pow2(extent[dot.m], 16, 128 if wide else 64)

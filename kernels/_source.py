@@ -25,9 +25,8 @@ _TRITON_DTYPES = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32":
 _REDUCTIONS = {"sum": "SUM", "max": "MAX", "min": "MIN"}  # the helpers' compile-time constants
 _IDENTITIES = {"max": 'float("-inf")', "min": 'float("inf")'}
 # Elements of partial sums that the fixup kernel of a carried split schedule reads at once (windows x lanes): a hub
-# row of R-MAT 20 runs through thousands of windows. SpMM F = 128 on an H100, the fixup kernel's time on R-MAT 17 /
-# 20 (undirected): one window at a time 0.057 / 0.25 ms, 16 (2048 elements) 0.023 / 0.18, 32 over 4 warps (every
-# program then 4 warps, most of them idle) 0.045 / 0.30.
+# row of a power-law graph runs through thousands of windows, and one window at a time, or more windows over more
+# warps (most of them idle in other rows' programs), were slower (DESIGN.md, "Launch defaults").
 FIXUP_TILE = 2048
 
 

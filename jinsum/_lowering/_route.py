@@ -34,9 +34,8 @@ from jinsum.kernels import Fallback, KernelConfig, KernelPlan, canonical, make_p
 # rough ratio: it only ranks splits whose costs differ by their shapes.
 TENSOR_CORE_RATIO = 16
 # A weight gradient's rows gathered along its reduction (`dW[Ai[g],c,h] += X[Ak[g,p],c] * dH[g,p,h]`) are gathered
-# once beforehand where at least this many tiles along the output's columns would each gather them again: H200,
-# bf16, hand-written, 56 tiles (4096 x 14336, 8 experts) 4.59 ms gathered in the loop against 0.08 + 3.29
-# beforehand; 3 tiles (2048 x 768, 128 experts) 0.97 against 0.29 + 0.68 (DESIGN.md).
+# once beforehand where at least this many tiles along the output's columns would each gather them again (the
+# gather first pays at 56 column tiles and still at 3: DESIGN.md, "Mixtures of experts").
 GATHER_FIRST_TILES = 8
 TRITON_OFF = "jinsum.triton is off"
 # Reasons for XLA's lowering that are choices, not shortcomings of the code generator: they do not warn.

@@ -300,7 +300,7 @@ def _row_major_order(rows, cols, shape: tuple[int, int]):
 
 
 # Compiled as one program (static sizes and dtypes): called outside `jit`, op by op, a build compiled each of its
-# hundred-odd operations on first use (4.5 s on a 2-core CPU for a small graph, 0.7 s as one program).
+# hundred-odd operations on first use (six times the one program's compile time for a small graph).
 @functools.partial(jax.jit, static_argnames=("shape", "capacity", "group_size", "dtype", "index_dtype"))
 def device_groups(rows, cols, values, *, shape: tuple[int, int], capacity: int, group_size: int, dtype,
                   index_dtype):

@@ -108,7 +108,7 @@ class MoE(nnx.Module):
         def experts(shape):
             value = kernel_init(rngs.params(), shape, param_dtype)
             # Each device holds its own experts' weights from the start: weights placed elsewhere would be split
-            # again at every call (2 H200s, Mixtral-like: 5 ms of copies in a 10 ms forward).
+            # again at every call (half of a Mixtral-like forward on two GPUs was such copies).
             return nnx.Param(value if mesh is None else jax.device_put(value, NamedSharding(mesh, P(axis))))
 
         self.w_gate = experts(up) if activation == "swiglu" else None
