@@ -19,7 +19,7 @@ takes: the dense `(rows, F)` array, or the rows a batch touches). Systems:
   gradient, one uncoalesced row per lookup), the forward without autograd, the backward by `torch.autograd.grad`.
 Every system is timed the same way (`jinsum.timing.time_calls`: back-to-back calls over the batches in turn, one
 synchronisation, median of rounds; torch with `torch.cuda.synchronize`), in two interleaved passes of which the
-second is kept (DESIGN.md, "Measure warm and interleaved"); "device ms" is the GPU's own time
+second is kept (DESIGN.md, "Measure device time, warm and interleaved"); "device ms" is the GPU's own time
 (`jinsum.timing.device_time`). Before timing, each system's output and the per-row sums of its gradient are compared
 with plain JAX's in float32 on the same batch ("rel. error": the largest difference over the largest value; a
 maximum's ties, frequent in bfloat16, send jinsum's and torch's gradient to one lookup where `segment_max` splits

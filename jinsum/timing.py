@@ -33,7 +33,8 @@ def time_interleaved(fns: Mapping[str, Callable[[], object]], *, calls: int = 20
     """Median seconds per call of each of `fns` (functions of no arguments, by name), over `rounds` rounds: each
     round times `calls` back-to-back calls of each function, closed by one `sync`, in an order that rotates from
     round to round. A small step's time is the host's, which drifts by tens of percent over a minute (DESIGN.md,
-    "Measure warm and interleaved"); measured one after another, two systems would each get their own minute."""
+    "Measure device time, warm and interleaved"); measured one after another, two systems would each get their own
+    minute."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -54,8 +55,8 @@ def device_time(fn: Callable, *args, calls: int = 20, warmup: int = 2,
                 sync: Callable = jax.block_until_ready) -> float | None:
     """Seconds per call that the GPU spends running the kernels and copies of `fn(*args)`, from a profiler trace.
 
-    Back-to-back calls of a small workload are bound by the host's dispatch (DESIGN.md, "Small calls are the
-    host's dispatch"), whatever the kernels take; this is what the device does, summed over `calls` calls. Gaps
+    Back-to-back calls of a small workload are bound by the host's dispatch (DESIGN.md, "Measure device
+    time, warm and interleaved"), whatever the kernels take; this is what the device does, summed over `calls` calls. Gaps
     between kernels do not count. Returns None where the trace has no GPU activity (a CPU backend).
     """
     kernels = kernel_times(fn, *args, calls=calls, warmup=warmup, sync=sync)
