@@ -268,9 +268,11 @@ def test_layer_statements_and_their_gradients_run_in_generated_kernels(spec, rng
                                         "B[Ak[g,p],n] += Av[g,p] * C[Ai[g],n]"])  # its transpose (a scatter)
 def test_a_pattern_of_another_size_runs_the_same_kernel(expression, config):
     """Group, row and column counts are runtime arguments (`KernelPlan.sizes`): patterns of other sizes with the
-    same feature width generate one source, which is right on each."""
-    sources = set()
-    for seed, (rows, cols, density) in enumerate([(300, 200, 0.05), (57, 410, 0.1), (5, 3, 0.5)]):
+    same feature width generate one source, which is right on each. A tall pattern (33 groups, two empty rows) and a
+    wide one (21 groups, rows of up to 4, through several owned windows) run several programs with a short last
+    window of groups under every schedule; a 5 x 3 one has four groups and an empty row."""
+    sources, sizes = set(), set()
+    for seed, (rows, cols, density) in enumerate([(31, 19, 0.15), (7, 41, 0.25), (5, 3, 0.5)]):
         rng = np.random.default_rng(seed)
         A = jinsum.GroupCOO.from_scipy(sp.random(rows, cols, density, random_state=seed, dtype=np.float32),
                                        group_size=4)
@@ -279,10 +281,13 @@ def test_a_pattern_of_another_size_runs_the_same_kernel(expression, config):
                         C=rng.standard_normal((rows, 24)).astype(np.float32))
         spec = _spec(expression, operands)
         plan = make_plan(spec, config)
+        if rows > 5:  # (rows: row programs, so no window of groups to cut short)
+            assert plan.grid_shape[0] > 1 and (plan.row_programs or len(A.Ai) % plan.config.window), plan.config
         sources.add(generate(plan))
+        sizes.add(tuple(plan.sizes.values()))
         assert_allclose(interpret(spec, operands, config), reference(expression, **operands), np.float32,
                         err_msg=f"{rows} x {cols}")
-    assert len(sources) == 1
+    assert len(sources) == 1 and len(sizes) == 3
 
 
 def test_long_reductions_are_cut_into_chunks_added_atomically(rng):
