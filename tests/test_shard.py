@@ -105,9 +105,6 @@ def test_spmm_and_gradient_equal_one_device(rng, split, exchange, duplicates):
     P = jinsum.shard.partition(A, mesh(), split=split, exchange=exchange)
     x = rng.standard_normal((A.shape[0], 5))
     xs = P.shard_rows(x)
-    out = jax.jit(lambda P, x: P @ x)(P, xs)
-    assert out.sharding.spec == P.sharding.spec  # row-sharded like the input: the next layer needs no resharding
-    np.testing.assert_allclose(P.unshard_rows(out), dense(A) @ x, rtol=1e-12, atol=1e-12)
 
     def loss(x, P):
         return jnp.sum(jnp.sin(P @ x) * P.shard_rows(np.arange(A.shape[0] * 5.0).reshape(-1, 5) / 100))
@@ -115,9 +112,11 @@ def test_spmm_and_gradient_equal_one_device(rng, split, exchange, duplicates):
     def reference(x):
         return jnp.sum(jnp.sin(A @ x) * np.arange(A.shape[0] * 5.0).reshape(-1, 5) / 100)
 
-    grad = jax.jit(jax.grad(loss))(xs, P)
+    out, grad = jax.jit(lambda P, x: (P @ x, jax.grad(loss)(x, P)))(P, xs)  # (one compiled program for both)
+    assert out.sharding.spec == P.sharding.spec  # row-sharded like the input: the next layer needs no resharding
+    np.testing.assert_allclose(P.unshard_rows(out), dense(A) @ x, rtol=1e-12, atol=1e-12)
     assert grad.sharding.spec == P.sharding.spec
-    np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(reference)(x), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(P.unshard_rows(grad), jax.jit(jax.grad(reference))(x), rtol=1e-12, atol=1e-12)
     if (split, exchange, duplicates) == ("dealt", "halo", True):  # (numerical derivatives: slow, so once)
         jax.test_util.check_grads(jax.jit(lambda x: loss(x, P)), (xs,), order=1, modes=["fwd", "rev"])
 
@@ -129,14 +128,15 @@ def test_two_devices(rng, split):
     P = jinsum.shard.partition(A, mesh(2), split=split, exchange="halo")
     assert P.plan.shift_rows == (max(P.plan.needed),)
     x = rng.standard_normal((A.shape[0], 5))
-    np.testing.assert_allclose(P.unshard_rows(P @ P.shard_rows(x)), dense(A) @ x, atol=1e-12)
-    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(P @ x))))(P.shard_rows(x))
-    np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
+    out, grad = jax.jit(lambda x: (P @ x, jax.grad(lambda x: jnp.sum(jnp.sin(P @ x)))(x)))(P.shard_rows(x))
+    np.testing.assert_allclose(P.unshard_rows(out), dense(A) @ x, atol=1e-12)
+    reference = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(A @ x))))(x)
+    np.testing.assert_allclose(P.unshard_rows(grad), reference, atol=1e-12)
 
 
-@pytest.mark.parametrize("devices,chunks,n,edges", [(3, 2, 41, 160), (2, 12, 20, 80)])
+@pytest.mark.parametrize("devices,chunks,n,edges", [(3, 2, 41, 160), (2, 7, 12, 60)])
 def test_chunked_exchange_equals_one_device(rng, devices, chunks, n, edges):
-    """Each shift's rows in chunks (12: more chunks than the at most 10 rows of a shift of 20 rows over 2 devices, so
+    """Each shift's rows in chunks (7: more chunks than the at most 6 rows of a shift of 12 rows over 2 devices, so
     some pieces are empty; a small graph, as every piece is one more remote matrix to compile): the same products,
     gradients and bytes moved as in one piece a shift."""
     A = graph(rng, n=n, edges=edges, duplicates=True)
@@ -152,19 +152,28 @@ def test_chunked_exchange_equals_one_device(rng, devices, chunks, n, edges):
     assert len({(m, k) for m, k in zip(piece.tolist(), column.tolist())}) == P.plan.received_rows
     x = rng.standard_normal((A.shape[0], 5))
     xs = P.shard_rows(x)
-    np.testing.assert_allclose(P.unshard_rows(jax.jit(lambda P, x: P @ x)(P, xs)), dense(A) @ x, atol=1e-12)
-    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(P @ x))))(xs)
-    np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), atol=1e-12)
     assert jinsum.shard.communication(lambda x: P @ x, xs) == jinsum.shard.communication(lambda x: whole @ x, xs)
-    # An SDDMM keeps one matrix per piece; attention merges every piece's keys.
     q, k = rng.standard_normal((A.shape[0], 4)), rng.standard_normal((A.shape[0], 4))
-    S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))
+    qkv = [rng.standard_normal((A.shape[0], 2, 3)) for _ in range(3)]
+
+    @jax.jit  # (the products, the gradient, the SDDMM and attention in one compiled program: each piece's remote
+    def ours(xs, q, k, qkv):  # matrix compiles in every one of them)
+        # An SDDMM keeps one matrix per piece; attention merges every piece's keys.
+        S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))
+        return (P @ xs, jax.grad(lambda x: jnp.sum(jnp.sin(P @ x)))(xs), S, S @ xs,
+                jinsum.shard.attention(*map(P.shard_rows, qkv), P, self_loops=True))
+
+    @jax.jit
+    def theirs(x, qkv):
+        return jax.grad(lambda x: jnp.sum(jnp.sin(A @ x)))(x), jinsum.attention(*qkv, A, self_loops=True)
+
+    out, grad, S, sddmm, attention = ours(xs, q, k, qkv)
+    grad_reference, attention_reference = theirs(x, qkv)
+    np.testing.assert_allclose(P.unshard_rows(out), dense(A) @ x, atol=1e-12)
+    np.testing.assert_allclose(P.unshard_rows(grad), grad_reference, atol=1e-12)
     assert len(S.remote) == pieces
-    np.testing.assert_allclose(P.unshard_rows(S @ xs), (dense(A) * (q @ k.T)) @ x, atol=1e-12)
-    q, k, v = (rng.standard_normal((A.shape[0], 2, 3)) for _ in range(3))
-    ours = jinsum.shard.attention(*map(P.shard_rows, (q, k, v)), P, self_loops=True)
-    np.testing.assert_allclose(P.unshard_rows(ours), jinsum.attention(q, k, v, A, self_loops=True),
-                               atol=ATTENTION_ATOL)
+    np.testing.assert_allclose(P.unshard_rows(sddmm), (dense(A) * (q @ k.T)) @ x, atol=1e-12)
+    np.testing.assert_allclose(P.unshard_rows(attention), attention_reference, atol=ATTENTION_ATOL)
 
 
 def test_rows_sent_by_piece_and_their_cotangents_in_one_array(rng):
@@ -234,20 +243,27 @@ def test_row_sums_sddmm_and_multi_head(rng):
     A = graph(rng)
     P = jinsum.shard.partition(A, mesh())
     n = A.shape[0]
-    np.testing.assert_allclose(P.unshard_rows(jinsum.shard.row_sums(P)), dense(A).sum(1), atol=1e-12)
     q, k, v = (rng.standard_normal((n, 4)) for _ in range(3))
-    S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))  # an SDDMM: P's entries
-    assert isinstance(S, jinsum.shard.Partitioned)
-    np.testing.assert_allclose(P.unshard_rows(S @ P.shard_rows(v)), (dense(A) * (q @ k.T)) @ v, atol=1e-12)
-    grad = jax.jit(jax.grad(lambda k: jnp.sum((jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), k) @
-                                       P.shard_rows(v)) ** 2)))(P.shard_rows(k))
-    reference = jax.grad(lambda k: jnp.sum(((dense(A) * (q @ k.T)) @ v) ** 2))(k)
-    np.testing.assert_allclose(P.unshard_rows(grad), reference, atol=1e-10)
-
     heads = GroupCOO(A.Ai, A.Ak, jnp.stack([A.Av, 2 * A.Av, -A.Av], -1), (n, n, 3)).with_transpose()
     H = jinsum.shard.partition(heads, mesh())
     x = rng.standard_normal((n, 3, 2))
-    out = jinsum.shard.einsum("ikh,khf->ihf", H, H.shard_rows(x))
+
+    def sddmm(k):  # an SDDMM: P's entries
+        return jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), k)
+
+    @jax.jit  # (every product and the gradient in one compiled program)
+    def ours(k, x):
+        S = sddmm(k)
+        return (jinsum.shard.row_sums(P), S, S @ P.shard_rows(v),
+                jax.grad(lambda k: jnp.sum((sddmm(k) @ P.shard_rows(v)) ** 2))(k),
+                jinsum.shard.einsum("ikh,khf->ihf", H, x))
+
+    sums, S, product, grad, out = ours(P.shard_rows(k), H.shard_rows(x))
+    np.testing.assert_allclose(P.unshard_rows(sums), dense(A).sum(1), atol=1e-12)
+    assert isinstance(S, jinsum.shard.Partitioned)
+    np.testing.assert_allclose(P.unshard_rows(product), (dense(A) * (q @ k.T)) @ v, atol=1e-12)
+    reference = jax.jit(jax.grad(lambda k: jnp.sum(((dense(A) * (q @ k.T)) @ v) ** 2)))(k)
+    np.testing.assert_allclose(P.unshard_rows(grad), reference, atol=1e-10)
     np.testing.assert_allclose(H.unshard_rows(out), np.einsum("ikh,khf->ihf", dense(heads), x), atol=1e-12)
 
 
@@ -261,14 +277,24 @@ def test_block_format_spmm_sddmm_and_gcn(rng, exchange, devices):
     P = jinsum.shard.partition(B, mesh(devices), exchange=exchange)
     assert P.format is jinsum.BlockGroupCOO and P.padded_rows % 4 == 0
     x, q, k = (rng.standard_normal((n, 3)) for _ in range(3))
-    np.testing.assert_allclose(P.unshard_rows(P @ P.shard_rows(x)), B.todense() @ x, atol=1e-12)
-    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(P @ x))))(P.shard_rows(x))
-    np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.sin(B @ x)))(x), atol=1e-12)
-    S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))
-    dense = np.asarray(B.todense())
-    np.testing.assert_allclose(P.unshard_rows(S @ P.shard_rows(x)), (dense * (q @ k.T)) @ x, atol=1e-12)
     conv = jnn.GCNConv(3, 2, rngs=nnx.Rngs(0), param_dtype=jnp.float64)
-    np.testing.assert_allclose(P.unshard_rows(conv(P.shard_rows(x), P)), conv(x, B), atol=1e-12)
+    graphdef, state = nnx.split(conv)
+
+    @jax.jit  # (the sharded products, the gradient and the layer in one compiled program)
+    def ours(xs, q, k, state):
+        S = jinsum.shard.einsum("ik,in,kn->ik", P, q, k)
+        return (P @ xs, jax.grad(lambda x: jnp.sum(jnp.sin(P @ x)))(xs), S @ xs, nnx.merge(graphdef, state)(xs, P))
+
+    @jax.jit
+    def theirs(x, state):
+        return B.todense(), jax.grad(lambda x: jnp.sum(jnp.sin(B @ x)))(x), nnx.merge(graphdef, state)(x, B)
+
+    out, grad, sddmm, layer = ours(*map(P.shard_rows, (x, q, k)), state)
+    dense, reference, layer_reference = (np.asarray(a) for a in theirs(x, state))
+    np.testing.assert_allclose(P.unshard_rows(out), dense @ x, atol=1e-12)
+    np.testing.assert_allclose(P.unshard_rows(grad), reference, atol=1e-12)
+    np.testing.assert_allclose(P.unshard_rows(sddmm), (dense * (q @ k.T)) @ x, atol=1e-12)
+    np.testing.assert_allclose(P.unshard_rows(layer), layer_reference, atol=1e-12)
 
 
 @pytest.mark.parametrize("reduction", ["max", "min"])
@@ -276,10 +302,14 @@ def test_extreme_aggregation_and_gradient(rng, reduction):
     A = graph(rng)
     P = jinsum.shard.partition(A, mesh())
     x = rng.standard_normal((A.shape[0], 4))
-    ours = jnn.aggregate_by(P, P.shard_rows(x), reduction)
-    np.testing.assert_array_equal(P.unshard_rows(ours), jnn.aggregate_by(A, x, reduction))
-    grad = jax.jit(jax.grad(lambda x: jnp.sum(jnn.aggregate_by(P, x, reduction) ** 2)))(P.shard_rows(x))
-    reference = jax.grad(lambda x: jnp.sum(jnn.aggregate_by(A, x, reduction) ** 2))(x)
+
+    def output_and_gradient(graph):  # (one compiled program for both)
+        return jax.jit(lambda x: (jnn.aggregate_by(graph, x, reduction),
+                                  jax.grad(lambda x: jnp.sum(jnn.aggregate_by(graph, x, reduction) ** 2))(x)))
+
+    ours, grad = output_and_gradient(P)(P.shard_rows(x))
+    expected, reference = output_and_gradient(A)(x)
+    np.testing.assert_array_equal(P.unshard_rows(ours), expected)
     np.testing.assert_allclose(P.unshard_rows(grad), reference, atol=1e-12)
 
 
@@ -292,10 +322,15 @@ def test_attention_merges_the_parts(rng):
     def ours(q, k, v):
         return jinsum.shard.attention(P.shard_rows(q), P.shard_rows(k), P.shard_rows(v), P, self_loops=True)
 
-    np.testing.assert_allclose(P.unshard_rows(ours(q, k, v)), jinsum.attention(q, k, v, A, self_loops=True),
-                               atol=ATTENTION_ATOL)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(P.unshard_rows(ours(*a)) ** 2), argnums=(0, 1, 2)))(q, k, v)
-    reference = jax.grad(lambda *a: jnp.sum(jinsum.attention(*a, A, self_loops=True) ** 2), argnums=(0, 1, 2))(q, k, v)
+    def theirs(q, k, v):
+        return jinsum.attention(q, k, v, A, self_loops=True)
+
+    def output_and_gradients(f):  # (one compiled program for both, not one each)
+        return jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(*a)))
+
+    out, grads = output_and_gradients(lambda *a: P.unshard_rows(ours(*a)))(q, k, v)
+    expected, reference = output_and_gradients(theirs)(q, k, v)
+    np.testing.assert_allclose(out, expected, atol=ATTENTION_ATOL)
     for g, r in zip(grads, reference):
         np.testing.assert_allclose(g, r, atol=ATTENTION_ATOL)
 
@@ -450,10 +485,19 @@ def test_rgcn_on_a_partitioned_relational_adjacency(rng):
         conv = jnn.RGCNConv(4, 5, num_relations=relations, aggr=aggr, num_bases=2, rngs=nnx.Rngs(0),
                             param_dtype=jnp.float64)
         x = rng.standard_normal((n, 4))
-        np.testing.assert_allclose(P.unshard_rows(conv(P.shard_rows(x), P)), conv(x, g), atol=1e-12)
-        grad = jax.jit(jax.grad(lambda x: jnp.sum(jnp.tanh(conv(x, P)))))(P.shard_rows(x))
-        np.testing.assert_allclose(P.unshard_rows(grad), jax.grad(lambda x: jnp.sum(jnp.tanh(conv(x, g))))(x),
-                                   atol=1e-12)
+        graphdef, state = nnx.split(conv)
+
+        def output_and_gradient(graph):  # (one compiled program for both)
+            def apply(x, state):
+                return nnx.merge(graphdef, state)(x, graph)
+            def loss(x, state):
+                return jnp.sum(jnp.tanh(apply(x, state)))
+            return jax.jit(lambda x, state: (apply(x, state), jax.grad(loss)(x, state)))
+
+        out, grad = output_and_gradient(P)(P.shard_rows(x), state)
+        expected, reference = output_and_gradient(g)(x, state)
+        np.testing.assert_allclose(P.unshard_rows(out), expected, atol=1e-12)
+        np.testing.assert_allclose(P.unshard_rows(grad), reference, atol=1e-12)
 
 
 def test_gcn_training_matches_one_device(rng):
