@@ -151,17 +151,20 @@ def test_negative_ids_are_padding(rng):
     has the last offset equal to the input's length, and there the two agree)."""
     bags = _bag_lists(rng)
     table = rng.standard_normal((V, F))
-    for reading in READINGS:
-        indices, offsets, last, _ = _encode(_with_padding(rng, bags, -1), reading, -1, trailing=2)
-        for mode in MODES:
-            np.testing.assert_allclose(np.asarray(_reduce(table, indices, offsets, mode, last)),
-                                       _reference(table, bags, None, mode, np.zeros((len(bags), F)))[0], atol=1e-12)
+    encoded = [_encode(_with_padding(rng, bags, -1), reading, -1, trailing=2) for reading in READINGS]
+    outputs = _reduce(table, [(indices, offsets) for indices, offsets, _, _ in encoded],
+                      tuple(last for _, _, last, _ in encoded))
+    for reading, by_mode in zip(READINGS, outputs):
+        for mode, out in zip(MODES, by_mode):
+            expected = _reference(table, bags, None, mode, np.zeros((len(bags), F)))[0]
+            np.testing.assert_allclose(np.asarray(out), expected, atol=1e-12, err_msg=f"{reading}, {mode}")
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _reduce(table, indices, offsets, mode, include_last_offset):
-    return jnn.embedding_bag(table, jg.bags(indices, offsets, num_embeddings=V,
-                                             include_last_offset=include_last_offset), mode)
+@functools.partial(jax.jit, static_argnums=2)
+def _reduce(table, readings, include_last_offsets):
+    """Every mode over each reading's `(indices, offsets)`, in one compiled program (not one per case)."""
+    return [[jnn.embedding_bag(table, jg.bags(indices, offsets, num_embeddings=V, include_last_offset=last), mode)
+             for mode in MODES] for (indices, offsets), last in zip(readings, include_last_offsets)]
 
 
 @functools.partial(jax.jit, static_argnums=4)
@@ -194,19 +197,32 @@ def test_property_fixed_capacity_batches(data):
 def test_unique_rows_and_their_gradient_are_the_dense_gradients_rows(rng):
     indices = np.array([[4, 9, 4, -1], [11, 0, 9, 2], [-1, -1, -1, -1]])
     table = rng.standard_normal((V, F))
-    b = jg.bags(indices, num_embeddings=V, unique=True)
+
+    @jax.jit  # (built and read in one compiled program, not op by op; the ids concrete in it, as eagerly)
+    def build(table):
+        b = jg.bags(indices, num_embeddings=V, unique=True)
+        return b, b.take(table)
+
+    b, taken = build(table)
     np.testing.assert_array_equal(np.asarray(b.rows), [0, 2, 4, 9, 11, V] + [V] * 6)  # sorted, then padding
-    np.testing.assert_array_equal(np.asarray(b.take(table))[:5], table[[0, 2, 4, 9, 11]])
-    assert not np.asarray(b.take(table))[5:].any()
+    np.testing.assert_array_equal(np.asarray(taken)[:5], table[[0, 2, 4, 9, 11]])
+    assert not np.asarray(taken)[5:].any()
     cotangent = rng.standard_normal((3, F))
-    for mode in MODES:
-        grad_rows = jax.grad(lambda rows: jnp.sum(jnn.embedding_bag(rows, b, mode) * cotangent))(b.take(table))
-        dense = jax.grad(lambda t: jnp.sum(jnn.embedding_bag(t, jg.bags(indices, num_embeddings=V), mode)
-                                           * cotangent))(jnp.asarray(table))
+
+    @jax.jit  # (every mode's gradients in one compiled program, not op by op)
+    def gradients(table):
+        out = []
+        for mode in MODES:
+            grad_rows = jax.grad(lambda rows: jnp.sum(jnn.embedding_bag(rows, b, mode) * cotangent))(b.take(table))
+            dense = jax.grad(lambda t: jnp.sum(jnn.embedding_bag(t, jg.bags(indices, num_embeddings=V), mode)
+                                               * cotangent))(table)
+            out.append((grad_rows, dense, b.scatter_add(jnp.zeros((V, F)), grad_rows)))
+        return out
+
+    for grad_rows, dense, scattered in gradients(jnp.asarray(table)):
         np.testing.assert_allclose(np.asarray(grad_rows)[:5], np.asarray(dense)[[0, 2, 4, 9, 11]], atol=1e-12)
         assert not np.asarray(grad_rows)[5:].any()
-        np.testing.assert_allclose(np.asarray(b.scatter_add(jnp.zeros((V, F)), grad_rows)), np.asarray(dense),
-                                   atol=1e-12)
+        np.testing.assert_allclose(np.asarray(scattered), np.asarray(dense), atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # (torch's, about its own sparse gradients)
@@ -253,8 +269,12 @@ def test_layer_initialises_like_embed_and_matches_torch(rng):
     assert layer.padding_idx == V - 2
     indices, offsets, _, _ = _encode(_with_padding(rng, _bag_lists(rng), V - 2), "offsets", V - 2)
     cotangent = rng.standard_normal((7, F))
-    out = layer(indices, offsets)
-    grads = nnx.grad(lambda m: jnp.sum(m(indices, offsets) * cotangent))(layer)
+
+    @nnx.jit  # (the output and the gradient in one compiled program, not op by op; the ids concrete in it, as eagerly)
+    def output_and_gradient(layer):
+        return layer(indices, offsets), nnx.grad(lambda m: jnp.sum(m(indices, offsets) * cotangent))(layer)
+
+    out, grads = output_and_gradient(layer)
     ref_out, ref_grad, _ = _torch(np.asarray(layer.embedding[...]), indices, offsets, "max", cotangent,
                                   padding_idx=V - 2)
     np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-12)
@@ -265,14 +285,20 @@ def test_layer_sparse_path_and_dtypes(rng):
     layer = jnn.EmbeddingBag(V, F, mode="sum", param_dtype=jnp.bfloat16, dtype=jnp.float32, rngs=nnx.Rngs(1))
     assert layer.embedding[...].dtype == jnp.bfloat16
     indices = rng.integers(0, V, (5, 3))
-    out = layer(indices)
+
+    @nnx.jit  # (every call in one compiled program, not op by op; the ids concrete in it, as eagerly)
+    def run(layer, plain):
+        b = layer.bags(indices, unique=True)
+        rows = b.take(layer.embedding[...])
+        return (layer(indices), plain(indices), layer(b, rows=rows), layer(b),  # (the last: rows read from the table)
+                jax.grad(lambda rows: jnp.sum(layer(b, rows=rows)))(rows))
+
+    out, plain, from_rows, from_table, grad = run(layer, jnn.EmbeddingBag(V, F, param_dtype=jnp.bfloat16,
+                                                                          rngs=nnx.Rngs(1)))
     assert out.dtype == jnp.float32 and out.shape == (5, F)
-    assert jnn.EmbeddingBag(V, F, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))(indices).dtype == jnp.bfloat16
-    b = layer.bags(indices, unique=True)
-    rows = b.take(layer.embedding[...])
-    np.testing.assert_allclose(np.asarray(layer(b, rows=rows)), np.asarray(out), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(layer(b)), np.asarray(out), rtol=1e-6)  # rows read from the table
-    grad = jax.grad(lambda rows: jnp.sum(layer(b, rows=rows)))(rows)
+    assert plain.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(from_rows), np.asarray(out), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(from_table), np.asarray(out), rtol=1e-6)
     assert grad.shape == (indices.size, F)
 
 
@@ -376,7 +402,10 @@ def test_errors(rng):
         jg.bags(flat, np.array([0]), np.ones(2), num_embeddings=V)
     with pytest.raises(ValueError, match=r"padding_idx must be in \[-num_embeddings, num_embeddings\)"):
         jg.bags(flat, np.array([0]), num_embeddings=V, padding_idx=V)
-    weighted = jg.bags(flat, np.array([0]), np.ones(3), num_embeddings=V)
+    # (the bags below built in one compiled program, not op by op; the ids concrete in it, as eagerly)
+    weighted, plain, compact = jax.jit(lambda: (jg.bags(flat, np.array([0]), np.ones(3), num_embeddings=V),
+                                                jg.bags(flat, np.array([0]), num_embeddings=V),
+                                                jg.bags(flat, np.array([0]), num_embeddings=V, unique=True)))()
     for mode in ("mean", "max"):
         with pytest.raises(NotImplementedError, match=f"only supported for mode='sum' \\(got mode='{mode}'\\)"):
             jnn.embedding_bag(table, weighted, mode)
@@ -384,11 +413,9 @@ def test_errors(rng):
             jnn.EmbeddingBag(V, F, mode=mode, rngs=nnx.Rngs(0))(flat, np.array([0]), np.ones(3))
     with pytest.raises(ValueError, match="mode must be one of"):
         jnn.embedding_bag(table, weighted, "min")
-    plain = jg.bags(flat, np.array([0]), num_embeddings=V)
     with pytest.raises(ValueError, match=r"expected a table \(rows, F\) of num_embeddings = 13 rows, got shape "
                                          r"\(12, 4\)"):
         jnn.embedding_bag(table[:12], plain, "sum")
-    compact = jg.bags(flat, np.array([0]), num_embeddings=V, unique=True)
     with pytest.raises(ValueError, match=r"U = 3 rows that bags built with unique=True read \(pass bags.take"):
         jnn.embedding_bag(table, compact, "sum")
     with pytest.raises(ValueError, match="build them with jinsum.graphs.bags\\(..., unique=True\\)"):
