@@ -51,8 +51,11 @@ def _randomize(model, rng, scale=0.5):
     return model
 
 
+@nnx.jit
 def _apply(model, x, graph):
-    return nnx.jit(lambda model, x, graph: model(x, graph))(model, x, graph)
+    """`model(x, graph)` jitted; one function for the module, so calls with the same model structure and shapes
+    (a loop, a second call) reuse its compiled program."""
+    return model(x, graph)
 
 
 def _features(rng, *shape, dtype=np.float32):
@@ -143,7 +146,7 @@ def test_sage_bipartite_order(rng, n_src, f_in, f_out, transform_first):
     mean = dense @ np.asarray(x_src) / np.maximum(dense.sum(1, keepdims=True), 1)
     expected = (mean @ np.asarray(conv.lin_neighbors.kernel[...])
                 + np.asarray(x_dst) @ np.asarray(conv.lin_root.kernel[...]) + np.asarray(conv.bias[...]))
-    _close(conv((x_src, x_dst), A), expected)
+    _close(_apply(conv, (x_src, x_dst), A), expected)
 
 
 def test_sage_without_root_or_bias(rng):
@@ -268,7 +271,9 @@ def test_block_pattern_causal():
     assert blocks[(i - j >= 0) & (i - j <= 2)].all() and blocks[:, 0].all()
 
 
+@jax.jit
 def _attention_reference(q, k, v, mask):
+    """JAX's dense attention under the element mask, jitted (eagerly, its ops would compile one by one)."""
     return jax.nn.dot_product_attention(q[None], k[None], v[None], mask=jnp.asarray(mask)[None, None])[0]
 
 
@@ -301,10 +306,16 @@ def test_block_sparse_attention_module(rng):
     pattern = jinsum.block_pattern(L, 8, local_blocks=1, causal=True)
     attn = _randomize(jnn.BlockSparseAttention(E, 3, head_dim=4, out_features=7, rngs=nnx.Rngs(0)), rng)
     x = _features(rng, L, E)
-    qkv = (x @ attn.qkv.kernel[...] + attn.qkv.bias[...]).reshape(L, 9, 4)
-    q, k, v = qkv[:, :3], qkv[:, 3:6], qkv[:, 6:]
-    heads = _attention_reference(q, k, v, np.asarray(pattern.todense()) != 0)
-    expected = heads.reshape(L, 12) @ attn.out.kernel[...] + attn.out.bias[...]
+
+    @jax.jit
+    def reference(x, qkv_kernel, qkv_bias, out_kernel, out_bias, mask):
+        """The projections by hand around JAX's dense attention (one compiled program, not an eager op each)."""
+        qkv = (x @ qkv_kernel + qkv_bias).reshape(L, 9, 4)
+        heads = _attention_reference(qkv[:, :3], qkv[:, 3:6], qkv[:, 6:], mask)
+        return heads.reshape(L, 12) @ out_kernel + out_bias
+
+    expected = reference(x, attn.qkv.kernel[...], attn.qkv.bias[...], attn.out.kernel[...], attn.out.bias[...],
+                         np.asarray(pattern.todense()) != 0)
     _close(_apply(attn, x, pattern), expected, rtol=1e-4)
 
 
@@ -471,12 +482,22 @@ def test_mixed_precision_layers_match_float32(layer, rng):
             "GATConv": lambda **kw: jnn.GATConv(6, 5, heads=2, **kw)}[layer]
     full = _randomize(make(rngs=nnx.Rngs(0)), np.random.default_rng(1))
     half = _randomize(make(dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), np.random.default_rng(1))
-    out = _apply(half, x, A)
+
+    @nnx.jit
+    def output_and_grads(model):
+        """The layer's output and the parameter gradients of a loss on it, in one compiled program."""
+        def loss(model):
+            out = model(x, A)
+            return jnp.sum(jnp.tanh(out.astype(jnp.float32))), out
+
+        grads, out = nnx.grad(loss, has_aux=True)(model)
+        return out, grads
+
+    out, grads_half = output_and_grads(half)
+    out_full, grads_full = output_and_grads(full)
     assert out.dtype == jnp.bfloat16
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(half, nnx.Param)))
-    assert_allclose(out, _apply(full, x, A), jnp.bfloat16)
-    loss = lambda model: jnp.sum(jnp.tanh(model(x, A).astype(jnp.float32)))  # noqa: E731
-    grads_half, grads_full = nnx.jit(nnx.grad(loss))(half), nnx.jit(nnx.grad(loss))(full)
+    assert_allclose(out, out_full, jnp.bfloat16)
     for g_half, g_full in zip(jax.tree.leaves(grads_half), jax.tree.leaves(grads_full)):
         assert g_half.dtype == jnp.float32
         assert_allclose(g_half, g_full, jnp.bfloat16)
