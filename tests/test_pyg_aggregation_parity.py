@@ -35,15 +35,25 @@ def _copy_linear(ours: nnx.Linear, theirs) -> None:
         ours.bias[...] = jnp.asarray(theirs.bias.detach().numpy())
 
 
+def _output_and_grads(f, probe, *inputs):
+    """`f(*inputs)`, which returns `(output, extras)`, and the gradients of `sum(output * probe)` with respect to
+    every input (the pullback of `probe`), in one jitted program: `(output, extras, grads)`."""
+    @jax.jit
+    def run(probe, *inputs):
+        out, pullback, extras = jax.vjp(f, *inputs, has_aux=True)
+        return out, extras, pullback(probe)
+
+    return run(jnp.asarray(probe), *map(jnp.asarray, inputs))
+
+
 def _compare(ours, theirs, x, rng, graph, *their_graph):
-    """`ours(x, graph)` against `theirs(x, *their_graph)` (numpy arrays, passed as torch tensors): outputs (jitted)
-    and the gradient of a random linear functional of the output with respect to `x`."""
+    """`ours(x, graph)` against `theirs(x, *their_graph)` (numpy arrays, passed as torch tensors): outputs and the
+    gradient of a random linear functional of the output with respect to `x` (one jitted program)."""
     x_torch = torch.tensor(x, requires_grad=True)
     expected = theirs(x_torch, *map(torch.from_numpy, their_graph))
     probe = rng.standard_normal(expected.shape)
     (expected * torch.from_numpy(probe)).sum().backward()
-    out = jax.jit(lambda x, graph: ours(x, graph))(jnp.asarray(x), graph)
-    grad = jax.jit(jax.grad(lambda x: (ours(x, graph) * probe).sum()))(jnp.asarray(x))
+    out, _, (grad,) = _output_and_grads(lambda x: (ours(x, graph), None), probe, x)
     np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
 
@@ -108,8 +118,7 @@ def test_global_pools(pool, rng):
         expected = getattr(pyg_pool, pool)(x_torch, torch.from_numpy(np.asarray(batch, np.int64)), len(sizes))
         (expected * torch.from_numpy(probe)).sum().backward()
         ours = getattr(jnn, pool)
-        out = jax.jit(ours, static_argnums=2)(jnp.asarray(x), batch, len(sizes))
-        grad = jax.jit(jax.grad(lambda x: (ours(x, batch, len(sizes)) * probe).sum()))(jnp.asarray(x))
+        out, _, (grad,) = _output_and_grads(lambda x: (ours(x, batch, len(sizes)), None), probe, x)
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grad, x_torch.grad.numpy(), rtol=1e-12, atol=1e-12)
 
@@ -267,9 +276,7 @@ def test_bipartite(layer, rng):
         expected = theirs((ts, td), torch.from_numpy(edge_index))
         probe = rng.standard_normal(expected.shape)
         (expected * torch.from_numpy(probe)).sum().backward()
-        out = ours((jnp.asarray(x_src), jnp.asarray(x_dst)), A)
-        grads = jax.jit(jax.grad(lambda s, d: (ours((s, d), A) * probe).sum(), argnums=(0, 1)))(
-            jnp.asarray(x_src), jnp.asarray(x_dst))
+        out, _, grads = _output_and_grads(lambda s, d: (ours((s, d), A), None), probe, x_src, x_dst)
         # (On a GPU the fused attention chain's float64 kernels agree to ~3e-7, as test_nn's GAT test shows.)
         fused = name == "GATConv" and ON_GPU
         tolerance = dict(rtol=1e-6, atol=1e-8) if fused else dict(rtol=1e-12, atol=1e-12)
@@ -304,9 +311,7 @@ def test_gine(edge_dim, rng):
         expected = theirs(tx, torch.from_numpy(edge_index), ta)
         probe = rng.standard_normal(expected.shape)
         (expected * torch.from_numpy(probe)).sum().backward()
-        out = jax.jit(lambda x, e, a: ours(x, e, a))(jnp.asarray(x), edges, jnp.asarray(attr))
-        grads = jax.jit(jax.grad(lambda x, a: (ours(x, edges, a) * probe).sum(), argnums=(0, 1)))(
-            jnp.asarray(x), jnp.asarray(attr))
+        out, _, grads = _output_and_grads(lambda x, a: (ours(x, edges, a), None), probe, x, attr)
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grads[0], tx.grad.numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grads[1], ta.grad.numpy(), rtol=1e-12, atol=1e-12)
@@ -331,8 +336,7 @@ def test_gatv2(heads, concat, self_loops, edge_dim, share, rng):
         expected = theirs(tx, torch.from_numpy(edge_index), None if attr is None else torch.from_numpy(attr))
         probe = rng.standard_normal(expected.shape)
         (expected * torch.from_numpy(probe)).sum().backward()
-        out = ours(jnp.asarray(x), edges, attr)
-        grad = jax.jit(jax.grad(lambda x: (ours(x, edges, attr) * probe).sum()))(jnp.asarray(x))
+        out, _, (grad,) = _output_and_grads(lambda x: (ours(x, edges, attr), None), probe, x)
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
 
@@ -362,9 +366,11 @@ def test_gat_edge_by_edge(heads, concat, self_loops, edge_dim, rng):
                                           return_attention_weights=True)
         probe = rng.standard_normal(expected.shape)
         (expected * torch.from_numpy(probe)).sum().backward()
-        out, (weights, own) = ours(jnp.asarray(x), edges, attr, return_attention_weights=True)
-        grad = jax.jit(jax.grad(lambda x: (ours(x, edges, attr) * probe).sum()))(jnp.asarray(x))
+        # (The gradient is the plain call's; the weights, and the output beside them, come from a second call.)
+        out, (weighted_out, (weights, own)), (grad,) = _output_and_grads(
+            lambda x: (ours(x, edges, attr), ours(x, edges, attr, return_attention_weights=True)), probe, x)
         np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(weighted_out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(grad, tx.grad.numpy(), rtol=1e-12, atol=1e-12)
         # PyG's weights: the edges without self loops, in order, then one self loop per node (when added).
         pairs, alpha = pairs.numpy(), alpha.detach().numpy()
