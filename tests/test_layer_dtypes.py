@@ -196,12 +196,17 @@ def test_wrapping_layers_apply_dtype_to_their_own_arithmetic():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((N, F)), jnp.float32)
     same = lambda h: h  # noqa: E731
     half = jnp.bfloat16
-    outputs = {
-        "GINConv": jnn.GINConv(same, dtype=half)(x, A),
-        "GINEConv": jnn.GINEConv(same, dtype=half)(x, edges, jnp.ones((E, F), jnp.float32)),
-        "EdgeConv": jnn.EdgeConv(F, 2 * F, nn=same, dtype=half, rngs=nnx.Rngs(0))(x, A),
-        "DynamicEdgeConv": jnn.DynamicEdgeConv(same, 3, dtype=half)(x),
-        "AttentionalAggregation": jnn.AttentionalAggregation(lambda h: h[:, :1], dtype=half)(
-            x, jnp.zeros(N, jnp.int32), 1),
-    }
-    assert {name: out.dtype for name, out in outputs.items()} == dict.fromkeys(outputs, jnp.dtype(half))
+    layers = {"GINConv": jnn.GINConv(same, dtype=half), "GINEConv": jnn.GINEConv(same, dtype=half),
+              "EdgeConv": jnn.EdgeConv(F, 2 * F, nn=same, dtype=half, rngs=nnx.Rngs(0)),
+              "DynamicEdgeConv": jnn.DynamicEdgeConv(same, 3, dtype=half),
+              "AttentionalAggregation": jnn.AttentionalAggregation(lambda h: h[:, :1], dtype=half)}
+
+    @nnx.jit
+    def outputs(layers, x, A, edges):  # (one compiled program for the five layers, not an eager op each)
+        return {"GINConv": layers["GINConv"](x, A),
+                "GINEConv": layers["GINEConv"](x, edges, jnp.ones((E, F), jnp.float32)),
+                "EdgeConv": layers["EdgeConv"](x, A), "DynamicEdgeConv": layers["DynamicEdgeConv"](x),
+                "AttentionalAggregation": layers["AttentionalAggregation"](x, jnp.zeros(N, jnp.int32), 1)}
+
+    out = outputs(layers, x, A, edges)
+    assert {name: o.dtype for name, o in out.items()} == dict.fromkeys(layers, jnp.dtype(half))
