@@ -217,9 +217,10 @@ def test_vmap_matches_a_loop(rng):
     hs = jnp.asarray(np.stack([h, 2 * h, -h]), jnp.float32)
     biases = jnp.asarray(np.stack([bias, bias + 1, bias * 0]), jnp.float32)
     scale = jnp.asarray(scale, jnp.float32)
+    layer = jax.jit(lambda h, b: _layer(A, h, b, scale))  # (the loop's three calls: one compiled program)
     for in_axes, args in (((0, 0), (hs, biases)), ((0, None), (hs, biases[0])), ((None, 0), (hs[0], biases))):
-        batched = jax.vmap(lambda h, b: _layer(A, h, b, scale), in_axes=in_axes)(*args)
-        loop = [_layer(A, *(a[k] if ax == 0 else a for a, ax in zip(args, in_axes)), scale) for k in range(3)]
+        batched = jax.jit(jax.vmap(layer, in_axes=in_axes))(*args)
+        loop = [layer(*(a[k] if ax == 0 else a for a, ax in zip(args, in_axes))) for k in range(3)]
         np.testing.assert_allclose(batched, np.stack(loop), rtol=1e-5, atol=1e-6)
 
 
