@@ -46,10 +46,12 @@ def _dense_weight(layer, pattern):
 def test_equals_the_dense_layer_with_the_patterns_zeros(case, x64, rng):
     layer, pattern = _layer(*case)
     W = _dense_weight(layer, pattern)
-    np.testing.assert_allclose(np.asarray(layer.weight.todense()).T, W, rtol=1e-12, atol=0)
     x = rng.standard_normal((2, 3, case[0]))  # leading axes: any batch shape
+    # (one compiled program, not op by op; the layer's arrays concrete in it, as eagerly)
+    weight, out = jax.jit(lambda x: (layer.weight.todense(), layer(x)))(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(weight).T, W, rtol=1e-12, atol=0)
     expected = x @ W + np.asarray(layer.bias[...])
-    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -94,9 +96,9 @@ def test_mixed_precision_within_half_precision_tolerance(case, dtype, rng):
     full, _ = _layer(*case, param_dtype=jnp.float32)
     half, _ = _layer(*case, dtype=dtype, param_dtype=jnp.float32)
     x = jnp.asarray(rng.standard_normal((6, case[0])).astype(np.float32))
-    y = half(x)
+    y, expected = jax.jit(lambda x: (half(x), full(x)))(x)  # (compiled, not op by op; the layers' arrays concrete)
     assert y.dtype == dtype and half.kernel[...].dtype == jnp.float32
-    assert_allclose(y, full(x), dtype)
+    assert_allclose(y, expected, dtype)
     grad = nnx.jit(nnx.grad(lambda layer: jnp.sum(layer(x).astype(jnp.float32))))
     g_half, g_full = grad(half), grad(full)
     assert g_half["kernel"][...].dtype == jnp.float32  # the gradient of float32 parameters stays float32
