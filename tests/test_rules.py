@@ -7,7 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jinsum
-from jinsum.testing import check_vmap, specs_in
+from jinsum.testing import assert_allclose, check_vmap, specs_in
 
 from _catalog import CATALOG, group_spmm
 
@@ -33,14 +33,24 @@ def test_check_grads_orders_1_and_2(case, rng):
 
 @pytest.mark.parametrize("case", CATALOG, ids=repr)
 def test_vmap_over_each_value_operand_equals_a_loop(case, rng):
+    """A batch of each value operand, along its first and after its last axis, against a loop over it (as
+    `check_vmap` checks it; every batch and loop in one compiled program)."""
     fn, values = _as_function(case, case.make(rng, np.float64))
-    for k, value in enumerate(values):
-        for axis in (0, value.ndim):
-            batched = np.stack([value * (b + 1) + b for b in range(3)], axis=axis)
-            args = values[:k] + (batched,) + values[k + 1:]
+    batches = [(k, axis) for k, value in enumerate(values) for axis in (0, value.ndim)]
+
+    @jax.jit
+    def vmapped_and_looped(values):
+        results = []
+        for k, axis in batches:
+            batched = jnp.stack([values[k] * (b + 1) + b for b in range(3)], axis=axis)
             in_axes = [None] * len(values)
             in_axes[k] = axis
-            check_vmap(jax.jit(fn), args, in_axes)
+            looped = [fn(*values[:k], jnp.take(batched, b, axis=axis), *values[k + 1:]) for b in range(3)]
+            results.append((jax.vmap(fn, in_axes)(*values[:k], batched, *values[k + 1:]), jnp.stack(looped)))
+        return results
+
+    for (k, axis), (vmapped, looped) in zip(batches, vmapped_and_looped(values)):
+        assert_allclose(vmapped, looped, np.float64, err_msg=f"vmap vs loop: {case.differentiated[k]}, axis {axis}")
 
 
 @pytest.mark.parametrize("case", [c for c in CATALOG if c.name in ("group_spmm", "rgcn", "nested", "sddmm")],
