@@ -282,7 +282,7 @@ def test_a_pattern_of_another_size_runs_the_same_kernel(expression, config):
                         C=rng.standard_normal((rows, 24)).astype(np.float32))
         spec = _spec(expression, operands)
         plan = make_plan(spec, config)
-        if rows > 5:  # (rows: row programs, so no window of groups to cut short)
+        if rows > 5:  # several programs, the last window of groups short (an SpMM's `rows`: a program per row)
             assert plan.grid_shape[0] > 1 and (plan.row_programs or len(A.Ai) % plan.config.window), plan.config
         sources.add(generate(plan))
         sizes.add(tuple(plan.sizes.values()))
