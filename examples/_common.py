@@ -47,8 +47,9 @@ def join_processes(coordinator: str, count: int, index: int) -> None:
 
 
 def timing_options(smoke: bool) -> dict:
-    """Arguments of jinsum.timing.time_calls: its defaults for real runs, as few calls as possible for smoke runs."""
-    return dict(calls=2, rounds=1, warmup=1) if smoke else {}
+    """Arguments of jinsum.timing.time_calls: its defaults for real runs, as few calls as possible for smoke runs
+    (one timed call, no warm-up: what is timed is compiled already, and a smoke run's time is not read)."""
+    return dict(calls=1, rounds=1, warmup=0) if smoke else {}
 
 
 def measure(compiled: jax.stages.Compiled, *args, timing: dict) -> tuple[float, int]:

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--hidden", type=int, default=8, help="features per head of the first layer")
     args = p.parse_args(argv)
-    epochs = 3 if args.smoke else args.epochs
+    epochs = 2 if args.smoke else args.epochs
 
     task, edge_index, num_nodes = _common.citation_task("cora")
     print(f"cora: {num_nodes} nodes, {edge_index.shape[1]} directed edges (+ {num_nodes} self loops), "

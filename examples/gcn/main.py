@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=200)
     p.add_argument("--hidden", type=int, default=16)
     args = p.parse_args(argv)
-    epochs = 3 if args.smoke else args.epochs
+    epochs = 2 if args.smoke else args.epochs
 
     task, edge_index, num_nodes = _common.citation_task(args.dataset)
     print(f"{args.dataset}: {num_nodes} nodes, {edge_index.shape[1]} directed edges, {task.x.shape[1]} features, "

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--classes", type=int, default=8)
     args = p.parse_args(argv)
-    epochs, scale = (3, 8) if args.smoke else (args.epochs, args.scale)
+    epochs, scale = (2, 8) if args.smoke else (args.epochs, args.scale)
 
     pubmed = load_planetoid("pubmed")
     graphs = {"pubmed": (pubmed.edge_index, pubmed.num_nodes), f"rmat{scale}": (rmat(scale, seed=args.seed), 2**scale)}
