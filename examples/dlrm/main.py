@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's, for the MLPs")
     p.add_argument("--embedding-lr", type=float, default=0.02, help="row-wise Adagrad's, for the tables")
     args = p.parse_args(argv)
-    if args.smoke:
-        args.samples, args.rows, args.batch, args.epochs = 4096, 1000, 256, 2
+    if args.smoke:  # (two tables, not four: the step has a lookup, a gradient and an update per table to compile)
+        args.samples, args.tables, args.rows, args.batch, args.epochs = 4096, 2, 1000, 256, 2
 
     dense, lookups, labels, planted = generate(args.samples, args.tables, args.rows, args.bag, args.seed)
     train, test = _common.random_split(args.samples, (0.8,), args.seed)
