@@ -26,12 +26,15 @@ from conftest import ON_GPU
 # --- patterns and a dense float64 reference ---------------------------------------------------------------------
 
 
-def block_pattern(rng, length=80, keys=71, block=16, density=0.4, partial=True):
+def block_pattern(rng, length=80, keys=71, block=16, density=0.4, partial=True, hub_key=False):
     """A random block pattern with a long (global) first block row, an empty last one and, if `partial`, stored
-    zeros inside the stored blocks (query row 0 only zeros); `length`, `keys` need not be multiples of `block`."""
+    zeros inside the stored blocks (query row 0 only zeros); `length`, `keys` need not be multiples of `block`.
+    With `hub_key`, the first block column is stored in every row but the last (a long key)."""
     rows, cols = -(-length // block), -(-keys // block)
     stored = rng.random((rows, cols)) < density
     stored[0] = True  # a long row: cut into pieces when the chunk is small
+    if hub_key:
+        stored[:, 0] = True
     stored[-1] = False  # a block row with nothing to attend to
     mask = np.kron(stored, np.ones((block, block)))[:length, :keys]
     if partial:
@@ -47,12 +50,16 @@ def block_pattern(rng, length=80, keys=71, block=16, density=0.4, partial=True):
     return jinsum.BlockGroupCOO(full.Ai, full.Ak, full.Av, (length, keys))
 
 
-def graph_pattern(rng, nodes=40, keys=None, heads=None, group_size=4):
+def graph_pattern(rng, nodes=40, keys=None, heads=None, group_size=4, hubs=False):
     """A random graph (GroupCOO): empty rows, a hub row, self loops, stored zeros; one value per head if `heads`.
-    Returns the pattern and where it allows attention, `(nodes, keys[, heads])` booleans."""
+    With `hubs`, the hub row stores every key and key 0 is stored in every row but the empty one (a hub key): on a
+    small graph, both longer than the chunks the kernel tests force. Returns the pattern and where it allows
+    attention, `(nodes, keys[, heads])` booleans."""
     keys = keys or nodes
     dense = rng.random((nodes, keys)) < 0.12
     dense[1] = rng.random(keys) < 0.9  # a hub row
+    if hubs:
+        dense[1] = dense[:, 0] = True
     dense[2] = False  # an empty row
     csr = sp.csr_matrix(dense.astype(float))
     csr.data = (rng.random(csr.nnz) < 0.9).astype(float)  # some stored zeros
@@ -110,6 +117,11 @@ def leaky(s, b, h, i, j):
     return jax.nn.leaky_relu(s, 0.2)
 
 
+def built_mask(mask_mod, *args, **kwargs):
+    """`jinsum.block_mask` built inside `jit`: one compile (eagerly every operation compiles on its own)."""
+    return jax.jit(lambda: jinsum.block_mask(mask_mod, *args, **kwargs))()
+
+
 def _id(value) -> str:
     """Test ids that are the same in every process (function names, not addresses)."""
     if isinstance(value, dict):
@@ -139,16 +151,23 @@ GRAPH_CASES = [
 ]
 
 
-def _case(rng, fmt, case, dtype=np.float32):
+def _case(rng, fmt, case, dtype=np.float32, kernels=False):
+    """`(q, k, v, pattern), kwargs, (out, lse)` of `case`. With `kernels`, the smaller patterns of the interpreter's
+    tests (its time grows with the work items, rows and keys): block patterns of 64 x 55 (blocks of 16) with a long
+    first key block column as well, a graph of 20 nodes (17 keys) with a hub row and a hub key longer than any
+    forced chunk; and no dense reference (None)."""
     batch = case.get("batch")
     if fmt == "block":
-        pattern = block_pattern(rng, block=case.get("block", 16))
+        block = case.get("block", 16)
+        small = kernels and block == 16  # (blocks of 32: 3 x 3 of them already)
+        pattern = block_pattern(rng, *((64, 55) if small else ()), block=block, hub_key=small)
         allowed = np.asarray(pattern.todense()) != 0
         length, keys = pattern.shape
     else:
         heads = 2 if case.get("heads_in_pattern") else None
-        square = case.get("self_loops")
-        pattern, allowed = graph_pattern(rng, 40, None if square else 33, heads=heads)
+        nodes, keys = (20, 17) if kernels else (40, 33)
+        pattern, allowed = graph_pattern(rng, nodes, None if case.get("self_loops") else keys, heads=heads,
+                                         hubs=kernels)
         if case.get("transposed"):  # the keys' entries built on the host: the schedule sorts nothing
             pattern = pattern.with_transpose()
         length, keys = pattern.shape[:2]
@@ -158,8 +177,9 @@ def _case(rng, fmt, case, dtype=np.float32):
         key_mask = rng.random((batch, keys) if batch else (keys,)) < 0.8
     kwargs = dict(score_mod=case.get("score_mod"), causal=case.get("causal", False), key_padding_mask=key_mask,
                   self_loops=case.get("self_loops", False))
-    expected = dense_attention(q, k, v, allowed, score_mod=kwargs["score_mod"], causal=kwargs["causal"],
-                               key_mask=key_mask, self_loops=kwargs["self_loops"])
+    expected = None if kernels else dense_attention(q, k, v, allowed, score_mod=kwargs["score_mod"],
+                                                    causal=kwargs["causal"], key_mask=key_mask,
+                                                    self_loops=kwargs["self_loops"])
     return (q, k, v, pattern), kwargs, expected
 
 
@@ -227,9 +247,10 @@ def test_vmap_over_values_equals_a_loop(fmt, rng):
     batched = jax.vmap(f)(*stacked)
     for b in range(3):
         assert_allclose(batched[b], f(*(x[b] for x in stacked)), np.float32, err_msg=f"batch {b}")
-    grads = jax.vmap(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))(*stacked)
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))
+    grads = jax.jit(jax.vmap(grad))(*stacked)
     for b in range(3):
-        looped = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(*(x[b] for x in stacked))
+        looped = grad(*(x[b] for x in stacked))
         for g, expected in zip(grads, looped):
             assert_allclose(g[b], expected, np.float32)
 
@@ -238,7 +259,8 @@ def test_vmap_over_the_pattern_runs_a_loop(rng):
     pattern = block_pattern(rng, partial=False)
     q, k, v = _qkv(rng, *pattern.shape)
     values = np.stack([np.asarray(pattern.Av) * (rng.random(pattern.Av.shape) < p) for p in (0.5, 0.9)])
-    batched = jax.vmap(lambda av: jinsum.attention(q, k, v, pattern.with_values(av)))(values)
+    # (one compiled program; eagerly every operation compiled alone. The batched pattern is traced either way.)
+    batched = jax.jit(jax.vmap(lambda av: jinsum.attention(q, k, v, pattern.with_values(av))))(values)
     for b in range(2):
         expected = dense_attention(q, k, v, np.asarray(pattern.with_values(values[b]).todense()) != 0)[0]
         assert_allclose(batched[b], expected, np.float32)
@@ -316,11 +338,23 @@ FLOAT32_KERNEL_CASES = [  # (float16 would run the same kernel source again)
                          + [(*c, np.float32) for c in FLOAT32_KERNEL_CASES], ids=_id)
 def test_fused_kernels_match_the_reference(fmt, case, config, dtype, rng):
     pytest.importorskip("torch")
-    (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case, dtype)
+    (q, k, v, pattern), kwargs, _ = _case(rng, fmt, case, dtype, kernels=True)
     kwargs.update(dropout=case.get("dropout", 0.0), seed=11)
     chain, arrays, _ = _attention.build_chain(q, k, v, pattern, **kwargs)
     assert chain.differentiable == ("Q", "K", "V")
+    # The long first block row (the hub row) is cut into pieces wherever a chunk is forced and no causal rule
+    # masks it; the long first key block column (the hub key) where that chunk is 2 blocks (8 graph entries) or less.
+    rows_cut, keys_cut = _pieces(chain, arrays, config)
+    assert rows_cut == (config.chunk > 0 and not kwargs["causal"])
+    assert keys_cut == (0 < config.chunk <= (2 if fmt == "block" else 8) and not kwargs["causal"]
+                        and case.get("block", 16) == 16)
     check_chain_kernels(chain, arrays, config, dtype, rng)
+
+
+def _pieces(chain, arrays, config):
+    """Whether the kernels' work lists cut some row, and some key, into pieces (combined after)."""
+    work = _chain_route.schedule(_chain_route.route_chain(chain, config), arrays)
+    return bool((work["row_combine"][:, 0] >= 0).any()), bool((work["key_combine"][:, 0] >= 0).any())
 
 
 # The unfused reference lowering as one compiled program each (op by op, it compiled every operation alone)
@@ -357,9 +391,10 @@ def check_chain_kernels(chain, arrays, config, dtype, rng, *, nonzero: bool = Fa
 def test_bfloat16_lanes_kernels(rng):
     """(bfloat16 tl.dot is wrong in Triton 3.6's interpreter, so only element patterns run here in bfloat16.)"""
     pytest.importorskip("torch")
-    (q, k, v, pattern), kwargs, _ = _case(rng, "graph", dict(score_mod=leaky, self_loops=True), jnp.bfloat16)
+    (q, k, v, pattern), kwargs, _ = _case(rng, "graph", dict(score_mod=leaky, self_loops=True), jnp.bfloat16,
+                                          kernels=True)
     chain, arrays, _ = _attention.build_chain(q, k, v, pattern, **kwargs)
-    out, _ = _chain_reference.forward(chain, arrays)
+    out, _ = _reference_forward(chain, arrays)
     assert_allclose(_chain_triton.interpret_forward(chain, arrays)[0], np.asarray(out, np.float64), jnp.bfloat16)
 
 
@@ -487,9 +522,10 @@ def test_unfused_fallbacks_say_why(rng):
     q, k, v = _qkv(rng, *pattern.shape, dim=300)
     chain, arrays, _ = _attention.build_chain(q, k, v, pattern)
     assert "300" in _chain_route.route_chain(chain).forward.reason
-    with pytest.warns(jinsum.FallbackWarning, match="runs unfused: heads of 300"):
-        out, _ = _chain_triton.forward(_chain_route.route_chain(chain), tuple(arrays[n] for n in chain.names))
-    assert_allclose(out, np.asarray(_chain_reference.forward(chain, arrays)[0], np.float64), np.float32)
+    with pytest.warns(jinsum.FallbackWarning, match="runs unfused: heads of 300"):  # (warned as it is traced)
+        out, _ = jax.jit(lambda *a: _chain_triton.forward(_chain_route.route_chain(chain), a))(
+            *(arrays[n] for n in chain.names))
+    assert_allclose(out, np.asarray(_reference_forward(chain, arrays)[0], np.float64), np.float32)
     with jax.enable_x64(True):
         chain64, _, _ = _attention.build_chain(*(x.astype(np.float64) for x in _qkv(rng, *pattern.shape)), pattern)
     assert "float64" in _chain_route.route_chain(chain64).forward.reason
@@ -537,7 +573,7 @@ def test_a_fused_forward_keeps_its_work_lists_when_the_backward_runs_unfused(rng
 def test_a_chain_unfused_by_a_setting_runs_unfused_silently(setting):
     """`jinsum.fuse(False)` (or `jinsum.triton(False)`) routes every chain to its unfused statements, a choice that
     does not warn; a chain the kernels cannot take does (`FallbackWarning`)."""
-    mask = jinsum.block_mask(lambda b, h, i, j: i >= j, 64, 64, 16)
+    mask = built_mask(lambda b, h, i, j: i >= j, 64, 64, 16)
     chain, _, _ = _attention.build_chain(*(jnp.zeros((64, 1, 16), jnp.float16),) * 3, mask)
     with getattr(jinsum, setting)(False):
         found = _chain_route.route_chain(chain).plans(_chain_route.FORWARD)
@@ -553,13 +589,14 @@ def test_row_work_items_skip_the_empty_blocks_at_either_end_of_a_row():
     """A row's work covers its blocks from the first that attends to the last (a paged cache's causal rows hold
     every page of the table, the later ones empty); a row with none gets one empty item (its output zeros). The
     same on the host and traced, with long rows in pieces."""
-    block = jinsum.block_mask(lambda b, h, i, j: i >= j, 64, 64, 16)
+    block = built_mask(lambda b, h, i, j: i >= j, 64, 64, 16)
     chain, _, _ = _attention.build_chain(*(jnp.zeros((64, 1, 16), jnp.float16),) * 3, block)
     plan = make_chain_plan(chain, "forward", ChainConfig(chunk=2))
     rows = np.repeat(np.arange(3), 4)
     flags = np.array([0, 2, 1, 0, 0, 0, 0, 0, 1, 0, 0, 1], np.int8)
-    for xp in (np, jnp):
-        items, _ = _chain_route.row_items(plan, {"Ai": xp.asarray(rows), "flags": xp.asarray(flags)}, xp)
+    env = {"Ai": rows, "flags": flags}
+    for items, _ in (_chain_route.row_items(plan, env, np),
+                     jax.jit(lambda env: _chain_route.row_items(plan, env, jnp))(env)):
         work = {tuple(item[:3]) for item in np.asarray(items).tolist() if item[0] >= 0}
         assert work == {(0, 1, 3), (1, 4, 4), (2, 8, 10), (2, 10, 12), (3, 12, 12)}, work  # (row 3: no blocks)
 
@@ -567,12 +604,12 @@ def test_row_work_items_skip_the_empty_blocks_at_either_end_of_a_row():
 def test_blocks_out_of_range_attend_nowhere_in_the_schedule():
     """A stored block whose key block is outside the keys (a page index past the pool) gets flag 0, whatever its
     value says: kernels that skip reading positions in full tiles (the Hopper form over pages) never see it full."""
-    block = jinsum.block_mask(lambda b, h, i, j: i >= 0, 32, 64, 16)
+    block = built_mask(lambda b, h, i, j: i >= 0, 32, 64, 16)
     chain, _, _ = _attention.build_chain(*(jnp.zeros((n, 1, 16), jnp.float16) for n in (32, 64, 64)), block)
     arrays = {"Ai": np.array([0, 0, 0, 1, 1, 1]), "Ak": np.array([[0], [4], [-1], [3], [2], [9]]),
               "Av": np.array([[2], [2], [2], [1], [2], [1]], np.int8)}
-    for xp in (np, jnp):
-        flags = _chain_route.block_flags(chain, {n: xp.asarray(x) for n, x in arrays.items()}, xp)
+    for flags in (_chain_route.block_flags(chain, arrays, np),
+                  jax.jit(lambda arrays: _chain_route.block_flags(chain, arrays, jnp))(arrays)):
         assert np.asarray(flags).tolist() == [2, 0, 0, 1, 2, 0]
 
 
@@ -582,7 +619,7 @@ def test_rows_are_cut_into_pieces_where_too_few_programs_would_run():
     from jinsum.kernels._chain_plan import FILL  # noqa: PLC0415
 
     def chunk(queries, keys, heads):
-        mask = jinsum.block_mask(lambda b, h, i, j: i >= 0, queries, keys, 16)
+        mask = built_mask(lambda b, h, i, j: i >= 0, queries, keys, 16)
         q = jnp.zeros((queries, heads, 16), jnp.float16)
         k = jnp.zeros((keys, heads, 16), jnp.float16)
         chain, _, _ = _attention.build_chain(q, k, k, mask)
@@ -611,10 +648,10 @@ def test_attention_backward_adds_no_dq_atomically(rng):
     plans = [route.plan(kind) for kind in ("forward", "dq", "dkdv")]
     assert not any("atomic" in generate_chain(p) for p in plans)
     if not ON_GPU and importlib.util.find_spec("torch"):
-        out, lse = _chain_reference.forward(chain, arrays)
+        out, lse = _reference_forward(chain, arrays)
         d_out = rng.standard_normal(out.shape).astype(np.float32)
         d_lse = np.zeros(lse.shape, np.float32)
-        expected = _chain_reference.backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
+        expected = _reference_backward(chain, arrays, (jnp.asarray(d_out), jnp.asarray(d_lse)))
         fused = _chain_triton.interpret_backward(chain, {**arrays, "O": out, "LSE": lse, "dO": d_out, "dLSE": d_lse})
         for name, actual, want in zip("QKV", fused, expected):
             assert_allclose(actual, np.asarray(want, np.float64), np.float32, err_msg=f"d{name}")

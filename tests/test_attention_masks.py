@@ -16,7 +16,7 @@ from jinsum.kernels import ChainConfig, make_chain_plan
 from jinsum.testing import CountingJit, assert_allclose
 from jinsum.testing import dense_attention as reference
 
-from test_attention import _id, _qkv, block_pattern, check_chain_kernels, graph_pattern, interpreted
+from test_attention import _id, _pieces, _qkv, block_pattern, check_chain_kernels, graph_pattern, interpreted
 
 # --- patterns, masks and a dense float64 reference -----------------------------------------------------------------
 
@@ -459,8 +459,8 @@ def _kernel_case(rng, fmt, case, dtype):
     length, keys = case["size"]
     if fmt == "block":
         pattern, _ = make_pattern(rng, fmt, length, keys)
-    else:  # sparser than `graph`: the interpreter's time grows with the entries
-        pattern, _ = graph_pattern(rng, length, keys)
+    else:  # sparser than `graph` (the interpreter's time grows with the entries), with a hub row and a hub key
+        pattern, _ = graph_pattern(rng, length, keys, hubs=True)
     q, k, v = _qkv(rng, length, keys, heads=heads, batch=batch, dim=dim, dtype=dtype)
     if case.get("prefix_lm"):
         prefix = jnp.asarray(rng.integers(1, keys // 2, batch or 1), jnp.int32)
@@ -497,13 +497,13 @@ def _kernel_case(rng, fmt, case, dtype):
 KERNEL_CASES = [  # (with float32 and float16)
     ("block", dict(size=(56, 56), causal=True), ChainConfig(chunk=2)),  # a padded last block: clamped reads
     # rank-2 scores: the dkdv kernel adds dQ (and the captured table's gradient) atomically; per-batch documents
-    ("graph", dict(size=(32, 32), dim=2, batch=2, key_mask=True), ChainConfig(entries=4, chunk=4)),
+    ("graph", dict(size=(20, 20), dim=2, batch=2, key_mask=True), ChainConfig(entries=4, chunk=4)),
 ]
 FLOAT32_KERNEL_CASES = [
-    ("graph", dict(size=(32, 32), causal=True, score=("soft", "table")), ChainConfig(entries=4, chunk=8)),
+    ("graph", dict(size=(20, 20), causal=True, score=("soft", "table")), ChainConfig(entries=4, chunk=8)),
     ("block", dict(size=(48, 48), prefix_lm=True, score=("alibi", "soft"), batch=2, key_mask=True),
      ChainConfig(chunk=3)),
-    ("graph", dict(size=(32, 32), dim=2, prefix_lm=True, score=("alibi",), heads=3), ChainConfig()),
+    ("graph", dict(size=(20, 20), dim=2, prefix_lm=True, score=("alibi",), heads=3), ChainConfig()),
 ]
 
 
@@ -518,6 +518,8 @@ def test_fused_kernels_with_masks_and_captures_match_the_reference(fmt, case, co
     assert chain.mask_captures and chain.score_captures and len(chain.differentiable) == 3 + len(chain.score_captures)
     if case.get("dim") == 2:
         assert make_chain_plan(chain, "dkdv", config).dq_in_dkdv
+    # A forced chunk cuts the graph's hub row and hub key into pieces (the block cases' rows and keys are short)
+    assert _pieces(chain, arrays, config) == (fmt == "graph" and config.chunk > 0,) * 2
     _, finite = check_chain_kernels(chain, arrays, config, dtype, rng, nonzero=True)
     assert finite.any() and not finite.all()
 
