@@ -42,12 +42,14 @@ def _one_device_over_shards(graph, x, y, seeds, key, shards: int):
     optimizer = nnx.Optimizer(model, SGD, wrt=nnx.Param)
 
     def loss_fn(model):
-        total = 0.0
-        for d, part in enumerate(jnp.split(seeds, shards)):
+        def shard(total, d):  # (a loop over the shards, not unrolled: one shard's program to compile)
+            part = jax.lax.dynamic_slice_in_dim(seeds, d * (seeds.shape[0] // shards), seeds.shape[0] // shards)
             sample = sample_neighbors(graph, part, FANOUTS, jax.random.fold_in(key, d), **SAMPLING)
             losses = optax.softmax_cross_entropy_with_integer_labels(model(x, sample)[: part.shape[0]],
                                                                      y[jnp.maximum(part, 0)])
-            total += jnp.sum(jnp.where(part >= 0, losses, 0))
+            return total + jnp.sum(jnp.where(part >= 0, losses, 0)), None
+
+        total, _ = jax.lax.scan(shard, jnp.zeros((), x.dtype), jnp.arange(shards))
         return total / jnp.sum(seeds >= 0)
 
     loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model)  # (jitted: eager, the sampler dispatches op by op)
