@@ -154,7 +154,7 @@ GRAPH_CASES = [
 def _case(rng, fmt, case, dtype=np.float32, kernels=False):
     """`(q, k, v, pattern), kwargs, (out, lse)` of `case`. With `kernels`, the smaller patterns of the interpreter's
     tests (its time grows with the work items, rows and keys): block patterns of 64 x 55 (blocks of 16) with a long
-    first key block column as well, a graph of 20 nodes (17 keys) with a hub row and a hub key longer than any
+    first key block column as well, a graph of 14 nodes (17 keys) with a hub row and a hub key longer than any
     forced chunk; and no dense reference (None)."""
     batch = case.get("batch")
     if fmt == "block":
@@ -165,7 +165,7 @@ def _case(rng, fmt, case, dtype=np.float32, kernels=False):
         length, keys = pattern.shape
     else:
         heads = 2 if case.get("heads_in_pattern") else None
-        nodes, keys = (20, 17) if kernels else (40, 33)
+        nodes, keys = (14, 17) if kernels else (40, 33)
         pattern, allowed = graph_pattern(rng, nodes, None if case.get("self_loops") else keys, heads=heads,
                                          hubs=kernels)
         if case.get("transposed"):  # the keys' entries built on the host: the schedule sorts nothing
