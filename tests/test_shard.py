@@ -160,7 +160,8 @@ def test_chunked_exchange_equals_one_device(rng, devices, chunks, n, edges):
     def ours(xs, q, k, qkv):  # matrix compiles in every one of them)
         # An SDDMM keeps one matrix per piece; attention merges every piece's keys.
         S = jinsum.shard.einsum("ik,in,kn->ik", P, P.shard_rows(q), P.shard_rows(k))
-        return (P @ xs, jax.grad(lambda x: jnp.sum(jnp.sin(P @ x)))(xs), S, S @ xs,
+        out, vjp = jax.vjp(lambda x: P @ x, xs)  # (the product and its gradient: one product traced)
+        return (out, vjp(jnp.cos(out))[0], S, S @ xs,
                 jinsum.shard.attention(*map(P.shard_rows, qkv), P, self_loops=True))
 
     @jax.jit
@@ -325,8 +326,16 @@ def test_attention_merges_the_parts(rng):
     def theirs(q, k, v):
         return jinsum.attention(q, k, v, A, self_loops=True)
 
-    def output_and_gradients(f):  # (one compiled program for both, not one each)
-        return jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(*a)))
+    def output_and_gradients(f):  # (one compiled program for both, not one each; the output the gradient's)
+        def loss(*a):
+            out = f(*a)
+            return jnp.sum(out ** 2), out
+
+        def both(*a):
+            (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(*a)
+            return out, grads
+
+        return jax.jit(both)
 
     out, grads = output_and_gradients(lambda *a: P.unshard_rows(ours(*a)))(q, k, v)
     expected, reference = output_and_gradients(theirs)(q, k, v)
@@ -384,11 +393,13 @@ def _applied(graphdef, state, x, graph, *attr):
 @nnx.jit
 def _output_and_gradient(layer, x, graph, mask, *attr):
     """The layer's output and the gradient (in the layer and `x`) of a loss over the rows in `mask`: one compiled
-    program, not one for the output and another for the gradient."""
+    program, not one for the output and another for the gradient; the output the gradient's, traced once)."""
     def loss(layer, x):
-        return jnp.sum(jnp.where(mask[:, None], jnp.tanh(layer(x, graph, *attr)), 0))
+        out = layer(x, graph, *attr)
+        return jnp.sum(jnp.where(mask[:, None], jnp.tanh(out), 0)), out
 
-    return layer(x, graph, *attr), nnx.grad(loss, argnums=(0, 1))(layer, x)
+    (_, out), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layer, x)
+    return out, grads
 
 
 @pytest.mark.parametrize("name", LAYERS)
