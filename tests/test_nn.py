@@ -483,15 +483,13 @@ def test_mixed_precision_layers_match_float32(layer, rng):
     full = _randomize(make(rngs=nnx.Rngs(0)), np.random.default_rng(1))
     half = _randomize(make(dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), np.random.default_rng(1))
 
+    def loss(model):
+        return jnp.sum(jnp.tanh(model(x, A).astype(jnp.float32)))
+
     @nnx.jit
     def output_and_grads(model):
-        """The layer's output and the parameter gradients of a loss on it, in one compiled program."""
-        def loss(model):
-            out = model(x, A)
-            return jnp.sum(jnp.tanh(out.astype(jnp.float32))), out
-
-        grads, out = nnx.grad(loss, has_aux=True)(model)
-        return out, grads
+        """The layer's output (a plain call) and the parameter gradients of a loss on it, in one compiled program."""
+        return model(x, A), nnx.grad(loss)(model)
 
     out, grads_half = output_and_grads(half)
     out_full, grads_full = output_and_grads(full)

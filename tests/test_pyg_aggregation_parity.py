@@ -37,10 +37,12 @@ def _copy_linear(ours: nnx.Linear, theirs) -> None:
 
 def _output_and_grads(f, probe, *inputs):
     """`f(*inputs)`, which returns `(output, extras)`, and the gradients of `sum(output * probe)` with respect to
-    every input (the pullback of `probe`), in one jitted program: `(output, extras, grads)`."""
+    every input (the pullback of `probe`), in one jitted program: `(output, extras, grads)`. The output is the
+    plain call's (a forward without differentiation may take another path than the one `jax.vjp` runs)."""
     @jax.jit
     def run(probe, *inputs):
-        out, pullback, extras = jax.vjp(f, *inputs, has_aux=True)
+        out, extras = f(*inputs)
+        _, pullback, _ = jax.vjp(f, *inputs, has_aux=True)
         return out, extras, pullback(probe)
 
     return run(jnp.asarray(probe), *map(jnp.asarray, inputs))
