@@ -384,11 +384,17 @@ def test_generated_kernels_in_the_interpreter(page, new, config, rng):
     k_pages, v_pages, table, lengths = paged(rng, [37 + max(new), 6, 19], page, 2, 16, dtype=np.float16)
     starts = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     q = rng.standard_normal((starts[-1], 8, 16)).astype(np.float16)
-    queries, keys, values, mask, modify, back = _paged.laid_out(
-        *map(jnp.asarray, (q, k_pages, v_pages, table, lengths, starts)), causal=True, window=6, score_mod=None)
+    inputs = tuple(map(jnp.asarray, (q, k_pages, v_pages, table, lengths, starts)))
+
+    def laid_out(*inputs):
+        return _paged.laid_out(*inputs, causal=True, window=6, score_mod=None)
+
+    # The layout in one compiled program (eagerly every operation compiled alone); its mask comes out concrete.
+    queries, keys, values, mask = jax.jit(lambda *inputs: laid_out(*inputs)[:4])(*inputs)
     chain, arrays, unpad = _api.build_chain(queries, keys, values, mask)
     assert route_chain(chain, ChainConfig(**config)).plan("forward").config.span == 64 // page  # (pages a tile)
-    out = back(unpad(jnp.asarray(_chain_triton.interpret_forward(chain, arrays, ChainConfig(**config))[0])))
+    rows = unpad(jnp.asarray(_chain_triton.interpret_forward(chain, arrays, ChainConfig(**config))[0]))
+    out = jax.jit(lambda rows, *inputs: laid_out(*inputs)[5](rows))(rows, *inputs)
     expected = reference(q, k_pages, v_pages, table, lengths, starts, window=6)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=4e-3, rtol=0)
 
