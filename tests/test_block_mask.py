@@ -390,7 +390,7 @@ def test_score_mod_capturing_per_head_slopes_through_a_laid_out_mask(rng):
 
         slopes = jnp.asarray([0.1, 0.25, 0.5])
         value, grad = jax.jit(jax.value_and_grad(fused))(slopes)
-        expected, expected_grad = jax.value_and_grad(dense)(slopes)
+        expected, expected_grad = jax.jit(jax.value_and_grad(dense))(slopes)  # (eagerly: every op compiled alone)
     assert_allclose(value, expected, np.float64)
     assert_allclose(grad, expected_grad, np.float64)
 
@@ -429,12 +429,16 @@ def test_grouped_query_attention_equals_repeated_keys_and_values(fmt, kv_heads, 
         L, S = pattern.shape[:2]
         q, k, v = qkv(rng, L, S, heads=H, kv_heads=kv_heads, batch=batch)
         repeat = lambda x: jnp.repeat(x, group, axis=-2)  # noqa: E731
-        f = jax.jit(lambda q, k, v: jinsum.attention(q, k, v, pattern, **kwargs))
-        out = f(q, k, v)
-        repeated = f(q, repeat(k), repeat(v))
-        weights = rng.standard_normal(out.shape)
-        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * weights), argnums=(0, 1, 2)))
-        grads, rep_grads = grad(q, k, v), grad(q, repeat(k), repeat(v))
+        weights = rng.standard_normal(q.shape[:-1] + v.shape[-1:])  # (the output's shape)
+
+        def f(q, k, v):
+            return jinsum.attention(q, k, v, pattern, **kwargs)
+
+        grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * weights), argnums=(0, 1, 2))
+        # Grouped and repeated, output and gradients, in one compiled program
+        out, repeated, grads, rep_grads = jax.jit(lambda q, k, v: (f(q, k, v), f(q, repeat(k), repeat(v)),
+                                                                   grad(q, k, v), grad(q, repeat(k), repeat(v))))(
+            q, k, v)
     i, j = grid(L, S)
     dense = allowed & (i >= j) if kwargs.get("causal") else allowed
     assert_allclose(out, reference(q, k, v, dense)[0], np.float64)
