@@ -36,10 +36,30 @@ def test_guide_code_runs(guide):
 def test_every_environment_variable_is_on_the_settings_page():
     read = set()
     for folder in ("jinsum", "kernels", "tests", "benchmarks", "examples"):
+        assert (ROOT / folder).is_dir(), folder
         for path in (ROOT / folder).rglob("*.py"):
             read |= set(re.findall(r"JINSUM_[A-Z0-9_]+", path.read_text()))
+    assert {"JINSUM_TRITON", "JINSUM_FUSE", "JINSUM_SMALL_TERMS"} <= read  # (the search found the settings)
     documented = set(re.findall(r"JINSUM_[A-Z0-9_]+", (DOCS / "api" / "settings.rst").read_text()))
     assert read <= documented, f"undocumented on docs/api/settings.rst: {sorted(read - documented)}"
+
+
+def test_every_citation_of_design_md_names_one_of_its_sections():
+    """Code and docs cite DESIGN.md's sections by title (`DESIGN.md, "Dot plans"`): each title cited exists, so a
+    renamed section cannot leave pointers to nowhere."""
+    titles = {line.lstrip("#").strip() for line in (ROOT / "DESIGN.md").read_text().splitlines()
+              if line.startswith("#")}
+    cited = {}
+    for folder in ("jinsum", "kernels", "tests", "benchmarks", "examples", "docs"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".md", ".rst") and "_build" not in path.parts:
+                # (a citation may wrap onto the next line of a comment or docstring)
+                text = re.sub(r"\s*\n\s*#?\s*", " ", path.read_text())
+                for title in re.findall(r'DESIGN\.md[,:]? "([^"]+)"', text):
+                    cited.setdefault(title, path.relative_to(ROOT).as_posix())
+    assert len(cited) > 10, sorted(cited)
+    missing = {title: where for title, where in cited.items() if title not in titles}
+    assert not missing, f"cited but not a section of DESIGN.md (title: first file citing it): {missing}"
 
 
 def test_the_docs_build_with_warnings_as_errors(tmp_path, capsys):
