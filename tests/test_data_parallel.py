@@ -74,8 +74,7 @@ def test_data_parallel_step_equals_one_device_over_the_shards(task):
     for a, b in zip(trained, reference):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     # The shards drew different neighbourhoods: not a single device's step over the whole batch with one key. (The
-    # loss comes before the update: with SGD, the program test_steps_in_one_call_equal_one_call_each compiles too,
-    # read from the compilation cache by whichever runs second.)
+    # loss comes before the update, so plain SGD serves.)
     single, _, state1 = sampled_step(JinsumSAGE(SIZES, rngs=nnx.Rngs(0)), FANOUTS, tx=SGD, **SAMPLING)
     assert abs(float(single(state1, graph, x, y, seeds, key)[1]) - float(loss)) > 1e-6
 
