@@ -46,7 +46,7 @@ import _common  # noqa: E402
 
 def teacher_task(teacher: nnx.Module, graph, x: jax.Array, seed: int) -> _common.NodeTask:
     """SYNTHETIC labels for features `x`: the argmax of a random teacher's class scores, standardised per class."""
-    scores = teacher(x, graph)
+    scores = nnx.jit(lambda teacher, x, graph: teacher(x, graph))(teacher, x, graph)  # (one program, not op by op)
     y = ((scores - scores.mean(0)) / scores.std(0)).argmax(1)
     train, val, test = map(jnp.asarray, _common.random_split(x.shape[0], (0.6, 0.2), seed))
     return _common.NodeTask(x=x, y=y, train_idx=train, val_idx=val, test_idx=test, num_classes=scores.shape[1])
