@@ -14,7 +14,9 @@ sequence's length, and under `causal` and `window` those none of a query block's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -236,12 +238,70 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
     each sequence's rows start a block of their own. A slot is full where every token of its query block sees the
     whole page, partial (masked in registers from the keys' positions) where some token sees some of it, empty
     (never read) elsewhere, past the sequence's length included."""
+    tokens, heads, _ = q.shape
+    num_pages, page_size, kv_heads, dim = k_pages.shape
+    group = heads // kv_heads
+    rows = _rows(q, page_table, kv_lengths, starts, page_size=page_size, num_pages=num_pages, kv_heads=kv_heads,
+                 causal=causal, window=window)
+
+    def key_position(kv_idx):
+        return rows.logical[kv_idx // page_size] * page_size + kv_idx % page_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kv = key_position(kv_idx)
+        seen = kv < rows.length[q_idx]
+        if causal:
+            seen &= kv <= rows.position[q_idx]
+        if window is not None:
+            seen &= rows.position[q_idx] - kv < window
+        return seen
+
+    def modify(score, b, h, q_idx, kv_idx):  # (the user's score_mod, in positions of the sequence)
+        return score_mod(score, rows.sequence[q_idx], h * group + rows.head[q_idx], rows.position[q_idx],
+                         key_position(kv_idx))
+
+    bm = _query_block(tokens, group, page_table.shape[0])
+    mask = _block_mask.from_blocks(mask_mod, rows.block_rows, rows.block_pages, rows.block_flags,
+                                   (rows.queries.shape[0], num_pages * page_size), (bm, page_size), where=WHERE)
+
+    def back(out):  # (rows, Hkv, E) -> (T, Hkv, group, E) -> (T, Hq, E)
+        out = out[rows.token_rows[:, None, :], jnp.arange(kv_heads)[None, :, None]]
+        return jnp.where(rows.real_token[:, None, None, None], out, 0).reshape(tokens, heads, -1)
+
+    return (rows.queries, k_pages.reshape(num_pages * page_size, kv_heads, dim),
+            v_pages.reshape(num_pages * page_size, kv_heads, -1), mask, None if score_mod is None else modify, back)
+
+
+def _query_block(tokens: int, group: int, batch: int) -> int:
+    """The query rows of a block: 16 (Tensor Cores' least) for decoding, more for longer runs of rows."""
+    rows_per_sequence = -(-tokens * group // max(batch, 1))
+    return 16 if rows_per_sequence <= 16 else 64 if rows_per_sequence <= 64 else 128
+
+
+class _Rows(NamedTuple):
+    """The chain's query rows of a paged call (`laid_out`), and its block mask's entries."""
+    queries: jax.Array  # (rows, Hkv, D): each row's query heads
+    sequence: jax.Array  # (rows,) each row's sequence
+    head: jax.Array  # (rows,) its query head within its kv head's group
+    position: jax.Array  # (rows,) its token's position in the sequence (padding rows: far below 0)
+    length: jax.Array  # (rows,) its sequence's keys (padding rows: 0)
+    logical: jax.Array  # (P,) each physical page's logical index (`logical_pages`)
+    block_rows: jax.Array  # (blocks * max_pages,) the mask's entries: query block,
+    block_pages: jax.Array  # ... physical page,
+    block_flags: jax.Array  # ... and flag (0 empty, 1 partial, 2 full)
+    token_rows: jax.Array  # (T, group) the rows of each token's query heads
+    real_token: jax.Array  # (T,) whether a token is a sequence's (not padding)
+
+
+# One compiled program: called outside `jit`, each of its operations would compile on its own.
+@functools.partial(jax.jit, static_argnames=("page_size", "num_pages", "kv_heads", "causal", "window"))
+def _rows(q, page_table, kv_lengths, starts, *, page_size: int, num_pages: int, kv_heads: int, causal: bool,
+          window: int | None) -> _Rows:
+    """`laid_out`'s arrays."""
     tokens, heads, dim = q.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
     batch, max_pages = page_table.shape
     group = heads // kv_heads
-    rows_per_sequence = -(-tokens * group // max(batch, 1))
-    bm = 16 if rows_per_sequence <= 16 else 64 if rows_per_sequence <= 64 else 128  # (16: Tensor Cores' least)
+    bm = _query_block(tokens, group, batch)
     blocks = -(-tokens * group // bm) + batch  # each sequence's rows start a block: fewer than one padded each
     kv_lengths = jnp.clip(kv_lengths, 0, max_pages * page_size)
     new = starts[1:] - starts[:-1]
@@ -288,32 +348,7 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
     # logical index in each: a shared prefix), for the keys' positions in the mask and in score_mod.
     logical = logical_pages(page_table, key < kv_lengths[:, None], num_pages)
 
-    def key_position(kv_idx):
-        return logical[kv_idx // page_size] * page_size + kv_idx % page_size
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        kv = key_position(kv_idx)
-        seen = kv < row_length[q_idx]
-        if causal:
-            seen &= kv <= row_position[q_idx]
-        if window is not None:
-            seen &= row_position[q_idx] - kv < window
-        return seen
-
-    def modify(score, b, h, q_idx, kv_idx):  # (the user's score_mod, in positions of the sequence)
-        return score_mod(score, row_sequence[q_idx], h * group + row_head[q_idx], row_position[q_idx],
-                         key_position(kv_idx))
-
-    mask = _block_mask.from_blocks(mask_mod, jnp.repeat(i, max_pages), jnp.where(flags > 0, pages, 0).reshape(-1),
-                                   flags.reshape(-1), (blocks * bm, num_pages * page_size), (bm, page_size),
-                                   where=WHERE)
-
     sequence, index, real = token_sequences(starts, tokens)
-    row = jnp.where(real, first[sequence] * bm + index * group, 0)[:, None] + jnp.arange(group, dtype=jnp.int32)
-
-    def back(out):  # (rows, Hkv, E) -> (T, Hkv, group, E) -> (T, Hq, E)
-        out = out[row[:, None, :], jnp.arange(kv_heads)[None, :, None]]
-        return jnp.where(real[:, None, None, None], out, 0).reshape(tokens, heads, -1)
-
-    return (queries, k_pages.reshape(num_pages * page_size, kv_heads, dim),
-            v_pages.reshape(num_pages * page_size, kv_heads, -1), mask, None if score_mod is None else modify, back)
+    token_rows = jnp.where(real, first[sequence] * bm + index * group, 0)[:, None] + jnp.arange(group, dtype=jnp.int32)
+    return _Rows(queries, row_sequence, row_head, row_position, row_length, logical, jnp.repeat(i, max_pages),
+                 jnp.where(flags > 0, pages, 0).reshape(-1), flags.reshape(-1), token_rows, real)
