@@ -107,51 +107,15 @@ class PagedKVCache:
                 raise ValueError(f"{WHERE}.append: {name} must be (T, kv_heads, {size}) = {expected}, got "
                                  f"{x.dtype}{list(x.shape)}")
         self._check_ids(sequence_ids, "append")
-        page_size, max_pages = self.page_size, self.max_pages_per_sequence
-        slot_ok = (sequence_ids >= 0) & (sequence_ids < self.max_sequences)
-        slot = jnp.where(slot_ok, sequence_ids, self.max_sequences)  # (past the table: dropped by the scatters)
-        counts = starts[1:] - starts[:-1]
-        old = jnp.where(slot_ok, self.lengths[jnp.minimum(slot, self.max_sequences - 1)], 0)
-        new = old + counts
-        have, need = -(-old // page_size), -(-new // page_size)
-        fits_table = new <= max_pages * page_size
-        extra = jnp.where(slot_ok & fits_table, need - have, 0)
-        taken = jnp.cumsum(extra)  # pages taken through each sequence, in order
-        fits_pool = (taken <= self.num_free) | (extra == 0)
-        accepted = slot_ok & fits_table & fits_pool
-        extra = jnp.where(accepted, extra, 0)
-        taken = jnp.cumsum(extra)
-
-        # Sequence i's r-th new page is free_pages[num_free - taken[i] + r]: the stack's top, in order.
-        logical = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
-        r = logical - have[:, None]
-        gets = accepted[:, None] & (r >= 0) & (r < extra[:, None])
-        page = self.free_pages[jnp.clip(self.num_free - taken[:, None] + r, 0, self.free_pages.shape[0] - 1)]
-        rows = self.page_table[jnp.minimum(slot, self.max_sequences - 1)]
-        page_table = self.page_table.at[slot].set(jnp.where(gets, page, rows), mode="drop")
-        lengths = self.lengths.at[slot].set(jnp.where(accepted, new, old), mode="drop")
-
-        # Each token's page and slot in it (tokens of sequences not accepted, or past the last one: dropped).
-        owner, index, written = token_sequences(starts, k.shape[0])
-        written &= accepted[owner]
-        position = old[owner] + index
-        target = page_table[jnp.minimum(slot[owner], self.max_sequences - 1),
-                            jnp.clip(position // page_size, 0, max_pages - 1)]
-        target = jnp.where(written, target, self.k_pages.shape[0])
-        cache = dataclasses.replace(
-            self, page_table=page_table, lengths=lengths, num_free=self.num_free - extra.sum(dtype=jnp.int32),
-            k_pages=self.k_pages.at[target, position % page_size].set(k.astype(self.k_pages.dtype), mode="drop"),
-            v_pages=self.v_pages.at[target, position % page_size].set(v.astype(self.v_pages.dtype), mode="drop"),
-            overflow=self.overflow | jnp.any(slot_ok & ~accepted))
-        refused = slot_ok & ~accepted
-        if all(is_concrete(x) for x in (refused, new, extra, self.num_free)):
+        cache, refused, held, more, free = _appended(self, k, v, starts, sequence_ids)
+        if is_concrete(refused):
             if np.asarray(refused).any():
                 i = int(np.flatnonzero(np.asarray(refused))[0])
-                held = int(np.asarray(new)[i])
-                reason = (f"would hold {held} tokens, past the {max_pages} pages of {page_size} a sequence may have"
-                          if held > max_pages * page_size else
-                          f"needs {int(need[i] - have[i])} more pages, and {int(self.num_free - taken[i])} are free "
-                          f"after the sequences before it (of {self.k_pages.shape[0]})")
+                max_pages, page_size = self.max_pages_per_sequence, self.page_size
+                reason = (f"would hold {int(held[i])} tokens, past the {max_pages} pages of {page_size} a sequence "
+                          "may have" if held[i] > max_pages * page_size else
+                          f"needs {int(more[i])} more pages, and {int(free[i])} are free after the sequences before "
+                          f"it (of {self.k_pages.shape[0]})")
                 raise ValueError(f"{WHERE}.append: sequence_ids[{i}] = {int(sequence_ids[i])} {reason}; release "
                                  "finished sequences or create a larger cache")
         elif _config.check_indices.value:
@@ -167,19 +131,7 @@ class PagedKVCache:
             raise TypeError(f"{WHERE}.release: sequence_ids must be integers (n,), got "
                             f"{sequence_ids.dtype}{list(sequence_ids.shape)}")
         self._check_ids(sequence_ids, "release")
-        slot_ok = (sequence_ids >= 0) & (sequence_ids < self.max_sequences)
-        slot = jnp.where(slot_ok, sequence_ids, self.max_sequences)
-        row = jnp.minimum(slot, self.max_sequences - 1)
-        held = jnp.where(slot_ok, -(-self.lengths[row] // self.page_size), 0)
-        owned = jnp.arange(self.max_pages_per_sequence)[None, :] < held[:, None]
-        # Pushed in order onto the stack: the k-th returned page goes to free_pages[num_free + k].
-        place = self.num_free + jnp.cumsum(owned.ravel()).reshape(owned.shape) - 1
-        place = jnp.where(owned, place, self.free_pages.shape[0])
-        return dataclasses.replace(
-            self, free_pages=self.free_pages.at[place].set(self.page_table[row], mode="drop"),
-            num_free=self.num_free + held.sum(dtype=jnp.int32),
-            page_table=self.page_table.at[slot].set(-1, mode="drop"),
-            lengths=self.lengths.at[slot].set(0, mode="drop"))
+        return _released(self, sequence_ids)
 
     def attend(self, q: jax.Array, sequence_ids: jax.Array, query_starts: jax.Array | None = None,
                **options) -> jax.Array:
@@ -228,6 +180,70 @@ class PagedKVCache:
             ids = jnp.sort(jnp.where(sequence_ids >= 0, sequence_ids, -1 - jnp.arange(sequence_ids.shape[0])))
             checkify.check(jnp.all(ids[1:] != ids[:-1]) & jnp.all(ids < self.max_sequences),
                            f"{WHERE}.{method}: sequence_ids must be distinct slots below max_sequences")
+
+
+# The array updates of `append` and `release`, each one compiled program (eagerly each of their operations would
+# compile on its own); their checks stay outside, where the values may be concrete.
+@jax.jit
+def _appended(cache: PagedKVCache, k, v, starts, sequence_ids):
+    """`append`'s cache, and for its error: which sequences were refused, the tokens each would hold, the pages it
+    needs more and those free after the sequences before it."""
+    page_size, max_pages = cache.page_size, cache.max_pages_per_sequence
+    slot_ok = (sequence_ids >= 0) & (sequence_ids < cache.max_sequences)
+    slot = jnp.where(slot_ok, sequence_ids, cache.max_sequences)  # (past the table: dropped by the scatters)
+    counts = starts[1:] - starts[:-1]
+    old = jnp.where(slot_ok, cache.lengths[jnp.minimum(slot, cache.max_sequences - 1)], 0)
+    new = old + counts
+    have, need = -(-old // page_size), -(-new // page_size)
+    fits_table = new <= max_pages * page_size
+    extra = jnp.where(slot_ok & fits_table, need - have, 0)
+    taken = jnp.cumsum(extra)  # pages taken through each sequence, in order
+    fits_pool = (taken <= cache.num_free) | (extra == 0)
+    accepted = slot_ok & fits_table & fits_pool
+    extra = jnp.where(accepted, extra, 0)
+    taken = jnp.cumsum(extra)
+
+    # Sequence i's r-th new page is free_pages[num_free - taken[i] + r]: the stack's top, in order.
+    logical = jnp.arange(max_pages, dtype=jnp.int32)[None, :]
+    r = logical - have[:, None]
+    gets = accepted[:, None] & (r >= 0) & (r < extra[:, None])
+    page = cache.free_pages[jnp.clip(cache.num_free - taken[:, None] + r, 0, cache.free_pages.shape[0] - 1)]
+    rows = cache.page_table[jnp.minimum(slot, cache.max_sequences - 1)]
+    page_table = cache.page_table.at[slot].set(jnp.where(gets, page, rows), mode="drop")
+    lengths = cache.lengths.at[slot].set(jnp.where(accepted, new, old), mode="drop")
+
+    # Each token's page and slot in it (tokens of sequences not accepted, or past the last one: dropped).
+    owner, index, written = token_sequences(starts, k.shape[0])
+    written &= accepted[owner]
+    position = old[owner] + index
+    target = page_table[jnp.minimum(slot[owner], cache.max_sequences - 1),
+                        jnp.clip(position // page_size, 0, max_pages - 1)]
+    target = jnp.where(written, target, cache.k_pages.shape[0])
+    appended = dataclasses.replace(
+        cache, page_table=page_table, lengths=lengths, num_free=cache.num_free - extra.sum(dtype=jnp.int32),
+        k_pages=cache.k_pages.at[target, position % page_size].set(k.astype(cache.k_pages.dtype), mode="drop"),
+        v_pages=cache.v_pages.at[target, position % page_size].set(v.astype(cache.v_pages.dtype), mode="drop"),
+        overflow=cache.overflow | jnp.any(slot_ok & ~accepted))
+    refused = slot_ok & ~accepted
+    return appended, refused, new, need - have, cache.num_free - taken
+
+
+@jax.jit
+def _released(cache: PagedKVCache, sequence_ids) -> PagedKVCache:
+    """`release`'s cache."""
+    slot_ok = (sequence_ids >= 0) & (sequence_ids < cache.max_sequences)
+    slot = jnp.where(slot_ok, sequence_ids, cache.max_sequences)
+    row = jnp.minimum(slot, cache.max_sequences - 1)
+    held = jnp.where(slot_ok, -(-cache.lengths[row] // cache.page_size), 0)
+    owned = jnp.arange(cache.max_pages_per_sequence)[None, :] < held[:, None]
+    # Pushed in order onto the stack: the k-th returned page goes to free_pages[num_free + k].
+    place = cache.num_free + jnp.cumsum(owned.ravel()).reshape(owned.shape) - 1
+    place = jnp.where(owned, place, cache.free_pages.shape[0])
+    return dataclasses.replace(
+        cache, free_pages=cache.free_pages.at[place].set(cache.page_table[row], mode="drop"),
+        num_free=cache.num_free + held.sum(dtype=jnp.int32),
+        page_table=cache.page_table.at[slot].set(-1, mode="drop"),
+        lengths=cache.lengths.at[slot].set(0, mode="drop"))
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=[f.name for f in dataclasses.fields(PagedKVCache)],
