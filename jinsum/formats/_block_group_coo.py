@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +48,15 @@ def _element_coords(xp, Ai, Ak, block_shape):
     rows = Ai[:, None, None, None] * bm + xp.arange(bm)[:, None, None]
     cols = Ak[:, None, None, :] * bk + xp.arange(bk)[:, None]
     return xp.broadcast_to(rows, full), xp.broadcast_to(cols, full)
+
+
+# One compiled program (eagerly, each of its operations compiled alone: several times slower for a new shape).
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _dense(Ai, Ak, Av, shape: tuple[int, int], block_shape: tuple[int, int]) -> jax.Array:
+    """`BlockGroupCOO.todense`: the slots' blocks added at their block (row, column), edge blocks cropped."""
+    (bm, bk), (mb, kb) = block_shape, block_grid(shape, block_shape)
+    grid = jnp.zeros((mb, kb, bm, bk), Av.dtype).at[Ai[:, None], Ak].add(jnp.moveaxis(Av, -1, 1))
+    return grid.transpose(0, 2, 1, 3).reshape(mb * bm, kb * bk)[: shape[0], : shape[1]]
 
 
 def _check_values(Av, groups: tuple[int, int], block_shape: tuple[int, int]) -> None:
@@ -280,9 +291,7 @@ class BlockGroupCOO(GroupedFormat):
 
     def todense(self) -> jax.Array:
         """The dense ``(M, K)`` array (edge blocks cropped). Traceable and differentiable w.r.t. ``Av``."""
-        (bm, bk), (mb, kb) = self._block_shape, block_grid(self._shape, self._block_shape)
-        grid = jnp.zeros((mb, kb, bm, bk), self.dtype).at[self.Ai[:, None], self.Ak].add(jnp.moveaxis(self.Av, -1, 1))
-        return grid.transpose(0, 2, 1, 3).reshape(mb * bm, kb * bk)[: self._shape[0], : self._shape[1]]
+        return _dense(self.Ai, self.Ak, self.Av, self._shape, self._block_shape)
 
     def to_bcoo(self) -> jsparse.BCOO:
         """An element-level ``BCOO`` with all ``G * bm * bk * P`` slot elements, padding included.

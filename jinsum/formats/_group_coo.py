@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -73,6 +74,13 @@ def transposed_index(where: str, Ai, Ak, nonzero: np.ndarray, shape: tuple[int, 
     found = transposed_from_slots(np, Ai, Ak, nonzero, num_columns=shape[1], group_size=group_size, num_groups=None,
                                   index_dtype=np.int64)
     return TransposedIndex(*(jnp.asarray(x, dtype) for x in found))
+
+
+# One compiled program (eagerly, each of its operations compiled alone: several times slower for a new shape).
+@functools.partial(jax.jit, static_argnums=3)
+def _dense(Ai, Ak, Av, shape: tuple[int, ...]) -> jax.Array:
+    """`GroupCOO.todense`: the slots' values added at their (row, column)."""
+    return jnp.zeros(shape, Av.dtype).at[Ai[:, None], Ak].add(Av)
 
 
 def _check_values(Av, groups: tuple[int, int]) -> None:
@@ -505,7 +513,7 @@ class GroupCOO(GroupedFormat):
 
     def todense(self) -> jax.Array:
         """The dense ``(M, K, *dense_shape)`` array. Traceable and differentiable with respect to ``Av``."""
-        return jnp.zeros(self._shape, self.dtype).at[self.Ai[:, None], self.Ak].add(self.Av)
+        return _dense(self.Ai, self.Ak, self.Av, self._shape)
 
     def to_bcoo(self) -> jsparse.BCOO:
         """A ``BCOO`` holding every one of the ``G * P`` slots, padding included.
