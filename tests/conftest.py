@@ -1,4 +1,5 @@
 import gc
+import importlib.metadata
 import os
 import zlib
 
@@ -7,8 +8,10 @@ import zlib
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 # CPU runs spend most of their time compiling small programs: XLA's older elemental emitter compiles them in ~30% less
-# time than its MLIR fusion emitters (test_shard.py's layer tests: 31 -> 22 s of CPU); a CPU flag, unread on GPUs.
-if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+# time than its MLIR fusion emitters (test_shard.py's layer tests: 31 -> 22 s of CPU). jaxlib 0.11's XLA no longer
+# has the flag and refuses to start with it, on any platform.
+if (tuple(map(int, importlib.metadata.version("jaxlib").split(".")[:2])) < (0, 11)
+        and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]):
     os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 
 import jax  # noqa: E402
