@@ -56,8 +56,8 @@ def device_time(fn: Callable, *args, calls: int = 20, warmup: int = 2,
     """Seconds per call that the GPU spends running the kernels and copies of `fn(*args)`, from a profiler trace.
 
     Back-to-back calls of a small workload are bound by the host's dispatch (DESIGN.md, "Measure device
-    time, warm and interleaved"), whatever the kernels take; this is what the device does, summed over `calls` calls. Gaps
-    between kernels do not count. Returns None where the trace has no GPU activity (a CPU backend).
+    time, warm and interleaved"), whatever the kernels take; this is what the device does, summed over `calls`
+    calls. Gaps between kernels do not count. Returns None where the trace has no GPU activity (a CPU backend).
     """
     kernels = kernel_times(fn, *args, calls=calls, warmup=warmup, sync=sync)
     return sum(kernels.values()) if kernels else None

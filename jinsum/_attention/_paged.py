@@ -195,9 +195,9 @@ def _check_values(page_table, kv_lengths, starts, num_pages: int, page_size: int
 
 
 def logical_pages(page_table, read, num_pages: int) -> jax.Array:
-    """Each physical page's logical index in the entries of `page_table` that `read` marks (the last such entry's
-    where several name it), -1 for pages none reads."""
-    return jnp.full(num_pages, -1, jnp.int32).at[jnp.where(read, page_table, num_pages)].set(
+    """Each physical page's logical index in the entries of `page_table` that `read` marks (the largest where
+    several name it: the order of a scatter's writes is not fixed on GPUs), -1 for pages none reads."""
+    return jnp.full(num_pages, -1, jnp.int32).at[jnp.where(read, page_table, num_pages)].max(
         jnp.broadcast_to(jnp.arange(page_table.shape[1], dtype=jnp.int32), page_table.shape), mode="drop")
 
 
