@@ -19,6 +19,7 @@ whose blocks never cross from one batch element (head) to another.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -92,7 +93,13 @@ class BlockMask:
     def to_dense(self) -> jax.Array:
         """The block flags as a dense `(rows, ceil(S / bk))` int8 grid (tests, plots)."""
         rows = max(1, self.batch or 1) * max(1, self.heads or 1) * self.grid[0]
-        return jnp.zeros((rows, self.grid[1]), jnp.int8).at[self.Ai, self.Ak[:, 0]].max(self.flags[:, 0])
+        return _dense(self.Ai, self.Ak, self.flags, (rows, self.grid[1]))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _dense(Ai, Ak, flags, shape: tuple[int, int]) -> jax.Array:
+    """`BlockMask.to_dense`, one compiled program."""
+    return jnp.zeros(shape, jnp.int8).at[Ai, Ak[:, 0]].max(flags[:, 0])
 
 
 def block_mask(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int] = 128, *, batch: int | None = None,
@@ -166,25 +173,35 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
         flags = jnp.asarray(classify((nb, nh, lb, sb)))
         if flags.shape != (rows, sb):
             raise ValueError(f"{where}: classify must return flags of shape {(rows, sb)}, got {flags.shape}")
-    flags = flags.astype(jnp.int8).reshape(rows * sb)
-
-    # The attending blocks in row-major order, packed into `capacity` slots: block e goes to slot
-    # cumsum(attends)[e] - 1 (one running count, one scatter; slots past the capacity are dropped).
-    attends = flags != 0
-    count = jnp.cumsum(attends, dtype=jnp.int32)
-    slot = jnp.where(attends, count - 1, capacity)
-    position = jnp.full(capacity, rows * sb - 1, jnp.int32).at[slot].set(
-        jnp.arange(rows * sb, dtype=jnp.int32), mode="drop")
-    if is_concrete(count) and count[-1] > capacity:
-        raise ValueError(f"{where}: {int(count[-1])} blocks attend but capacity = {capacity} holds only "
-                         f"{capacity}; pass capacity >= {int(count[-1])} (or None for every block)")
-    used = jnp.arange(capacity) < count[-1]
-    overflow = count[-1] > capacity
+    Ai, Ak, flags, needed = _packed(flags, capacity)
+    if is_concrete(needed) and needed > capacity:
+        raise ValueError(f"{where}: {int(needed)} blocks attend but capacity = {capacity} holds only "
+                         f"{capacity}; pass capacity >= {int(needed)} (or None for every block)")
+    overflow = needed > capacity
     if _config.check_indices.value:
         checkify.check(~overflow, f"{where}: more attending blocks than capacity = {capacity}; those "
                        "past it were dropped (raise the capacity)")
-    return _made(mask_mod, user, captured, position // sb, jnp.where(used, position % sb, 0),
-                 jnp.where(used, flags[position], 0), overflow, (L, S), (bm, bk), batch=batch, heads=heads, where=where)
+    return _made(mask_mod, user, captured, Ai, Ak, flags, overflow, (L, S), (bm, bk), batch=batch, heads=heads,
+                 where=where)
+
+
+# One compiled program (eagerly, each of its operations compiled alone: several times slower for a new shape).
+@functools.partial(jax.jit, static_argnums=1)
+def _packed(flags: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The attending blocks of the flags grid `(rows, sb)` in row-major order, packed into `capacity` slots: block
+    `e` goes to slot `cumsum(attends)[e] - 1` (one running count, one scatter; slots past the capacity are
+    dropped). Returns the slots' block rows `(capacity,)`, block columns and flags `(capacity, 1)`, and how many
+    blocks attend."""
+    sb = flags.shape[1]
+    flags = flags.astype(jnp.int8).reshape(-1)
+    attends = flags != 0
+    count = jnp.cumsum(attends, dtype=jnp.int32)
+    slot = jnp.where(attends, count - 1, capacity)
+    position = jnp.full(capacity, flags.shape[0] - 1, jnp.int32).at[slot].set(
+        jnp.arange(flags.shape[0], dtype=jnp.int32), mode="drop")
+    used = jnp.arange(capacity) < count[-1]
+    return (position // sb, jnp.where(used, position % sb, 0)[:, None], jnp.where(used, flags[position], 0)[:, None],
+            count[-1])
 
 
 def from_blocks(mask_mod: Callable, Ai: jax.Array, Ak: jax.Array, flags: jax.Array, shape: tuple[int, int],
@@ -194,17 +211,17 @@ def from_blocks(mask_mod: Callable, Ai: jax.Array, Ak: jax.Array, flags: jax.Arr
     `(capacity,)` block columns, `flags` `(capacity,)` 2 full, 1 partial (`mask_mod` decides), 0 a padding slot.
     The same for every batch element and head."""
     user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
-    return _made(mask_mod, user, captured, Ai.astype(jnp.int32), Ak.astype(jnp.int32), flags.astype(jnp.int8),
-                 jnp.asarray(False), shape, block, batch=None, heads=None, where=where)
+    return _made(mask_mod, user, captured, Ai.astype(jnp.int32), Ak.astype(jnp.int32)[:, None],
+                 flags.astype(jnp.int8)[:, None], jnp.asarray(False), shape, block, batch=None, heads=None, where=where)
 
 
 def _made(mask_mod, user, captured, Ai, Ak, flags, overflow, shape, block, *, batch, heads, where) -> BlockMask:
-    """The `BlockMask` of classified slots: `user` and `captured` are `mask_mod` traced as written, and it is traced
-    again in the coordinates of the laid-out sequence."""
+    """The `BlockMask` of classified slots (`Ak`, `flags` `(capacity, 1)`): `user` and `captured` are `mask_mod`
+    traced as written, and it is traced again in the coordinates of the laid-out sequence."""
     (L, S), (bm, bk) = shape, block
     laid_out = _laid_out(mask_mod, (L, S), (bm, bk), (-(-L // bm), -(-S // bk)), batch, heads)
     traced, _ = _elementwise.trace(laid_out, "mask_mod", where)
-    return BlockMask(Ai, Ak[:, None], flags[:, None], overflow, captured, shape=(L, S), block=(bm, bk), batch=batch,
+    return BlockMask(Ai, Ak, flags, overflow, captured, shape=(L, S), block=(bm, bk), batch=batch,
                      heads=heads, mask_mod=traced, reads=_elementwise.arguments_read(user) & {"b", "h"})
 
 
@@ -223,6 +240,8 @@ def _block_shape(where: str, block) -> tuple[int, int]:
     return size, size
 
 
+# One compiled program; `user` is static: traced functions that are equal hash equal, and its captures are operands.
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4))
 def _every_element(user, captured, shape, block, grid) -> jax.Array:
     """The flags `(nb * nh * lb, sb)` of every tile, evaluating the traced `mask_mod` on every element: one fused
     reduction over broadcast iotas `(batch, head, block row, block column, m, k)`, nothing of size `L x S` kept."""

@@ -6,6 +6,8 @@ the elements).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,8 @@ def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = N
                              classify=classify, where=where)
 
 
+# One compiled program (eagerly, each of its operations compiled alone: several times slower for a new shape).
+@functools.partial(jax.jit, static_argnums=(0, 1, 3, 4))
 def _sequence_flags(length: int, block: int, docs: jax.Array | None, causal: bool, window: int | None) -> jax.Array:
     """`sequence_mask`'s block flags `(B * n, n)` (2 full, 1 partial, 0 empty; `n = ceil(length / block)`) from
     per-block summaries, `O(n^2)` work and no pass over the elements.
