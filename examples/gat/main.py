@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     epochs = 2 if args.smoke else args.epochs
 
-    task, edge_index, num_nodes = _common.citation_task("cora")
+    task, edge_index, num_nodes = _common.citation_task("cora", features=128 if args.smoke else None)
     print(f"cora: {num_nodes} nodes, {edge_index.shape[1]} directed edges (+ {num_nodes} self loops), "
           f"{task.x.shape[1]} features, {task.num_classes} classes")
     print(f"device: {_common.device_name()}")

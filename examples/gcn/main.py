@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     epochs = 2 if args.smoke else args.epochs
 
-    task, edge_index, num_nodes = _common.citation_task(args.dataset)
+    task, edge_index, num_nodes = _common.citation_task(args.dataset, features=128 if args.smoke else None)
     print(f"{args.dataset}: {num_nodes} nodes, {edge_index.shape[1]} directed edges, {task.x.shape[1]} features, "
           f"{task.num_classes} classes; split {len(task.train_idx)} / {len(task.val_idx)} / {len(task.test_idx)}")
     print(f"device: {_common.device_name()}")
