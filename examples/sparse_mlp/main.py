@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--hidden must be a multiple of 32 (the blocks of the second layer), got {args.hidden}")
     epochs = 3 if args.smoke else args.epochs
 
-    task, _, num_nodes = _common.citation_task("cora")
+    task, _, num_nodes = _common.citation_task("cora", features=128 if args.smoke else None)
     train, val, test = (jnp.asarray(s) for s in _common.random_split(num_nodes, (0.6, 0.2), args.seed))
     task = _common.NodeTask(task.x, task.y, train, val, test, task.num_classes)
     print(f"Cora: {num_nodes} papers, {task.x.shape[1]} word features, {task.num_classes} classes; "
