@@ -90,10 +90,16 @@ def slot_columns(A: GroupCOO) -> jax.Array | None:
     measured while padding sat at column 0 and queued its atomic additions on row 0 (the builders now spread
     padding's columns, which removes the queue but not the additions): benchmarks/README.md, "Mixtures of experts
     and grouped products (`moe.py`, `grouped_forms.py`, `hetero_linear.py`)"."""
-    columns = jnp.where(_nonzero(A.Av), A.Ak, -1)
+    columns = _active_columns(A.Av, A.Ak)
     if _config.check_indices.value or not isinstance(columns, jax.core.Tracer):
         return None
     return columns
+
+
+@jax.jit
+def _active_columns(values: jax.Array, columns: jax.Array) -> jax.Array:
+    """`columns` with -1 at the entries of value 0 (one compiled program: eagerly each operation compiles alone)."""
+    return jnp.where(_nonzero(values), columns, -1)
 
 
 def _nonzero(values: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ call returns the two auxiliary losses of sparse mixtures: Switch's load balancin
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -167,29 +168,42 @@ def route_tokens(logits: jax.Array, top_k: int, *, norm_topk: bool = True, capac
     logits = check_logits("route_tokens", logits)
     num_tokens, num_experts = logits.shape
     top_k = check_routing("route_tokens", num_experts, top_k, capacity_factor)
-    experts, weights, selected, statistics = select_experts(logits, top_k, norm_topk)
-    balance_loss, z_loss = routing_losses(*statistics)
-
-    tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], experts.shape)
     capacity = num_tokens * top_k
     if capacity_factor is None:
-        dropped = jnp.zeros((), jnp.int32)
+        per_expert = None
     else:
         per_expert = expert_capacity(capacity_factor, num_tokens, top_k, num_experts)
+        capacity = min(capacity, num_experts * per_expert)
+    edges, values, experts, weights, balance_loss, z_loss, dropped = _routed_pairs(logits, top_k, norm_topk,
+                                                                                   per_expert)
+    if group_size is None:
+        group_size = routed_group_size(capacity, num_experts)
+    else:
+        group_size = check_int("route_tokens", "group_size (or None for automatic)", group_size, minimum=1)
+    combine = GroupCOO.from_edge_index(edges, values, num_nodes=(num_tokens, num_experts),
+                                       capacity=capacity, group_size=group_size)
+    return Routing(combine, experts, weights, balance_loss, z_loss, dropped)
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _routed_pairs(logits: jax.Array, top_k: int, norm_topk: bool, per_expert: int | None):
+    """`route_tokens`' arrays before the builder, one compiled program (eagerly each operation would compile on its
+    own): the `(2, T * k)` edges from tokens to experts (a dropped pair's token -1, padding) and their values, the
+    experts and their weights `(T, k)` (0 where dropped), the two losses and the dropped count. `per_expert`: the
+    capacity per expert, or None (dropless)."""
+    experts, weights, selected, statistics = select_experts(logits, top_k, norm_topk)
+    balance_loss, z_loss = routing_losses(*statistics)
+    tokens = jnp.broadcast_to(jnp.arange(logits.shape[0], dtype=jnp.int32)[:, None], experts.shape)
+    if per_expert is None:
+        dropped = jnp.zeros((), jnp.int32)
+    else:
         # Each pair's place among its expert's tokens, in token order: a running count down the token axis.
         place = jnp.cumsum(selected, axis=0) - 1
         kept = jnp.take_along_axis(place, experts, axis=-1) < per_expert
         dropped = jnp.sum(~kept, dtype=jnp.int32)
         weights = jnp.where(kept, weights, 0)
         tokens = jnp.where(kept, tokens, -1)  # a negative index is padding for the builder: not an entry
-        capacity = min(capacity, num_experts * per_expert)
     # A[expert, token] = weight: edges from tokens (sources) to experts (destinations). The pairs are distinct,
-    # so the builder's sum of duplicates never adds two of them, and no more than `capacity` exist (no overflow).
-    edge_index = jnp.stack([tokens.reshape(-1), experts.reshape(-1)])
-    if group_size is None:
-        group_size = routed_group_size(capacity, num_experts)
-    else:
-        group_size = check_int("route_tokens", "group_size (or None for automatic)", group_size, minimum=1)
-    combine = GroupCOO.from_edge_index(edge_index, weights.reshape(-1), num_nodes=(num_tokens, num_experts),
-                                       capacity=capacity, group_size=group_size)
-    return Routing(combine, experts, weights, balance_loss, z_loss, dropped)
+    # so the builder's sum of duplicates never adds two of them, and no more than the capacity exist (no overflow).
+    edges = jnp.stack([tokens.reshape(-1), experts.reshape(-1)])
+    return edges, weights.reshape(-1), experts, weights, balance_loss, z_loss, dropped
