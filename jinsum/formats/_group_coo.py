@@ -83,6 +83,46 @@ def _dense(Ai, Ak, Av, shape: tuple[int, ...]) -> jax.Array:
     return jnp.zeros(shape, Av.dtype).at[Ai[:, None], Ak].add(Av)
 
 
+# The device builders' arrays as one compiled program each (static sizes, dtypes and flags); their checks stay
+# outside, eager where the input is concrete. Called outside `jit`, op by op, a build compiled each of its operations
+# for every new shape.
+@functools.partial(jax.jit, static_argnames=("num_sources", "dtype", "index_dtype", "with_transpose"))
+def _neighbor_groups(neighbors, values, *, num_sources: int, dtype, index_dtype, with_transpose: bool):
+    """`GroupCOO.from_neighbors`'s ``(Ai, Ak, Av, transposed)`` (None without ``with_transpose``): one group of
+    ``k`` per row, entries outside ``[0, num_sources)`` padding."""
+    valid = (neighbors >= 0) & (neighbors < num_sources)
+    Ai = jnp.arange(neighbors.shape[0], dtype=index_dtype)
+    Ak = spread_padding(jnp, jnp.where(valid, neighbors, 0).astype(index_dtype), valid, num_sources)
+    expand = valid.reshape(valid.shape + (1,) * (values.ndim - 2))
+    Av = jnp.where(expand, values, 0).astype(dtype)
+    transposed = None
+    if with_transpose:
+        transposed = TransposedIndex(*device_transposed(Ai, Ak, valid.reshape(-1), num_columns=num_sources,
+                                                        index_dtype=index_dtype))
+    return Ai, Ak, Av, transposed
+
+
+@functools.partial(jax.jit, static_argnames=("num_columns", "group_size", "dtype", "index_dtype", "with_transpose"))
+def _csr_groups(indptr, indices, values, *, num_columns: int, group_size: int, dtype, index_dtype,
+                with_transpose: bool):
+    """`GroupCOO.from_csr`'s ``(Ai, Ak, Av, transposed)`` (None without ``with_transpose``)."""
+    num_rows, length = indptr.shape[0] - 1, indices.shape[0]
+    rows = rows_of_positions(indptr, length, index_dtype)
+    # Positions before indptr[0] stay in row 0 as padding (rows must not decrease); those from indptr[M] on are
+    # in row M, which `groups_from_rows` drops.
+    valid = (rows >= 0) & (indices >= 0) & (indices < num_columns)
+    expand = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
+    Ai, Ak, Av, active = groups_from_rows(
+        jnp, jnp.maximum(rows, 0), jnp.where(valid, indices, -1), jnp.where(expand, values, 0).astype(dtype),
+        num_rows=num_rows, group_size=group_size, num_groups=group_bound(length, num_rows, group_size),
+        dtype=dtype, index_dtype=index_dtype, num_columns=num_columns)
+    transposed = None
+    if with_transpose:  # (`active`: the slots of valid entries, whose columns were not -1)
+        transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=num_columns,
+                                                        index_dtype=index_dtype))
+    return Ai, Ak, Av, transposed
+
+
 def _check_values(Av, groups: tuple[int, int]) -> None:
     """Static checks on ``Av`` against ``(G, P)``; shared by the constructor and :meth:`GroupCOO.with_values`."""
     check_floating(_FMT, Av)
@@ -429,19 +469,12 @@ class GroupCOO(GroupedFormat):
             raise ValueError(f"{where}: values must have shape {neighbors.shape} + dense_shape to match neighbors, "
                              f"got {values.shape}")
         dtype = value_dtype(where, values.dtype, dtype)
-        index = index_dtype(neighbors.shape[0], num_sources)
-        valid = (neighbors >= 0) & (neighbors < num_sources)
         if _config.check_indices.value:
             checkify.check(jnp.all(neighbors < num_sources), f"{where}: neighbors holds a source id past "
                            f"num_sources = {num_sources}; negative ids mark padding")
-        Ai = jnp.arange(neighbors.shape[0], dtype=index)
-        Ak = spread_padding(jnp, jnp.where(valid, neighbors, 0).astype(index), valid, num_sources)
-        expand = valid.reshape(valid.shape + (1,) * (values.ndim - 2))
-        Av = jnp.where(expand, values, 0).astype(dtype)
-        transposed = None
-        if with_transpose:
-            transposed = TransposedIndex(*device_transposed(Ai, Ak, valid.reshape(-1), num_columns=num_sources,
-                                                            index_dtype=index))
+        Ai, Ak, Av, transposed = _neighbor_groups(
+            neighbors, values, num_sources=num_sources, dtype=dtype,
+            index_dtype=index_dtype(neighbors.shape[0], num_sources), with_transpose=bool(with_transpose))
         shape = (neighbors.shape[0], num_sources, *values.shape[2:])
         return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=shape, nnz=Ak.size, transposed=transposed,
                                   overflow=jnp.zeros((), bool))
@@ -491,20 +524,9 @@ class GroupCOO(GroupedFormat):
         dtype = value_dtype(where, values.dtype, dtype)
         group_size = (capacity_group_size(length, num_rows) if group_size is None
                       else check_int(where, "group_size", group_size, minimum=1))
-        index = index_dtype(num_rows, num_columns, length)
-        rows = rows_of_positions(indptr, length, index)
-        # Positions before indptr[0] stay in row 0 as padding (rows must not decrease); those from indptr[M] on are
-        # in row M, which `groups_from_rows` drops.
-        valid = (rows >= 0) & (indices >= 0) & (indices < num_columns)
-        expand = valid.reshape(valid.shape + (1,) * (values.ndim - 1))
-        Ai, Ak, Av, active = groups_from_rows(
-            jnp, jnp.maximum(rows, 0), jnp.where(valid, indices, -1), jnp.where(expand, values, 0).astype(dtype),
-            num_rows=num_rows, group_size=group_size, num_groups=group_bound(length, num_rows, group_size),
-            dtype=dtype, index_dtype=index, num_columns=num_columns)
-        transposed = None
-        if with_transpose:  # (`active`: the slots of valid entries, whose columns were not -1)
-            transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=num_columns,
-                                                            index_dtype=index))
+        Ai, Ak, Av, transposed = _csr_groups(
+            indptr, indices, values, num_columns=num_columns, group_size=group_size, dtype=dtype,
+            index_dtype=index_dtype(num_rows, num_columns, length), with_transpose=bool(with_transpose))
         shape = (num_rows, num_columns, *values.shape[1:])
         return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=shape, nnz=length, transposed=transposed,
                                   overflow=jnp.zeros((), bool))
