@@ -10,6 +10,7 @@ reference with a nonzero value. Nothing depends on the data's shapes, so a jitte
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -147,17 +148,12 @@ def sample_neighbors(graph: CSRGraph, seeds, fanouts, key, *, replace: bool = Fa
         if past.size:
             raise ValueError(f"sample_neighbors: seeds[{past[0]}] = {host[past[0]]} is out of range: expected a node "
                              f"id in [0, num_nodes = {graph.num_nodes}), or a negative id (-1) for padding")
-    nodes = jnp.where((seeds >= 0) & (seeds < graph.num_nodes), seeds, -1).astype(jnp.int32)
-    tables = []
-    for hop, fanout in enumerate(fanouts):
-        neighbors = _draw(graph, nodes, fanout, jax.random.fold_in(key, hop), replace)
-        transpose = transposes[len(fanouts) - 1 - hop]  # (hops run innermost first)
-        if hop == len(fanouts) - 1 and outer_sources == "graph":
-            tables.append(GroupCOO.from_neighbors(neighbors, num_sources=graph.num_nodes, with_transpose=transpose))
-            break
-        next_nodes, local = _relabel(nodes, neighbors)
-        tables.append(GroupCOO.from_neighbors(local, num_sources=next_nodes.shape[0], with_transpose=transpose))
-        nodes = next_nodes
+    nodes, neighbors = _hops(graph, seeds, key, fanouts=fanouts, replace=bool(replace), outer_sources=outer_sources)
+    num_sources = hop_sizes(seeds.shape[0], fanouts)[1:]
+    if outer_sources == "graph":
+        num_sources = (*num_sources[:-1], graph.num_nodes)
+    tables = [GroupCOO.from_neighbors(table, num_sources=sources, with_transpose=transpose)
+              for table, sources, transpose in zip(neighbors, num_sources, reversed(transposes))]  # (innermost first)
     sizes = tuple(a.shape[1] for a in reversed(tables)) + (seeds.shape[0],)
     return NeighborSample(nodes, tuple(reversed(tables)), sizes, graph.num_nodes, outer_sources)
 
@@ -178,6 +174,25 @@ def hop_sizes(batch_size: int, fanouts) -> tuple[int, ...]:
     for k in fanouts:
         sizes.append(sizes[-1] * (1 + k))
     return tuple(sizes)
+
+
+# One compiled program (static fanouts and flags): eagerly each of its operations (some ~170 for two hops) compiled
+# alone for every new batch size.
+@functools.partial(jax.jit, static_argnames=("fanouts", "replace", "outer_sources"))
+def _hops(graph: CSRGraph, seeds, key, *, fanouts: tuple[int, ...], replace: bool, outer_sources: str):
+    """The draw of `sample_neighbors`: the last hop's nodes and each hop's neighbor table, innermost first, in the
+    next hop's local ids (the last hop's in the graph's ids with ``outer_sources="graph"``). Seeds outside
+    ``[0, num_nodes)`` are padding."""
+    nodes = jnp.where((seeds >= 0) & (seeds < graph.num_nodes), seeds, -1).astype(jnp.int32)
+    tables = []
+    for hop, fanout in enumerate(fanouts):
+        neighbors = _draw(graph, nodes, fanout, jax.random.fold_in(key, hop), replace)
+        if hop == len(fanouts) - 1 and outer_sources == "graph":
+            tables.append(neighbors)
+            break
+        nodes, local = _relabel(nodes, neighbors)
+        tables.append(local)
+    return nodes, tuple(tables)
 
 
 def _draw(graph: CSRGraph, nodes, fanout: int, key, replace: bool):
