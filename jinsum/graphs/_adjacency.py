@@ -5,6 +5,9 @@ capacity for a graph that changes every step; the layers of `jinsum.nn` take it 
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
@@ -115,7 +118,20 @@ def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: 
     if values is not None and jnp.shape(values) != edge_index.shape[1:]:
         raise ValueError(f"{where}: values must have shape (E,) with E = {edge_index.shape[1]} edges (one weight per "
                          f"edge, with self_loops), got {jnp.shape(values)}")
-    weights = jnp.ones(edge_index.shape[1], jnp.float32) if values is None else jnp.asarray(values)
+    edges, weights = _with_self_loops(edge_index, None if values is None else jnp.asarray(values), num_nodes)
+    # The self loops take N entries beyond the caller's capacity; the errors name the capacity the caller passes.
+    return GroupCOO._from_edges_on_device(where, edges, weights, (num_nodes, num_nodes), capacity + num_nodes,
+                                          group_size, None, self_loops=num_nodes)
+
+
+
+# One compiled program (eagerly each of its operations compiled alone for every new size).
+@functools.partial(jax.jit, static_argnums=2)
+def _with_self_loops(edge_index, values, num_nodes: int):
+    """The edges and weights (default ones) of `_adjacency_on_device` with PyG's remaining self loops: edges of
+    weight 0 and padding become padding (-1), and ``N`` loop edges follow, padding where a node has its own nonzero
+    loop."""
+    weights = jnp.ones(edge_index.shape[1], jnp.float32) if values is None else values
     src, dst = edge_index
     kept = (weights != 0) & (src >= 0) & (dst >= 0)
     own_loop = kept & (src == dst)
@@ -123,8 +139,4 @@ def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: 
     nodes = jnp.arange(num_nodes, dtype=edge_index.dtype)
     loops = jnp.where(has_loop, -1, nodes)
     edges = jnp.concatenate([jnp.where(kept, edge_index, -1), jnp.stack([loops, loops])], axis=1)
-    weights = jnp.concatenate([weights, jnp.ones(num_nodes, weights.dtype)])
-    # The self loops take N entries beyond the caller's capacity; the errors name the capacity the caller passes.
-    return GroupCOO._from_edges_on_device(where, edges, weights, (num_nodes, num_nodes), capacity + num_nodes,
-                                          group_size, None, self_loops=num_nodes)
-
+    return edges, jnp.concatenate([weights, jnp.ones(num_nodes, weights.dtype)])

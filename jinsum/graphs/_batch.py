@@ -125,10 +125,7 @@ class GraphBatch:
     def edges(self) -> jax.Array:
         """int32 `(2, E)`: the edge index over the batch's nodes (graph `k`'s ids after those of graphs before it),
         -1 for padding edges."""
-        first_node = jnp.cumsum(self.n_node) - self.n_node
-        graph = _owner(self.n_edge, self.budget.edges)
-        offset = jnp.concatenate([first_node, jnp.zeros(1, first_node.dtype)])[graph]
-        return jnp.where(graph < self.budget.graphs, self.edge_index + offset, -1)
+        return _edges(self.edge_index, self.n_node, self.n_edge, self.budget)
 
     def adjacency(self, values=None, *, self_loops: bool = False, group_size: int | None = None,
                   with_transpose: bool | None = None) -> GroupCOO:
@@ -148,11 +145,8 @@ class GraphBatch:
         if self_loops:
             return adjacency(self.edges(), self.budget.nodes, values=values, group_size=group_size,
                              self_loops=True, capacity=self.budget.edges)
-        nodes = self.budget.nodes
-        src, dst = self.edges()
-        in_degree = jnp.zeros(nodes, jnp.int32).at[jnp.where(dst < 0, nodes, dst)].add(1, mode="drop")
-        indptr = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(in_degree)])
-        return GroupCOO.from_csr(indptr, src, values, num_columns=nodes, group_size=group_size,
+        indptr, src = _csr(self.edge_index, self.n_node, self.n_edge, self.budget)
+        return GroupCOO.from_csr(indptr, src, values, num_columns=self.budget.nodes, group_size=group_size,
                                  with_transpose=with_transpose)
 
 
@@ -161,9 +155,31 @@ jax.tree_util.register_dataclass(
     meta_fields=["budget"])
 
 
+# The batch's index arithmetic as compiled programs of static sizes: a batch's arrays may be concrete (a loader's
+# batch read outside `jit`), where each operation would otherwise compile alone.
+@functools.partial(jax.jit, static_argnums=1)
 def _owner(counts: jax.Array, size: int) -> jax.Array:
     """For `size` rows dealt to segments of `counts` in order, each row's segment (`len(counts)` past the end)."""
     return rows_of_positions(jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)]), size)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _edges(edge_index: jax.Array, n_node: jax.Array, n_edge: jax.Array, budget: GraphBudget) -> jax.Array:
+    """`GraphBatch.edges`."""
+    first_node = jnp.cumsum(n_node) - n_node
+    graph = _owner(n_edge, budget.edges)
+    offset = jnp.concatenate([first_node, jnp.zeros(1, first_node.dtype)])[graph]
+    return jnp.where(graph < budget.graphs, edge_index + offset, -1)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _csr(edge_index: jax.Array, n_node: jax.Array, n_edge: jax.Array, budget: GraphBudget):
+    """The batch's edges as a CSR index over its destinations, ``(indptr, sources)``: the loader keeps each graph's
+    edges in destination order, so only the rows' starts are counted."""
+    nodes = budget.nodes
+    src, dst = _edges(edge_index, n_node, n_edge, budget)
+    in_degree = jnp.zeros(nodes, jnp.int32).at[jnp.where(dst < 0, nodes, dst)].add(1, mode="drop")
+    return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(in_degree)]), src
 
 
 class GraphLoader:
