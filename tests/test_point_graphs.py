@@ -70,7 +70,7 @@ def test_knn_equals_brute_force(rng, block_size, loop):
     pos = rng.standard_normal((batch.size, 3))
     k = 4
     expected = _brute_force(pos, k, batch, loop)
-    found = jax.jit(lambda p, b: jg.knn(p, k, b, loop, block_size=block_size))(pos, batch)
+    found = np.asarray(jax.jit(lambda p, b: jg.knn(p, k, b, loop, block_size=block_size))(pos, batch))
     np.testing.assert_array_equal(found, expected)
     assert (found[batch == 1][:, 2 - (not loop):] == -1).all() and (found[batch == -1] == -1).all()
 
@@ -129,10 +129,10 @@ def test_radius_equals_brute_force(rng, block_size, loop, width):
     batch = np.repeat([0, 1, 2, -1], [9, 2, 14, 3])
     pos = rng.standard_normal((batch.size, 3))
     expected, count = _brute_force_radius(pos, 2.0, batch, loop, width)
-    with jax.enable_x64(True):
-        found, found_count = jax.jit(lambda p, b: jg.radius(p, 2.0, b, width, loop, block_size=block_size))(pos, batch)
-        edge_index, overflow = jax.jit(lambda p, b: jg.radius_graph(p, 2.0, b, loop, width,
-                                                                     block_size=block_size))(pos, batch)
+    with jax.enable_x64(True):  # (both in one compiled program)
+        (found, found_count), (edge_index, overflow) = jax.tree.map(np.asarray, jax.jit(lambda p, b: (
+            jg.radius(p, 2.0, b, width, loop, block_size=block_size),
+            jg.radius_graph(p, 2.0, b, loop, width, block_size=block_size)))(pos, batch))
     np.testing.assert_array_equal(found, expected)
     np.testing.assert_array_equal(found_count, count)
     assert (found[batch == -1] == -1).all() and (found_count[batch == -1] == 0).all()
