@@ -7,6 +7,10 @@ import zlib
 # be set before JAX starts its backends; other tests run on the first device as before.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+# Two test workers on two cores: a worker's torch (Triton's interpreter, the PyG references) and NumPy's BLAS take one
+# thread each, as do the examples' subprocesses. With a thread per core, each operation waited at its threads' barrier
+# for a core the other worker held (a PyG step of point_cloud's smoke run 30x slower than on one thread).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # CPU runs spend most of their time compiling small programs: XLA's older elemental emitter compiles them in ~30% less
 # time than its MLIR fusion emitters (test_shard.py's layer tests: 31 -> 22 s of CPU). jaxlib 0.11's XLA no longer
 # has the flag and refuses to start with it, on any platform.

@@ -49,22 +49,6 @@ RUNS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The PyG baselines on one torch thread: CI runs two test workers on two cores, where torch's default of a
-    thread per core made every operation wait at its threads' barrier for a core (a PyG step of point_cloud's smoke
-    run 30x slower than on one thread)."""
-    try:
-        import torch  # noqa: PLC0415
-    except ImportError:
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_every_example_is_run():
     scripts = [*EXAMPLES.glob("*/main.py"), *(p for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))]
     assert {p.relative_to(EXAMPLES).as_posix() for p in scripts} == set(RUNS)
