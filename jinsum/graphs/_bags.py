@@ -15,6 +15,7 @@ updates only the rows the batch touches (`Bags.take`, `Bags.scatter_add`): the s
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -127,9 +128,8 @@ def bags(indices, offsets=None, per_sample_weights=None, *, num_embeddings: int,
         if per_sample_weights.shape != indices.shape or not jnp.issubdtype(per_sample_weights.dtype, jnp.floating):
             raise ValueError(f"{where}: per_sample_weights must be floating with the shape of indices "
                              f"{tuple(indices.shape)}, got {per_sample_weights.dtype}{list(per_sample_weights.shape)}")
-    valid = (indices >= 0) & (indices < num_embeddings)
     if padding_idx is not None:
-        valid &= indices != check_padding_idx(where, padding_idx, num_embeddings)
+        padding_idx = check_padding_idx(where, padding_idx, num_embeddings)
     if not isinstance(indices, jax.core.Tracer):
         out_of_range = np.argwhere(np.asarray(indices) >= num_embeddings)
         if out_of_range.size:
@@ -139,21 +139,38 @@ def bags(indices, offsets=None, per_sample_weights=None, *, num_embeddings: int,
     elif _config.check_indices.value:
         checkify.check(jnp.all(indices < num_embeddings), f"{where}: indices holds an id past num_embeddings = "
                        f"{num_embeddings}; negative ids mark padding")
-    rows, columns, num_columns = None, indices, num_embeddings
-    if unique:
-        # The distinct ids, sorted (one sort), each lookup's position among them; padding sorts last as id V.
-        rows, columns = jnp.unique(jnp.where(valid, indices, num_embeddings).ravel(), size=indices.size,
-                                   fill_value=num_embeddings, return_inverse=True)
-        columns, num_columns = columns.reshape(indices.shape), indices.size
-    columns = jnp.where(valid, columns, -1)
+    rows, columns, indptr = _lookups(indices, offsets, num_embeddings=num_embeddings, padding_idx=padding_idx,
+                                     unique=bool(unique), include_last_offset=bool(include_last_offset))
+    num_columns = indices.size if unique else num_embeddings
     if indices.ndim == 2:
         matrix = GroupCOO.from_neighbors(columns, per_sample_weights, num_sources=num_columns,
                                          with_transpose=with_transpose)
     else:
-        indptr = offsets if include_last_offset else jnp.append(offsets, indices.shape[0]).astype(offsets.dtype)
         matrix = GroupCOO.from_csr(indptr, columns, per_sample_weights, num_columns=num_columns,
                                    with_transpose=with_transpose)
     return Bags(matrix, rows, num_embeddings, per_sample_weights is not None)
+
+
+# One compiled program (static sizes and flags): eagerly each of its operations compiled alone for every new shape.
+@functools.partial(jax.jit, static_argnames=("num_embeddings", "padding_idx", "unique", "include_last_offset"))
+def _lookups(indices, offsets, *, num_embeddings: int, padding_idx: int | None, unique: bool,
+             include_last_offset: bool):
+    """`bags`' lookups as a matrix's index: ``(rows, columns, indptr)``, ``rows`` the distinct ids with ``unique``
+    (else None), ``columns`` each lookup's column (-1: padding), and ``indptr`` the bags' starts and end for flat
+    indices (else None)."""
+    valid = (indices >= 0) & (indices < num_embeddings)
+    if padding_idx is not None:
+        valid &= indices != padding_idx
+    rows, columns = None, indices
+    if unique:
+        # The distinct ids, sorted (one sort), each lookup's position among them; padding sorts last as id V.
+        rows, columns = jnp.unique(jnp.where(valid, indices, num_embeddings).ravel(), size=indices.size,
+                                   fill_value=num_embeddings, return_inverse=True)
+        columns = columns.reshape(indices.shape)
+    indptr = None
+    if indices.ndim == 1:
+        indptr = offsets if include_last_offset else jnp.append(offsets, indices.shape[0]).astype(offsets.dtype)
+    return rows, jnp.where(valid, columns, -1), indptr
 
 
 def _check_offsets(where: str, offsets, length: int, include_last_offset: bool) -> jax.Array:
