@@ -75,17 +75,19 @@ def test_each_graph_in_a_batch_gives_what_it_gives_alone(rng, sizes):
             out = step(state, batch)
             real = int(np.sum(batch.graph_mask))
             assert out.shape == (3, 16) and real >= 1 and not np.asarray(batch.graph_mask)[real:].any()
-            # (the batch's references in one compiled program: eagerly each of their operations compiles per size)
-            alone = nnx.jit(lambda m: [m.alone(g) for g in graphs[seen: seen + real]])(model)
+            weights = jnp.asarray(rng.standard_normal(16))
+            alone = graphs[seen: seen + real]
+            # The batch's graphs alone, in one compiled program: each one's output, and the gradient of their
+            # weighted sum (eagerly each operation would compile for every graph size).
+            outputs, alone_grad = nnx.jit(lambda m, alone=alone, weights=weights: (
+                [m.alone(g) for g in alone],
+                nnx.grad(lambda m: sum(jnp.sum(m.alone(g) * weights) for g in alone))(m)))(model)
             for k in range(real):
-                np.testing.assert_allclose(out[k], alone[k], rtol=1e-10, atol=1e-12)
+                np.testing.assert_allclose(out[k], outputs[k], rtol=1e-10, atol=1e-12)
             np.testing.assert_array_equal(out[real:], 0)  # padding graphs pool nothing
             # gradients: the batch's masked loss against the sum of each graph's own
-            weights = jnp.asarray(rng.standard_normal(16))
             masked = masked_grad(state, batch, weights)
-            alone = nnx.jit(nnx.grad(lambda m: sum(jnp.sum(m.alone(g) * weights) for g in graphs[seen: seen + real])))(
-                model)
-            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12), masked, alone)
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12), masked, alone_grad)
             seen += real
         assert seen == len(graphs) and step.traces == 1
         if sizes == [6, 6]:
