@@ -19,6 +19,8 @@ gathering a weight matrix per row again (12x slower there).
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,12 +154,20 @@ class HeteroLinear(nnx.Module):
 def rows_by_type(type_vec: jax.Array, num_types: int) -> GroupCOO:
     """`A` `(num_types, N)` with `A[t, i] = 1` where `type_vec[i] == t`, traceable: its shapes depend only on `N`
     and `num_types`. Rows whose type is out of range are in no group."""
+    starts, order = _rows_in_type_order(type_vec, num_types)
+    # No column order: the input's gradient then runs over the groups as the forward does (module docstring).
+    # Groups of the grouped product's row tile where the padding stays small (`routed_group_size`, as MoE's).
+    return GroupCOO.from_csr(starts, order, num_columns=type_vec.shape[0], with_transpose=False,
+                             group_size=routed_group_size(type_vec.shape[0], num_types))
+
+
+@partial(jax.jit, static_argnums=1)
+def _rows_in_type_order(type_vec: jax.Array, num_types: int) -> tuple[jax.Array, jax.Array]:
+    """`rows_by_type`'s CSR index, one compiled program (eagerly each operation would compile on its own): each
+    type's first position `(num_types + 1,)` and the rows by type, int32 `(N,)`, out-of-range types last."""
     valid = (type_vec >= 0) & (type_vec < num_types)
     key = jnp.where(valid, type_vec, num_types)  # out-of-range types sort last, past the last type's rows
     order = jnp.argsort(key, stable=True)  # stable: a type's rows stay in order, for locality
     counts = row_lengths(jnp, key[order], num_types)  # (of the sorted keys: a histogram's atomics would queue)
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts[:num_types], dtype=jnp.int32)])
-    # No column order: the input's gradient then runs over the groups as the forward does (module docstring).
-    # Groups of the grouped product's row tile where the padding stays small (`routed_group_size`, as MoE's).
-    return GroupCOO.from_csr(starts, order.astype(jnp.int32), num_columns=type_vec.shape[0], with_transpose=False,
-                             group_size=routed_group_size(type_vec.shape[0], num_types))
+    return starts, order.astype(jnp.int32)
