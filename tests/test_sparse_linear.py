@@ -60,6 +60,7 @@ def test_gradients_with_respect_to_input_and_values(case, x64, rng):
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
     x = jnp.asarray(rng.standard_normal((5, case[0])))
 
+    @jax.jit  # (compiled once per derivative, not op by op at each of check_grads' points)
     def apply(kernel, x):
         return nnx.merge(graphdef, nnx.State({"kernel": nnx.Param(kernel)}), rest)(x)
 

@@ -107,7 +107,7 @@ class SparseLinear(nnx.Module):
         self.pattern = SparsityPattern(tuple(leaves))
         # Group padding (slots past a row's last entry) must stay zero: the values are multiplied by this mask in
         # every call, so padding gets no gradient and no optimiser moves it (None: the pattern has no padding).
-        self.active = None if bool((ones != 0).all()) else SparsityPattern(ones.astype(param_dtype))
+        self.active = None if np.all(np.asarray(ones) != 0) else SparsityPattern(ones.astype(param_dtype))
         self.kernel = nnx.Param(jinsum.einsum("oi,io->oi", structure.astype(param_dtype), dense).Av)
         self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else None
 
