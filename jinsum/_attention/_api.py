@@ -9,6 +9,7 @@ statements for that format (see `jinsum._lang._chain`), checks them, and binds o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from jinsum._lang import _elementwise
 from jinsum._lang import Access, Var, parse
 from jinsum._lang._chain import Chain, Roles
 from jinsum.formats import BlockGroupCOO, GroupCOO
-from jinsum.formats._convert import check_not_overflowed, is_concrete
+from jinsum.formats._convert import as_jax_array, check_not_overflowed, is_concrete
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | BlockGroupCOO | BlockMask, *,
@@ -97,20 +98,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: GroupCOO | Bloc
     chain, arrays, unpad = build_chain(q, k, v, pattern, scale=scale, score_mod=score_mod, mask_mod=mask_mod,
                                        causal=causal, key_padding_mask=key_padding_mask, dropout=dropout, seed=seed,
                                        self_loops=self_loops, allow_tf32=allow_tf32)
-    out, lse = _chain_primitive.bind(chain, arrays)
-    out, lse = unpad(out), unpad(lse)
+    out, lse = unpad(_chain_primitive.bind(chain, arrays))
     return (out, lse) if return_lse else out
 
 
 def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, causal=False, key_padding_mask=None,
                 dropout=0.0, seed=None, self_loops=False, allow_tf32=None):
     """The checked `Chain` of an `attention` call, its operands by name, and a function that turns the blocked
-    `(..., rows, (bm,) H, ...)` results back into `(..., L, H, ...)`."""
+    `(..., rows, (bm,) H, ...)` results (an array or a tuple of them) back into `(..., L, H, ...)`."""
     _check_arguments(q, k, v, pattern, dropout, self_loops)
     scale = scale_value(scale, np.shape(q)[-1])
     allow_tf32 = _config.tf32_allowed(allow_tf32)
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    mods, outer = {}, _identity
+    q, k, v = as_jax_array(q), as_jax_array(k), as_jax_array(v)
+    mods, outer = {}, None
     if isinstance(pattern, (GroupCOO, BlockGroupCOO)):  # built for a capacity under jit and returned, overflowed
         check_not_overflowed("jinsum.attention", pattern)
     if isinstance(pattern, BlockMask):
@@ -141,14 +141,12 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
     batched = q.ndim == 4
     batch = "b," if batched else ""
     lead = 1 if batched else 0
-    (length, keys), head_dim = pattern.shape[:2], q.shape[-1]
+    length, keys = pattern.shape[:2]
     heads, kv_heads = q.shape[-2], k.shape[-2]
     group = heads // max(kv_heads, 1)  # grouped-query attention: query head h * group + r reads key/value head h
     r = ",r" if group > 1 else ""
     block = _is_block(pattern)
     if block:
-        bm, bk = pattern.block_shape
-        arrays = {"Q": _blocks(q, lead, bm), "K": _blocks(k, lead, bk), "V": _blocks(v, lead, bk)}
         scores = f"S[{batch}g,m,k,p,h{r}] = Q[{batch}Ai[g],m,h{r},d] * K[{batch}Ak[g,p],k,h,d]"
         output = f"O[{batch}Ai[g],m,h{r},e] += S[{batch}g,m,k,p,h{r}] * V[{batch}Ak[g,p],k,h,e]"
         # One flag per block (a block mask), or the blocks' elements.
@@ -156,41 +154,34 @@ def build_chain(q, k, v, pattern, *, scale=None, score_mod=None, mask_mod=None, 
         key_mask_indices = (*(Var("b"),) * batched, Access("Ak", (Var("g"), Var("p"))), Var("k"))
         roles = Roles(query_offset="m", key_offset="k")
     else:
-        arrays = {"Q": q, "K": k, "V": v}
         scores = f"S[{batch}g,p,h{r}] = Q[{batch}Ai[g],h{r},d] * K[{batch}Ak[g,p],h,d]"
         output = f"O[{batch}Ai[g],h{r},e] += S[{batch}g,p,h{r}] * V[{batch}Ak[g,p],h,e]"
         mask = Access("Av", tuple(map(Var, "gph"[:pattern.Av.ndim])))
         key_mask_indices = (*(Var("b"),) * batched, Access("Ak", (Var("g"), Var("p"))))
         roles = Roles()
-    if group > 1:
-        arrays["Q"] = arrays["Q"].reshape(*arrays["Q"].shape[:-2], kv_heads, group, head_dim)
-        if not block and pattern.Av.ndim == 3:  # one value per query head: (G, P, H_kv, R)
-            pattern = pattern.with_values(pattern.Av.reshape(*pattern.Av.shape[:2], kv_heads, group))
-            mask = Access("Av", tuple(map(Var, "gphr")))
-    head_axis = lead + (2 if block else 1)
-
-    def unpad(x):  # (..., rows, (bm,) H_kv, (R,) ...) -> (..., L, H, ...)
-        if group > 1:
-            x = x.reshape(*x.shape[:head_axis], heads, *x.shape[head_axis + 2:])
-        if block:
-            rows = x.shape[lead] * x.shape[lead + 1]  # not -1: x may be empty (no heads, E = 0, a batch of 0)
-            x = x.reshape(*x.shape[:lead], rows, *x.shape[lead + 2:])[(slice(None),) * lead + (slice(0, length),)]
-        return outer(x)
+    if group > 1 and not block and pattern.Av.ndim == 3:  # one value per query head: (G, P, H_kv, R)
+        pattern = pattern.with_values(pattern.Av.reshape(*pattern.Av.shape[:2], kv_heads, group))
+        mask = Access("Av", tuple(map(Var, "gphr")))
+    unpad = (functools.partial(_unpadded, how=_Unpad(lead, heads, group, block, length, outer))
+             if group > 1 or block or outer is not None else _identity)
     roles = dataclasses.replace(roles, batch=("b",) * batched, batch_index="b" if batched else None,
                                 head_group="r" if group > 1 else None)
-    arrays.update(Ai=pattern.Ai, Ak=pattern.Ak, Av=pattern.Av, seed=_seed(seed, dropout))
+    dropout_seed = _seed(seed, dropout)
+    if key_padding_mask is not None:
+        key_padding_mask = _checked_key_mask(key_padding_mask, q, keys, lead)
+    value_dtype = jnp.result_type(q, k, v)
+    score_dtype = jnp.float64 if value_dtype == jnp.float64 else jnp.float32
+    Q, K, V, KM = _operands(q, k, v, key_padding_mask, lead=lead, tile=pattern.block_shape if block else None,
+                            kv_heads=kv_heads, group=group, dtype=value_dtype)
+    arrays = {"Q": Q, "K": K, "V": V, "Ai": pattern.Ai, "Ak": pattern.Ak, "Av": pattern.Av, "seed": dropout_seed}
     arrays.update({n: x for n, x in mods.items() if n[:2] in ("SC", "MC")})
     extra = [_primitive.operand("Av", pattern.Av)]
     key_mask = None
     if key_padding_mask is not None:
-        arrays["KM"] = _key_mask(key_padding_mask, q, keys, lead, pattern)
+        arrays["KM"] = KM
         key_mask = Access("KM", key_mask_indices)
         extra.append(_primitive.operand("KM", arrays["KM"]))
 
-    value_dtype = jnp.result_type(q, k, v)
-    score_dtype = jnp.float64 if value_dtype == jnp.float64 else jnp.float32
-    for name in ("Q", "K", "V"):
-        arrays[name] = arrays[name].astype(value_dtype)
     groups, slots = pattern.Ak.shape
     tile = pattern.block_shape if block else ()
     s_struct = jax.ShapeDtypeStruct(q.shape[:lead] + (groups, *tile, slots, kv_heads) + ((group,) if r else ()),
@@ -219,6 +210,69 @@ class _Blocks(NamedTuple):
     block_shape: tuple[int, int]
 
 
+class _Unpad(NamedTuple):
+    """How the chain's results `(..., rows, (bm,) H_kv, (R,) ...)` go back to `(..., L, H, ...)` (static)."""
+
+    lead: int  # 1 with a batch axis
+    heads: int
+    group: int  # query heads per key/value head
+    block: bool  # rows in blocks of bm
+    length: int  # the rows kept
+    laid_out: _Outer | None  # a block mask's layout (`_lay_out`), or None
+
+
+class _Outer(NamedTuple):
+    """A laid-out block mask's rows `(B * (H *) rows, ...)` taken back to `(..., L, H, ...)` (`_lay_out`)."""
+
+    size: int  # batch elements
+    rows: int  # padded rows of each batch element (and head)
+    length: int  # L
+    batched: bool  # q had a batch axis
+    heads: int | None  # the heads laid along the rows too
+
+
+# Each one compiled program (eagerly, each of their operations compiled alone: several times slower for a new shape).
+@functools.partial(jax.jit, static_argnames=("lead", "tile", "kv_heads", "group", "dtype"))
+def _operands(q, k, v, key_mask, *, lead: int, tile: tuple[int, int] | None, kv_heads: int, group: int, dtype):
+    """`Q`, `K` and `V` in `dtype` and the key mask (or None) as int8 `(B?, S)`, as the chain reads them: cut into
+    zero-padded blocks of queries and of keys for a block pattern (`tile`: its block shape), and the query heads
+    as `(H_kv, group)` for grouped-query attention."""
+    if key_mask is not None:
+        key_mask = jnp.broadcast_to(key_mask, (*q.shape[:lead], k.shape[lead])).astype(jnp.int8)
+    if tile is not None:
+        bm, bk = tile
+        q, k, v = _blocks(q, lead, bm), _blocks(k, lead, bk), _blocks(v, lead, bk)
+        key_mask = None if key_mask is None else _blocks(key_mask, lead, bk)
+    if group > 1:
+        q = q.reshape(*q.shape[:-2], kv_heads, group, q.shape[-1])
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), key_mask
+
+
+@functools.partial(jax.jit, static_argnames="how")
+def _unpadded(results, how: _Unpad):
+    """The chain's results (an array or a pytree of them) as `(..., L, H, ...)`."""
+    lead, head_axis = how.lead, how.lead + (2 if how.block else 1)
+
+    def unpad(x):
+        if how.group > 1:
+            x = x.reshape(*x.shape[:head_axis], how.heads, *x.shape[head_axis + 2:])
+        if how.block:
+            rows = x.shape[lead] * x.shape[lead + 1]  # not -1: x may be empty (no heads, E = 0, a batch of 0)
+            x = x.reshape(*x.shape[:lead], rows, *x.shape[lead + 2:])[(slice(None),) * lead + (slice(0, how.length),)]
+        return x if how.laid_out is None else _outer(x, how.laid_out)
+    return jax.tree.map(unpad, results)
+
+
+def _outer(x, how: _Outer):
+    """Laid-out rows back to `(..., L, H, ...)`: `(B * rows, H, ...)`, or `(B * H * rows, 1, ...)` with the heads."""
+    size, rows, length = how.size, how.rows, how.length
+    if how.heads is None:
+        return x.reshape(size, rows, *x.shape[1:])[:, :length][0 if not how.batched else slice(None)]
+    x = x.reshape(size, how.heads, rows, *x.shape[2:])[:, :, :length]
+    x = jnp.moveaxis(x, 1, 2)
+    return x if how.batched else x[0]
+
+
 def _as_block_flags(pattern: BlockGroupCOO, *, causal: bool, mask_mod: bool) -> BlockGroupCOO | _Blocks:
     """A block pattern known on the host whose blocks hold no zero the causal rule does not mask anyway (as
     `jinsum.block_pattern`'s), as one flag per block, as a block mask is read: the kernels then never read its
@@ -238,7 +292,7 @@ def _as_block_flags(pattern: BlockGroupCOO, *, causal: bool, mask_mod: bool) -> 
     if (holes.any(axis=(1, 2)) & attends).any():
         return pattern
     flags = np.where(full & (not mask_mod), 2, np.where(attends, 1, 0)).astype(np.int8)
-    return _Blocks(pattern.Ai, pattern.Ak, jnp.asarray(flags), pattern.shape, pattern.block_shape)
+    return _Blocks(pattern.Ai, pattern.Ak, as_jax_array(flags), pattern.shape, pattern.block_shape)
 
 
 def _is_block(pattern) -> bool:
@@ -252,14 +306,15 @@ def _identity(x):
 def _lay_out(mask: BlockMask, q, k, v, key_padding_mask, score_mod):
     """`q`, `k`, `v` (and the key mask, `score_mod` and the pattern) laid out as the block mask's rows are: the
     batch elements (and heads, when the mask depends on them) one after another along the sequence, each padded
-    to whole blocks. Returns them and the function that lays the results back out as `(..., L, H, ...)`."""
+    to whole blocks. Returns them and how the results are laid back out as `(..., L, H, ...)` (`_Outer`, or None
+    where the mask lays out nothing)."""
     (length, keys), (bm, bk), (lb, sb) = mask.shape, mask.block, mask.grid
     pattern = _Blocks(mask.Ai, mask.Ak, mask.flags, mask.shape, mask.block)
     _check_mask_reads(mask, q)
     if not mask.laid_out:
-        return q, k, v, key_padding_mask, score_mod, pattern, _identity
+        return q, k, v, key_padding_mask, score_mod, pattern, None
     batched = q.ndim == 4
-    size, heads, kv_heads = (q.shape[0] if batched else 1), q.shape[-2], k.shape[-2]
+    size, heads = (q.shape[0] if batched else 1), q.shape[-2]
     given = f"q of shape {tuple(q.shape)}" + ("" if batched else " (no batch axis: a batch of 1)")
     if mask.batch is not None and mask.batch != size:
         raise ValueError(f"jinsum.attention: the block mask holds one mask per batch element for a batch of "
@@ -274,38 +329,45 @@ def _lay_out(mask: BlockMask, q, k, v, key_padding_mask, score_mod):
         raise ValueError(f"jinsum.attention: the block mask was built for heads={mask.heads}, but got {given} with "
                          f"{heads} heads; build it with heads={heads}")
     rows, cols = lb * bm, sb * bk
+    if key_padding_mask is not None:
+        key_padding_mask = as_jax_array(key_padding_mask)
+    q, k, v, key_padding_mask, Ak = _laid_out(q, k, v, key_padding_mask, mask.Ai, mask.Ak, grid=mask.grid,
+                                              padded=(rows, cols), keys=keys, heads=mask.heads)
+    per_row = size * (mask.heads or 1) * rows
+    pattern = pattern._replace(Ak=Ak, shape=(per_row, k.shape[0]))
+    if score_mod is not None:
+        score_mod = _in_layout(score_mod, rows, cols, mask.batch is not None, mask.heads)
+    return q, k, v, key_padding_mask, score_mod, pattern, _Outer(size, rows, length, batched, mask.heads)
+
+
+# One compiled program (eagerly, each of its operations compiled alone: several times slower for a new shape).
+@functools.partial(jax.jit, static_argnames=("grid", "padded", "keys", "heads"))
+def _laid_out(q, k, v, key_padding_mask, Ai, Ak, *, grid: tuple[int, int], padded: tuple[int, int], keys: int,
+              heads: int | None):
+    """`_lay_out`'s arrays: `q`, `k`, `v` and the key mask (or None) padded to `padded = (rows, cols)` positions
+    per batch element, then the batch (and with `heads`, the heads) along the sequence; the slots' key block
+    columns `Ak` moved to their batch element's (and key/value head's) keys."""
+    (lb, sb), (rows, cols) = grid, padded
+    batched = q.ndim == 4
+    size, kv_heads = (q.shape[0] if batched else 1), k.shape[-2]
     pad = lambda x, n: jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     q, k, v = (x if batched else x[None] for x in (q, k, v))
     q, k, v = pad(q, rows), pad(k, cols), pad(v, cols)
     if key_padding_mask is not None:
-        key_padding_mask = pad(jnp.broadcast_to(jnp.asarray(key_padding_mask), (size, keys)), cols)
-    segment = mask.Ai // lb  # the batch element (and head) of each block row
-    if mask.heads is None:  # the batch along the sequence; heads stay a grid axis
+        key_padding_mask = pad(jnp.broadcast_to(key_padding_mask, (size, keys)), cols)
+    segment = Ai // lb  # the batch element (and head) of each block row
+    if heads is None:  # the batch along the sequence; heads stay a grid axis
         q, k, v = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v))
         key_column = segment * sb
-        per_row = size * rows
-
-        def outer(x):
-            return x.reshape(size, rows, *x.shape[1:])[:, :length][0 if not batched else slice(None)]
     else:  # batch and heads along the sequence, one head
         group = heads // kv_heads
         q, k, v = (x.transpose(0, 2, 1, 3).reshape(-1, 1, x.shape[-1]) for x in (q, k, v))
         key_column = ((segment // heads) * kv_heads + (segment % heads) // group) * sb
         if key_padding_mask is not None:
             key_padding_mask = jnp.broadcast_to(key_padding_mask[:, None], (size, kv_heads, cols))
-        per_row = size * heads * rows
-
-        def outer(x):  # (B * H * rows, 1, ...) -> (B, L, H, ...)
-            x = x.reshape(size, heads, rows, *x.shape[2:])[:, :, :length]
-            x = jnp.moveaxis(x, 1, 2)
-            return x if batched else x[0]
     if key_padding_mask is not None:
         key_padding_mask = key_padding_mask.reshape(-1)
-    pattern = pattern._replace(Ak=mask.Ak + key_column[:, None].astype(mask.Ak.dtype),
-                               shape=(per_row, k.shape[0]))
-    if score_mod is not None:
-        score_mod = _in_layout(score_mod, rows, cols, mask.batch is not None, mask.heads)
-    return q, k, v, key_padding_mask, score_mod, pattern, outer
+    return q, k, v, key_padding_mask, Ak + key_column[:, None].astype(Ak.dtype)
 
 
 def _check_mask_reads(mask: BlockMask, q) -> None:
@@ -415,14 +477,11 @@ def _seed(seed, dropout: float) -> jax.Array:
     return (seed.astype(jnp.int32) & 0x7FFFFFFF).astype(jnp.int32)
 
 
-def _key_mask(mask, q, keys: int, lead: int, pattern) -> jax.Array:
-    """`key_padding_mask` as int8 `(B?, S)`, cut into blocks of keys for a block pattern."""
-    mask = jnp.asarray(mask)
+def _checked_key_mask(mask, q, keys: int, lead: int) -> jax.Array:
+    """`key_padding_mask` as a JAX array, checked: booleans `(B?, S)` or `(S,)`."""
+    mask = as_jax_array(mask)
     expected = (*q.shape[:lead], keys)
     if mask.shape not in (expected, (keys,)) or mask.dtype != jnp.bool_:
         raise ValueError(f"jinsum.attention: key_padding_mask must be booleans of shape {expected} (or ({keys},) for "
                          f"every batch), True for the real keys; got {mask.dtype}{list(mask.shape)}")
-    mask = jnp.broadcast_to(mask, expected).astype(jnp.int8)
-    if _is_block(pattern):
-        mask = _blocks(mask, lead, pattern.block_shape[1])
     return mask
