@@ -211,8 +211,15 @@ def from_blocks(mask_mod: Callable, Ai: jax.Array, Ak: jax.Array, flags: jax.Arr
     `(capacity,)` block columns, `flags` `(capacity,)` 2 full, 1 partial (`mask_mod` decides), 0 a padding slot.
     The same for every batch element and head."""
     user, captured = _elementwise.trace(mask_mod, "mask_mod", where)
-    return _made(mask_mod, user, captured, Ai.astype(jnp.int32), Ak.astype(jnp.int32)[:, None],
-                 flags.astype(jnp.int8)[:, None], jnp.asarray(False), shape, block, batch=None, heads=None, where=where)
+    return _made(mask_mod, user, captured, *_slots(Ai, Ak, flags), jnp.asarray(False), shape, block, batch=None,
+                 heads=None, where=where)
+
+
+@jax.jit  # (one compiled program outside `jit`)
+def _slots(Ai, Ak, flags) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`from_blocks`' slots as a `BlockMask` holds them: int32 block rows `(capacity,)`, int32 block columns and
+    int8 flags `(capacity, 1)`."""
+    return Ai.astype(jnp.int32), Ak.astype(jnp.int32)[:, None], flags.astype(jnp.int8)[:, None]
 
 
 def _made(mask_mod, user, captured, Ai, Ak, flags, overflow, shape, block, *, batch, heads, where) -> BlockMask:

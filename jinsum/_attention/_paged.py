@@ -26,7 +26,7 @@ from jax.experimental import checkify
 from jinsum import _config
 from jinsum._attention import _block_mask
 from jinsum._attention._api import attention, scale_value
-from jinsum.formats._convert import is_concrete
+from jinsum.formats._convert import as_jax_array, is_concrete
 from jinsum.formats._row_starts import count_below
 
 WHERE = "jinsum.paged_attention"
@@ -87,13 +87,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
       >>> out.shape, cache.lengths
       ((2, 4, 32), Array([1, 0, 1, 0], dtype=int32))
     """
-    q, k_pages, v_pages = (jnp.asarray(x) for x in (q, k_pages, v_pages))
-    page_table, kv_lengths = jnp.asarray(page_table), jnp.asarray(kv_lengths)
+    q, k_pages, v_pages = (as_jax_array(x) for x in (q, k_pages, v_pages))
+    page_table, kv_lengths = as_jax_array(page_table), as_jax_array(kv_lengths)
     _check_shapes(q, k_pages, v_pages, page_table, kv_lengths, query_starts, window, score_mod)
     scale = scale_value(scale, q.shape[-1], WHERE)
     batch = page_table.shape[0]
-    starts = (jnp.arange(batch + 1, dtype=jnp.int32) if query_starts is None
-              else jnp.asarray(query_starts).astype(jnp.int32))
+    starts = (as_jax_array(np.arange(batch + 1, dtype=np.int32)) if query_starts is None
+              else as_jax_array(query_starts).astype(jnp.int32))
     page_table, kv_lengths = page_table.astype(jnp.int32), kv_lengths.astype(jnp.int32)
     _check_values(page_table, kv_lengths, starts, k_pages.shape[0], k_pages.shape[1])
     return _attend(q, k_pages, v_pages, page_table, kv_lengths, starts, causal=bool(causal), scale=scale,
@@ -140,7 +140,7 @@ def _check_shapes(q, k_pages, v_pages, page_table, kv_lengths, query_starts, win
                              f"{q.shape[0]} must equal B = {batch} (the rows of page_table); pass query_starts "
                              "(B + 1,) for several tokens per sequence")
     else:
-        starts = jnp.asarray(query_starts)
+        starts = as_jax_array(query_starts)
         if starts.shape != (batch + 1,) or not jnp.issubdtype(starts.dtype, jnp.integer):
             raise ValueError(f"{WHERE}: query_starts must be integers (B + 1,) = ({batch + 1},), offsets of each "
                              f"sequence's tokens in q; got {shape(starts)}")
@@ -155,10 +155,10 @@ def _check_values(page_table, kv_lengths, starts, num_pages: int, page_size: int
     """The index arrays against what they address: an error naming the sequence and entry where they are concrete,
     `checkify` checks under `jinsum.check_indices` where they are traced."""
     capacity = page_table.shape[1] * page_size
-    q_len = starts[1:] - starts[:-1]
-    logical = jnp.arange(page_table.shape[1], dtype=jnp.int32)
+    logical = np.arange(page_table.shape[1], dtype=np.int32)
     if all(is_concrete(x) for x in (page_table, kv_lengths, starts)):
-        table, lengths, first, counts = (np.asarray(x) for x in (page_table, kv_lengths, starts, q_len))
+        table, lengths, first = (np.asarray(x) for x in (page_table, kv_lengths, starts))
+        counts = first[1:] - first[:-1]
         if first[0] < 0 or (counts < 0).any():
             raise ValueError(f"{WHERE}: query_starts must be non-decreasing offsets from 0 or more; got "
                              f"{first.tolist()}")
@@ -168,17 +168,18 @@ def _check_values(page_table, kv_lengths, starts, num_pages: int, page_size: int
         for b in np.flatnonzero((counts > lengths) & (lengths > 0))[:1]:
             raise ValueError(f"{WHERE}: sequence {b} has {counts[b]} new tokens but kv_lengths[{b}] = "
                              f"{lengths[b]}: the cache must hold the new tokens too (append them first)")
-        read = np.asarray(logical) * page_size < lengths[:, None]
+        read = logical * page_size < lengths[:, None]
         for b, p in np.argwhere(read & ((table < 0) | (table >= num_pages)))[:1]:
             raise ValueError(f"{WHERE}: page_table[{b}, {p}] = {table[b, p]} is outside [0, {num_pages}) (the pages "
                              f"of k_pages), and sequence {b}'s {lengths[b]} tokens read it")
-        at = np.asarray(logical_pages(page_table, jnp.asarray(read), num_pages))
-        for b, p in np.argwhere(read & (at[np.clip(table, 0, num_pages - 1)] != np.asarray(logical)))[:1]:
-            other, at_other = np.argwhere(read & (table == table[b, p]) & (np.asarray(logical) == at[table[b, p]]))[0]
+        at = np.asarray(logical_pages(page_table, read, num_pages))
+        for b, p in np.argwhere(read & (at[np.clip(table, 0, num_pages - 1)] != logical))[:1]:
+            other, at_other = np.argwhere(read & (table == table[b, p]) & (logical == at[table[b, p]]))[0]
             raise ValueError(f"{WHERE}: page {table[b, p]} is logical page {p} of sequence {b} and logical page "
                              f"{at_other} of sequence {other}; a page several sequences read (a shared prefix) "
                              "must sit at the same logical index in each")
     elif _config.check_indices.value:
+        q_len, logical = starts[1:] - starts[:-1], jnp.asarray(logical)
         read = logical * page_size < kv_lengths[:, None]
         checkify.check(jnp.all((kv_lengths >= 0) & (kv_lengths <= capacity)),
                        f"{WHERE}: kv_lengths holds a length outside [0, {capacity}], the tokens the table's pages hold")
@@ -194,6 +195,7 @@ def _check_values(page_table, kv_lengths, starts, num_pages: int, page_size: int
                        "prefix must sit at the same logical index in each)")
 
 
+@functools.partial(jax.jit, static_argnums=2)  # (one compiled program outside `jit`)
 def logical_pages(page_table, read, num_pages: int) -> jax.Array:
     """Each physical page's logical index in the entries of `page_table` that `read` marks (the largest where
     several name it: the order of a scatter's writes is not fixed on GPUs), -1 for pages none reads."""
@@ -264,12 +266,19 @@ def laid_out(q, k_pages, v_pages, page_table, kv_lengths, starts, *, causal, win
     mask = _block_mask.from_blocks(mask_mod, rows.block_rows, rows.block_pages, rows.block_flags,
                                    (rows.queries.shape[0], num_pages * page_size), (bm, page_size), where=WHERE)
 
-    def back(out):  # (rows, Hkv, E) -> (T, Hkv, group, E) -> (T, Hq, E)
-        out = out[rows.token_rows[:, None, :], jnp.arange(kv_heads)[None, :, None]]
-        return jnp.where(rows.real_token[:, None, None, None], out, 0).reshape(tokens, heads, -1)
-
     return (rows.queries, k_pages.reshape(num_pages * page_size, kv_heads, dim),
-            v_pages.reshape(num_pages * page_size, kv_heads, -1), mask, None if score_mod is None else modify, back)
+            v_pages.reshape(num_pages * page_size, kv_heads, -1), mask, None if score_mod is None else modify,
+            functools.partial(_back, token_rows=rows.token_rows, real_token=rows.real_token))
+
+
+# One compiled program (outside `jit`, each of its operations would compile on its own).
+@jax.jit
+def _back(out, token_rows, real_token) -> jax.Array:
+    """`laid_out`'s `back`: the chain's output rows `(rows, Hkv, E)` -> `(T, Hkv, group, E)` -> `(T, Hq, E)`, zeros
+    for padding tokens."""
+    tokens, group = token_rows.shape
+    out = out[token_rows[:, None, :], jnp.arange(out.shape[1])[None, :, None]]
+    return jnp.where(real_token[:, None, None, None], out, 0).reshape(tokens, out.shape[1] * group, -1)
 
 
 def _query_block(tokens: int, group: int, batch: int) -> int:

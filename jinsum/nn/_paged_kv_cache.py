@@ -16,6 +16,7 @@ outside `jit` it raises instead (naming the sequence, what it needs and what is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from jax.experimental import checkify
 import jinsum
 from jinsum import _config
 from jinsum._attention._paged import token_sequences
-from jinsum.formats._convert import is_concrete
+from jinsum.formats._convert import as_jax_array, is_concrete
 
 WHERE = "jinsum.nn.PagedKVCache"
 
@@ -64,12 +65,8 @@ class PagedKVCache:
                 raise ValueError(f"{WHERE}.create: {name} must be a positive int, got {size!r}")
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"{WHERE}.create: dtype must be floating, got {jnp.dtype(dtype)}")
-        pool = (num_pages, page_size, kv_heads)
-        return cls(k_pages=jnp.zeros((*pool, head_dim), dtype), v_pages=jnp.zeros((*pool, sizes["value_dim"]), dtype),
-                   page_table=jnp.full((max_sequences, max_pages_per_sequence), -1, jnp.int32),
-                   lengths=jnp.zeros((max_sequences,), jnp.int32),
-                   free_pages=jnp.arange(num_pages, dtype=jnp.int32)[::-1], num_free=jnp.asarray(num_pages, jnp.int32),
-                   overflow=jnp.asarray(False))
+        return _empty(cls, (num_pages, page_size, kv_heads), head_dim, sizes["value_dim"],
+                      (max_sequences, max_pages_per_sequence), jnp.dtype(dtype))
 
     @property
     def page_size(self) -> int:
@@ -98,7 +95,7 @@ class PagedKVCache:
         Returns the cache with the tokens written and the lengths advanced; sequences that do not fit are left
         unchanged and `overflow` is set (an error outside `jit`).
         """
-        k, v, sequence_ids = jnp.asarray(k), jnp.asarray(v), jnp.asarray(sequence_ids)
+        k, v, sequence_ids = as_jax_array(k), as_jax_array(v), as_jax_array(sequence_ids)
         starts = self._starts(k, query_starts, sequence_ids, "append")
         for name, x, width, size in (("k", k, self.k_pages.shape[3], "head_dim"),
                                      ("v", v, self.v_pages.shape[3], "value_dim")):
@@ -126,7 +123,7 @@ class PagedKVCache:
     def release(self, sequence_ids: jax.Array) -> PagedKVCache:
         """Returns the pages of these sequence slots to the free list and empties the slots (negative ids are
         padding entries, skipped)."""
-        sequence_ids = jnp.asarray(sequence_ids)
+        sequence_ids = as_jax_array(sequence_ids)
         if sequence_ids.ndim != 1 or not jnp.issubdtype(sequence_ids.dtype, jnp.integer):
             raise TypeError(f"{WHERE}.release: sequence_ids must be integers (n,), got "
                             f"{sequence_ids.dtype}{list(sequence_ids.shape)}")
@@ -138,11 +135,9 @@ class PagedKVCache:
         """`jinsum.paged_attention` of `q` (packed as for `append`, whose tokens it must follow) over these
         sequences' cached keys and values; `options` are its keywords (`causal`, `scale`, `window`,
         `score_mod`). A padding entry (negative id) attends to nothing: zeros."""
-        sequence_ids = jnp.asarray(sequence_ids)
-        slot_ok = (sequence_ids >= 0) & (sequence_ids < self.max_sequences)
-        row = jnp.clip(sequence_ids, 0, self.max_sequences - 1)
-        return jinsum.paged_attention(q, self.k_pages, self.v_pages, self.page_table[row],
-                                      jnp.where(slot_ok, self.lengths[row], 0), query_starts=query_starts, **options)
+        page_table, lengths = _sequences(self, as_jax_array(sequence_ids))
+        return jinsum.paged_attention(q, self.k_pages, self.v_pages, page_table, lengths, query_starts=query_starts,
+                                      **options)
 
     def _starts(self, k, query_starts, sequence_ids, method: str) -> jax.Array:
         """The sequences' offsets into the packed tokens, checked against `sequence_ids`."""
@@ -154,8 +149,8 @@ class PagedKVCache:
             if k.ndim < 1 or k.shape[0] != n:
                 raise ValueError(f"{WHERE}.{method}: without query_starts each sequence has one token, so T = "
                                  f"{k.shape[0] if k.ndim else None} must equal len(sequence_ids) = {n}")
-            return jnp.arange(n + 1, dtype=jnp.int32)
-        starts = jnp.asarray(query_starts)
+            return as_jax_array(np.arange(n + 1, dtype=np.int32))
+        starts = as_jax_array(query_starts)
         if starts.shape != (n + 1,) or not jnp.issubdtype(starts.dtype, jnp.integer):
             raise ValueError(f"{WHERE}.{method}: query_starts must be integers (n + 1,) = ({n + 1},), offsets of the "
                              f"sequences' tokens; got {starts.dtype}{list(starts.shape)}")
@@ -182,8 +177,20 @@ class PagedKVCache:
                            f"{WHERE}.{method}: sequence_ids must be distinct slots below max_sequences")
 
 
-# The array updates of `append` and `release`, each one compiled program (eagerly each of their operations would
-# compile on its own); their checks stay outside, where the values may be concrete.
+# The arrays of `create`, `append`, `release` and `attend`, each one compiled program (eagerly each of their
+# operations would compile on its own); their checks stay outside, where the values may be concrete.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _empty(cls, pool: tuple[int, int, int], head_dim: int, value_dim: int, table: tuple[int, int],
+           dtype) -> PagedKVCache:
+    """`create`'s empty cache of class `cls`: pools `(*pool, head_dim)` and `(*pool, value_dim)`, a page table of
+    shape `table`."""
+    num_pages = pool[0]
+    return cls(k_pages=jnp.zeros((*pool, head_dim), dtype), v_pages=jnp.zeros((*pool, value_dim), dtype),
+               page_table=jnp.full(table, -1, jnp.int32), lengths=jnp.zeros(table[:1], jnp.int32),
+               free_pages=jnp.arange(num_pages, dtype=jnp.int32)[::-1], num_free=jnp.asarray(num_pages, jnp.int32),
+               overflow=jnp.asarray(False))
+
+
 @jax.jit
 def _appended(cache: PagedKVCache, k, v, starts, sequence_ids):
     """`append`'s cache, and for its error: which sequences were refused, the tokens each would hold, the pages it
@@ -244,6 +251,14 @@ def _released(cache: PagedKVCache, sequence_ids) -> PagedKVCache:
         num_free=cache.num_free + held.sum(dtype=jnp.int32),
         page_table=cache.page_table.at[slot].set(-1, mode="drop"),
         lengths=cache.lengths.at[slot].set(0, mode="drop"))
+
+
+@jax.jit
+def _sequences(cache: PagedKVCache, sequence_ids) -> tuple[jax.Array, jax.Array]:
+    """`attend`'s page table rows and lengths of these sequence slots (a padding entry: no tokens)."""
+    slot_ok = (sequence_ids >= 0) & (sequence_ids < cache.max_sequences)
+    row = jnp.clip(sequence_ids, 0, cache.max_sequences - 1)
+    return cache.page_table[row], jnp.where(slot_ok, cache.lengths[row], 0)
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=[f.name for f in dataclasses.fields(PagedKVCache)],
