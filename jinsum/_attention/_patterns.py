@@ -16,7 +16,7 @@ import scipy.sparse as sp
 from jinsum._attention import _block_mask
 from jinsum._attention._block_mask import BlockMask
 from jinsum.formats import BlockGroupCOO
-from jinsum.formats._convert import check_int
+from jinsum.formats._convert import as_jax_array, check_int
 
 
 def block_pattern(seq_len: int, block: int, *, local_blocks: int = 1, global_blocks: int = 0,
@@ -94,7 +94,7 @@ def sequence_mask(length: int, block: int, *, document_ids: jax.Array | None = N
     where = "jinsum.sequence_mask"
     length, block = check_int(where, "length", length, minimum=1), check_int(where, "block", block, minimum=1)
     window = None if window is None else check_int(where, "window (or None for no window)", window, minimum=1)
-    docs = None if document_ids is None else jnp.asarray(document_ids)
+    docs = None if document_ids is None else as_jax_array(document_ids)
     if docs is not None and (docs.ndim not in (1, 2) or docs.shape[-1] != length
                              or not jnp.issubdtype(docs.dtype, jnp.integer)):
         raise ValueError(f"{where}: document_ids must be integers of shape ({length},) or (B, {length}), got "

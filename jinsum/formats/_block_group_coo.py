@@ -59,6 +59,22 @@ def _dense(Ai, Ak, Av, shape: tuple[int, int], block_shape: tuple[int, int]) -> 
     return grid.transpose(0, 2, 1, 3).reshape(mb * bm, kb * bk)[: shape[0], : shape[1]]
 
 
+# One compiled program (eagerly, each of its operations compiled alone: several times slower for a new shape).
+@functools.partial(jax.jit, static_argnames=("capacity", "group_size", "dtype", "block_shape"))
+def _device_blocks(block_mask, *, capacity: int, group_size: int, dtype, block_shape: tuple[int, int]):
+    """`BlockGroupCOO.from_block_mask`'s arrays for a capacity: `(Ai, Ak, Av, transposed, stored)`, the first
+    `capacity` nonzero blocks of `block_mask` in row-major order as all-ones blocks, and how many are nonzero."""
+    grid = block_mask.shape
+    block_mask = block_mask != 0
+    rows, cols = jnp.nonzero(block_mask, size=capacity, fill_value=-1)
+    index = index_dtype(*grid)
+    Ai, Ak, Av, active, _, _ = device_groups(rows, cols, jnp.ones(capacity, dtype), shape=grid, capacity=capacity,
+                                             group_size=group_size, dtype=dtype, index_dtype=index)
+    blocks = jnp.broadcast_to(Av[:, None, None, :], (Av.shape[0], *block_shape, group_size))
+    transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=grid[1], index_dtype=index))
+    return Ai, Ak, blocks, transposed, jnp.count_nonzero(block_mask)
+
+
 def _check_values(Av, groups: tuple[int, int], block_shape: tuple[int, int]) -> None:
     """Floating ``Av`` of shape ``(G, bm, bk, P)``; shared by the constructor and
     :meth:`BlockGroupCOO.with_values`."""
@@ -241,9 +257,8 @@ class BlockGroupCOO(GroupedFormat):
             blocks = np.ones((rows.size, *block_shape), dtype)
             return cls._from_blocks(shape, block_shape, indptr, cols, blocks, group_size, dtype)
         capacity = check_int(where, "capacity", capacity)
-        block_mask = as_jax_array(block_mask) != 0
-        rows, cols = jnp.nonzero(block_mask, size=capacity, fill_value=-1)
-        stored = jnp.count_nonzero(block_mask)
+        Ai, Ak, Av, transposed, stored = _device_blocks(as_jax_array(block_mask), capacity=capacity,
+                                                        group_size=group_size, dtype=dtype, block_shape=block_shape)
         if is_concrete(stored) and stored > capacity:
             raise ValueError(f"{where}: {int(stored)} blocks are stored but capacity = {capacity} holds only "
                              f"{capacity}; pass capacity >= {int(stored)} (or None to build on the host)")
@@ -251,13 +266,7 @@ class BlockGroupCOO(GroupedFormat):
         if _config.check_indices.value:
             checkify.check(~overflow, f"{where}: more stored blocks than capacity = {capacity}; those past it were "
                            "not kept (raise the capacity)")
-        index = index_dtype(*grid)
-        Ai, Ak, Av, active, _, _ = device_groups(rows, cols, jnp.ones(capacity, dtype), shape=grid,
-                                                 capacity=capacity, group_size=group_size, dtype=dtype,
-                                                 index_dtype=index)
-        blocks = jnp.broadcast_to(Av[:, None, None, :], (Av.shape[0], *block_shape, group_size))
-        transposed = TransposedIndex(*device_transposed(Ai, Ak, active, num_columns=grid[1], index_dtype=index))
-        return cls.from_validated(Ai=Ai, Ak=Ak, Av=blocks, shape=shape, block_shape=block_shape, nnz=capacity,
+        return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=shape, block_shape=block_shape, nnz=capacity,
                                   transposed=transposed, overflow=overflow)
 
     @classmethod

@@ -20,7 +20,7 @@ from flax import nnx
 from jinsum._attention import BlockMask
 from jinsum._attention import attention, sequence_mask
 from jinsum.formats import BlockGroupCOO
-from jinsum.formats._convert import check_int
+from jinsum.formats._convert import as_jax_array, check_int
 from jinsum.nn._dropout import dropout_seed
 from jinsum.nn._dtypes import check_dtypes
 from jinsum.nn._paged_kv_cache import PagedKVCache
@@ -113,7 +113,7 @@ class BlockSparseAttention(nnx.Module):
             raise ValueError(f"BlockSparseAttention: expected x (L, {width}) or (B, L, {width}) (in_features = "
                              f"{width}), got {shape}")
         length = shape[-2]
-        docs = None if document_ids is None else jnp.asarray(document_ids)
+        docs = None if document_ids is None else as_jax_array(document_ids)
         if docs is not None and docs.shape not in ((length,), shape[:-1]):
             expected = " or ".join(dict.fromkeys(map(str, ((length,), shape[:-1]))))
             raise ValueError(f"BlockSparseAttention: document_ids must be {expected} for x of shape {shape}, got "
