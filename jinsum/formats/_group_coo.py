@@ -73,7 +73,7 @@ def transposed_index(where: str, Ai, Ak, nonzero: np.ndarray, shape: tuple[int, 
     Ai, Ak = host_array(where, Ai), host_array(where, Ak)
     found = transposed_from_slots(np, Ai, Ak, nonzero, num_columns=shape[1], group_size=group_size, num_groups=None,
                                   index_dtype=np.int64)
-    return TransposedIndex(*(jnp.asarray(x, dtype) for x in found))
+    return TransposedIndex(*(as_jax_array(x.astype(dtype, copy=False)) for x in found))
 
 
 # One compiled program (eagerly, each of its operations compiled alone: several times slower for a new shape).

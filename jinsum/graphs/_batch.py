@@ -26,7 +26,7 @@ import numpy as np
 
 from jinsum.formats import GroupCOO
 from jinsum.formats._build import rows_of_positions
-from jinsum.formats._convert import check_int
+from jinsum.formats._convert import as_jax_array, check_int
 from jinsum.graphs._adjacency import adjacency
 
 
@@ -309,7 +309,7 @@ def batch_graphs(edge_indices: Sequence, num_nodes: Sequence[int], *, group_size
         edges.append(edge_index.astype(np.int64) + offsets[k])
     batch = np.repeat(np.arange(len(num_nodes), dtype=np.int32), num_nodes)
     edge_index = np.concatenate(edges, axis=1) if edges else np.zeros((2, 0), np.int64)
-    return adjacency(edge_index, int(offsets[-1]), group_size=group_size), jnp.asarray(batch)
+    return adjacency(edge_index, int(offsets[-1]), group_size=group_size), as_jax_array(batch)
 
 
 @dataclasses.dataclass(frozen=True)

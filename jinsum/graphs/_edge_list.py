@@ -12,11 +12,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jinsum.formats import GroupCOO
-from jinsum.formats._convert import check_edge_index, check_group_size, check_int, groups_from_csr, host_array
+from jinsum.formats._convert import (as_jax_array, check_edge_index, check_group_size, check_int, groups_from_csr,
+                                     host_array)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ def edge_list(edge_index, num_nodes: int) -> EdgeList:
       (4, 32)
     """
     src, dst, order, num_nodes = _sorted_edges("jinsum.graphs.edge_list", edge_index, num_nodes)
-    return EdgeList(jnp.asarray(src), jnp.asarray(dst), jnp.asarray(order), num_nodes)
+    return EdgeList(as_jax_array(src), as_jax_array(dst), as_jax_array(order), num_nodes)
 
 
 def _sorted_edges(where: str, edge_index, num_nodes) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

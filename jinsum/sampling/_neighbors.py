@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinsum.formats import GroupCOO
-from jinsum.formats._convert import check_edge_index, check_int, host_array, is_concrete
+from jinsum.formats._convert import as_jax_array, check_edge_index, check_int, host_array, is_concrete
 
 
 @jax.tree_util.register_dataclass
@@ -47,7 +47,7 @@ class CSRGraph:
         order = np.argsort(dst, kind="stable")
         indptr = np.zeros(num_nodes + 1, np.int64)
         np.cumsum(np.bincount(dst, minlength=num_nodes), out=indptr[1:])
-        return cls(jnp.asarray(indptr, jnp.int32), jnp.asarray(src[order], jnp.int32), num_nodes)
+        return cls(as_jax_array(indptr.astype(np.int32)), as_jax_array(src[order].astype(np.int32)), num_nodes)
 
 
 @jax.tree_util.register_dataclass
