@@ -305,9 +305,10 @@ def _row_major_order(rows, cols, shape: tuple[int, int]):
 def device_groups(rows, cols, values, *, shape: tuple[int, int], capacity: int, group_size: int, dtype,
                   index_dtype):
     """A grouped format's arrays from entries in any order, traceable: `unique_entries` then `groups_from_rows`
-    into `group_bound` groups. Returns ``(Ai, Ak, Av, active, distinct, out_of_range)``, ``active`` the slots that
-    hold an entry (``(G * P,)``)."""
-    rows, cols, values, distinct, out_of_range = unique_entries(rows, cols, values, shape=shape, capacity=capacity)
+    into `group_bound` groups, the values cast to ``dtype`` first. Returns ``(Ai, Ak, Av, active, distinct,
+    out_of_range)``, ``active`` the slots that hold an entry (``(G * P,)``)."""
+    rows, cols, values, distinct, out_of_range = unique_entries(rows, cols, values.astype(dtype), shape=shape,
+                                                                capacity=capacity)
     num_groups = group_bound(capacity, shape[0], group_size)
     Ai, Ak, Av, active = groups_from_rows(jnp, rows, cols, values, num_rows=shape[0], group_size=group_size,
                                           num_groups=num_groups, dtype=dtype, index_dtype=index_dtype,

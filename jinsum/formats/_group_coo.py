@@ -411,7 +411,7 @@ class GroupCOO(GroupedFormat):
                       else check_int(where, "group_size", group_size, minimum=1))
         index = index_dtype(*shape)
         Ai, Ak, Av, active, distinct, out_of_range = device_groups(
-            edge_index[1], edge_index[0], values.astype(dtype), shape=shape, capacity=capacity,
+            edge_index[1], edge_index[0], values, shape=shape, capacity=capacity,
             group_size=group_size, dtype=dtype, index_dtype=index)
         # The caller's numbers: its capacity and its edges, the self loops it had added counted apart.
         asked, edges = capacity - self_loops, "distinct edges" + (" (self loops aside)" if self_loops else "")
