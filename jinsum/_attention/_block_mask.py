@@ -24,11 +24,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 
-from jinsum import _config
 from jinsum._lang import _elementwise
-from jinsum.formats._convert import check_int, is_concrete
+from jinsum.formats._convert import capacity_overflow, check_int
 
 
 @jax.tree_util.register_pytree_node_class
@@ -174,13 +172,11 @@ def build(mask_mod: Callable, L: int, S: int, block: int | tuple[int, int], *, b
         if flags.shape != (rows, sb):
             raise ValueError(f"{where}: classify must return flags of shape {(rows, sb)}, got {flags.shape}")
     Ai, Ak, flags, needed = _packed(flags, capacity)
-    if is_concrete(needed) and needed > capacity:
-        raise ValueError(f"{where}: {int(needed)} blocks attend but capacity = {capacity} holds only "
-                         f"{capacity}; pass capacity >= {int(needed)} (or None for every block)")
-    overflow = needed > capacity
-    if _config.check_indices.value:
-        checkify.check(~overflow, f"{where}: more attending blocks than capacity = {capacity}; those "
-                       "past it were dropped (raise the capacity)")
+    overflow = capacity_overflow(
+        needed, capacity, eager=lambda needed: f"{where}: {needed} blocks attend but capacity = {capacity} holds only "
+        f"{capacity}; pass capacity >= {needed} (or None for every block)",
+        traced=f"{where}: more attending blocks than capacity = {capacity}; those past it were dropped (raise the "
+        "capacity)")
     return _made(mask_mod, user, captured, Ai, Ak, flags, overflow, (L, S), (bm, bk), batch=batch, heads=heads,
                  where=where)
 

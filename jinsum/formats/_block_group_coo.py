@@ -7,15 +7,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 from jax.experimental import sparse as jsparse
 
-from jinsum import _config
 from jinsum.formats._base import GroupedFormat
 from jinsum.formats._build import device_groups, device_transposed
 from jinsum.formats._convert import (
     as_jax_array,
     block_grid,
+    capacity_overflow,
     blocks_from_csr,
     blocks_from_scipy,
     check_block_shape,
@@ -30,7 +29,6 @@ from jinsum.formats._convert import (
     groups_from_csr,
     host_array,
     index_dtype,
-    is_concrete,
     to_scipy_csr,
     value_dtype,
 )
@@ -259,13 +257,11 @@ class BlockGroupCOO(GroupedFormat):
         capacity = check_int(where, "capacity", capacity)
         Ai, Ak, Av, transposed, stored = _device_blocks(as_jax_array(block_mask), capacity=capacity,
                                                         group_size=group_size, dtype=dtype, block_shape=block_shape)
-        if is_concrete(stored) and stored > capacity:
-            raise ValueError(f"{where}: {int(stored)} blocks are stored but capacity = {capacity} holds only "
-                             f"{capacity}; pass capacity >= {int(stored)} (or None to build on the host)")
-        overflow = stored > capacity
-        if _config.check_indices.value:
-            checkify.check(~overflow, f"{where}: more stored blocks than capacity = {capacity}; those past it were "
-                           "not kept (raise the capacity)")
+        overflow = capacity_overflow(
+            stored, capacity, eager=lambda needed: f"{where}: {needed} blocks are stored but capacity = {capacity} "
+            f"holds only {capacity}; pass capacity >= {needed} (or None to build on the host)",
+            traced=f"{where}: more stored blocks than capacity = {capacity}; those past it were not kept (raise the "
+            "capacity)")
         return cls.from_validated(Ai=Ai, Ak=Ak, Av=Av, shape=shape, block_shape=block_shape, nnz=capacity,
                                   transposed=transposed, overflow=overflow)
 

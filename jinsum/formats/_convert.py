@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
+from jax.experimental import checkify
 from jax.experimental import sparse as jsparse
 
+from jinsum import _config
 from jinsum.formats._build import default_group_size, groups_from_rows
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -77,6 +80,18 @@ def as_jax_array(x) -> jax.Array:
 def is_concrete(x) -> bool:
     """Whether ``x`` holds values we can read on the host (NumPy or a non-tracer JAX array)."""
     return not isinstance(x, jax.core.Tracer)
+
+
+def capacity_overflow(count, capacity: int, *, eager: Callable[[int], str], traced: str) -> jax.Array:
+    """The ``overflow`` flag of a build into ``capacity`` slots that ``count`` entries asked for: a concrete count past
+    the capacity raises ``ValueError(eager(count))``; a traced one sets the flag, checked by ``checkify`` (message
+    ``traced``) under ``jinsum.check_indices``."""
+    if is_concrete(count) and count > capacity:
+        raise ValueError(eager(int(count)))
+    overflow = count > capacity
+    if _config.check_indices.value:
+        checkify.check(~overflow, traced)
+    return overflow
 
 
 def check_not_overflowed(where: str, matrix) -> None:
