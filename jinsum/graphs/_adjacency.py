@@ -124,7 +124,6 @@ def _adjacency_on_device(edge_index, num_nodes, values, group_size, self_loops: 
                                           group_size, None, self_loops=num_nodes)
 
 
-
 # One compiled program (eagerly each of its operations compiled alone for every new size).
 @functools.partial(jax.jit, static_argnums=2)
 def _with_self_loops(edge_index, values, num_nodes: int):
